@@ -1,0 +1,296 @@
+//! Types shared by the BPF programs (`lens-ebpf`) and the loader (`lens-userspace`).
+//!
+//! Everything here is `#[repr(C)]` plain data: the kernel side writes it into maps and the
+//! ring buffer, the user side reads the same bytes back. One definition, two worlds.
+#![no_std]
+
+/// Every probed function has one id. It is the attach cookie of the probe, the key of the
+/// per-call counters and the `probe` field of an [`Event`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ProbeId {
+    CudaLaunchKernel = 0,
+    CudaLaunchKernelExC = 1,
+    CudaGraphLaunch = 2,
+    CudaStreamSynchronize = 3,
+    CudaDeviceSynchronize = 4,
+    CudaEventSynchronize = 5,
+    NcclAllReduce = 6,
+    NcclBroadcast = 7,
+    NcclReduce = 8,
+    NcclAllGather = 9,
+    NcclReduceScatter = 10,
+    NcclSend = 11,
+    NcclRecv = 12,
+    NcclGroupStart = 13,
+    NcclGroupEnd = 14,
+    NcclCommInitRank = 15,
+    /// glibc's `_dl_debug_state`: the dynamic loader calls it whenever the set of loaded
+    /// objects changes (start-up, dlopen, dlclose).
+    DlDebugState = 16,
+}
+
+impl ProbeId {
+    pub const COUNT: usize = 17;
+
+    pub const ALL: [ProbeId; Self::COUNT] = [
+        ProbeId::CudaLaunchKernel,
+        ProbeId::CudaLaunchKernelExC,
+        ProbeId::CudaGraphLaunch,
+        ProbeId::CudaStreamSynchronize,
+        ProbeId::CudaDeviceSynchronize,
+        ProbeId::CudaEventSynchronize,
+        ProbeId::NcclAllReduce,
+        ProbeId::NcclBroadcast,
+        ProbeId::NcclReduce,
+        ProbeId::NcclAllGather,
+        ProbeId::NcclReduceScatter,
+        ProbeId::NcclSend,
+        ProbeId::NcclRecv,
+        ProbeId::NcclGroupStart,
+        ProbeId::NcclGroupEnd,
+        ProbeId::NcclCommInitRank,
+        ProbeId::DlDebugState,
+    ];
+
+    pub const fn from_u32(value: u32) -> Option<ProbeId> {
+        if (value as usize) < Self::COUNT {
+            Some(Self::ALL[value as usize])
+        } else {
+            None
+        }
+    }
+
+    /// The C symbol this probe attaches to (its primary name).
+    pub const fn symbol(self) -> &'static str {
+        match self {
+            ProbeId::CudaLaunchKernel => "cudaLaunchKernel",
+            ProbeId::CudaLaunchKernelExC => "cudaLaunchKernelExC",
+            ProbeId::CudaGraphLaunch => "cudaGraphLaunch",
+            ProbeId::CudaStreamSynchronize => "cudaStreamSynchronize",
+            ProbeId::CudaDeviceSynchronize => "cudaDeviceSynchronize",
+            ProbeId::CudaEventSynchronize => "cudaEventSynchronize",
+            ProbeId::NcclAllReduce => "ncclAllReduce",
+            ProbeId::NcclBroadcast => "ncclBroadcast",
+            ProbeId::NcclReduce => "ncclReduce",
+            ProbeId::NcclAllGather => "ncclAllGather",
+            ProbeId::NcclReduceScatter => "ncclReduceScatter",
+            ProbeId::NcclSend => "ncclSend",
+            ProbeId::NcclRecv => "ncclRecv",
+            ProbeId::NcclGroupStart => "ncclGroupStart",
+            ProbeId::NcclGroupEnd => "ncclGroupEnd",
+            ProbeId::NcclCommInitRank => "ncclCommInitRank",
+            ProbeId::DlDebugState => "_dl_debug_state",
+        }
+    }
+}
+
+/// What an [`Event`] record describes; decides which of its fields are meaningful.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// An NCCL collective or point-to-point call, entry to return.
+    Collective = 1,
+    /// A CUDA synchronisation call (stream, event, device), entry to return.
+    SyncWait = 2,
+    /// `ncclCommInitRank`, entry to return: communicator handle, rank, size, id hash.
+    CommInit = 3,
+    /// `ncclGroupStart` / `ncclGroupEnd` (entry only).
+    Group = 4,
+    /// The target's set of loaded objects changed: rescan its mappings.
+    LinkMapChanged = 5,
+}
+
+impl EventKind {
+    pub const fn from_u32(value: u32) -> Option<EventKind> {
+        match value {
+            1 => Some(EventKind::Collective),
+            2 => Some(EventKind::SyncWait),
+            3 => Some(EventKind::CommInit),
+            4 => Some(EventKind::Group),
+            5 => Some(EventKind::LinkMapChanged),
+            _ => None,
+        }
+    }
+}
+
+/// "No peer / no root / no op" in the signed fields of [`Event`].
+pub const NONE_I32: i32 = -1;
+
+/// One record in the ring buffer. A flat layout: which fields are meaningful depends on
+/// `kind` (see [`EventKind`]); unused ones are zero, or [`NONE_I32`] for the signed ones.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// [`EventKind`] as u32.
+    pub kind: u32,
+    /// [`ProbeId`] as u32.
+    pub probe: u32,
+    /// Process id (the kernel's tgid).
+    pub tgid: u32,
+    /// Thread id (the kernel's pid).
+    pub tid: u32,
+    /// `CLOCK_MONOTONIC` at function entry, ns.
+    pub start_ns: u64,
+    /// `CLOCK_MONOTONIC` at function return, ns (equal to `start_ns` for entry-only events).
+    pub end_ns: u64,
+    /// The function's return value (cudaError_t / ncclResult_t), 0 for entry-only events.
+    pub ret: i64,
+    /// Element count argument of a collective.
+    pub count: u64,
+    /// `ncclComm_t` handle (collectives; for CommInit the handle the call wrote).
+    pub comm: u64,
+    /// `cudaStream_t` of a collective, or the handle a sync call waited on
+    /// (stream for cudaStreamSynchronize, event for cudaEventSynchronize).
+    pub handle: u64,
+    /// Hash of the 128-byte `ncclUniqueId` (CommInit).
+    pub comm_id_hash: u64,
+    /// `ncclDataType_t` (collectives).
+    pub datatype: i32,
+    /// `ncclRedOp_t` (AllReduce, Reduce, ReduceScatter), else [`NONE_I32`].
+    pub redop: i32,
+    /// Root (Broadcast, Reduce) or peer (Send, Recv), else [`NONE_I32`].
+    pub peer: i32,
+    /// `nranks` (CommInit).
+    pub nranks: i32,
+    /// `rank` (CommInit).
+    pub rank: i32,
+    /// 1 for ncclGroupStart, 0 for ncclGroupEnd (Group events).
+    pub group_open: u32,
+}
+
+impl Event {
+    pub const fn zeroed() -> Event {
+        Event {
+            kind: 0,
+            probe: 0,
+            tgid: 0,
+            tid: 0,
+            start_ns: 0,
+            end_ns: 0,
+            ret: 0,
+            count: 0,
+            comm: 0,
+            handle: 0,
+            comm_id_hash: 0,
+            datatype: NONE_I32,
+            redop: NONE_I32,
+            peer: NONE_I32,
+            nranks: 0,
+            rank: NONE_I32,
+            group_open: 0,
+        }
+    }
+}
+
+/// Key of the in-kernel call counters: how often process `tgid` called probe `probe`.
+/// Launches are counted here rather than sent one by one.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CallKey {
+    pub tgid: u32,
+    pub probe: u32,
+}
+
+/// Key of the entry-state map: a call in flight on one thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct InflightKey {
+    /// `bpf_get_current_pid_tgid()`: tgid << 32 | tid.
+    pub pid_tgid: u64,
+    pub probe: u32,
+    pub _pad: u32,
+}
+
+/// Per-target settings, the value of the `TARGETS` map (keyed by tgid).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct TargetConfig {
+    /// Bit set of `TARGET_*` flags.
+    pub flags: u32,
+}
+
+/// Stop the target (SIGSTOP from the probe) whenever its loaded objects change, so the
+/// loader can attach to new libraries before they run any code; the loader sends SIGCONT.
+/// Only for processes the loader started itself (`--exec`).
+pub const TARGET_STOP_ON_LINK_MAP_CHANGE: u32 = 1;
+
+/// Why the kernel side could not do its job; indexes of the `LOSSES` per-CPU array.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossCause {
+    /// The ring buffer had no room: an event was dropped.
+    RingBufferFull = 0,
+    /// The entry-state map was full: that call's event was not produced.
+    InflightMapFull = 1,
+    /// The call-counter map was full: that call was not counted.
+    CounterMapFull = 2,
+    /// A return without its entry (attached mid-call): nothing to pair it with.
+    UnmatchedReturn = 3,
+}
+
+impl LossCause {
+    pub const COUNT: usize = 4;
+    pub const ALL: [LossCause; Self::COUNT] = [
+        LossCause::RingBufferFull,
+        LossCause::InflightMapFull,
+        LossCause::CounterMapFull,
+        LossCause::UnmatchedReturn,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            LossCause::RingBufferFull => "ring_buffer_full",
+            LossCause::InflightMapFull => "inflight_map_full",
+            LossCause::CounterMapFull => "counter_map_full",
+            LossCause::UnmatchedReturn => "unmatched_return",
+        }
+    }
+}
+
+/// Size of `ncclUniqueId` in bytes, as 64-bit words.
+pub const NCCL_UNIQUE_ID_WORDS: usize = 16;
+
+/// Hash of an `ncclUniqueId` (128 bytes read as 16 little-endian u64 words): FNV-1a over
+/// words. Every rank of one communicator passes the same id, so the hash names the
+/// communicator across processes and nodes. Computed in the kernel, reproducible here.
+pub const fn comm_id_hash(words: &[u64; NCCL_UNIQUE_ID_WORDS]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < NCCL_UNIQUE_ID_WORDS {
+        hash ^= words[i];
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        i += 1;
+    }
+    hash
+}
+
+/// Map names, shared so the loader asks for exactly what the programs define.
+pub mod maps {
+    pub const EVENTS: &str = "EVENTS";
+    pub const TARGETS: &str = "TARGETS";
+    pub const CALL_COUNTS: &str = "CALL_COUNTS";
+    pub const INFLIGHT: &str = "INFLIGHT";
+    pub const LOSSES: &str = "LOSSES";
+}
+
+/// Sizes of the kernel-side maps.
+pub mod limits {
+    /// Ring buffer size in bytes (power of two, multiple of the page size).
+    pub const RING_BUFFER_BYTES: u32 = 4 * 1024 * 1024;
+    /// Submit without waking the reader until this much data is waiting; the reader also
+    /// drains on a short timer, so a quiet process's events still arrive.
+    pub const WAKEUP_THRESHOLD_BYTES: u64 = 256 * 1024;
+    pub const MAX_TARGETS: u32 = 4096;
+    pub const MAX_CALL_COUNTERS: u32 = 16384;
+    pub const MAX_INFLIGHT: u32 = 16384;
+}
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: all of these are #[repr(C)] plain integers, valid for any bit pattern.
+    unsafe impl aya::Pod for super::Event {}
+    unsafe impl aya::Pod for super::CallKey {}
+    unsafe impl aya::Pod for super::InflightKey {}
+    unsafe impl aya::Pod for super::TargetConfig {}
+}

@@ -1,0 +1,312 @@
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated},
+    macros::{map, uprobe, uretprobe},
+    maps::{HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    programs::{ProbeContext, RetProbeContext},
+};
+use aya_log_ebpf::{debug, warn};
+use lens_common::{
+    CallKey, Event, EventKind, InflightKey, LossCause, NCCL_UNIQUE_ID_WORDS, ProbeId,
+    TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits,
+};
+
+#[map(name = "EVENTS")]
+static EVENTS: RingBuf = RingBuf::with_byte_size(limits::RING_BUFFER_BYTES, 0);
+
+/// Processes being traced (tgid → settings). Probes are attached per library file, so
+/// they fire in every process that maps it; this map is the filter.
+#[map(name = "TARGETS")]
+static TARGETS: HashMap<u32, TargetConfig> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+#[map(name = "CALL_COUNTS")]
+static CALL_COUNTS: PerCpuHashMap<CallKey, u64> =
+    PerCpuHashMap::with_max_entries(limits::MAX_CALL_COUNTERS, 0);
+
+#[map(name = "INFLIGHT")]
+static INFLIGHT: HashMap<InflightKey, Event> = HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+
+#[map(name = "LOSSES")]
+static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LossCause::COUNT as u32, 0);
+
+const SIGSTOP: u32 = 19;
+
+#[inline(always)]
+fn count_loss(cause: LossCause) {
+    if let Some(counter) = LOSSES.get_ptr_mut(cause as u32) {
+        // SAFETY: per-CPU slot, no concurrent writer on this CPU while we run.
+        unsafe { *counter += 1 };
+    }
+}
+
+/// The target's settings if the current process is traced.
+#[inline(always)]
+fn traced() -> Option<(u64, TargetConfig)> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: the value is copied out before the map can change under us.
+    let config = unsafe { TARGETS.get(&tgid) }.copied()?;
+    Some((pid_tgid, config))
+}
+
+#[inline(always)]
+fn probe_id<C: EbpfContext>(ctx: &C) -> u32 {
+    // SAFETY: the helper only reads the attach cookie of the running program.
+    unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) as u32 }
+}
+
+#[inline(always)]
+fn count_call(pid_tgid: u64, probe: u32) {
+    let key = CallKey {
+        tgid: (pid_tgid >> 32) as u32,
+        probe,
+    };
+    match CALL_COUNTS.get_ptr_mut(&key) {
+        // SAFETY: per-CPU value, only this CPU writes it.
+        Some(count) => unsafe { *count += 1 },
+        None => {
+            if CALL_COUNTS.insert(&key, &1, 0).is_err() {
+                count_loss(LossCause::CounterMapFull);
+            }
+        }
+    }
+}
+
+/// Batched wakeups: the reader is woken only once enough data waits; it also drains
+/// on a short timer, so nothing stays behind.
+#[inline(always)]
+fn submit_flags() -> u64 {
+    if EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= limits::WAKEUP_THRESHOLD_BYTES {
+        BPF_RB_FORCE_WAKEUP as u64
+    } else {
+        BPF_RB_NO_WAKEUP as u64
+    }
+}
+
+#[inline(always)]
+fn emit(event: &Event, flags: u64) {
+    if EVENTS.output::<Event>(event, flags).is_err() {
+        count_loss(LossCause::RingBufferFull);
+    }
+}
+
+#[inline(always)]
+fn new_event(kind: EventKind, probe: u32, pid_tgid: u64) -> Event {
+    let mut event = Event::zeroed();
+    event.kind = kind as u32;
+    event.probe = probe;
+    event.tgid = (pid_tgid >> 32) as u32;
+    event.tid = pid_tgid as u32;
+    // SAFETY: plain helper call.
+    event.start_ns = unsafe { bpf_ktime_get_ns() };
+    event.end_ns = event.start_ns;
+    event
+}
+
+#[inline(always)]
+fn remember_entry<C: EbpfContext>(ctx: &C, pid_tgid: u64, event: &Event) {
+    let key = InflightKey {
+        pid_tgid,
+        probe: event.probe,
+        _pad: 0,
+    };
+    if INFLIGHT.insert(&key, event, 0).is_err() {
+        count_loss(LossCause::InflightMapFull);
+        warn!(
+            ctx,
+            "lens: inflight map full, call of probe {} lost", event.probe
+        );
+    }
+}
+
+/// The `n`th integer argument at function entry on x86-64: six in registers, the rest on
+/// the stack above the return address.
+#[inline(always)]
+fn arg_u64(ctx: &ProbeContext, n: usize) -> u64 {
+    if n < 6 {
+        return ctx.arg::<u64>(n).unwrap_or(0);
+    }
+    // SAFETY: reading the traced thread's stack through the checked helper.
+    unsafe {
+        let rsp = (*ctx.regs).rsp;
+        bpf_probe_read_user((rsp + 8 * (n as u64 - 5)) as *const u64).unwrap_or(0)
+    }
+}
+
+#[inline(always)]
+fn arg_i32(ctx: &ProbeContext, n: usize) -> i32 {
+    arg_u64(ctx, n) as i32
+}
+
+/// Entry-only functions whose calls are counted, not sent (kernel launches, graph launches).
+#[uprobe]
+pub fn count_only(ctx: ProbeContext) -> u32 {
+    if let Some((pid_tgid, _)) = traced() {
+        count_call(pid_tgid, probe_id(&ctx));
+    }
+    0
+}
+
+/// `ncclGroupStart` / `ncclGroupEnd`: counted and sent, they bracket fused collectives.
+#[uprobe]
+pub fn nccl_group(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let probe = probe_id(&ctx);
+    count_call(pid_tgid, probe);
+    let mut event = new_event(EventKind::Group, probe, pid_tgid);
+    event.group_open = (probe == ProbeId::NcclGroupStart as u32) as u32;
+    emit(&event, submit_flags());
+    0
+}
+
+/// Entry of an NCCL collective or point-to-point call: decode its arguments by shape.
+#[uprobe]
+pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let probe = probe_id(&ctx);
+    count_call(pid_tgid, probe);
+    let mut event = new_event(EventKind::Collective, probe, pid_tgid);
+    event.count = arg_u64(&ctx, 2);
+    event.datatype = arg_i32(&ctx, 3);
+    // (send, recv, count, dtype, ...) except Send/Recv (buf, count, dtype, peer, comm, stream).
+    match ProbeId::from_u32(probe) {
+        Some(ProbeId::NcclAllReduce) | Some(ProbeId::NcclReduceScatter) => {
+            event.redop = arg_i32(&ctx, 4);
+            event.comm = arg_u64(&ctx, 5);
+            event.handle = arg_u64(&ctx, 6);
+        }
+        Some(ProbeId::NcclBroadcast) => {
+            event.peer = arg_i32(&ctx, 4);
+            event.comm = arg_u64(&ctx, 5);
+            event.handle = arg_u64(&ctx, 6);
+        }
+        Some(ProbeId::NcclReduce) => {
+            event.redop = arg_i32(&ctx, 4);
+            event.peer = arg_i32(&ctx, 5);
+            event.comm = arg_u64(&ctx, 6);
+            event.handle = arg_u64(&ctx, 7);
+        }
+        Some(ProbeId::NcclAllGather) => {
+            event.comm = arg_u64(&ctx, 4);
+            event.handle = arg_u64(&ctx, 5);
+        }
+        Some(ProbeId::NcclSend) | Some(ProbeId::NcclRecv) => {
+            event.count = arg_u64(&ctx, 1);
+            event.datatype = arg_i32(&ctx, 2);
+            event.peer = arg_i32(&ctx, 3);
+            event.comm = arg_u64(&ctx, 4);
+            event.handle = arg_u64(&ctx, 5);
+        }
+        _ => return 0,
+    }
+    remember_entry(&ctx, pid_tgid, &event);
+    0
+}
+
+/// Entry of a CUDA synchronisation call; `handle` is the stream or event waited on.
+#[uprobe]
+pub fn cuda_sync_entry(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let probe = probe_id(&ctx);
+    count_call(pid_tgid, probe);
+    let mut event = new_event(EventKind::SyncWait, probe, pid_tgid);
+    if probe != ProbeId::CudaDeviceSynchronize as u32 {
+        event.handle = arg_u64(&ctx, 0);
+    }
+    remember_entry(&ctx, pid_tgid, &event);
+    0
+}
+
+/// Entry of `ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank)`.
+/// The 128-byte id is passed by value in memory, so `rank` takes the third register.
+#[uprobe]
+pub fn nccl_comm_init_entry(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let probe = probe_id(&ctx);
+    count_call(pid_tgid, probe);
+    let mut event = new_event(EventKind::CommInit, probe, pid_tgid);
+    // Where the call will write the new handle; read back at return.
+    event.comm = arg_u64(&ctx, 0);
+    event.nranks = arg_i32(&ctx, 1);
+    event.rank = arg_i32(&ctx, 2);
+    let mut words = [0u64; NCCL_UNIQUE_ID_WORDS];
+    // SAFETY: reading the traced thread's stack through the checked helper.
+    unsafe {
+        let id = ((*ctx.regs).rsp + 8) as *const [u64; NCCL_UNIQUE_ID_WORDS];
+        if let Ok(read) = bpf_probe_read_user(id) {
+            words = read;
+        }
+    }
+    event.comm_id_hash = comm_id_hash(&words);
+    remember_entry(&ctx, pid_tgid, &event);
+    0
+}
+
+/// Return of any call with entry state: pair it, stamp the end and the result, send it.
+#[uretprobe]
+pub fn call_return(ctx: RetProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let key = InflightKey {
+        pid_tgid,
+        probe: probe_id(&ctx),
+        _pad: 0,
+    };
+    // SAFETY: copied out before the entry is removed.
+    let Some(mut event) = (unsafe { INFLIGHT.get(&key) }).copied() else {
+        count_loss(LossCause::UnmatchedReturn);
+        return 0;
+    };
+    let _ = INFLIGHT.remove(&key);
+    // SAFETY: plain helper call.
+    event.end_ns = unsafe { bpf_ktime_get_ns() };
+    event.ret = ctx.ret::<i64>() as i32 as i64;
+    let mut flags = submit_flags();
+    if event.kind == EventKind::CommInit as u32 {
+        // SAFETY: the out-pointer the caller passed; read through the checked helper.
+        event.comm = unsafe { bpf_probe_read_user(event.comm as *const u64) }.unwrap_or(0);
+        // Rare and needed to name every later collective's communicator: deliver now.
+        flags = BPF_RB_FORCE_WAKEUP as u64;
+    }
+    emit(&event, flags);
+    0
+}
+
+/// glibc's `_dl_debug_state`: the target's set of loaded objects changed. Tell the loader
+/// at once; for processes it started, stop them until it has attached to new libraries.
+#[uprobe]
+pub fn dl_debug_state(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, config)) = traced() else {
+        return 0;
+    };
+    let event = new_event(
+        EventKind::LinkMapChanged,
+        ProbeId::DlDebugState as u32,
+        pid_tgid,
+    );
+    // Reserve first: without room for the event nobody would resume a stopped target.
+    let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
+        count_loss(LossCause::RingBufferFull);
+        return 0;
+    };
+    entry.write(event);
+    if config.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0 {
+        // The stop is queued before the loader can see the event, so its SIGCONT always
+        // comes after it (a SIGCONT discards a pending stop).
+        debug!(&ctx, "lens: stopping {} for attach", event.tgid);
+        // SAFETY: signals the current process, which is the traced target.
+        unsafe { generated::bpf_send_signal(SIGSTOP) };
+    }
+    entry.submit(BPF_RB_FORCE_WAKEUP as u64);
+    0
+}

@@ -1,0 +1,28 @@
+//! Embeds the current BPF object: builds `lens-ebpf` with the same builder as
+//! `cargo xtask build-ebpf`, so a plain `cargo build` never ships a stale object.
+use std::{env, path::PathBuf};
+
+fn main() {
+    let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
+    let workspace_root = manifest_dir
+        .parent()
+        .expect("lens-userspace sits in the workspace");
+    let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
+
+    for input in xtask::ebpf::inputs(workspace_root) {
+        println!("cargo::rerun-if-changed={}", input.display());
+    }
+    let target_dir = workspace_root.join("target").join("bpf");
+    match xtask::ebpf::build(workspace_root, &target_dir, true) {
+        Ok(object) => {
+            let embedded = out_dir.join("lens-ebpf.o");
+            if let Err(error) = std::fs::copy(&object, &embedded) {
+                println!(
+                    "cargo::error=cannot copy the BPF object {}: {error}",
+                    object.display()
+                );
+            }
+        }
+        Err(error) => println!("cargo::error={error}"),
+    }
+}

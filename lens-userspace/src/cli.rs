@@ -1,0 +1,146 @@
+//! Command line: what to trace, which span groups, how to report.
+use std::{ffi::OsString, path::PathBuf, time::Duration};
+
+use clap::{ArgAction, Parser, ValueEnum};
+
+use crate::groups::SpanGroups;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Exporter {
+    /// Readable summary on stderr at exit (with -v, events as they come).
+    Console,
+}
+
+/// Zero-code observability for distributed ML training: attaches eBPF uprobes to a job's
+/// NCCL collectives and CUDA launch/sync calls.
+#[derive(Debug, Parser)]
+#[command(name = "lens-probe", version, about, long_about = None)]
+#[command(group = clap::ArgGroup::new("what").required(true).args(["pid", "exec"]))]
+pub struct Cli {
+    /// Trace this running process (repeatable).
+    #[arg(short, long, value_name = "PID", action = ArgAction::Append)]
+    pub pid: Vec<u32>,
+
+    /// Start the command given after `--` and trace it from its first instruction; exit
+    /// with its exit code.
+    #[arg(long, requires = "command", conflicts_with = "pid")]
+    pub exec: bool,
+
+    /// The command for --exec.
+    #[arg(last = true, value_name = "CMD", requires = "exec")]
+    pub command: Vec<OsString>,
+
+    /// Span groups to enable: comma-separated groups and presets (default, per_step, all),
+    /// case-insensitive. A disabled group's probes are not attached.
+    #[arg(
+        long,
+        value_name = "SPEC",
+        env = "NEMO_LENS_SPAN_GROUPS",
+        default_value = "default",
+        value_parser = parse_span_groups
+    )]
+    pub span_groups: SpanGroups,
+
+    /// Where telemetry goes.
+    #[arg(
+        long,
+        value_enum,
+        env = "NEMO_LENS_EXPORTER",
+        default_value = "console"
+    )]
+    pub exporter: Exporter,
+
+    /// Stop tracing after this long (e.g. 30s, 5m).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+
+    /// Also write the exit summary as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub summary_json: Option<PathBuf>,
+
+    /// -v: print events as they come and each attached probe; -vv: debug logs and the
+    /// kernel-side diagnostics.
+    #[arg(short, long, action = ArgAction::Count)]
+    pub verbose: u8,
+}
+
+fn parse_span_groups(spec: &str) -> Result<SpanGroups, String> {
+    spec.parse::<SpanGroups>().map_err(|error| match error {
+        crate::error::LensError::InvalidSetting { reason, .. } => reason,
+        other => other.to_string(),
+    })
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    // A bare number means seconds.
+    if let Ok(seconds) = text.parse::<f64>() {
+        return if seconds.is_finite() && seconds > 0.0 {
+            Ok(Duration::from_secs_f64(seconds))
+        } else {
+            Err("must be a positive duration such as 30s or 5m".into())
+        };
+    }
+    match humantime::parse_duration(text) {
+        Ok(duration) if !duration.is_zero() => Ok(duration),
+        Ok(_) => Err("must be a positive duration such as 30s or 5m".into()),
+        Err(error) => Err(format!("{error} (expected e.g. 30s, 5m, 1h)")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("lens-probe").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn exec_takes_everything_after_the_double_dash() {
+        let cli = parse(&[
+            "--exec",
+            "--",
+            "torchrun",
+            "--nproc-per-node",
+            "8",
+            "train.py",
+        ])
+        .unwrap();
+        assert!(cli.exec);
+        assert_eq!(
+            cli.command,
+            ["torchrun", "--nproc-per-node", "8", "train.py"]
+        );
+    }
+
+    #[test]
+    fn pids_repeat() {
+        let cli = parse(&["--pid", "10", "-p", "11"]).unwrap();
+        assert_eq!(cli.pid, [10, 11]);
+    }
+
+    #[test]
+    fn a_target_is_required_and_exclusive() {
+        assert!(parse(&[]).is_err());
+        assert!(parse(&["--pid", "1", "--exec", "--", "true"]).is_err());
+        assert!(parse(&["--exec"]).is_err());
+    }
+
+    #[test]
+    fn bad_values_are_rejected() {
+        assert!(parse(&["--pid", "x"]).is_err());
+        assert!(parse(&["--pid", "1", "--span-groups", "steps"]).is_err());
+        assert!(parse(&["--pid", "1", "--exporter", "foo"]).is_err());
+        assert!(parse(&["--pid", "1", "--duration", "0"]).is_err());
+        assert!(parse(&["--pid", "1", "--duration", "soon"]).is_err());
+        assert!(parse(&["--pid", "1", "--frobnicate"]).is_err());
+    }
+
+    #[test]
+    fn durations_accept_units_and_bare_seconds() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+    }
+}

@@ -1,0 +1,90 @@
+//! The one error type of the loader: a variant per failure a user can act on.
+use std::{io, path::PathBuf};
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum LensError {
+    #[error("no process with pid {0}")]
+    NoSuchProcess(u32),
+
+    #[error(
+        "process {pid} ({name}) maps none of {wanted}: nothing to probe \
+         (use --exec to also catch libraries it loads later)"
+    )]
+    NoTracedLibraries {
+        pid: u32,
+        name: String,
+        wanted: String,
+    },
+
+    #[error(
+        "lens-probe needs root, or the capabilities {missing} (CAP_BPF, CAP_PERFMON and CAP_SYS_ADMIN)"
+    )]
+    MissingPrivileges { missing: String },
+
+    #[error("this kernel has no uprobe support ({0} is missing): CONFIG_UPROBE_EVENTS is required")]
+    NoUprobeSupport(PathBuf),
+
+    #[error("cannot run {command}: {source}")]
+    Spawn {
+        command: String,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("cannot read {path}: {source}")]
+    ReadProc {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("cannot read the ELF symbols of {path}: {reason}")]
+    Elf { path: PathBuf, reason: String },
+
+    #[error("invalid value {value:?} for {key}: {reason}")]
+    InvalidSetting {
+        key: String,
+        value: String,
+        reason: String,
+    },
+
+    #[error("cannot load the BPF programs: {0}")]
+    Load(#[from] aya::EbpfError),
+
+    #[error("BPF program {program}: {source}")]
+    Program {
+        program: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+
+    #[error("BPF map {map}: {source}")]
+    Map {
+        map: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+
+    #[error("BPF object has no {kind} named {name}")]
+    MissingInObject {
+        kind: &'static str,
+        name: &'static str,
+    },
+
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+impl LensError {
+    /// Exit status for this error: 2 for bad input (as clap does), 1 for everything else.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            LensError::InvalidSetting { .. } => 2,
+            _ => 1,
+        }
+    }
+}
+
+pub type Result<T, E = LensError> = std::result::Result<T, E>;

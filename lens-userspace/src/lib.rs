@@ -1,0 +1,18 @@
+//! lens-probe: zero-code observability for distributed ML training.
+//!
+//! The data path reads top to bottom: [`probes`] (what to attach, where) → kernel events
+//! → [`events`] (decode) → [`sink`] consumers such as the [`summary`]. A [`session`]
+//! drives it for the processes in [`target`].
+pub mod cli;
+pub mod error;
+pub mod events;
+pub mod groups;
+pub mod nccl;
+pub mod privileges;
+pub mod probes;
+pub mod session;
+pub mod sink;
+pub mod summary;
+pub mod target;
+
+pub use error::{LensError, Result};

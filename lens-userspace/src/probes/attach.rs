@@ -1,0 +1,243 @@
+//! Loading the BPF object and attaching its programs to the libraries a target maps.
+//!
+//! Probes are attached once per library *file* (uprobes are keyed by inode) for all
+//! processes; the kernel side filters by the `TARGETS` map. So a library shared by many
+//! traced processes costs one set of probes, and a process that maps an already-probed
+//! file is covered the moment it is added to `TARGETS`.
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{
+        UProbe,
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+    },
+};
+use lens_common::ProbeId;
+use log::{debug, warn};
+
+use super::{
+    catalog::{self, Program},
+    library::{FileId, LibraryKind, MappedLibrary},
+    symbols::resolve_file_offsets,
+};
+use crate::{
+    error::{LensError, Result},
+    groups::SpanGroups,
+};
+
+/// The BPF object built from `lens-ebpf` by the build script.
+static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lens-ebpf.o"));
+
+/// Loads the BPF object and its programs. `kernel_logs` keeps the kernel-side diagnostics
+/// (aya-log) on; otherwise they are compiled in but switched off at load.
+pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
+    let level: u8 = if kernel_logs { 0xff } else { 0 };
+    let mut ebpf = EbpfLoader::new()
+        .override_global("AYA_LOG_LEVEL", &level, false)
+        .load(BPF_OBJECT)?;
+    for program in Program::ALL {
+        uprobe_mut(&mut ebpf, program)?
+            .load()
+            .map_err(|source| LensError::Program {
+                program: program.name(),
+                source,
+            })?;
+    }
+    Ok(ebpf)
+}
+
+fn uprobe_mut(ebpf: &mut Ebpf, program: Program) -> Result<&mut UProbe> {
+    let missing = LensError::MissingInObject {
+        kind: "program",
+        name: program.name(),
+    };
+    let Some(prog) = ebpf.program_mut(program.name()) else {
+        return Err(missing);
+    };
+    prog.try_into().map_err(|source| LensError::Program {
+        program: program.name(),
+        source,
+    })
+}
+
+/// What happened to one probe on one library.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    Attached { symbol: String, offset: u64 },
+    Failed { symbol: String, reason: String },
+}
+
+/// The result of attaching to one library file.
+#[derive(Clone, Debug)]
+pub struct LibraryAttachment {
+    pub library: MappedLibrary,
+    pub outcomes: Vec<ProbeOutcome>,
+}
+
+impl LibraryAttachment {
+    pub fn attached(&self) -> impl Iterator<Item = &str> {
+        self.outcomes.iter().filter_map(|o| match o {
+            ProbeOutcome::Attached { symbol, .. } => Some(symbol.as_str()),
+            ProbeOutcome::Failed { .. } => None,
+        })
+    }
+}
+
+/// Keeps track of which files were already probed, so each is attached once.
+#[derive(Default)]
+pub struct Attacher {
+    done: HashSet<FileId>,
+    attachments: Vec<LibraryAttachment>,
+}
+
+impl Attacher {
+    pub fn is_attached(&self, file: FileId) -> bool {
+        self.done.contains(&file)
+    }
+
+    pub fn attachments(&self) -> &[LibraryAttachment] {
+        &self.attachments
+    }
+
+    /// Number of uprobes (entry and return) attached so far.
+    pub fn uprobe_count(&self) -> usize {
+        self.attachments
+            .iter()
+            .flat_map(|a| &a.outcomes)
+            .filter(|o| matches!(o, ProbeOutcome::Attached { .. }))
+            .count()
+    }
+
+    /// Attaches every probe the enabled groups need to `library`. Probes that fail are
+    /// reported (once, as a warning) and skipped; the others still attach.
+    pub fn attach_library(
+        &mut self,
+        ebpf: &mut Ebpf,
+        library: &MappedLibrary,
+        groups: &SpanGroups,
+    ) -> Option<&LibraryAttachment> {
+        if !self.done.insert(library.file) {
+            return None;
+        }
+        let specs: Vec<_> = catalog::enabled_for(library.kind, groups).collect();
+        let mut outcomes = Vec::new();
+        if !specs.is_empty() {
+            let mut wanted: Vec<&str> = Vec::new();
+            for spec in &specs {
+                wanted.push(spec.id.symbol());
+                wanted.extend(spec.optional_aliases);
+            }
+            match resolve_file_offsets(&library.open_path, &wanted) {
+                Ok(offsets) => {
+                    for spec in &specs {
+                        attach_spec(ebpf, library, spec, &offsets, &mut outcomes);
+                    }
+                }
+                Err(error) => outcomes.extend(specs.iter().map(|spec| ProbeOutcome::Failed {
+                    symbol: spec.id.symbol().to_string(),
+                    reason: error.to_string(),
+                })),
+            }
+        }
+        for outcome in &outcomes {
+            match outcome {
+                ProbeOutcome::Attached { symbol, offset } => debug!(
+                    "attached {symbol} at {offset:#x} in {}",
+                    library.shown_path.display()
+                ),
+                ProbeOutcome::Failed { symbol, reason } => warn!(
+                    "cannot probe {symbol} in {}: {reason}",
+                    library.shown_path.display()
+                ),
+            }
+        }
+        self.attachments.push(LibraryAttachment {
+            library: library.clone(),
+            outcomes,
+        });
+        self.attachments.last()
+    }
+
+    /// Attached probes per probe id (both entry and return count as one probe each).
+    pub fn attached_by_probe(&self) -> BTreeMap<ProbeId, usize> {
+        let mut by_probe = BTreeMap::new();
+        for attachment in &self.attachments {
+            for symbol in attachment.attached() {
+                if let Some(spec) = catalog::CATALOG
+                    .iter()
+                    .find(|s| s.id.symbol() == symbol || s.optional_aliases.contains(&symbol))
+                {
+                    *by_probe.entry(spec.id).or_default() += 1;
+                }
+            }
+        }
+        by_probe
+    }
+}
+
+fn attach_spec(
+    ebpf: &mut Ebpf,
+    library: &MappedLibrary,
+    spec: &catalog::ProbeSpec,
+    offsets: &HashMap<String, u64>,
+    outcomes: &mut Vec<ProbeOutcome>,
+) {
+    let primary = spec.id.symbol();
+    let mut attached_offsets = HashSet::new();
+    for symbol in std::iter::once(&primary).chain(spec.optional_aliases) {
+        let Some(&offset) = offsets.get(*symbol) else {
+            if *symbol == primary {
+                outcomes.push(ProbeOutcome::Failed {
+                    symbol: primary.to_string(),
+                    reason: format!("{} defines no such symbol", library.kind.display_name()),
+                });
+            }
+            continue;
+        };
+        // Aliases at the same address (e.g. ncclX and pncclX) must fire once.
+        if !attached_offsets.insert(offset) {
+            continue;
+        }
+        let mut programs = vec![spec.entry];
+        if spec.needs_return {
+            programs.push(Program::CallReturn);
+        }
+        for program in programs {
+            let result = uprobe_mut(ebpf, program).and_then(|uprobe| {
+                uprobe
+                    .attach(
+                        UProbeAttachPoint {
+                            location: UProbeAttachLocation::AbsoluteOffset(offset),
+                            cookie: Some(spec.id as u64),
+                        },
+                        &library.open_path,
+                        UProbeScope::AllProcesses,
+                    )
+                    .map_err(|source| LensError::Program {
+                        program: program.name(),
+                        source,
+                    })
+            });
+            outcomes.push(match result {
+                Ok(_) => ProbeOutcome::Attached {
+                    symbol: symbol.to_string(),
+                    offset,
+                },
+                Err(error) => ProbeOutcome::Failed {
+                    symbol: symbol.to_string(),
+                    reason: error.to_string(),
+                },
+            });
+        }
+    }
+}
+
+/// The loader's own dynamic linker, as this process maps it: the one a child started
+/// with `--exec` will almost always use too.
+pub fn own_dynamic_loader() -> Result<Option<MappedLibrary>> {
+    let pid = std::process::id();
+    Ok(super::library::find_libraries(pid)?
+        .into_iter()
+        .find(|l| l.kind == LibraryKind::DynamicLoader))
+}

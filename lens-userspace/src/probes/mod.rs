@@ -1,0 +1,6 @@
+//! What to attach and where: the probe catalog, the libraries it targets, their symbols,
+//! and the attachment itself.
+pub mod attach;
+pub mod catalog;
+pub mod library;
+pub mod symbols;

@@ -1,0 +1,503 @@
+//! A tracing session: load the programs, register targets, then pump the ring buffer into
+//! an [`EventSink`] until the targets exit, a signal arrives or the time is up.
+//!
+//! Data path: probe (kernel) → ring buffer → [`events::decode`] → sink.
+use std::{
+    collections::{BTreeMap, HashMap},
+    ffi::OsString,
+    os::fd::OwnedFd,
+    time::Duration,
+};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
+};
+use aya_log::EbpfLogger;
+use lens_common::{
+    CallKey, LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps,
+};
+use log::{info, warn};
+use tokio::{
+    io::unix::AsyncFd,
+    signal::unix::{SignalKind, signal},
+    sync::mpsc,
+};
+
+use crate::{
+    error::{LensError, Result},
+    events::{self, ProbeEvent},
+    groups::SpanGroups,
+    privileges,
+    probes::{
+        attach::{self, Attacher},
+        library::{self, LibraryKind},
+    },
+    sink::{EventSink, ProcessEnd},
+    summary::Losses,
+    target::{self, ExitStatus, ProcessInfo},
+};
+
+/// How often the ring buffer is drained when no wakeup came (wakeups are batched).
+const DRAIN_INTERVAL: Duration = Duration::from_millis(20);
+/// After a signal, how long the children we started get to exit before we give up.
+const CHILD_EXIT_GRACE: Duration = Duration::from_secs(5);
+
+#[derive(Clone, Debug)]
+pub struct TraceOptions {
+    pub span_groups: SpanGroups,
+    /// Kernel-side diagnostics (aya-log) forwarded to the log.
+    pub kernel_logs: bool,
+}
+
+impl Default for TraceOptions {
+    fn default() -> Self {
+        TraceOptions {
+            span_groups: SpanGroups::default(),
+            kernel_logs: false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// Every traced process exited.
+    TargetsExited,
+    /// SIGINT or SIGTERM.
+    Signal(i32),
+    /// `--duration` elapsed.
+    Duration,
+}
+
+/// What a finished run reports besides what went to the sink.
+#[derive(Clone, Debug)]
+pub struct RunReport {
+    pub stop: StopReason,
+    pub losses: Losses,
+    /// Exit status of the process started with [`Session::exec`], once it exited.
+    pub child_exit: Option<ExitStatus>,
+}
+
+struct Target {
+    info: ProcessInfo,
+    /// Started by us (`--exec`): we can collect its exit status.
+    own_child: bool,
+    config: TargetConfig,
+    pidfd: Option<OwnedFd>,
+}
+
+pub struct Session {
+    ebpf: Ebpf,
+    ring: Option<RingBuf<MapData>>,
+    logger: Option<EbpfLogger<&'static dyn log::Log>>,
+    attacher: Attacher,
+    groups: SpanGroups,
+    targets: HashMap<u32, Target>,
+    /// Targets that ended, in order, for the sink.
+    child: Option<u32>,
+    child_exit: Option<ExitStatus>,
+    undecodable: u64,
+}
+
+impl Session {
+    /// Checks privileges and kernel support, then loads the BPF programs.
+    pub fn new(options: TraceOptions) -> Result<Session> {
+        privileges::check()?;
+        let mut ebpf = attach::load_object(options.kernel_logs)?;
+        let ring = RingBuf::try_from(ebpf.take_map(maps::EVENTS).ok_or(
+            LensError::MissingInObject {
+                kind: "map",
+                name: maps::EVENTS,
+            },
+        )?)
+        .map_err(|source| LensError::Map {
+            map: maps::EVENTS,
+            source,
+        })?;
+        let logger = if options.kernel_logs {
+            match EbpfLogger::init(&mut ebpf) {
+                Ok(logger) => Some(logger),
+                Err(error) => {
+                    warn!("kernel-side logs unavailable: {error}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Ok(Session {
+            ebpf,
+            ring: Some(ring),
+            logger,
+            attacher: Attacher::default(),
+            groups: options.span_groups,
+            targets: HashMap::new(),
+            child: None,
+            child_exit: None,
+            undecodable: 0,
+        })
+    }
+
+    pub fn attacher(&self) -> &Attacher {
+        &self.attacher
+    }
+
+    fn targets_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, TargetConfig>> {
+        let map = self
+            .ebpf
+            .map_mut(maps::TARGETS)
+            .ok_or(LensError::MissingInObject {
+                kind: "map",
+                name: maps::TARGETS,
+            })?;
+        BpfHashMap::try_from(map).map_err(|source| LensError::Map {
+            map: maps::TARGETS,
+            source,
+        })
+    }
+
+    fn set_target(&mut self, pid: u32, config: TargetConfig) -> Result<()> {
+        self.targets_map()?
+            .insert(pid, config, 0)
+            .map_err(|source| LensError::Map {
+                map: maps::TARGETS,
+                source,
+            })
+    }
+
+    /// Attaches to the libraries `pid` maps now; later loads are caught by the dynamic
+    /// loader probe. Fails when the process maps neither libcudart nor libnccl.
+    pub fn attach_pid(&mut self, pid: u32) -> Result<()> {
+        let info = ProcessInfo::read(pid)?;
+        let libraries = library::find_libraries(pid)?;
+        if !libraries
+            .iter()
+            .any(|l| matches!(l.kind, LibraryKind::CudaRuntime | LibraryKind::Nccl))
+        {
+            return Err(LensError::NoTracedLibraries {
+                pid,
+                name: info.name,
+                wanted: "libcudart.so, libnccl.so".into(),
+            });
+        }
+        let pidfd = target::pidfd_open(pid)?;
+        self.set_target(pid, TargetConfig::default())?;
+        for library in &libraries {
+            self.attacher
+                .attach_library(&mut self.ebpf, library, &self.groups);
+        }
+        self.targets.insert(
+            pid,
+            Target {
+                info,
+                own_child: false,
+                config: TargetConfig::default(),
+                pidfd: Some(pidfd),
+            },
+        );
+        Ok(())
+    }
+
+    /// Starts `argv` traced from its first instruction: the child waits at a gate until it
+    /// is registered, and is stopped at each library load until the probes for the new
+    /// libraries are attached. Returns its pid.
+    pub fn exec(&mut self, argv: &[OsString]) -> Result<u32> {
+        // The child will use (nearly always) the same dynamic loader file as we do.
+        if let Some(loader) = attach::own_dynamic_loader()? {
+            self.attacher
+                .attach_library(&mut self.ebpf, &loader, &self.groups);
+        }
+        let gated = target::spawn_gated(argv)?;
+        let pid = gated.pid;
+        let config = TargetConfig {
+            flags: TARGET_STOP_ON_LINK_MAP_CHANGE,
+        };
+        self.set_target(pid, config)?;
+        let pidfd = target::pidfd_open(pid)?;
+        if let Err(error) = gated.release() {
+            let _ = self.targets_map()?.remove(&pid);
+            return Err(error);
+        }
+        let info = ProcessInfo::read(pid).unwrap_or_else(|_| ProcessInfo {
+            pid,
+            name: argv[0].to_string_lossy().into_owned(),
+            command_line: argv
+                .iter()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect(),
+        });
+        self.targets.insert(
+            pid,
+            Target {
+                info,
+                own_child: true,
+                config,
+                pidfd: Some(pidfd),
+            },
+        );
+        self.child = Some(pid);
+        Ok(pid)
+    }
+
+    /// New libraries in `pid`: attach to them, then let a stopped child go on.
+    fn on_link_map_changed(&mut self, pid: u32) {
+        let Some(target) = self.targets.get(&pid) else {
+            return;
+        };
+        let stop_on_load = target.config.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0;
+        match library::find_libraries(pid) {
+            Ok(libraries) => {
+                for library in libraries {
+                    if !self.attacher.is_attached(library.file) {
+                        info!(
+                            "pid {pid} loaded {}: attaching",
+                            library.shown_path.display()
+                        );
+                        self.attacher
+                            .attach_library(&mut self.ebpf, &library, &self.groups);
+                    }
+                }
+            }
+            Err(error) => info!("pid {pid}: {error}"),
+        }
+        if stop_on_load {
+            target::resume(pid);
+        }
+    }
+
+    fn drain(&mut self, ring: &mut RingBuf<MapData>, sink: &mut dyn EventSink) {
+        // Decode in batches: the ring's items borrow it, handling needs `self`.
+        loop {
+            let mut batch: Vec<std::result::Result<ProbeEvent, events::DecodeError>> = Vec::new();
+            while let Some(item) = ring.next() {
+                batch.push(events::decode(&item));
+                if batch.len() == 4096 {
+                    break;
+                }
+            }
+            if batch.is_empty() {
+                return;
+            }
+            for decoded in batch {
+                match decoded {
+                    Ok(ProbeEvent::LinkMapChanged { tgid }) => self.on_link_map_changed(tgid),
+                    Ok(event) => sink.on_event(&event),
+                    Err(error) => {
+                        self.undecodable += 1;
+                        warn!("undecodable event: {error:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Removes `pid` from tracing and hands its counters to the sink.
+    fn finish_target(&mut self, pid: u32, exit: Option<ExitStatus>, sink: &mut dyn EventSink) {
+        if self.targets.remove(&pid).is_none() {
+            return;
+        }
+        if let Ok(mut targets) = self.targets_map() {
+            let _ = targets.remove(&pid);
+        }
+        let calls = self.take_call_counts(pid);
+        if Some(pid) == self.child {
+            self.child_exit = exit;
+        }
+        sink.on_process_end(&ProcessEnd { pid, calls, exit });
+    }
+
+    fn take_call_counts(&mut self, pid: u32) -> BTreeMap<ProbeId, u64> {
+        let mut calls = BTreeMap::new();
+        let Some(map) = self.ebpf.map_mut(maps::CALL_COUNTS) else {
+            return calls;
+        };
+        let Ok(mut counts) = PerCpuHashMap::<_, CallKey, u64>::try_from(map) else {
+            return calls;
+        };
+        let keys: Vec<CallKey> = counts
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| k.tgid == pid)
+            .collect();
+        for key in keys {
+            if let (Ok(values), Some(probe)) = (counts.get(&key, 0), ProbeId::from_u32(key.probe)) {
+                calls.insert(probe, values.iter().sum());
+            }
+            let _ = counts.remove(&key);
+        }
+        calls
+    }
+
+    fn losses(&self) -> Losses {
+        let mut losses = Losses {
+            undecodable: self.undecodable,
+            ..Losses::default()
+        };
+        if let Some(map) = self.ebpf.map(maps::LOSSES)
+            && let Ok(array) = PerCpuArray::<_, u64>::try_from(map)
+        {
+            for cause in LossCause::ALL {
+                let total = array
+                    .get(&(cause as u32), 0)
+                    .map(|values| values.iter().sum())
+                    .unwrap_or(0);
+                losses.kernel.insert(cause.name(), total);
+            }
+        }
+        losses
+    }
+
+    /// Pumps events into `sink` until every target exited, SIGINT/SIGTERM, or `limit`.
+    pub async fn run(
+        &mut self,
+        sink: &mut dyn EventSink,
+        limit: Option<Duration>,
+    ) -> Result<RunReport> {
+        let mut ring = register(self.ring.take().expect("run is called once"))?;
+        let mut logger = match self.logger.take() {
+            Some(logger) => Some(register(logger)?),
+            None => None,
+        };
+
+        let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<u32>();
+        for (pid, target) in &mut self.targets {
+            sink.on_process_start(&target.info);
+            if let Some(pidfd) = target.pidfd.take() {
+                let pidfd = register(pidfd)?;
+                let exit_tx = exit_tx.clone();
+                let pid = *pid;
+                tokio::spawn(async move {
+                    let _ = pidfd.readable().await;
+                    let _ = exit_tx.send(pid);
+                });
+            }
+        }
+
+        let mut sigint = signal(SignalKind::interrupt())?;
+        let mut sigterm = signal(SignalKind::terminate())?;
+        let deadline = limit.map(|limit| tokio::time::Instant::now() + limit);
+        let mut tick = tokio::time::interval(DRAIN_INTERVAL);
+        let mut stop: Option<StopReason> = None;
+        let mut grace_deadline: Option<tokio::time::Instant> = None;
+
+        loop {
+            if self.targets.is_empty() {
+                stop.get_or_insert(StopReason::TargetsExited);
+                break;
+            }
+            let grace = async {
+                match grace_deadline {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let until_deadline = async {
+                match deadline {
+                    Some(at) if stop.is_none() => tokio::time::sleep_until(at).await,
+                    _ => std::future::pending().await,
+                }
+            };
+            let log_ready = async {
+                match logger.as_mut() {
+                    Some(logger) => logger.readable_mut().await.map(|mut g| {
+                        g.get_inner_mut().flush();
+                        g.clear_ready();
+                    }),
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                guard = ring.readable_mut() => {
+                    let mut guard = guard?;
+                    self.drain(guard.get_inner_mut(), sink);
+                    guard.clear_ready();
+                }
+                _ = tick.tick() => self.drain(ring.get_mut(), sink),
+                _ = log_ready => {}
+                Some(pid) = exit_rx.recv() => {
+                    self.drain(ring.get_mut(), sink);
+                    let exit = match self.targets.get(&pid) {
+                        Some(t) if t.own_child => wait_child(pid).await,
+                        _ => Some(ExitStatus::Unknown),
+                    };
+                    self.finish_target(pid, exit, sink);
+                }
+                _ = sigint.recv() => self.on_signal(libc::SIGINT, &mut stop, &mut grace_deadline),
+                _ = sigterm.recv() => self.on_signal(libc::SIGTERM, &mut stop, &mut grace_deadline),
+                _ = until_deadline => {
+                    stop = Some(StopReason::Duration);
+                    break;
+                }
+                _ = grace => break,
+            }
+            if stop.is_some() && grace_deadline.is_none() {
+                break;
+            }
+            if stop.is_some() && !self.targets.values().any(|t| t.own_child) {
+                break;
+            }
+        }
+
+        self.drain(ring.get_mut(), sink);
+        let remaining: Vec<u32> = self.targets.keys().copied().collect();
+        for pid in remaining {
+            // Never leave a child of ours stopped at a library load.
+            if self.targets.get(&pid).is_some_and(|t| t.own_child) {
+                target::resume(pid);
+            }
+            self.finish_target(pid, None, sink);
+        }
+        self.ring = Some(ring.into_inner());
+        Ok(RunReport {
+            stop: stop.unwrap_or(StopReason::TargetsExited),
+            losses: self.losses(),
+            child_exit: self.child_exit,
+        })
+    }
+
+    /// SIGINT/SIGTERM: pass it on to the children we started and give them a grace
+    /// period to exit (their exit is then traced); processes we attached to are left alone.
+    fn on_signal(
+        &mut self,
+        signal: i32,
+        stop: &mut Option<StopReason>,
+        grace_deadline: &mut Option<tokio::time::Instant>,
+    ) {
+        if stop.is_some() {
+            return;
+        }
+        *stop = Some(StopReason::Signal(signal));
+        let children: Vec<u32> = self
+            .targets
+            .iter()
+            .filter(|(_, t)| t.own_child)
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in &children {
+            // SAFETY: plain signal send to our own child.
+            unsafe { libc::kill(*pid as libc::pid_t, signal) };
+            target::resume(*pid);
+        }
+        if !children.is_empty() {
+            *grace_deadline = Some(tokio::time::Instant::now() + CHILD_EXIT_GRACE);
+        }
+    }
+}
+
+/// Registers an fd-owning value with the runtime's reactor.
+fn register<T: std::os::fd::AsRawFd>(inner: T) -> std::io::Result<AsyncFd<T>> {
+    // SAFETY: every `T` here (ring buffer, logger, pidfd) owns its fd and keeps it open
+    // and unchanged for as long as it lives inside the AsyncFd.
+    unsafe { AsyncFd::register(inner) }.map_err(|error| error.into_parts().1)
+}
+
+/// The pidfd said our child is gone; reap it (it may take a moment to become waitable).
+async fn wait_child(pid: u32) -> Option<ExitStatus> {
+    for _ in 0..200 {
+        if let Some(status) = target::try_wait_child(pid) {
+            return Some(status);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    None
+}

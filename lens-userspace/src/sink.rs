@@ -1,0 +1,191 @@
+//! The event stream's consumers. Everything downstream of decoding (the exit summary, the
+//! verbose printer, later the span builder and the exporters) is an [`EventSink`].
+use std::{collections::BTreeMap, io::Write};
+
+use lens_common::ProbeId;
+
+use crate::{
+    events::ProbeEvent,
+    target::{ExitStatus, ProcessInfo},
+};
+
+/// How a traced process's tracing ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessEnd {
+    pub pid: u32,
+    /// Calls counted in the kernel (launches and every other probed call), by probe.
+    pub calls: BTreeMap<ProbeId, u64>,
+    /// `None` when tracing stopped while the process was still running.
+    pub exit: Option<ExitStatus>,
+}
+
+pub trait EventSink {
+    fn on_process_start(&mut self, _process: &ProcessInfo) {}
+    fn on_event(&mut self, event: &ProbeEvent);
+    fn on_process_end(&mut self, _end: &ProcessEnd) {}
+}
+
+impl<A: EventSink, B: EventSink> EventSink for (A, B) {
+    fn on_process_start(&mut self, process: &ProcessInfo) {
+        self.0.on_process_start(process);
+        self.1.on_process_start(process);
+    }
+    fn on_event(&mut self, event: &ProbeEvent) {
+        self.0.on_event(event);
+        self.1.on_event(event);
+    }
+    fn on_process_end(&mut self, end: &ProcessEnd) {
+        self.0.on_process_end(end);
+        self.1.on_process_end(end);
+    }
+}
+
+impl<S: EventSink + ?Sized> EventSink for &mut S {
+    fn on_process_start(&mut self, process: &ProcessInfo) {
+        (**self).on_process_start(process);
+    }
+    fn on_event(&mut self, event: &ProbeEvent) {
+        (**self).on_event(event);
+    }
+    fn on_process_end(&mut self, end: &ProcessEnd) {
+        (**self).on_process_end(end);
+    }
+}
+
+impl<S: EventSink> EventSink for Option<S> {
+    fn on_process_start(&mut self, process: &ProcessInfo) {
+        if let Some(sink) = self {
+            sink.on_process_start(process);
+        }
+    }
+    fn on_event(&mut self, event: &ProbeEvent) {
+        if let Some(sink) = self {
+            sink.on_event(event);
+        }
+    }
+    fn on_process_end(&mut self, end: &ProcessEnd) {
+        if let Some(sink) = self {
+            sink.on_process_end(end);
+        }
+    }
+}
+
+/// Keeps everything it is given, in order (tests, and tools built on the library).
+#[derive(Debug, Default)]
+pub struct EventLog {
+    pub started: Vec<ProcessInfo>,
+    pub events: Vec<ProbeEvent>,
+    pub ended: Vec<ProcessEnd>,
+}
+
+impl EventSink for EventLog {
+    fn on_process_start(&mut self, process: &ProcessInfo) {
+        self.started.push(process.clone());
+    }
+    fn on_event(&mut self, event: &ProbeEvent) {
+        self.events.push(event.clone());
+    }
+    fn on_process_end(&mut self, end: &ProcessEnd) {
+        self.ended.push(end.clone());
+    }
+}
+
+/// `-v`: one line per event as it arrives, on stderr.
+pub struct EventPrinter<W: Write> {
+    out: W,
+}
+
+impl<W: Write> EventPrinter<W> {
+    pub fn new(out: W) -> Self {
+        EventPrinter { out }
+    }
+}
+
+fn describe(event: &ProbeEvent) -> String {
+    fn us(ns: u64) -> f64 {
+        ns as f64 / 1_000.0
+    }
+    match event {
+        ProbeEvent::Collective {
+            timing,
+            op,
+            count,
+            datatype,
+            raw_datatype,
+            redop,
+            peer,
+            comm,
+            stream,
+            result,
+        } => {
+            let dtype =
+                datatype.map_or_else(|| format!("dtype({raw_datatype})"), |d| d.name().into());
+            let mut line = format!(
+                "[{}:{}] {} count={count} dtype={dtype}",
+                timing.tgid,
+                timing.tid,
+                op.span_name()
+            );
+            if let Some(bytes) = event.bytes() {
+                line += &format!(" bytes={bytes}");
+            }
+            if let Some(redop) = redop {
+                line += &format!(" op={}", redop.name());
+            }
+            if let Some(peer) = peer {
+                line += &format!(" peer={peer}");
+            }
+            line + &format!(
+                " comm={comm:#x} stream={stream:#x} ret={result} call={:.1}us",
+                us(timing.duration_ns())
+            )
+        }
+        ProbeEvent::SyncWait {
+            timing,
+            kind,
+            handle,
+            result,
+        } => format!(
+            "[{}:{}] {} handle={handle:#x} ret={result} wait={:.1}us",
+            timing.tgid,
+            timing.tid,
+            kind.span_name(),
+            us(timing.duration_ns())
+        ),
+        ProbeEvent::CommInit {
+            timing,
+            comm,
+            rank,
+            nranks,
+            comm_id_hash,
+            result,
+        } => format!(
+            "[{}:{}] nccl.comm_init_rank comm={comm:#x} rank={rank}/{nranks} id={comm_id_hash:016x} ret={result}",
+            timing.tgid, timing.tid
+        ),
+        ProbeEvent::Group { timing, open } => format!(
+            "[{}:{}] {}",
+            timing.tgid,
+            timing.tid,
+            if *open {
+                "nccl.group_start"
+            } else {
+                "nccl.group_end"
+            }
+        ),
+        ProbeEvent::LinkMapChanged { tgid } => format!("[{tgid}] libraries changed"),
+    }
+}
+
+impl<W: Write> EventSink for EventPrinter<W> {
+    fn on_process_start(&mut self, process: &ProcessInfo) {
+        let _ = writeln!(
+            self.out,
+            "lens-probe: tracing pid {} ({})",
+            process.pid, process.name
+        );
+    }
+    fn on_event(&mut self, event: &ProbeEvent) {
+        let _ = writeln!(self.out, "lens-probe: {}", describe(event));
+    }
+}

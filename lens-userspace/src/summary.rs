@@ -1,0 +1,415 @@
+//! The exit summary: per process, where the calls went. Printed for people on stderr and,
+//! with `--summary-json`, written as JSON for scripts.
+use std::{collections::BTreeMap, fmt::Write as _};
+
+use hdrhistogram::Histogram;
+use lens_common::ProbeId;
+use serde::Serialize;
+
+use crate::{
+    events::{CollectiveOp, ProbeEvent, SyncKind},
+    sink::{EventSink, ProcessEnd},
+    target::{ExitStatus, ProcessInfo},
+};
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CollectiveStats {
+    pub calls: u64,
+    pub bytes: u64,
+    /// Sum of the calls' own durations (enqueue time: NCCL calls are asynchronous).
+    pub call_time_ns: u64,
+    /// Calls that returned a non-zero ncclResult_t.
+    pub errors: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SyncStats {
+    pub calls: u64,
+    pub total_ns: u64,
+    pub p50_ns: u64,
+    pub p99_ns: u64,
+    pub max_ns: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Communicator {
+    pub comm: u64,
+    pub rank: i32,
+    pub nranks: i32,
+    pub id_hash: u64,
+    pub result: i32,
+}
+
+#[derive(Debug)]
+struct SyncWaits(Histogram<u64>);
+
+impl Default for SyncWaits {
+    fn default() -> Self {
+        // 1 ns .. 1 h at 3 significant digits: bounded memory however long the run.
+        SyncWaits(Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds"))
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct ProcessSummary {
+    pub process: Option<ProcessInfo>,
+    pub collectives: BTreeMap<CollectiveOp, CollectiveStats>,
+    sync_waits: BTreeMap<SyncKind, SyncWaits>,
+    sync_total_ns: BTreeMap<SyncKind, u64>,
+    pub communicators: Vec<Communicator>,
+    pub calls: BTreeMap<ProbeId, u64>,
+    pub exit: Option<ExitStatus>,
+    pub ended: bool,
+}
+
+impl ProcessSummary {
+    pub fn sync_stats(&self) -> BTreeMap<SyncKind, SyncStats> {
+        self.sync_waits
+            .iter()
+            .map(|(kind, SyncWaits(hist))| {
+                (
+                    *kind,
+                    SyncStats {
+                        calls: hist.len(),
+                        total_ns: self.sync_total_ns.get(kind).copied().unwrap_or(0),
+                        p50_ns: hist.value_at_quantile(0.50),
+                        p99_ns: hist.value_at_quantile(0.99),
+                        max_ns: hist.max(),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Kernel and graph launches counted in the kernel.
+    pub fn launches(&self) -> BTreeMap<ProbeId, u64> {
+        [
+            ProbeId::CudaLaunchKernel,
+            ProbeId::CudaLaunchKernelExC,
+            ProbeId::CudaGraphLaunch,
+        ]
+        .into_iter()
+        .filter_map(|id| self.calls.get(&id).map(|n| (id, *n)))
+        .collect()
+    }
+}
+
+/// Loss and decode accounting for the whole run.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Losses {
+    /// Kernel-side losses by cause (see `lens_common::LossCause`).
+    pub kernel: BTreeMap<&'static str, u64>,
+    /// Records the loader could not decode.
+    pub undecodable: u64,
+}
+
+impl Losses {
+    pub fn total(&self) -> u64 {
+        self.kernel.values().sum::<u64>() + self.undecodable
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Summary {
+    pub processes: BTreeMap<u32, ProcessSummary>,
+}
+
+impl EventSink for Summary {
+    fn on_process_start(&mut self, process: &ProcessInfo) {
+        self.processes.entry(process.pid).or_default().process = Some(process.clone());
+    }
+
+    fn on_event(&mut self, event: &ProbeEvent) {
+        let process = self.processes.entry(event.tgid()).or_default();
+        match event {
+            ProbeEvent::Collective {
+                timing, op, result, ..
+            } => {
+                let stats = process.collectives.entry(*op).or_default();
+                stats.calls += 1;
+                stats.bytes += event.bytes().unwrap_or(0);
+                stats.call_time_ns += timing.duration_ns();
+                stats.errors += u64::from(*result != 0);
+            }
+            ProbeEvent::SyncWait { timing, kind, .. } => {
+                let duration = timing.duration_ns().max(1);
+                let SyncWaits(hist) = process.sync_waits.entry(*kind).or_default();
+                hist.saturating_record(duration);
+                *process.sync_total_ns.entry(*kind).or_default() += duration;
+            }
+            ProbeEvent::CommInit {
+                comm,
+                rank,
+                nranks,
+                comm_id_hash,
+                result,
+                ..
+            } => process.communicators.push(Communicator {
+                comm: *comm,
+                rank: *rank,
+                nranks: *nranks,
+                id_hash: *comm_id_hash,
+                result: *result,
+            }),
+            ProbeEvent::Group { .. } | ProbeEvent::LinkMapChanged { .. } => {}
+        }
+    }
+
+    fn on_process_end(&mut self, end: &ProcessEnd) {
+        let process = self.processes.entry(end.pid).or_default();
+        for (probe, count) in &end.calls {
+            *process.calls.entry(*probe).or_default() += count;
+        }
+        process.exit = end.exit;
+        process.ended = true;
+    }
+}
+
+fn duration(ns: u64) -> String {
+    let ns = ns as f64;
+    if ns >= 1e9 {
+        format!("{:.2} s", ns / 1e9)
+    } else if ns >= 1e6 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.1} µs", ns / 1e3)
+    }
+}
+
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+impl Summary {
+    /// The summary as a person reads it.
+    pub fn render(&self, losses: &Losses) -> String {
+        let mut out = String::new();
+        if self.processes.is_empty() {
+            out.push_str("lens-probe: no traced process\n");
+        }
+        for (pid, process) in &self.processes {
+            let name = process.process.as_ref().map_or("?", |p| p.name.as_str());
+            let state = match (process.ended, process.exit) {
+                (false, _) => "still running".to_string(),
+                (true, Some(ExitStatus::Exited(code))) => format!("exited {code}"),
+                (true, Some(ExitStatus::Signaled(signal))) => format!("killed by signal {signal}"),
+                (true, _) => "exited".to_string(),
+            };
+            let _ = writeln!(out, "lens-probe summary: pid {pid} ({name}), {state}");
+            for comm in &process.communicators {
+                let _ = writeln!(
+                    out,
+                    "  communicator {:#x}: rank {}/{}  id {:016x}{}",
+                    comm.comm,
+                    comm.rank,
+                    comm.nranks,
+                    comm.id_hash,
+                    if comm.result != 0 {
+                        format!("  (init failed: ncclResult {})", comm.result)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+            if process.collectives.is_empty() {
+                out.push_str("  collectives: none seen\n");
+            } else {
+                let _ = writeln!(
+                    out,
+                    "  {:<16} {:>8} {:>12} {:>12} {:>7}",
+                    "collective", "calls", "bytes", "call time", "errors"
+                );
+                for (op, stats) in &process.collectives {
+                    let _ = writeln!(
+                        out,
+                        "  {:<16} {:>8} {:>12} {:>12} {:>7}",
+                        op.name(),
+                        stats.calls,
+                        bytes(stats.bytes),
+                        duration(stats.call_time_ns),
+                        stats.errors
+                    );
+                }
+            }
+            let launches = process.launches();
+            if launches.is_empty() {
+                out.push_str("  launches: none seen\n");
+            } else {
+                let list: Vec<String> = launches
+                    .iter()
+                    .map(|(id, n)| format!("{} {n}", id.symbol()))
+                    .collect();
+                let _ = writeln!(out, "  launches: {}", list.join(", "));
+            }
+            let syncs = process.sync_stats();
+            if syncs.is_empty() {
+                out.push_str("  sync waits: none seen\n");
+            } else {
+                let _ = writeln!(
+                    out,
+                    "  {:<16} {:>8} {:>12} {:>12} {:>12}",
+                    "sync wait", "calls", "total", "p50", "p99"
+                );
+                for (kind, stats) in &syncs {
+                    let _ = writeln!(
+                        out,
+                        "  {:<16} {:>8} {:>12} {:>12} {:>12}",
+                        kind.name(),
+                        stats.calls,
+                        duration(stats.total_ns),
+                        duration(stats.p50_ns),
+                        duration(stats.p99_ns)
+                    );
+                }
+            }
+        }
+        if losses.total() == 0 {
+            out.push_str("lens-probe: no events lost\n");
+        } else {
+            let causes: Vec<String> = losses
+                .kernel
+                .iter()
+                .filter(|(_, n)| **n > 0)
+                .map(|(cause, n)| format!("{cause} {n}"))
+                .chain(
+                    (losses.undecodable > 0).then(|| format!("undecodable {}", losses.undecodable)),
+                )
+                .collect();
+            let _ = writeln!(
+                out,
+                "lens-probe: {} events lost ({})",
+                losses.total(),
+                causes.join(", ")
+            );
+        }
+        out
+    }
+
+    /// The summary for scripts.
+    pub fn to_json(&self, losses: &Losses) -> serde_json::Value {
+        let processes: Vec<serde_json::Value> = self
+            .processes
+            .iter()
+            .map(|(pid, process)| {
+                let calls: BTreeMap<&str, u64> = process
+                    .calls
+                    .iter()
+                    .map(|(id, n)| (id.symbol(), *n))
+                    .collect();
+                let collectives: BTreeMap<&str, &CollectiveStats> = process
+                    .collectives
+                    .iter()
+                    .map(|(op, stats)| (op.name(), stats))
+                    .collect();
+                let syncs: BTreeMap<&str, SyncStats> = process
+                    .sync_stats()
+                    .into_iter()
+                    .map(|(kind, stats)| (kind.name(), stats))
+                    .collect();
+                serde_json::json!({
+                    "pid": pid,
+                    "name": process.process.as_ref().map(|p| p.name.clone()),
+                    "command_line": process.process.as_ref().map(|p| p.command_line.clone()),
+                    "ended": process.ended,
+                    "exit": process.exit,
+                    "communicators": process.communicators,
+                    "collectives": collectives,
+                    "sync_waits": syncs,
+                    "calls": calls,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "processes": processes,
+            "losses": losses,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::CallTiming;
+
+    fn timing(start_ns: u64, end_ns: u64) -> CallTiming {
+        CallTiming {
+            tgid: 7,
+            tid: 7,
+            start_ns,
+            end_ns,
+        }
+    }
+
+    #[test]
+    fn collectives_and_syncs_aggregate_per_process() {
+        let mut summary = Summary::default();
+        for step in 1..=3u64 {
+            summary.on_event(&ProbeEvent::Collective {
+                timing: timing(0, 1_000),
+                op: CollectiveOp::AllReduce,
+                count: 1024 * step,
+                datatype: crate::nccl::DataType::from_raw(7),
+                raw_datatype: 7,
+                redop: None,
+                peer: None,
+                comm: 1,
+                stream: 2,
+                result: 0,
+            });
+            summary.on_event(&ProbeEvent::SyncWait {
+                timing: timing(0, step * 10_000_000),
+                kind: SyncKind::Stream,
+                handle: 2,
+                result: 0,
+            });
+        }
+        let process = &summary.processes[&7];
+        let all_reduce = &process.collectives[&CollectiveOp::AllReduce];
+        assert_eq!(all_reduce.calls, 3);
+        assert_eq!(all_reduce.bytes, 4 * 1024 * 6);
+        assert_eq!(all_reduce.call_time_ns, 3_000);
+        let stream = &process.sync_stats()[&SyncKind::Stream];
+        assert_eq!(stream.calls, 3);
+        assert_eq!(stream.total_ns, 60_000_000);
+        // 3 significant digits: within 0.1%.
+        assert!(
+            stream.p50_ns.abs_diff(20_000_000) < 20_000,
+            "{}",
+            stream.p50_ns
+        );
+        let text = summary.render(&Losses::default());
+        assert!(text.contains("all_reduce"), "{text}");
+        assert!(text.contains("no events lost"), "{text}");
+    }
+
+    #[test]
+    fn losses_are_always_reported() {
+        let mut losses = Losses::default();
+        losses.kernel.insert("ring_buffer_full", 5);
+        losses.undecodable = 1;
+        let text = Summary::default().render(&losses);
+        assert!(
+            text.contains("6 events lost (ring_buffer_full 5, undecodable 1)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn sizes_and_durations_read_naturally() {
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(60 * 1024), "60.0 KiB");
+        assert_eq!(duration(20_100_000), "20.10 ms");
+        assert_eq!(duration(1_500), "1.5 µs");
+    }
+}

@@ -1,0 +1,289 @@
+//! The processes being traced: attaching to a running one, starting one gated until the
+//! probes are in place, and noticing when they exit.
+use std::{
+    ffi::{CString, OsStr, OsString},
+    fs,
+    io::{self, Read, Write},
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
+        unix::ffi::OsStrExt,
+    },
+    path::{Path, PathBuf},
+};
+
+use crate::error::{LensError, Result};
+
+/// What is known about a traced process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessInfo {
+    pub pid: u32,
+    /// Short name (`/proc/PID/comm`).
+    pub name: String,
+    pub command_line: Vec<String>,
+}
+
+impl ProcessInfo {
+    pub fn read(pid: u32) -> Result<ProcessInfo> {
+        let name = fs::read_to_string(format!("/proc/{pid}/comm"))
+            .map_err(|_| LensError::NoSuchProcess(pid))?
+            .trim_end()
+            .to_string();
+        let command_line = fs::read(format!("/proc/{pid}/cmdline"))
+            .unwrap_or_default()
+            .split(|b| *b == 0)
+            .filter(|arg| !arg.is_empty())
+            .map(|arg| String::from_utf8_lossy(arg).into_owned())
+            .collect();
+        Ok(ProcessInfo {
+            pid,
+            name,
+            command_line,
+        })
+    }
+}
+
+/// A pidfd: readable once the process has exited, for processes that are not our children
+/// too.
+pub fn pidfd_open(pid: u32) -> Result<OwnedFd> {
+    // SAFETY: plain syscall; the returned fd is owned by us.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        let error = io::Error::last_os_error();
+        return Err(if error.raw_os_error() == Some(libc::ESRCH) {
+            LensError::NoSuchProcess(pid)
+        } else {
+            error.into()
+        });
+    }
+    // SAFETY: a fresh fd from the kernel.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Finds `program` the way execvp would (PATH lookup when it has no slash).
+pub fn resolve_program(program: &OsStr) -> Option<PathBuf> {
+    let is_executable = |path: &Path| {
+        fs::metadata(path)
+            .map(|m| {
+                m.is_file()
+                    && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0
+            })
+            .unwrap_or(false)
+    };
+    if program.as_bytes().contains(&b'/') {
+        let path = PathBuf::from(program);
+        return is_executable(&path).then_some(path);
+    }
+    let search = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+    std::env::split_paths(&search)
+        .map(|dir| dir.join(program))
+        .find(|candidate| is_executable(candidate))
+}
+
+/// A child forked and waiting at a gate: it has not exec'ed yet, so it can be registered
+/// as a target before any of its code runs.
+pub struct GatedChild {
+    pub pid: u32,
+    gate: OwnedFd,
+    exec_status: OwnedFd,
+    command: String,
+}
+
+fn pipe(flags: libc::c_int) -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid 2-element array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), flags) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fresh fds from the kernel.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Forks a child that will exec `argv` once [`GatedChild::release`] is called.
+pub fn spawn_gated(argv: &[OsString]) -> Result<GatedChild> {
+    let command = argv
+        .iter()
+        .map(|a| a.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let spawn_error = |source: io::Error| LensError::Spawn {
+        command: command.clone(),
+        source,
+    };
+    let program = argv
+        .first()
+        .ok_or_else(|| spawn_error(io::Error::new(io::ErrorKind::InvalidInput, "empty command")))?;
+    let path = resolve_program(program).ok_or_else(|| {
+        spawn_error(io::Error::new(
+            io::ErrorKind::NotFound,
+            "command not found or not executable",
+        ))
+    })?;
+    // Everything the child needs is allocated before fork: after it, only
+    // async-signal-safe calls (read, execv, write, _exit).
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| spawn_error(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
+    let c_args: Vec<CString> = argv
+        .iter()
+        .map(|a| CString::new(a.as_bytes()))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| spawn_error(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
+    let mut c_argv: Vec<*const libc::c_char> = c_args.iter().map(|a| a.as_ptr()).collect();
+    c_argv.push(std::ptr::null());
+
+    let (gate_read, gate_write) = pipe(libc::O_CLOEXEC).map_err(spawn_error)?;
+    let (status_read, status_write) = pipe(libc::O_CLOEXEC).map_err(spawn_error)?;
+
+    // SAFETY: the child only calls async-signal-safe functions before exec or _exit.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(spawn_error(io::Error::last_os_error()));
+    }
+    if pid == 0 {
+        // Child.
+        unsafe {
+            let mut byte = 0u8;
+            let n = libc::read(gate_read.as_raw_fd(), (&raw mut byte).cast(), 1);
+            if n != 1 {
+                // The loader went away before releasing us: do not run untraced.
+                libc::_exit(127);
+            }
+            libc::execv(c_path.as_ptr(), c_argv.as_ptr());
+            let errno = *libc::__errno_location();
+            libc::write(
+                status_write.as_raw_fd(),
+                (&raw const errno).cast(),
+                size_of::<libc::c_int>(),
+            );
+            libc::_exit(127);
+        }
+    }
+    drop(gate_read);
+    drop(status_write);
+    Ok(GatedChild {
+        pid: pid as u32,
+        gate: gate_write,
+        exec_status: status_read,
+        command,
+    })
+}
+
+impl GatedChild {
+    /// Lets the child exec and reports whether the exec succeeded.
+    pub fn release(self) -> Result<u32> {
+        let mut gate = fs::File::from(self.gate);
+        gate.write_all(&[1]).map_err(|source| LensError::Spawn {
+            command: self.command.clone(),
+            source,
+        })?;
+        let mut status = fs::File::from(self.exec_status);
+        let mut errno = [0u8; size_of::<libc::c_int>()];
+        // EOF: the CLOEXEC end closed, i.e. the exec succeeded.
+        match status.read(&mut errno) {
+            Ok(0) => Ok(self.pid),
+            Ok(_) => {
+                reap(self.pid);
+                Err(LensError::Spawn {
+                    command: self.command,
+                    source: io::Error::from_raw_os_error(libc::c_int::from_ne_bytes(errno)),
+                })
+            }
+            Err(source) => Err(LensError::Spawn {
+                command: self.command,
+                source,
+            }),
+        }
+    }
+}
+
+fn reap(pid: u32) {
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(pid as libc::pid_t, &mut status, 0) };
+}
+
+/// How a process ended, when we can know (only for our own children).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitStatus {
+    Exited(i32),
+    Signaled(i32),
+    /// Not our child: it is gone, but its status went to its own parent.
+    Unknown,
+}
+
+impl ExitStatus {
+    /// The exit code a shell would report.
+    pub fn shell_code(self) -> i32 {
+        match self {
+            ExitStatus::Exited(code) => code,
+            ExitStatus::Signaled(signal) => 128 + signal,
+            ExitStatus::Unknown => 0,
+        }
+    }
+}
+
+/// Collects the exit status of our child `pid` if it has exited (non-blocking).
+pub fn try_wait_child(pid: u32) -> Option<ExitStatus> {
+    let mut status = 0;
+    // SAFETY: WNOHANG wait on our own child.
+    let waited = unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
+    if waited != pid as libc::pid_t {
+        return None;
+    }
+    if libc::WIFEXITED(status) {
+        Some(ExitStatus::Exited(libc::WEXITSTATUS(status)))
+    } else if libc::WIFSIGNALED(status) {
+        Some(ExitStatus::Signaled(libc::WTERMSIG(status)))
+    } else {
+        None
+    }
+}
+
+/// Resumes a target stopped by the probe at a library load.
+pub fn resume(pid: u32) {
+    // SAFETY: plain signal send.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn programs_are_found_on_path_or_by_path() {
+        assert!(resolve_program(OsStr::new("sh")).is_some());
+        assert_eq!(
+            resolve_program(OsStr::new("/bin/sh")),
+            Some(PathBuf::from("/bin/sh"))
+        );
+        assert_eq!(resolve_program(OsStr::new("no-such-program-xyz")), None);
+        assert_eq!(resolve_program(OsStr::new("/etc/passwd")), None);
+        assert_eq!(resolve_program(OsStr::new("/etc")), None);
+    }
+
+    #[test]
+    fn a_gated_child_runs_only_after_release_and_reports_its_status() {
+        let child = spawn_gated(&["sh".into(), "-c".into(), "exit 7".into()]).unwrap();
+        let pid = child.pid;
+        assert_eq!(try_wait_child(pid), None, "must wait at the gate");
+        assert_eq!(child.release().unwrap(), pid);
+        let mut status = None;
+        for _ in 0..500 {
+            status = try_wait_child(pid);
+            if status.is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(status, Some(ExitStatus::Exited(7)));
+    }
+
+    #[test]
+    fn a_missing_command_is_one_clear_error() {
+        let error = spawn_gated(&["no-such-program-xyz".into()]).err().unwrap();
+        assert_eq!(
+            error.to_string(),
+            "cannot run no-such-program-xyz: command not found or not executable"
+        );
+    }
+}

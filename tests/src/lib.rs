@@ -1,0 +1,433 @@
+//! Test harness for lens-probe: paths to the C fixtures built by `build.rs`
+//! (see `tests/README.md`) and the skip rules for tests that need privileges or the
+//! real NVIDIA libraries.
+//!
+//! The skip rule: a test that cannot run here (not root, no uprobe PMU, no real
+//! libraries) prints `SKIP <test>: <reason>` and passes, except under `CI=true` (or
+//! `CI=1`), where it panics instead: in CI a skip is a failure.
+
+use std::path::{Path, PathBuf};
+
+/// The directory the build script compiled the fixtures into
+/// (`$OUT_DIR/fixtures`): `libcudart.so.12`, `libnccl.so.2` (and their link-name
+/// symlinks), `trainer` and `real_libs_caller`.
+pub fn fixtures_dir() -> &'static Path {
+    Path::new(env!("LENS_FIXTURES_DIR"))
+}
+
+/// The fake training job, linked against the fake libraries next to it
+/// (RUNPATH `$ORIGIN`). Usage `trainer [STEPS]`; its exact call pattern is in
+/// `tests/README.md`.
+pub fn trainer() -> PathBuf {
+    fixtures_dir().join("trainer")
+}
+
+/// The program that `dlopen`s the real `libcudart.so.12` and `libnccl.so.2` by path
+/// and calls each probed function once: `real_libs_caller <cudart> <nccl>`.
+pub fn real_libs_caller() -> PathBuf {
+    fixtures_dir().join("real_libs_caller")
+}
+
+/// The directory holding the fake `libcudart.so.12` and `libnccl.so.2`.
+pub fn fake_lib_dir() -> PathBuf {
+    fixtures_dir().to_path_buf()
+}
+
+/// Where the uprobe PMU advertises its perf event type; missing when the kernel has
+/// no uprobe support (or `/sys` is not mounted).
+const UPROBE_TYPE_FILE: &str = "/sys/bus/event_source/devices/uprobe/type";
+
+/// True when `CI` is `true` or `1`: skipping is then a failure.
+fn under_ci() -> bool {
+    std::env::var("CI")
+        .map(|v| {
+            let v = v.trim();
+            v.eq_ignore_ascii_case("true") || v == "1"
+        })
+        .unwrap_or(false)
+}
+
+/// Applies the skip rule: panics under CI, otherwise prints `SKIP <test>: <reason>`.
+fn skip(test_name: &str, what: &str, reason: &str) {
+    if under_ci() {
+        panic!("{test_name}: {what} unavailable under CI=true: {reason}");
+    }
+    eprintln!("SKIP {test_name}: {reason}");
+}
+
+/// The reason BPF/uprobe tests cannot run in this process, or `None` when they can.
+fn bpf_unavailable_reason() -> Option<String> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid != 0 {
+        return Some(format!(
+            "needs root to load BPF programs and attach uprobes (euid is {euid}); \
+             run the tests with sudo"
+        ));
+    }
+    if !Path::new(UPROBE_TYPE_FILE).exists() {
+        return Some(format!(
+            "{UPROBE_TYPE_FILE} does not exist: the kernel has no uprobe PMU \
+             (CONFIG_UPROBE_EVENTS) or /sys is not mounted"
+        ));
+    }
+    None
+}
+
+/// Whether a test that loads BPF programs and attaches uprobes can run: true when
+/// this process is root (euid 0) and the kernel has the uprobe PMU
+/// (`/sys/bus/event_source/devices/uprobe/type`).
+///
+/// Otherwise prints `SKIP <test_name>: <reason>` to stderr and returns false, so the
+/// test can `return` early; but under `CI=true` (or `CI=1`) it panics, since a skip
+/// in CI is a failure.
+pub fn require_bpf(test_name: &str) -> bool {
+    match bpf_unavailable_reason() {
+        None => true,
+        Some(reason) => {
+            skip(test_name, "BPF/uprobes", &reason);
+            false
+        }
+    }
+}
+
+/// Paths to the real NVIDIA runtime libraries (from the PyPI wheels
+/// `nvidia-cuda-runtime-cu12` and `nvidia-nccl-cu12`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NvidiaLibs {
+    /// `.../nvidia/cuda_runtime/lib/libcudart.so.12`
+    pub cudart: PathBuf,
+    /// `.../nvidia/nccl/lib/libnccl.so.2`
+    pub nccl: PathBuf,
+}
+
+/// The `pip install --target` directory `cargo xtask setup` fills: `$LENS_PYPI_CACHE`,
+/// or `$HOME/.cache/lens-probe/pypi`.
+fn pypi_cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("LENS_PYPI_CACHE").filter(|v| !v.is_empty()) {
+        return Some(PathBuf::from(dir));
+    }
+    std::env::var_os("HOME")
+        .filter(|v| !v.is_empty())
+        .map(|home| PathBuf::from(home).join(".cache/lens-probe/pypi"))
+}
+
+/// Finds the real `libcudart.so.12` and `libnccl.so.2` in the PyPI cache
+/// (`$LENS_PYPI_CACHE`, default `$HOME/.cache/lens-probe/pypi`, a
+/// `pip install --target` directory) at `nvidia/cuda_runtime/lib/libcudart.so.12` and
+/// `nvidia/nccl/lib/libnccl.so.2`.
+///
+/// When either is missing the same rule as [`require_bpf`] applies: panic under
+/// `CI=true` (or `CI=1`), otherwise print `SKIP <test_name>: <reason>` (which says to
+/// run `cargo xtask setup`) and return `None`.
+pub fn nvidia_libs(test_name: &str) -> Option<NvidiaLibs> {
+    let Some(cache) = pypi_cache_dir() else {
+        skip(
+            test_name,
+            "real NVIDIA libraries",
+            "neither LENS_PYPI_CACHE nor HOME is set, so the PyPI cache cannot be found; \
+             set LENS_PYPI_CACHE and run `cargo xtask setup`",
+        );
+        return None;
+    };
+    let libs = NvidiaLibs {
+        cudart: cache.join("nvidia/cuda_runtime/lib/libcudart.so.12"),
+        nccl: cache.join("nvidia/nccl/lib/libnccl.so.2"),
+    };
+    let missing: Vec<String> = [&libs.cudart, &libs.nccl]
+        .into_iter()
+        .filter(|p| !p.is_file())
+        .map(|p| p.display().to_string())
+        .collect();
+    if missing.is_empty() {
+        return Some(libs);
+    }
+    skip(
+        test_name,
+        "real NVIDIA libraries",
+        &format!(
+            "missing {}; run `cargo xtask setup` to download them into {} \
+             (or point LENS_PYPI_CACHE at a `pip install --target` directory that has them)",
+            missing.join(" and "),
+            cache.display()
+        ),
+    );
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::process::Command;
+
+    const CUDART_SYMBOLS: &[&str] = &[
+        "cudaLaunchKernel",
+        "cudaLaunchKernelExC",
+        "cudaGraphLaunch",
+        "cudaStreamSynchronize",
+        "cudaEventSynchronize",
+        "cudaDeviceSynchronize",
+    ];
+
+    const NCCL_SYMBOLS: &[&str] = &[
+        "ncclAllReduce",
+        "ncclReduceScatter",
+        "ncclBroadcast",
+        "ncclReduce",
+        "ncclAllGather",
+        "ncclSend",
+        "ncclRecv",
+        "ncclGroupStart",
+        "ncclGroupEnd",
+        "ncclGetVersion",
+        "ncclCommInitRank",
+    ];
+
+    fn run_tool(cmd: &str, args: &[&str]) -> String {
+        let out = Command::new(cmd)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("running {cmd}: {e} (binutils is needed)"));
+        assert!(
+            out.status.success(),
+            "{cmd} {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("utf-8 tool output")
+    }
+
+    /// `nm -D --defined-only` of a library: exported name -> address, for text symbols.
+    fn exported_functions(lib: &Path) -> HashMap<String, u64> {
+        let text = run_tool("nm", &["-D", "--defined-only", lib.to_str().unwrap()]);
+        text.lines()
+            .filter_map(|line| {
+                let mut f = line.split_whitespace();
+                let (addr, kind, name) = (f.next()?, f.next()?, f.next()?);
+                (kind == "T").then(|| (name.to_string(), u64::from_str_radix(addr, 16).unwrap()))
+            })
+            .collect()
+    }
+
+    fn run_trainer(steps: &str, extra_env: &[(&str, &str)]) -> std::process::Output {
+        let mut cmd = Command::new(trainer());
+        cmd.arg(steps)
+            .env("LENS_FAKE_SYNC_MS", "1")
+            .env_remove("TRAINER_START_DELAY_MS")
+            .env_remove("TRAINER_STEP_DELAY_MS")
+            .env_remove("LD_LIBRARY_PATH");
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        cmd.output().expect("running trainer")
+    }
+
+    #[test]
+    fn fixtures_exist() {
+        for p in [
+            trainer(),
+            real_libs_caller(),
+            fake_lib_dir().join("libcudart.so.12"),
+            fake_lib_dir().join("libnccl.so.2"),
+        ] {
+            assert!(p.is_file(), "{} missing", p.display());
+        }
+    }
+
+    #[test]
+    fn trainer_runs_three_steps() {
+        let out = run_trainer("3", &[]);
+        assert!(
+            out.status.success(),
+            "trainer failed: {:?}\nstderr: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "trainer: 3 steps done\n"
+        );
+    }
+
+    #[test]
+    fn trainer_defaults_to_five_steps() {
+        let mut cmd = Command::new(trainer());
+        cmd.env("LENS_FAKE_SYNC_MS", "0");
+        let out = cmd.output().expect("running trainer");
+        assert!(out.status.success());
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "trainer: 5 steps done\n"
+        );
+    }
+
+    #[test]
+    fn fake_sync_calls_sleep() {
+        // 3 steps x (10 + 5 + 2) ms of synchronisation with LENS_FAKE_SYNC_MS=10.
+        let start = std::time::Instant::now();
+        let out = run_trainer("3", &[("LENS_FAKE_SYNC_MS", "10")]);
+        let took = start.elapsed();
+        assert!(out.status.success());
+        assert!(
+            took >= std::time::Duration::from_millis(51),
+            "trainer took only {took:?}"
+        );
+    }
+
+    #[test]
+    fn trainer_uses_fake_libs_next_to_it() {
+        let dyn_section = run_tool("readelf", &["-d", trainer().to_str().unwrap()]);
+        for needed in ["[libcudart.so.12]", "[libnccl.so.2]", "[$ORIGIN]"] {
+            assert!(
+                dyn_section.contains(needed),
+                "trainer lacks {needed}:\n{dyn_section}"
+            );
+        }
+    }
+
+    #[test]
+    fn fake_libs_have_sonames() {
+        for (lib, soname) in [
+            ("libcudart.so.12", "[libcudart.so.12]"),
+            ("libnccl.so.2", "[libnccl.so.2]"),
+        ] {
+            let d = run_tool(
+                "readelf",
+                &["-d", fake_lib_dir().join(lib).to_str().unwrap()],
+            );
+            assert!(
+                d.lines()
+                    .any(|l| l.contains("(SONAME)") && l.contains(soname)),
+                "{lib} has no SONAME {soname}:\n{d}"
+            );
+        }
+    }
+
+    #[test]
+    fn fake_libs_export_every_probed_symbol() {
+        for (lib, symbols) in [
+            ("libcudart.so.12", CUDART_SYMBOLS),
+            ("libnccl.so.2", NCCL_SYMBOLS),
+        ] {
+            let path = fake_lib_dir().join(lib);
+            let exported = exported_functions(&path);
+            for sym in symbols {
+                assert!(
+                    exported.contains_key(*sym),
+                    "{lib} does not export {sym}: {exported:?}"
+                );
+            }
+        }
+    }
+
+    /// Each export is a real function of its own: a distinct address, and a body that
+    /// starts with `push %rbp` like the real libraries.
+    #[test]
+    fn fake_lib_functions_are_distinct_and_start_with_push_rbp() {
+        for (lib, symbols) in [
+            ("libcudart.so.12", CUDART_SYMBOLS),
+            ("libnccl.so.2", NCCL_SYMBOLS),
+        ] {
+            let path = fake_lib_dir().join(lib);
+            let exported = exported_functions(&path);
+            let mut by_addr: HashMap<u64, &str> = HashMap::new();
+            for sym in symbols {
+                let addr = exported[*sym];
+                if let Some(other) = by_addr.insert(addr, sym) {
+                    panic!("{lib}: {sym} and {other} share address {addr:#x}");
+                }
+            }
+
+            let disasm = run_tool(
+                "objdump",
+                &["-d", "--no-show-raw-insn", path.to_str().unwrap()],
+            );
+            let mut lines = disasm.lines();
+            let mut first_insn: HashMap<String, String> = HashMap::new();
+            while let Some(line) = lines.next() {
+                // "00000000000011fb <cudaLaunchKernel>:"
+                let Some(name) = line
+                    .strip_suffix(">:")
+                    .and_then(|l| l.split_once(" <"))
+                    .map(|(_, n)| n)
+                else {
+                    continue;
+                };
+                if let Some(insn) = lines.next() {
+                    // "    11fb:\tpush   %rbp"
+                    let insn = insn.split_once(':').map(|(_, i)| i).unwrap_or("");
+                    first_insn.insert(
+                        name.to_string(),
+                        insn.split_whitespace().collect::<Vec<_>>().join(" "),
+                    );
+                }
+            }
+            for sym in symbols {
+                let insn = first_insn
+                    .get(*sym)
+                    .unwrap_or_else(|| panic!("{lib}: no disassembly for {sym}"));
+                assert_eq!(insn, "push %rbp", "{lib}: {sym} starts with `{insn}`");
+            }
+        }
+    }
+
+    #[test]
+    fn real_libs_caller_reports_missing_library() {
+        let out = Command::new(real_libs_caller())
+            .args(["/nonexistent/libcudart.so.12", "/nonexistent/libnccl.so.2"])
+            .env_remove("CALLER_START_DELAY_MS")
+            .output()
+            .expect("running real_libs_caller");
+        assert_eq!(out.status.code(), Some(2));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("dlopen"));
+    }
+
+    /// The caller itself, driven against the fakes (which return 0 everywhere): every
+    /// call is made once, in order, and reported.
+    #[test]
+    fn real_libs_caller_against_fakes() {
+        let dir = fake_lib_dir();
+        let out = Command::new(real_libs_caller())
+            .arg(dir.join("libcudart.so.12"))
+            .arg(dir.join("libnccl.so.2"))
+            .env_remove("CALLER_START_DELAY_MS")
+            .output()
+            .expect("running real_libs_caller");
+        assert!(
+            out.status.success(),
+            "stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let expected = [
+            "cudaLaunchKernel=0",
+            "cudaLaunchKernelExC=0",
+            "cudaGraphLaunch=0",
+            "cudaStreamSynchronize=0",
+            "cudaEventSynchronize=0",
+            "cudaDeviceSynchronize=0",
+            "ncclGetVersion=0 version=23203",
+            "ncclAllReduce=0",
+            "ncclBroadcast=0",
+            "ncclReduce=0",
+            "ncclAllGather=0",
+            "ncclReduceScatter=0",
+            "ncclSend=0",
+            "ncclRecv=0",
+            "ncclGroupStart=0",
+            "ncclGroupEnd=0",
+            "ncclCommInitRank=0",
+        ];
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(stdout.lines().collect::<Vec<_>>(), expected);
+    }
+
+    #[test]
+    fn skip_rule() {
+        // Only the non-CI branch can be exercised without mutating the process
+        // environment; check the CI parsing on its own.
+        if !under_ci() {
+            let _ = require_bpf("skip_rule");
+            let _ = nvidia_libs("skip_rule");
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! Hand-parsed command line of `cargo xtask`.
+
+pub const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  setup [--dry-run]     install what the build and tests need (nightly + rust-src, bpf-linker,
+                        the NVIDIA PyPI wheels, gcc); each step is skipped when already done;
+                        --dry-run only prints what it would do
+  build-ebpf [--debug]  build the eBPF object into target/bpf and print its path (release by default)
+  test                  setup, then build, test, clippy -D warnings and fmt --check the workspace
+  demo                  setup, build lens-probe and the fixtures, trace the fake trainer
+  help                  print this help";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Command {
+    Setup { dry_run: bool },
+    BuildEbpf { release: bool },
+    Test,
+    Demo,
+    Help,
+}
+
+/// Parses the arguments after `xtask`. `Err` is a one-line reason (then print usage, exit 2).
+pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
+    let Some((first, rest)) = args.split_first() else {
+        return Err("missing command".into());
+    };
+    let rest: Vec<&str> = rest.iter().map(AsRef::as_ref).collect();
+    let unexpected = |cmd: &str, arg: &str| Err(format!("unexpected argument `{arg}` for `{cmd}`"));
+    match first.as_ref() {
+        "help" | "-h" | "--help" => Ok(Command::Help),
+        "setup" => {
+            let mut dry_run = false;
+            for arg in rest {
+                match arg {
+                    "--dry-run" | "-n" => dry_run = true,
+                    "-h" | "--help" => return Ok(Command::Help),
+                    other => return unexpected("setup", other),
+                }
+            }
+            Ok(Command::Setup { dry_run })
+        }
+        "build-ebpf" => {
+            let mut release = true;
+            for arg in rest {
+                match arg {
+                    "--debug" => release = false,
+                    "--release" => release = true,
+                    "-h" | "--help" => return Ok(Command::Help),
+                    other => return unexpected("build-ebpf", other),
+                }
+            }
+            Ok(Command::BuildEbpf { release })
+        }
+        cmd @ ("test" | "demo") => match rest.first() {
+            None => Ok(if cmd == "test" {
+                Command::Test
+            } else {
+                Command::Demo
+            }),
+            Some(&("-h" | "--help")) => Ok(Command::Help),
+            Some(other) => unexpected(cmd, other),
+        },
+        other => Err(format!("unknown command `{other}`")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands() {
+        assert_eq!(parse(&["setup"]), Ok(Command::Setup { dry_run: false }));
+        assert_eq!(
+            parse(&["setup", "--dry-run"]),
+            Ok(Command::Setup { dry_run: true })
+        );
+        assert_eq!(
+            parse(&["build-ebpf"]),
+            Ok(Command::BuildEbpf { release: true })
+        );
+        assert_eq!(
+            parse(&["build-ebpf", "--debug"]),
+            Ok(Command::BuildEbpf { release: false })
+        );
+        assert_eq!(
+            parse(&["build-ebpf", "--debug", "--release"]),
+            Ok(Command::BuildEbpf { release: true })
+        );
+        assert_eq!(parse(&["test"]), Ok(Command::Test));
+        assert_eq!(parse(&["demo"]), Ok(Command::Demo));
+        for help in ["help", "-h", "--help"] {
+            assert_eq!(parse(&[help]), Ok(Command::Help));
+        }
+        assert_eq!(parse(&["test", "--help"]), Ok(Command::Help));
+    }
+
+    #[test]
+    fn errors() {
+        assert_eq!(parse::<&str>(&[]), Err("missing command".to_owned()));
+        assert_eq!(
+            parse(&["frobnicate"]),
+            Err("unknown command `frobnicate`".to_owned())
+        );
+        assert_eq!(
+            parse(&["build-ebpf", "--fast"]),
+            Err("unexpected argument `--fast` for `build-ebpf`".to_owned())
+        );
+        assert_eq!(
+            parse(&["test", "x"]),
+            Err("unexpected argument `x` for `test`".to_owned())
+        );
+        assert_eq!(
+            parse(&["demo", "--release"]),
+            Err("unexpected argument `--release` for `demo`".to_owned())
+        );
+        assert!(parse(&["setup", "--force"]).is_err());
+        assert!(parse(&["BUILD-EBPF"]).is_err());
+    }
+}

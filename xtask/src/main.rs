@@ -1,0 +1,168 @@
+//! `cargo xtask <command>`: project automation for lens-probe (see `cargo xtask help`).
+
+mod cli;
+mod setup;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
+
+use xtask::{ebpf, toolchain};
+
+fn workspace_root() -> PathBuf {
+    let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir.parent().unwrap_or(manifest_dir).to_path_buf()
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = match std::env::args_os()
+        .skip(1)
+        .map(|a| a.into_string())
+        .collect()
+    {
+        Ok(args) => args,
+        Err(bad) => return usage_error(&format!("argument {bad:?} is not UTF-8")),
+    };
+    let command = match cli::parse(&args) {
+        Ok(command) => command,
+        Err(reason) => return usage_error(&reason),
+    };
+    match command {
+        cli::Command::Help => {
+            println!("{}", cli::USAGE);
+            ExitCode::SUCCESS
+        }
+        cli::Command::Setup { dry_run } => match setup::run(dry_run) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(&format!("xtask setup: {e}")),
+        },
+        cli::Command::BuildEbpf { release } => build_ebpf(release),
+        cli::Command::Test => test(),
+        cli::Command::Demo => demo(),
+    }
+}
+
+fn usage_error(reason: &str) -> ExitCode {
+    eprintln!("xtask: {reason}\n\n{}", cli::USAGE);
+    ExitCode::from(2)
+}
+
+fn fail(line: &str) -> ExitCode {
+    eprintln!("{line}");
+    ExitCode::FAILURE
+}
+
+fn build_ebpf(release: bool) -> ExitCode {
+    let root = workspace_root();
+    let target_dir = root.join("target").join("bpf");
+    match ebpf::build(&root, &target_dir, release) {
+        Ok(object) => {
+            println!("{}", object.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&format!("xtask build-ebpf: {e}")),
+    }
+}
+
+/// `cargo <args>` in the workspace root with the default toolchain, output streamed.
+fn cargo(args: &[&str]) -> Command {
+    let mut cmd = Command::new(toolchain::rustup_proxy("cargo"));
+    toolchain::scrub_run_env(&mut cmd);
+    cmd.current_dir(workspace_root())
+        .args(args)
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// Runs one named step; `Err` is the one line to print.
+fn run_step(task: &str, cmd: &mut Command) -> Result<(), String> {
+    let shown = toolchain::display_command(cmd);
+    println!("==> [xtask {task}] {shown}");
+    let start = Instant::now();
+    match cmd.status() {
+        Ok(status) if status.success() => {
+            println!(
+                "==> [xtask {task}] `{shown}` ok ({:.1}s)",
+                start.elapsed().as_secs_f64()
+            );
+            Ok(())
+        }
+        Ok(status) => Err(format!("xtask {task}: step `{shown}` failed ({status})")),
+        Err(e) => Err(format!("xtask {task}: step `{shown}` could not start: {e}")),
+    }
+}
+
+fn test() -> ExitCode {
+    let start = Instant::now();
+    if let Err(e) = setup::run(false) {
+        return fail(&format!("xtask test: step `cargo xtask setup` failed: {e}"));
+    }
+    let steps: [&[&str]; 4] = [
+        &["build", "--workspace", "--all-targets"],
+        &["test", "--workspace", "--", "--test-threads=2"],
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &["fmt", "--all", "--", "--check"],
+    ];
+    for args in steps {
+        if let Err(line) = run_step("test", &mut cargo(args)) {
+            return fail(&line);
+        }
+    }
+    println!(
+        "xtask test: all steps passed in {:.1}s",
+        start.elapsed().as_secs_f64()
+    );
+    ExitCode::SUCCESS
+}
+
+fn demo() -> ExitCode {
+    if let Err(e) = setup::run(false) {
+        return fail(&format!("xtask demo: step `cargo xtask setup` failed: {e}"));
+    }
+    let root = workspace_root();
+    let mut fixtures = Command::new("bash");
+    toolchain::scrub_run_env(&mut fixtures);
+    fixtures
+        .current_dir(&root)
+        .args(["tests/fixtures/build.sh", "target/fixtures"])
+        .stdin(Stdio::null());
+    for cmd in [
+        &mut cargo(&["build", "--release", "-p", "lens-userspace"]),
+        &mut fixtures,
+    ] {
+        if let Err(line) = run_step("demo", cmd) {
+            return fail(&line);
+        }
+    }
+
+    let mut probe = Command::new(root.join("target/release/lens-probe"));
+    toolchain::scrub_run_env(&mut probe);
+    probe
+        .current_dir(&root)
+        .args(["--exec", "--", "target/fixtures/trainer", "5"])
+        .env("LENS_FAKE_SYNC_MS", "20");
+    println!(
+        "==> [xtask demo] LENS_FAKE_SYNC_MS=20 target/release/lens-probe --exec -- target/fixtures/trainer 5"
+    );
+    match probe.status() {
+        Ok(status) => match status.code() {
+            Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+            None => {
+                use std::os::unix::process::ExitStatusExt;
+                let signal = status.signal().unwrap_or(0);
+                eprintln!("xtask demo: lens-probe was killed by signal {signal}");
+                ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
+            }
+        },
+        Err(e) => fail(&format!(
+            "xtask demo: cannot run target/release/lens-probe: {e}"
+        )),
+    }
+}

@@ -1,0 +1,378 @@
+//! `cargo xtask setup`: installs what the build and the tests need. Idempotent: every step
+//! checks first and is skipped when already done. Errors are one line.
+
+use std::fs;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use xtask::pypi;
+use xtask::toolchain::{self, BPF_LINKER_VERSION, BpfLinkerInstall, NIGHTLY};
+
+/// An optional local wheel directory, used (as an optimisation only) when it exists.
+const LOCAL_WHEELS: &str = "/tmp/wheels";
+
+pub fn run(dry_run: bool) -> Result<(), String> {
+    let start = Instant::now();
+    println!(
+        "xtask setup{}",
+        if dry_run {
+            " (dry run: nothing is changed)"
+        } else {
+            ""
+        }
+    );
+    nightly(dry_run)?;
+    bpf_linker(dry_run)?;
+    pypi_wheels(dry_run)?;
+    gcc(dry_run)?;
+    println!("xtask setup: done in {:.1}s", start.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn step(n: u32, what: &str, msg: impl AsRef<str>) {
+    println!("  [{n}/4] {what}: {}", msg.as_ref());
+}
+
+/// Runs `cmd` with inherited stdout/stderr; `Err` is one line naming the command.
+fn run_streaming(cmd: &mut Command) -> Result<(), String> {
+    let shown = toolchain::display_command(cmd);
+    match cmd.stdin(Stdio::null()).status() {
+        Ok(status) if status.success() => Ok(()),
+        Ok(status) => Err(format!("`{shown}` failed ({status})")),
+        Err(e) => Err(format!("cannot run `{shown}`: {e}")),
+    }
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or("").trim()
+}
+
+// ---- 1. nightly + rust-src -------------------------------------------------------------
+
+fn nightly(dry_run: bool) -> Result<(), String> {
+    let installed = toolchain::nightly_installed().ok_or_else(|| {
+        "rustup not found on PATH or in ~/.cargo/bin: install rustup from https://rustup.rs, then rerun \
+         `cargo xtask setup`"
+            .to_owned()
+    })?;
+    if installed {
+        let version = toolchain::capture(
+            toolchain::proxy_command("rustc").args([&format!("+{NIGHTLY}"), "--version"]),
+        )
+        .map(|v| first_line(&v).to_owned())
+        .unwrap_or_else(|| "version unknown".into());
+        step(
+            1,
+            "nightly toolchain",
+            format!("already installed ({version})"),
+        );
+    } else {
+        // Never `rustup update nightly` when one exists: bpf-linker is built against its LLVM.
+        let mut cmd = toolchain::proxy_command("rustup");
+        cmd.args(["toolchain", "install", NIGHTLY, "--profile", "minimal"]);
+        step(
+            1,
+            "nightly toolchain",
+            format!(
+                "not installed; running `{}`",
+                toolchain::display_command(&cmd)
+            ),
+        );
+        if dry_run {
+            step(1, "rust-src", "would be checked after installing nightly");
+            return Ok(());
+        }
+        run_streaming(&mut cmd)
+            .map_err(|e| format!("{e}: the eBPF build needs a nightly toolchain"))?;
+    }
+
+    let sysroot = match toolchain::nightly_sysroot() {
+        Some(s) => s,
+        None if dry_run => return Ok(()),
+        None => return Err("`rustc +nightly --print sysroot` failed right after installing nightly: check `rustup toolchain list`".into()),
+    };
+    if toolchain::rust_src_installed(&sysroot) {
+        step(
+            1,
+            "rust-src",
+            format!(
+                "already installed ({})",
+                toolchain::rust_src_dir(&sysroot).display()
+            ),
+        );
+        return Ok(());
+    }
+    let mut cmd = toolchain::proxy_command("rustup");
+    cmd.args(["component", "add", "rust-src", "--toolchain", NIGHTLY]);
+    step(
+        1,
+        "rust-src",
+        format!("missing; running `{}`", toolchain::display_command(&cmd)),
+    );
+    if dry_run {
+        return Ok(());
+    }
+    run_streaming(&mut cmd).map_err(|e| {
+        format!("{e}: rust-src is needed for `-Z build-std=core` (check network access to static.rust-lang.org)")
+    })?;
+    if !toolchain::rust_src_installed(&sysroot) {
+        return Err(format!(
+            "rust-src still missing after `rustup component add`: no {}",
+            toolchain::rust_src_dir(&sysroot).display()
+        ));
+    }
+    Ok(())
+}
+
+// ---- 2. bpf-linker ---------------------------------------------------------------------
+
+/// Derives the bpf-linker install command from the installed nightly.
+fn bpf_linker_plan() -> Result<BpfLinkerInstall, String> {
+    let vv =
+        toolchain::capture(toolchain::proxy_command("rustc").args([&format!("+{NIGHTLY}"), "-vV"]))
+            .ok_or("`rustc +nightly -vV` failed: is the nightly toolchain installed? (step 1)")?;
+    let sysroot = toolchain::nightly_sysroot().ok_or("`rustc +nightly --print sysroot` failed")?;
+    let lib = sysroot.join("lib");
+    let names: Vec<String> = fs::read_dir(&lib)
+        .map_err(|e| format!("cannot list {}: {e}", lib.display()))?
+        .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
+        .collect();
+    BpfLinkerInstall::derive(&vv, &sysroot, names)
+}
+
+fn bpf_linker(dry_run: bool) -> Result<(), String> {
+    let what = "bpf-linker";
+    let found = toolchain::find_bpf_linker().map(|p| {
+        let version = toolchain::bpf_linker_version(&p);
+        (p, version)
+    });
+    let reason = match &found {
+        Some((path, Some(v))) if toolchain::is_wanted_bpf_linker(v) => {
+            step(
+                2,
+                what,
+                format!("already installed ({}: {v})", path.display()),
+            );
+            if dry_run {
+                match bpf_linker_plan() {
+                    Ok(plan) => step(2, what, format!("a rebuild would run: {}", plan.display())),
+                    Err(e) => step(2, what, format!("a rebuild could not be derived: {e}")),
+                }
+            }
+            return Ok(());
+        }
+        Some((path, Some(v))) => format!("{} is `{v}`, not {BPF_LINKER_VERSION}", path.display()),
+        Some((path, None)) => format!(
+            "{} does not run (built against another LLVM?)",
+            path.display()
+        ),
+        None => "not found on PATH or in ~/.cargo/bin".to_owned(),
+    };
+    let plan = bpf_linker_plan().map_err(|e| format!("cannot build bpf-linker: {e}"))?;
+    step(
+        2,
+        what,
+        format!("{reason}; building {BPF_LINKER_VERSION} against the nightly's libLLVM (~80 s):"),
+    );
+    step(2, what, plan.display());
+    if dry_run {
+        return Ok(());
+    }
+    let mut cmd = toolchain::proxy_command("cargo");
+    cmd.args(&plan.cargo_args)
+        .env("CARGO_ENCODED_RUSTFLAGS", plan.encoded_rustflags());
+    run_streaming(&mut cmd)
+        .map_err(|e| format!("{e}: could not build bpf-linker {BPF_LINKER_VERSION}"))?;
+    match toolchain::find_bpf_linker().and_then(|p| toolchain::bpf_linker_version(&p)) {
+        Some(v) if toolchain::is_wanted_bpf_linker(&v) => {
+            step(2, what, format!("installed ({v})"));
+            Ok(())
+        }
+        other => Err(format!(
+            "bpf-linker was built but `bpf-linker --version` says {other:?}: is another bpf-linker earlier on PATH?"
+        )),
+    }
+}
+
+// ---- 3. NVIDIA PyPI wheels -------------------------------------------------------------
+
+fn pip_install(target: &Path, local_wheels: Option<&Path>) -> Command {
+    let mut cmd = Command::new("python3");
+    cmd.args([
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--upgrade",
+        "--target",
+    ])
+    .arg(target);
+    if let Some(dir) = local_wheels {
+        cmd.args(["--no-index", "--find-links"]).arg(dir);
+    }
+    cmd.args(pypi::REQUIREMENTS);
+    cmd
+}
+
+fn pypi_wheels(dry_run: bool) -> Result<(), String> {
+    let what = "NVIDIA wheels";
+    let dir = pypi::cache_dir();
+    if pypi::installed(&dir) {
+        step(
+            3,
+            what,
+            format!(
+                "already in {} ({}, {})",
+                dir.display(),
+                pypi::NCCL_LIB,
+                pypi::CUDART_LIB
+            ),
+        );
+        return Ok(());
+    }
+    // Both in one pip run: `--target` replaces the shared `nvidia/` directory as a whole.
+    let local = Path::new(LOCAL_WHEELS);
+    let local = local.is_dir().then_some(local);
+    let index_cmd = pip_install(&dir, None);
+    step(
+        3,
+        what,
+        format!(
+            "installing into {} ({}):",
+            dir.display(),
+            pypi::REQUIREMENTS.join(", ")
+        ),
+    );
+    if dry_run {
+        if let Some(local) = local {
+            step(
+                3,
+                what,
+                format!(
+                    "would try `{}` first",
+                    toolchain::display_command(&pip_install(&dir, Some(local)))
+                ),
+            );
+        }
+        step(
+            3,
+            what,
+            format!("would run `{}`", toolchain::display_command(&index_cmd)),
+        );
+        return Ok(());
+    }
+    fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let mut done = false;
+    if let Some(local) = local {
+        let mut cmd = pip_install(&dir, Some(local));
+        step(
+            3,
+            what,
+            format!(
+                "trying the local wheels: {}",
+                toolchain::display_command(&cmd)
+            ),
+        );
+        match run_streaming(&mut cmd) {
+            Ok(()) => done = pypi::installed(&dir),
+            Err(e) => step(3, what, format!("{e}; falling back to the package index")),
+        }
+    }
+    if !done {
+        let mut cmd = index_cmd;
+        step(
+            3,
+            what,
+            format!("running `{}`", toolchain::display_command(&cmd)),
+        );
+        run_streaming(&mut cmd).map_err(|e| {
+            format!("{e}: python3 with pip and access to pypi.org are needed (or set {} to a dir that has them)", pypi::CACHE_ENV)
+        })?;
+    }
+    if !pypi::installed(&dir) {
+        let missing: Vec<String> = pypi::libraries(&dir)
+            .iter()
+            .filter(|p| !p.is_file())
+            .map(|p| p.display().to_string())
+            .collect();
+        return Err(format!(
+            "pip finished but {} is missing",
+            missing.join(" and ")
+        ));
+    }
+    step(3, what, format!("installed in {}", dir.display()));
+    Ok(())
+}
+
+// ---- 4. gcc ------------------------------------------------------------------------------
+
+fn gcc_version() -> Option<String> {
+    toolchain::capture(Command::new("gcc").arg("--version")).map(|v| first_line(&v).to_owned())
+}
+
+fn apt_get(args: &[&str]) -> Command {
+    let mut cmd = Command::new("apt-get");
+    cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+    cmd
+}
+
+fn gcc(dry_run: bool) -> Result<(), String> {
+    let what = "gcc (C test fixtures)";
+    if let Some(v) = gcc_version() {
+        step(4, what, format!("already installed ({v})"));
+        return Ok(());
+    }
+    let mut install = apt_get(&["install", "-y", "gcc"]);
+    step(
+        4,
+        what,
+        format!(
+            "missing; running `{}`",
+            toolchain::display_command(&install)
+        ),
+    );
+    if dry_run {
+        return Ok(());
+    }
+    let fail = || {
+        "gcc is missing and `apt-get install -y gcc` failed: install a C compiler named gcc, then rerun \
+         `cargo xtask setup`"
+            .to_owned()
+    };
+    if toolchain::find_program("apt-get").is_none() {
+        return Err(fail());
+    }
+    if run_streaming(&mut install).is_err() {
+        step(4, what, "retrying after `apt-get update`");
+        run_streaming(&mut apt_get(&["update"])).map_err(|_| fail())?;
+        run_streaming(&mut apt_get(&["install", "-y", "gcc"])).map_err(|_| fail())?;
+    }
+    let v = gcc_version().ok_or_else(fail)?;
+    step(4, what, format!("installed ({v})"));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pip_commands() {
+        let index = toolchain::display_command(&pip_install(Path::new("/c/pypi"), None));
+        assert_eq!(
+            index,
+            "python3 -m pip install --disable-pip-version-check --no-deps --upgrade --target /c/pypi \
+             nvidia-nccl-cu12==2.32.3 nvidia-cuda-runtime-cu12==12.9.79"
+        );
+        let local = toolchain::display_command(&pip_install(
+            Path::new("/c"),
+            Some(Path::new("/tmp/wheels")),
+        ));
+        assert!(
+            local.contains("--no-index --find-links /tmp/wheels nvidia-nccl-cu12==2.32.3"),
+            "{local}"
+        );
+    }
+}
