@@ -43,20 +43,11 @@ const DRAIN_INTERVAL: Duration = Duration::from_millis(20);
 /// After a signal, how long the children we started get to exit before we give up.
 const CHILD_EXIT_GRACE: Duration = Duration::from_secs(5);
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct TraceOptions {
     pub span_groups: SpanGroups,
     /// Kernel-side diagnostics (aya-log) forwarded to the log.
     pub kernel_logs: bool,
-}
-
-impl Default for TraceOptions {
-    fn default() -> Self {
-        TraceOptions {
-            span_groups: SpanGroups::default(),
-            kernel_logs: false,
-        }
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

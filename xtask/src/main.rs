@@ -146,10 +146,17 @@ fn demo() -> ExitCode {
     toolchain::scrub_run_env(&mut probe);
     probe
         .current_dir(&root)
-        .args(["--exec", "--", "target/fixtures/trainer", "5"])
+        .args([
+            "--span-groups",
+            "per_step",
+            "--exec",
+            "--",
+            "target/fixtures/trainer",
+            "5",
+        ])
         .env("LENS_FAKE_SYNC_MS", "20");
     println!(
-        "==> [xtask demo] LENS_FAKE_SYNC_MS=20 target/release/lens-probe --exec -- target/fixtures/trainer 5"
+        "==> [xtask demo] LENS_FAKE_SYNC_MS=20 target/release/lens-probe --span-groups per_step --exec -- target/fixtures/trainer 5"
     );
     match probe.status() {
         Ok(status) => match status.code() {

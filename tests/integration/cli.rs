@@ -1,0 +1,167 @@
+//! The lens-probe binary as a user runs it: the demo summary, exit codes, and one clear
+//! line for each kind of bad input.
+use std::process::{Command, Output};
+
+const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
+
+fn lens_probe(args: &[&str]) -> Output {
+    Command::new(LENS_PROBE).args(args).output().unwrap()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// A failure is exactly one line on stderr, starting with the program name.
+fn assert_one_line_error(output: &Output, code: i32, needle: &str) {
+    let text = stderr(output);
+    assert_eq!(output.status.code(), Some(code), "{text}");
+    assert_eq!(text.lines().count(), 1, "not one line: {text:?}");
+    assert!(text.starts_with("lens-probe: "), "{text}");
+    assert!(text.contains(needle), "{needle:?} not in {text:?}");
+}
+
+#[test]
+fn demo_prints_a_correct_summary_and_exits_with_the_commands_code() {
+    if !lens_tests::require_bpf("demo_prints_a_correct_summary") {
+        return;
+    }
+    let json_path = std::env::temp_dir().join(format!("lens-summary-{}.json", std::process::id()));
+    let trainer = lens_tests::trainer();
+    let output = Command::new(LENS_PROBE)
+        .args(["--span-groups", "per_step", "--summary-json"])
+        .arg(&json_path)
+        .args(["--exec", "--"])
+        .arg(&trainer)
+        .arg("4")
+        .output()
+        .unwrap();
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains("trainer: 4 steps done"),
+        "the command's own output passes through"
+    );
+    assert!(text.contains("lens-probe summary: pid"), "{text}");
+    assert!(text.contains("(trainer), exited 0"), "{text}");
+    assert!(text.contains("communicator 0xc0ffee00: rank 1/4"), "{text}");
+    assert!(
+        text.contains("launches: cudaLaunchKernel 40, cudaLaunchKernelExC 4, cudaGraphLaunch 4"),
+        "{text}"
+    );
+    assert!(text.contains("no events lost"), "{text}");
+
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json_path);
+    let process = &json["processes"][0];
+    assert_eq!(process["exit"]["exited"], 0);
+    // AllReduce counts 1024·(step+1) float32 over 4 steps: 4·1024·(1+2+3+4) bytes.
+    assert_eq!(process["collectives"]["all_reduce"]["calls"], 4);
+    assert_eq!(process["collectives"]["all_reduce"]["bytes"], 4 * 1024 * 10);
+    assert_eq!(process["collectives"]["broadcast"]["bytes"], 4 * 4096 * 2);
+    assert_eq!(process["collectives"]["send"]["bytes"], 4 * 64);
+    assert_eq!(process["sync_waits"]["stream"]["calls"], 4);
+    let p50 = process["sync_waits"]["stream"]["p50_ns"].as_u64().unwrap();
+    assert!(
+        p50.abs_diff(20_000_000) < 4_000_000,
+        "stream sync p50 {p50}"
+    );
+    assert_eq!(process["calls"]["ncclGroupStart"], 4);
+    assert_eq!(json["losses"]["kernel"]["ring_buffer_full"], 0);
+}
+
+#[test]
+fn exec_passes_the_commands_exit_code_through() {
+    if !lens_tests::require_bpf("exec_passes_the_commands_exit_code_through") {
+        return;
+    }
+    let output = lens_probe(&["--exec", "--", "sh", "-c", "exit 3"]);
+    assert_eq!(output.status.code(), Some(3), "{}", stderr(&output));
+    let output = lens_probe(&["--exec", "--", "sh", "-c", "kill -TERM $$"]);
+    assert_eq!(output.status.code(), Some(128 + 15), "{}", stderr(&output));
+}
+
+#[test]
+fn a_missing_pid_is_one_line() {
+    if !lens_tests::require_bpf("a_missing_pid_is_one_line") {
+        return;
+    }
+    assert_one_line_error(
+        &lens_probe(&["--pid", "999999"]),
+        1,
+        "no process with pid 999999",
+    );
+}
+
+#[test]
+fn a_process_without_the_libraries_is_one_line() {
+    if !lens_tests::require_bpf("a_process_without_the_libraries_is_one_line") {
+        return;
+    }
+    let mut sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+    let output = lens_probe(&["--pid", &sleeper.id().to_string()]);
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    assert_one_line_error(&output, 1, "maps none of libcudart.so, libnccl.so");
+}
+
+#[test]
+fn a_command_that_cannot_run_is_one_line() {
+    if !lens_tests::require_bpf("a_command_that_cannot_run_is_one_line") {
+        return;
+    }
+    assert_one_line_error(
+        &lens_probe(&["--exec", "--", "/nonexistent/train.py"]),
+        1,
+        "cannot run /nonexistent/train.py",
+    );
+}
+
+#[test]
+fn without_privileges_it_names_the_missing_capabilities() {
+    // Run as nobody with no capabilities; needs root to switch user.
+    if !lens_tests::require_bpf("without_privileges_it_names_the_missing_capabilities") {
+        return;
+    }
+    let output = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+        ])
+        .arg(LENS_PROBE)
+        .args(["--pid", "1"])
+        .output()
+        .unwrap();
+    assert_one_line_error(
+        &output,
+        1,
+        "needs root, or the capabilities CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN",
+    );
+}
+
+#[test]
+fn unknown_flags_and_bad_values_are_one_line_exit_2() {
+    assert_one_line_error(&lens_probe(&["--frobnicate"]), 2, "--frobnicate");
+    assert_one_line_error(&lens_probe(&["--pid", "abc"]), 2, "abc");
+    assert_one_line_error(&lens_probe(&[]), 2, "required");
+    assert_one_line_error(
+        &lens_probe(&["--pid", "1", "--span-groups", "default,steps"]),
+        2,
+        "unknown span group \"steps\"; valid: all, checkpoint, default",
+    );
+    assert_one_line_error(&lens_probe(&["--pid", "1", "--exporter", "foo"]), 2, "foo");
+    assert_one_line_error(
+        &lens_probe(&["--pid", "1", "--duration", "soon"]),
+        2,
+        "soon",
+    );
+    let output = Command::new(LENS_PROBE)
+        .args(["--pid", "1"])
+        .env("NEMO_LENS_SPAN_GROUPS", "bogus")
+        .output()
+        .unwrap();
+    assert_one_line_error(&output, 2, "unknown span group \"bogus\"");
+}

@@ -1,0 +1,347 @@
+//! The fake libcudart/libnccl and the trainer that calls them in a known pattern: exact
+//! counts, arguments and durations through real uprobes (see tests/README.md).
+use std::{collections::BTreeMap, time::Duration};
+
+use lens_common::{NCCL_UNIQUE_ID_WORDS, ProbeId, comm_id_hash};
+use lens_probe::{
+    events::{CollectiveOp, ProbeEvent, SyncKind},
+    groups::SpanGroups,
+    nccl::{DataType, RedOp},
+    session::{RunReport, Session, StopReason, TraceOptions},
+    sink::EventLog,
+    target::ExitStatus,
+};
+
+const STEPS: u64 = 3;
+/// The fake cudaStreamSynchronize sleeps this long; event sync half, device sync a quarter.
+const SYNC_MS: u64 = 20;
+
+fn options(spec: &str) -> TraceOptions {
+    TraceOptions {
+        span_groups: spec.parse::<SpanGroups>().unwrap(),
+        kernel_logs: false,
+    }
+}
+
+fn run(session: &mut Session) -> (EventLog, RunReport) {
+    let mut log = EventLog::default();
+    let report = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(session.run(&mut log, Some(Duration::from_secs(60))))
+        .unwrap();
+    (log, report)
+}
+
+fn trainer_args() -> Vec<std::ffi::OsString> {
+    vec![
+        lens_tests::trainer().into_os_string(),
+        STEPS.to_string().into(),
+    ]
+}
+
+/// The trainer started through env(1) (one more exec in the same pid) with a sync log:
+/// the fake libcudart writes there how long each sync call really slept.
+fn trainer_args_with_sync_log(log: &std::path::Path) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "env".into(),
+        format!("LENS_FAKE_SYNC_LOG={}", log.display()).into(),
+        format!("LENS_FAKE_SYNC_MS={SYNC_MS}").into(),
+    ];
+    args.extend(trainer_args());
+    args
+}
+
+/// Durations the fixture really slept, per sync kind, in call order.
+fn slept_ns(log: &std::path::Path) -> BTreeMap<String, Vec<u64>> {
+    let mut slept: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for line in std::fs::read_to_string(log).unwrap().lines() {
+        let (kind, ns) = line.split_once(' ').unwrap();
+        slept
+            .entry(kind.to_string())
+            .or_default()
+            .push(ns.parse().unwrap());
+    }
+    slept
+}
+
+/// The communicator id the trainer passes: byte i = i.
+fn trainer_comm_id_hash() -> u64 {
+    let bytes: Vec<u8> = (0..128u8).collect();
+    let mut words = [0u64; NCCL_UNIQUE_ID_WORDS];
+    for (word, chunk) in words.iter_mut().zip(bytes.chunks_exact(8)) {
+        *word = u64::from_le_bytes(chunk.try_into().unwrap());
+    }
+    comm_id_hash(&words)
+}
+
+/// (op, count, dtype, redop, root/peer) of one collective.
+type CollectiveArgs = (CollectiveOp, u64, DataType, Option<RedOp>, Option<i32>);
+
+fn expected_collectives_of_step(step: u64) -> Vec<CollectiveArgs> {
+    vec![
+        (
+            CollectiveOp::AllReduce,
+            1024 * (step + 1),
+            DataType::Float32,
+            Some(RedOp::Sum),
+            None,
+        ),
+        (
+            CollectiveOp::Broadcast,
+            4096,
+            DataType::Bfloat16,
+            None,
+            Some(2),
+        ),
+        (
+            CollectiveOp::Reduce,
+            256,
+            DataType::Float16,
+            Some(RedOp::Max),
+            Some(3),
+        ),
+        (CollectiveOp::AllGather, 512, DataType::Int32, None, None),
+        (
+            CollectiveOp::ReduceScatter,
+            128,
+            DataType::Float64,
+            Some(RedOp::Avg),
+            None,
+        ),
+        (CollectiveOp::Send, 64, DataType::Uint8, None, Some(0)),
+        (CollectiveOp::Recv, 64, DataType::Uint8, None, Some(2)),
+    ]
+}
+
+#[test]
+fn exec_trainer_every_call_counted_with_exact_arguments() {
+    if !lens_tests::require_bpf("exec_trainer_every_call_counted_with_exact_arguments") {
+        return;
+    }
+    let sync_log = std::env::temp_dir().join(format!("lens-sync-{}.log", std::process::id()));
+    let _ = std::fs::remove_file(&sync_log);
+    let mut session = Session::new(options("per_step")).unwrap();
+    let pid = session
+        .exec(&trainer_args_with_sync_log(&sync_log))
+        .unwrap();
+    let (log, report) = run(&mut session);
+    let slept = slept_ns(&sync_log);
+    let _ = std::fs::remove_file(&sync_log);
+
+    assert_eq!(report.stop, StopReason::TargetsExited);
+    assert_eq!(report.child_exit, Some(ExitStatus::Exited(0)));
+    assert_eq!(report.losses.total(), 0, "{:?}", report.losses);
+
+    // Every probed call, counted in the kernel, exactly.
+    assert_eq!(log.ended.len(), 1);
+    let calls = &log.ended[0].calls;
+    let expected: BTreeMap<ProbeId, u64> = [
+        (ProbeId::CudaLaunchKernel, 10 * STEPS),
+        (ProbeId::CudaLaunchKernelExC, STEPS),
+        (ProbeId::CudaGraphLaunch, STEPS),
+        (ProbeId::CudaStreamSynchronize, STEPS),
+        (ProbeId::CudaDeviceSynchronize, STEPS),
+        (ProbeId::CudaEventSynchronize, STEPS),
+        (ProbeId::NcclAllReduce, STEPS),
+        (ProbeId::NcclBroadcast, STEPS),
+        (ProbeId::NcclReduce, STEPS),
+        (ProbeId::NcclAllGather, STEPS),
+        (ProbeId::NcclReduceScatter, STEPS),
+        (ProbeId::NcclSend, STEPS),
+        (ProbeId::NcclRecv, STEPS),
+        (ProbeId::NcclGroupStart, STEPS),
+        (ProbeId::NcclGroupEnd, STEPS),
+        (ProbeId::NcclCommInitRank, 1),
+    ]
+    .into();
+    assert_eq!(calls, &expected);
+
+    // The communicator: handle written by the call, rank/size, id hash as every rank sees it.
+    let inits: Vec<_> = log
+        .events
+        .iter()
+        .filter(|e| matches!(e, ProbeEvent::CommInit { .. }))
+        .collect();
+    assert_eq!(inits.len(), 1);
+    match inits[0] {
+        ProbeEvent::CommInit {
+            timing,
+            comm,
+            rank,
+            nranks,
+            comm_id_hash,
+            result,
+        } => {
+            assert_eq!(timing.tgid, pid);
+            assert_eq!(*comm, 0xC0FFEE00);
+            assert_eq!((*rank, *nranks), (1, 4));
+            assert_eq!(*comm_id_hash, trainer_comm_id_hash());
+            assert_eq!(*result, 0);
+        }
+        _ => unreachable!(),
+    }
+
+    // Every collective, in call order, with its exact arguments.
+    let collectives: Vec<CollectiveArgs> = log
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            ProbeEvent::Collective {
+                op,
+                count,
+                datatype,
+                redop,
+                peer,
+                comm,
+                stream,
+                result,
+                timing,
+                ..
+            } => {
+                assert_eq!(*comm, 0xC0FFEE00);
+                assert_eq!(*stream, 0x5000);
+                assert_eq!(*result, 0);
+                assert_eq!(timing.tgid, pid);
+                assert!(timing.end_ns >= timing.start_ns);
+                Some((*op, *count, datatype.unwrap(), *redop, *peer))
+            }
+            _ => None,
+        })
+        .collect();
+    let expected: Vec<CollectiveArgs> = (0..STEPS).flat_map(expected_collectives_of_step).collect();
+    assert_eq!(collectives, expected);
+    let all_reduce_bytes: Vec<u64> = log
+        .events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e,
+                ProbeEvent::Collective {
+                    op: CollectiveOp::AllReduce,
+                    ..
+                }
+            )
+        })
+        .filter_map(ProbeEvent::bytes)
+        .collect();
+    assert_eq!(all_reduce_bytes, [4096, 8192, 12288]);
+
+    // Group brackets: start then end, once per step.
+    let groups: Vec<bool> = log
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            ProbeEvent::Group { open, .. } => Some(*open),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(groups, [true, false].repeat(STEPS as usize));
+
+    // Sync waits: the fixture's known sleeps ±20%, and within 1 ms of what it really slept.
+    for (kind, name, handle, sleep_ms) in [
+        (SyncKind::Stream, "stream", 0x5000, SYNC_MS),
+        (SyncKind::Event, "event", 0x7000, SYNC_MS / 2),
+        (SyncKind::Device, "device", 0, SYNC_MS / 4),
+    ] {
+        let waits: Vec<u64> = log
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                ProbeEvent::SyncWait {
+                    timing,
+                    kind: k,
+                    handle: h,
+                    result,
+                } if *k == kind => {
+                    assert_eq!(*h, handle, "{kind:?}");
+                    assert_eq!(*result, 0);
+                    Some(timing.duration_ns())
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(waits.len() as u64, STEPS, "{kind:?}");
+        let truth = &slept[name];
+        assert_eq!(truth.len(), waits.len(), "{kind:?}");
+        let nominal_ns = sleep_ms * 1_000_000;
+        for (wait, slept) in waits.iter().zip(truth) {
+            assert!(
+                wait >= slept && wait - slept <= 1_000_000,
+                "{kind:?}: measured {wait} ns, the fixture slept {slept} ns"
+            );
+            // Over-sleep on a loaded machine is the fixture's, not the probe's: compare
+            // the nominal sleep with the measurement less that over-sleep.
+            let probe_error = wait - slept;
+            assert!(
+                (nominal_ns + probe_error).abs_diff(nominal_ns) <= nominal_ns / 5,
+                "{kind:?}: {wait} ns vs nominal {nominal_ns} ns ±20%"
+            );
+        }
+    }
+}
+
+#[test]
+fn default_groups_leave_per_call_probes_unattached() {
+    if !lens_tests::require_bpf("default_groups_leave_per_call_probes_unattached") {
+        return;
+    }
+    let mut session = Session::new(options("default")).unwrap();
+    session.exec(&trainer_args()).unwrap();
+    let (log, report) = run(&mut session);
+    assert_eq!(report.child_exit, Some(ExitStatus::Exited(0)));
+
+    // Only the infrastructure probes went in: the loader hook and communicator init.
+    let attached: Vec<ProbeId> = session.attacher().attached_by_probe().into_keys().collect();
+    assert_eq!(attached, [ProbeId::NcclCommInitRank, ProbeId::DlDebugState]);
+    // ...and nothing else fired.
+    assert!(
+        log.events
+            .iter()
+            .all(|e| matches!(e, ProbeEvent::CommInit { .. })),
+        "{:?}",
+        log.events
+    );
+    let calls: Vec<ProbeId> = log.ended[0].calls.keys().copied().collect();
+    assert_eq!(calls, [ProbeId::NcclCommInitRank]);
+}
+
+#[test]
+fn attach_by_pid_counts_the_calls_made_after_attach() {
+    if !lens_tests::require_bpf("attach_by_pid_counts_the_calls_made_after_attach") {
+        return;
+    }
+    // The trainer waits before its first call, so every call comes after the attach.
+    let mut child = std::process::Command::new(lens_tests::trainer())
+        .arg("2")
+        .env("TRAINER_START_DELAY_MS", "1500")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until the dynamic loader has mapped the fake libraries.
+    let maps = format!("/proc/{}/maps", child.id());
+    for _ in 0..200 {
+        if std::fs::read_to_string(&maps).is_ok_and(|m| m.contains("libnccl.so.2")) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut session = Session::new(options("per_step")).unwrap();
+    session.attach_pid(child.id()).unwrap();
+    let (log, report) = run(&mut session);
+    assert!(child.wait().unwrap().success());
+
+    assert_eq!(report.stop, StopReason::TargetsExited);
+    assert_eq!(log.ended[0].exit, Some(ExitStatus::Unknown));
+    let calls = &log.ended[0].calls;
+    assert_eq!(calls.get(&ProbeId::CudaLaunchKernel), Some(&20));
+    assert_eq!(calls.get(&ProbeId::NcclAllReduce), Some(&2));
+    assert_eq!(calls.get(&ProbeId::NcclCommInitRank), Some(&1));
+    let collectives = log
+        .events
+        .iter()
+        .filter(|e| matches!(e, ProbeEvent::Collective { .. }))
+        .count();
+    assert_eq!(collectives, 14);
+}

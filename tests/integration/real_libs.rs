@@ -1,0 +1,162 @@
+//! The real libcudart and libnccl from the PyPI wheels, dlopen'ed late by a C program
+//! (no GPU: the calls fail fast, the probes must still see them with the right arguments).
+use std::{collections::BTreeMap, time::Duration};
+
+use lens_common::ProbeId;
+use lens_probe::{
+    events::{CollectiveOp, ProbeEvent, SyncKind},
+    nccl::{DataType, RedOp},
+    probes::{attach::ProbeOutcome, library::LibraryKind},
+    session::{Session, TraceOptions},
+    sink::EventLog,
+    target::ExitStatus,
+};
+
+#[test]
+fn real_cudart_and_nccl_every_symbol_attaches_and_calls_are_seen() {
+    if !lens_tests::require_bpf("real_cudart_and_nccl") {
+        return;
+    }
+    let Some(libs) = lens_tests::nvidia_libs("real_cudart_and_nccl") else {
+        return;
+    };
+    // SAFETY: this test binary has this one test, so no other thread reads the environment.
+    // NCCL must not look for network interfaces other than loopback here.
+    unsafe { std::env::set_var("NCCL_SOCKET_IFNAME", "lo") };
+    let mut session = Session::new(TraceOptions {
+        span_groups: "all".parse().unwrap(),
+        kernel_logs: false,
+    })
+    .unwrap();
+    session
+        .exec(&[
+            lens_tests::real_libs_caller().into_os_string(),
+            libs.cudart.clone().into_os_string(),
+            libs.nccl.clone().into_os_string(),
+        ])
+        .unwrap();
+    let mut log = EventLog::default();
+    let report = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(session.run(&mut log, Some(Duration::from_secs(120))))
+        .unwrap();
+    assert_eq!(report.child_exit, Some(ExitStatus::Exited(0)));
+
+    // Both libraries were found although loaded late, and every listed symbol attached.
+    for kind in [LibraryKind::CudaRuntime, LibraryKind::Nccl] {
+        let attachment = session
+            .attacher()
+            .attachments()
+            .iter()
+            .find(|a| a.library.kind == kind)
+            .unwrap_or_else(|| panic!("{kind:?} was not attached"));
+        let failed: Vec<_> = attachment
+            .outcomes
+            .iter()
+            .filter(|o| matches!(o, ProbeOutcome::Failed { .. }))
+            .collect();
+        assert!(failed.is_empty(), "{kind:?}: {failed:?}");
+    }
+    let attached = session.attacher().attached_by_probe();
+    for probe in ProbeId::ALL {
+        assert!(attached.contains_key(&probe), "{probe:?} not attached");
+    }
+
+    // Each call made once is counted once (aliases such as pncclX do not double-fire).
+    let calls = &log.ended[0].calls;
+    let expected: BTreeMap<ProbeId, u64> = ProbeId::ALL
+        .into_iter()
+        .filter(|p| *p != ProbeId::DlDebugState)
+        .map(|p| (p, 1))
+        .collect();
+    assert_eq!(calls, &expected);
+
+    let mut collectives = Vec::new();
+    let mut syncs = Vec::new();
+    for event in &log.events {
+        match event {
+            ProbeEvent::Collective {
+                op,
+                count,
+                datatype,
+                redop,
+                peer,
+                comm,
+                result,
+                ..
+            } => {
+                assert_eq!(*comm, 0);
+                // ncclInvalidArgument: NULL communicator.
+                assert_eq!(*result, 4, "{op:?}");
+                collectives.push((*op, *count, datatype.unwrap(), *redop, *peer));
+            }
+            ProbeEvent::SyncWait {
+                kind,
+                handle,
+                result,
+                ..
+            } => {
+                // cudaErrorInsufficientDriver: no GPU here.
+                assert_eq!(*result, 35);
+                syncs.push((*kind, *handle));
+            }
+            ProbeEvent::CommInit {
+                rank,
+                nranks,
+                result,
+                ..
+            } => {
+                assert_eq!((*rank, *nranks), (0, 2));
+                assert_ne!(*result, 0);
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(
+        collectives,
+        [
+            (
+                CollectiveOp::AllReduce,
+                1000,
+                DataType::Float32,
+                Some(RedOp::Sum),
+                None
+            ),
+            (
+                CollectiveOp::Broadcast,
+                2000,
+                DataType::Bfloat16,
+                None,
+                Some(1)
+            ),
+            (
+                CollectiveOp::Reduce,
+                300,
+                DataType::Float16,
+                Some(RedOp::Max),
+                Some(2)
+            ),
+            (CollectiveOp::AllGather, 400, DataType::Int8, None, None),
+            (
+                CollectiveOp::ReduceScatter,
+                500,
+                DataType::Float64,
+                Some(RedOp::Min),
+                None
+            ),
+            (CollectiveOp::Send, 600, DataType::Int32, None, Some(3)),
+            (CollectiveOp::Recv, 700, DataType::Int64, None, Some(4)),
+        ]
+    );
+    syncs.sort();
+    assert_eq!(
+        syncs,
+        [
+            (SyncKind::Stream, 0x42),
+            (SyncKind::Event, 0x43),
+            (SyncKind::Device, 0)
+        ]
+    );
+}
