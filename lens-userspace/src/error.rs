@@ -53,6 +53,14 @@ pub enum LensError {
     #[error("cannot load the BPF programs: {0}")]
     Load(#[from] aya::EbpfError),
 
+    #[error(
+        "the kernel's verifier rejected BPF program {program}: {reason} (run with -vv for its log)"
+    )]
+    VerifierRejected {
+        program: &'static str,
+        reason: String,
+    },
+
     #[error("BPF program {program}: {source}")]
     Program {
         program: &'static str,

@@ -33,7 +33,14 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(error) => {
-            eprintln!("lens-probe: {error}");
+            // One line for people; anything longer (a kernel log) only with -vv.
+            let text = error.to_string();
+            let mut lines = text.lines();
+            eprintln!("lens-probe: {}", lines.next().unwrap_or_default());
+            let rest: Vec<&str> = lines.collect();
+            if !rest.is_empty() {
+                log::debug!("{}", rest.join("\n"));
+            }
             ExitCode::from(error.exit_code() as u8)
         }
     }
@@ -78,13 +85,10 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         cli.span_groups
     );
 
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
     let mut summary = Summary::default();
     let printer = (cli.verbose >= 1).then(|| EventPrinter::new(std::io::stderr()));
     let mut sinks = (&mut summary, printer);
-    let report = runtime.block_on(session.run(&mut sinks, cli.duration))?;
+    let report = session.run_blocking(&mut sinks, cli.duration)?;
 
     eprint!("{}", summary.render(&report.losses));
     if let Some(path) = &cli.summary_json {

@@ -446,6 +446,19 @@ impl Session {
         })
     }
 
+    /// [`Session::run`] on a single-threaded runtime of its own, for callers that are not
+    /// async (the CLI, tests).
+    pub fn run_blocking(
+        &mut self,
+        sink: &mut dyn EventSink,
+        limit: Option<Duration>,
+    ) -> Result<RunReport> {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(self.run(sink, limit))
+    }
+
     /// SIGINT/SIGTERM: pass it on to the children we started and give them a grace
     /// period to exit (their exit is then traced); processes we attached to are left alone.
     fn on_signal(

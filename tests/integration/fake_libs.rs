@@ -25,11 +25,8 @@ fn options(spec: &str) -> TraceOptions {
 
 fn run(session: &mut Session) -> (EventLog, RunReport) {
     let mut log = EventLog::default();
-    let report = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(session.run(&mut log, Some(Duration::from_secs(60))))
+    let report = session
+        .run_blocking(&mut log, Some(Duration::from_secs(60)))
         .unwrap();
     (log, report)
 }

@@ -36,11 +36,8 @@ fn real_cudart_and_nccl_every_symbol_attaches_and_calls_are_seen() {
         ])
         .unwrap();
     let mut log = EventLog::default();
-    let report = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(session.run(&mut log, Some(Duration::from_secs(120))))
+    let report = session
+        .run_blocking(&mut log, Some(Duration::from_secs(120)))
         .unwrap();
     assert_eq!(report.child_exit, Some(ExitStatus::Exited(0)));
 

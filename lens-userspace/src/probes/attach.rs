@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use aya::{
     Ebpf, EbpfLoader,
     programs::{
-        UProbe,
+        ProgramError, UProbe,
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
     },
 };
@@ -39,9 +39,22 @@ pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
     for program in Program::ALL {
         uprobe_mut(&mut ebpf, program)?
             .load()
-            .map_err(|source| LensError::Program {
-                program: program.name(),
-                source,
+            .map_err(|source| match source {
+                ProgramError::LoadError {
+                    io_error,
+                    verifier_log,
+                } => {
+                    // The verifier's log is long: for -vv, not for the one-line error.
+                    debug!("verifier log of {}:\n{verifier_log}", program.name());
+                    LensError::VerifierRejected {
+                        program: program.name(),
+                        reason: io_error.to_string(),
+                    }
+                }
+                source => LensError::Program {
+                    program: program.name(),
+                    source,
+                },
             })?;
     }
     Ok(ebpf)
