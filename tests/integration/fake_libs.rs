@@ -342,3 +342,67 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
         .count();
     assert_eq!(collectives, 14);
 }
+
+#[test]
+fn a_library_without_the_symbols_gets_one_report_per_probe_and_nothing_breaks() {
+    use lens_probe::probes::{
+        attach::{Attacher, ProbeOutcome, load_object},
+        library::{FileId, LibraryKind, MappedLibrary},
+    };
+    if !lens_tests::require_bpf("a_library_without_the_symbols_gets_one_report_per_probe") {
+        return;
+    }
+    let mut ebpf = load_object(false).unwrap();
+    let mut attacher = Attacher::default();
+    // A file taken for libnccl that defines none of NCCL's API (the fake libcudart), then
+    // the real fake libnccl: the first yields one failure per probe, the second attaches.
+    let impostor = MappedLibrary {
+        kind: LibraryKind::Nccl,
+        file: FileId { dev: 0, ino: 1 },
+        shown_path: "/opt/impostor/libnccl.so.2".into(),
+        open_path: lens_tests::fake_lib_dir().join("libcudart.so.12"),
+    };
+    let all = "all".parse().unwrap();
+    let outcomes = attacher
+        .attach_library(&mut ebpf, &impostor, &all)
+        .unwrap()
+        .outcomes
+        .clone();
+    assert_eq!(
+        outcomes.len(),
+        10,
+        "one report per NCCL probe: {outcomes:?}"
+    );
+    for outcome in &outcomes {
+        match outcome {
+            ProbeOutcome::Failed { reason, .. } => {
+                assert_eq!(reason, "libnccl defines no such symbol")
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // Asking again for the same file does nothing (reported once).
+    assert!(
+        attacher
+            .attach_library(&mut ebpf, &impostor, &all)
+            .is_none()
+    );
+
+    let nccl = MappedLibrary {
+        kind: LibraryKind::Nccl,
+        file: FileId { dev: 0, ino: 2 },
+        shown_path: "libnccl.so.2".into(),
+        open_path: lens_tests::fake_lib_dir().join("libnccl.so.2"),
+    };
+    let attached = attacher.attach_library(&mut ebpf, &nccl, &all).unwrap();
+    assert!(
+        attached
+            .outcomes
+            .iter()
+            .all(|o| matches!(o, ProbeOutcome::Attached { .. })),
+        "{:?}",
+        attached.outcomes
+    );
+    // 10 functions; the 8 that need a duration also get a return probe.
+    assert_eq!(attached.outcomes.len(), 18);
+}
