@@ -84,7 +84,7 @@ pub struct Session {
     attacher: Attacher,
     groups: SpanGroups,
     targets: HashMap<u32, Target>,
-    /// Targets that ended, in order, for the sink.
+    /// The process started with `--exec`, whose exit status becomes ours.
     child: Option<u32>,
     child_exit: Option<ExitStatus>,
     undecodable: u64,
