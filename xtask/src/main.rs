@@ -92,14 +92,92 @@ fn run_step(task: &str, cmd: &mut Command) -> Result<(), String> {
     }
 }
 
+/// Totals of libtest's `test result:` lines.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct TestTally {
+    passed: u64,
+    failed: u64,
+}
+
+/// Reads `test result: ok. 31 passed; 0 failed; 0 ignored; ...` into (passed, failed).
+fn parse_test_result(line: &str) -> Option<(u64, u64)> {
+    let rest = line.trim().strip_prefix("test result: ")?;
+    let (_, counts) = rest.split_once(". ")?;
+    let mut passed = None;
+    let mut failed = None;
+    for part in counts.split(';') {
+        let mut words = part.split_whitespace();
+        let (Some(number), Some(label)) = (words.next(), words.next()) else {
+            continue;
+        };
+        match label {
+            "passed" => passed = number.parse().ok(),
+            "failed" => failed = number.parse().ok(),
+            _ => {}
+        }
+    }
+    Some((passed?, failed?))
+}
+
+/// Runs `cargo test`, streaming its output, and adds up its results.
+fn run_test_step(cmd: &mut Command) -> Result<TestTally, String> {
+    use std::io::{BufRead, BufReader};
+    let shown = toolchain::display_command(cmd);
+    println!("==> [xtask test] {shown}");
+    let start = Instant::now();
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("xtask test: step `{shown}` could not start: {e}"))?;
+    let mut tally = TestTally::default();
+    if let Some(stdout) = child.stdout.take() {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            println!("{line}");
+            if let Some((passed, failed)) = parse_test_result(&line) {
+                tally.passed += passed;
+                tally.failed += failed;
+            }
+        }
+    }
+    let status = child
+        .wait()
+        .map_err(|e| format!("xtask test: step `{shown}` could not finish: {e}"))?;
+    // One plain closing line for whoever reads the log: the whole suite's totals.
+    println!("tests: {} passed, {} failed", tally.passed, tally.failed);
+    if !status.success() {
+        return Err(format!("xtask test: step `{shown}` failed ({status})"));
+    }
+    if tally.passed == 0 {
+        return Err(format!("xtask test: step `{shown}` ran no test"));
+    }
+    println!(
+        "==> [xtask test] `{shown}` ok ({:.1}s)",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(tally)
+}
+
 fn test() -> ExitCode {
     let start = Instant::now();
     if let Err(e) = setup::run(false) {
         return fail(&format!("xtask test: step `cargo xtask setup` failed: {e}"));
     }
-    let steps: [&[&str]; 4] = [
-        &["build", "--workspace", "--all-targets"],
-        &["test", "--workspace", "--", "--test-threads=2"],
+    if let Err(line) = run_step(
+        "test",
+        &mut cargo(&["build", "--workspace", "--all-targets"]),
+    ) {
+        return fail(&line);
+    }
+    let tally = match run_test_step(&mut cargo(&[
+        "test",
+        "--workspace",
+        "--",
+        "--test-threads=2",
+    ])) {
+        Ok(tally) => tally,
+        Err(line) => return fail(&line),
+    };
+    let checks: [&[&str]; 2] = [
         &[
             "clippy",
             "--workspace",
@@ -110,7 +188,7 @@ fn test() -> ExitCode {
         ],
         &["fmt", "--all", "--", "--check"],
     ];
-    for args in steps {
+    for args in checks {
         if let Err(line) = run_step("test", &mut cargo(args)) {
             return fail(&line);
         }
@@ -119,6 +197,8 @@ fn test() -> ExitCode {
         "xtask test: all steps passed in {:.1}s",
         start.elapsed().as_secs_f64()
     );
+    // The suite's totals close the log, after clippy and fmt.
+    println!("tests: {} passed, {} failed", tally.passed, tally.failed);
     ExitCode::SUCCESS
 }
 
@@ -171,5 +251,26 @@ fn demo() -> ExitCode {
         Err(e) => fail(&format!(
             "xtask demo: cannot run target/release/lens-probe: {e}"
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libtest_result_lines_are_tallied() {
+        assert_eq!(
+            parse_test_result(
+                "test result: ok. 31 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.02s"
+            ),
+            Some((31, 0))
+        );
+        assert_eq!(
+            parse_test_result("test result: FAILED. 2 passed; 5 failed; 0 ignored; 0 measured"),
+            Some((2, 5))
+        );
+        assert_eq!(parse_test_result("test foo ... ok"), None);
+        assert_eq!(parse_test_result("running 3 tests"), None);
     }
 }
