@@ -76,10 +76,33 @@ fn cargo(args: &[&str]) -> Command {
 
 /// Runs one named step; `Err` is the one line to print.
 fn run_step(task: &str, cmd: &mut Command) -> Result<(), String> {
+    run_step_reading(task, cmd, None)
+}
+
+/// [`run_step`], and when `read_line` is given, the step's stdout is streamed through it
+/// (each line is still printed).
+fn run_step_reading(
+    task: &str,
+    cmd: &mut Command,
+    read_line: Option<&mut dyn FnMut(&str)>,
+) -> Result<(), String> {
+    use std::io::{BufRead, BufReader};
     let shown = toolchain::display_command(cmd);
     println!("==> [xtask {task}] {shown}");
     let start = Instant::now();
-    match cmd.status() {
+    let status = match read_line {
+        None => cmd.status(),
+        Some(read_line) => cmd.stdout(Stdio::piped()).spawn().and_then(|mut child| {
+            if let Some(stdout) = child.stdout.take() {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    println!("{line}");
+                    read_line(&line);
+                }
+            }
+            child.wait()
+        }),
+    };
+    match status {
         Ok(status) if status.success() => {
             println!(
                 "==> [xtask {task}] `{shown}` ok ({:.1}s)",
@@ -90,13 +113,6 @@ fn run_step(task: &str, cmd: &mut Command) -> Result<(), String> {
         Ok(status) => Err(format!("xtask {task}: step `{shown}` failed ({status})")),
         Err(e) => Err(format!("xtask {task}: step `{shown}` could not start: {e}")),
     }
-}
-
-/// Totals of libtest's `test result:` lines.
-#[derive(Debug, Default, PartialEq, Eq)]
-struct TestTally {
-    passed: u64,
-    failed: u64,
 }
 
 /// Reads `test result: ok. 31 passed; 0 failed; 0 ignored; ...` into (passed, failed).
@@ -119,44 +135,6 @@ fn parse_test_result(line: &str) -> Option<(u64, u64)> {
     Some((passed?, failed?))
 }
 
-/// Runs `cargo test`, streaming its output, and adds up its results.
-fn run_test_step(cmd: &mut Command) -> Result<TestTally, String> {
-    use std::io::{BufRead, BufReader};
-    let shown = toolchain::display_command(cmd);
-    println!("==> [xtask test] {shown}");
-    let start = Instant::now();
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("xtask test: step `{shown}` could not start: {e}"))?;
-    let mut tally = TestTally::default();
-    if let Some(stdout) = child.stdout.take() {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            println!("{line}");
-            if let Some((passed, failed)) = parse_test_result(&line) {
-                tally.passed += passed;
-                tally.failed += failed;
-            }
-        }
-    }
-    let status = child
-        .wait()
-        .map_err(|e| format!("xtask test: step `{shown}` could not finish: {e}"))?;
-    // One plain closing line for whoever reads the log: the whole suite's totals.
-    println!("tests: {} passed, {} failed", tally.passed, tally.failed);
-    if !status.success() {
-        return Err(format!("xtask test: step `{shown}` failed ({status})"));
-    }
-    if tally.passed == 0 {
-        return Err(format!("xtask test: step `{shown}` ran no test"));
-    }
-    println!(
-        "==> [xtask test] `{shown}` ok ({:.1}s)",
-        start.elapsed().as_secs_f64()
-    );
-    Ok(tally)
-}
-
 fn test() -> ExitCode {
     let start = Instant::now();
     if let Err(e) = setup::run(false) {
@@ -168,15 +146,28 @@ fn test() -> ExitCode {
     ) {
         return fail(&line);
     }
-    let tally = match run_test_step(&mut cargo(&[
-        "test",
-        "--workspace",
-        "--",
-        "--test-threads=2",
-    ])) {
-        Ok(tally) => tally,
-        Err(line) => return fail(&line),
+    let (mut passed, mut failed) = (0u64, 0u64);
+    let mut tally = |line: &str| {
+        if let Some((p, f)) = parse_test_result(line) {
+            passed += p;
+            failed += f;
+        }
     };
+    let tested = run_step_reading(
+        "test",
+        &mut cargo(&["test", "--workspace", "--", "--test-threads=2"]),
+        Some(&mut tally),
+    );
+    // One plain line with the whole suite's totals: the last line of the log.
+    let totals = format!("tests: {passed} passed, {failed} failed");
+    if let Err(line) = tested {
+        println!("{totals}");
+        return fail(&line);
+    }
+    if passed == 0 {
+        println!("{totals}");
+        return fail("xtask test: `cargo test` ran no test");
+    }
     let checks: [&[&str]; 2] = [
         &[
             "clippy",
@@ -197,8 +188,7 @@ fn test() -> ExitCode {
         "xtask test: all steps passed in {:.1}s",
         start.elapsed().as_secs_f64()
     );
-    // The suite's totals close the log, after clippy and fmt.
-    println!("tests: {} passed, {} failed", tally.passed, tally.failed);
+    println!("{totals}");
     ExitCode::SUCCESS
 }
 
