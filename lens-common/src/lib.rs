@@ -28,10 +28,35 @@ pub enum ProbeId {
     /// glibc's `_dl_debug_state`: the dynamic loader calls it whenever the set of loaded
     /// objects changes (start-up, dlopen, dlclose).
     DlDebugState = 16,
+    /// PyTorch's `record_function` scope entry (`torch.autograd.profiler.record_function`,
+    /// which torch wraps around `Optimizer.step`, `Optimizer.zero_grad`, DataLoader fetches).
+    TorchScopeEnter = 17,
+    /// The matching scope exit (a local symbol of libtorch_cpu.so).
+    TorchScopeExit = 18,
+    /// `torch::autograd::Engine::execute`: one backward pass.
+    TorchBackward = 19,
+    /// `c10::GradMode::set_enabled(bool)`: `torch.no_grad()` and friends.
+    TorchGradMode = 20,
+    /// `caffe2::serialize::PyTorchStreamWriter` constructed: a `torch.save` begins.
+    CheckpointWriterOpen = 21,
+    /// Its destructor: the checkpoint file is complete.
+    CheckpointWriterClose = 22,
+    /// `caffe2::serialize::PyTorchStreamReader` constructed: a `torch.load` begins.
+    CheckpointReaderOpen = 23,
+    /// Its destructor.
+    CheckpointReaderClose = 24,
+    GlooAllReduce = 25,
+    GlooBroadcast = 26,
+    GlooReduce = 27,
+    GlooAllGather = 28,
+    GlooReduceScatter = 29,
+    GlooSend = 30,
+    GlooRecv = 31,
+    GlooBarrier = 32,
 }
 
 impl ProbeId {
-    pub const COUNT: usize = 17;
+    pub const COUNT: usize = 33;
 
     pub const ALL: [ProbeId; Self::COUNT] = [
         ProbeId::CudaLaunchKernel,
@@ -51,6 +76,22 @@ impl ProbeId {
         ProbeId::NcclGroupEnd,
         ProbeId::NcclCommInitRank,
         ProbeId::DlDebugState,
+        ProbeId::TorchScopeEnter,
+        ProbeId::TorchScopeExit,
+        ProbeId::TorchBackward,
+        ProbeId::TorchGradMode,
+        ProbeId::CheckpointWriterOpen,
+        ProbeId::CheckpointWriterClose,
+        ProbeId::CheckpointReaderOpen,
+        ProbeId::CheckpointReaderClose,
+        ProbeId::GlooAllReduce,
+        ProbeId::GlooBroadcast,
+        ProbeId::GlooReduce,
+        ProbeId::GlooAllGather,
+        ProbeId::GlooReduceScatter,
+        ProbeId::GlooSend,
+        ProbeId::GlooRecv,
+        ProbeId::GlooBarrier,
     ];
 
     pub const fn from_u32(value: u32) -> Option<ProbeId> {
@@ -61,7 +102,8 @@ impl ProbeId {
         }
     }
 
-    /// The C symbol this probe attaches to (its primary name).
+    /// The symbol this probe attaches to (its primary name; C++ names mangled, as the
+    /// ELF symbol tables hold them).
     pub const fn symbol(self) -> &'static str {
         match self {
             ProbeId::CudaLaunchKernel => "cudaLaunchKernel",
@@ -81,6 +123,54 @@ impl ProbeId {
             ProbeId::NcclGroupEnd => "ncclGroupEnd",
             ProbeId::NcclCommInitRank => "ncclCommInitRank",
             ProbeId::DlDebugState => "_dl_debug_state",
+            // torch::autograd::profiler::record_function_enter_new(const std::string&,
+            //     const std::optional<std::string>&)
+            ProbeId::TorchScopeEnter => {
+                "_ZN5torch8autograd8profiler25record_function_enter_newERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEERKSt8optionalIS7_E"
+            }
+            // torch::autograd::profiler::record_function_exit_new(
+            //     const c10::intrusive_ptr<PythonRecordFunction>&)
+            ProbeId::TorchScopeExit => {
+                "_ZN5torch8autograd8profilerL24record_function_exit_newERKN3c1013intrusive_ptrINS1_20PythonRecordFunctionENS2_6detail34intrusive_target_default_null_typeIS4_EEEE"
+            }
+            // torch::autograd::Engine::execute(const edge_list&, const variable_list&,
+            //     bool, bool, bool, const edge_list&)
+            ProbeId::TorchBackward => {
+                "_ZN5torch8autograd6Engine7executeERKSt6vectorINS0_4EdgeESaIS3_EERKS2_IN2at6TensorESaIS9_EEbbbS7_"
+            }
+            ProbeId::TorchGradMode => "_ZN3c108GradMode11set_enabledEb",
+            // PyTorchStreamWriter(const std::string& file_name, bool, uint64_t)
+            ProbeId::CheckpointWriterOpen => {
+                "_ZN6caffe29serialize19PyTorchStreamWriterC1ERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEEbm"
+            }
+            ProbeId::CheckpointWriterClose => "_ZN6caffe29serialize19PyTorchStreamWriterD1Ev",
+            // PyTorchStreamReader(const std::string& file_name)
+            ProbeId::CheckpointReaderOpen => {
+                "_ZN6caffe29serialize19PyTorchStreamReaderC1ERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"
+            }
+            ProbeId::CheckpointReaderClose => "_ZN6caffe29serialize19PyTorchStreamReaderD1Ev",
+            ProbeId::GlooAllReduce => {
+                "_ZN4c10d16ProcessGroupGloo9allreduceERSt6vectorIN2at6TensorESaIS3_EERKNS_16AllreduceOptionsE"
+            }
+            ProbeId::GlooBroadcast => {
+                "_ZN4c10d16ProcessGroupGloo9broadcastERSt6vectorIN2at6TensorESaIS3_EERKNS_16BroadcastOptionsE"
+            }
+            ProbeId::GlooReduce => {
+                "_ZN4c10d16ProcessGroupGloo6reduceERSt6vectorIN2at6TensorESaIS3_EERKNS_13ReduceOptionsE"
+            }
+            ProbeId::GlooAllGather => {
+                "_ZN4c10d16ProcessGroupGloo9allgatherERSt6vectorIS1_IN2at6TensorESaIS3_EESaIS5_EERS5_RKNS_16AllgatherOptionsE"
+            }
+            ProbeId::GlooReduceScatter => {
+                "_ZN4c10d16ProcessGroupGloo14reduce_scatterERSt6vectorIN2at6TensorESaIS3_EERS1_IS5_SaIS5_EERKNS_20ReduceScatterOptionsE"
+            }
+            ProbeId::GlooSend => {
+                "_ZN4c10d16ProcessGroupGloo4sendERSt6vectorIN2at6TensorESaIS3_EEii"
+            }
+            ProbeId::GlooRecv => {
+                "_ZN4c10d16ProcessGroupGloo4recvERSt6vectorIN2at6TensorESaIS3_EEii"
+            }
+            ProbeId::GlooBarrier => "_ZN4c10d16ProcessGroupGloo7barrierERKNS_14BarrierOptionsE",
         }
     }
 }
@@ -99,6 +189,10 @@ pub enum EventKind {
     Group = 4,
     /// The target's set of loaded objects changed: rescan its mappings.
     LinkMapChanged = 5,
+    /// Entry (or, with `at_return`, return) of a function that marks a training phase
+    /// boundary: torch scopes, backward, grad mode, checkpoint files. Sent at once, so
+    /// the phases a later event falls in are already known when it arrives.
+    PhaseMark = 6,
 }
 
 impl EventKind {
@@ -109,10 +203,15 @@ impl EventKind {
             3 => Some(EventKind::CommInit),
             4 => Some(EventKind::Group),
             5 => Some(EventKind::LinkMapChanged),
+            6 => Some(EventKind::PhaseMark),
             _ => None,
         }
     }
 }
+
+/// Room for a torch scope name in an [`Event`]: enough for torch's own scope names
+/// (`enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__` is 61 bytes).
+pub const SCOPE_NAME_BYTES: usize = 64;
 
 /// "No peer / no root / no op" in the signed fields of [`Event`].
 pub const NONE_I32: i32 = -1;
@@ -157,6 +256,12 @@ pub struct Event {
     pub rank: i32,
     /// 1 for ncclGroupStart, 0 for ncclGroupEnd (Group events).
     pub group_open: u32,
+    /// 1 when a [`EventKind::PhaseMark`] was taken at the function's return.
+    pub at_return: u32,
+    /// Length of the scope name in `name` (TorchScopeEnter), without the NUL.
+    pub name_len: u32,
+    /// The scope name, NUL-terminated, truncated to [`SCOPE_NAME_BYTES`] - 1 bytes.
+    pub name: [u8; SCOPE_NAME_BYTES],
 }
 
 impl Event {
@@ -179,6 +284,9 @@ impl Event {
             nranks: 0,
             rank: NONE_I32,
             group_open: 0,
+            at_return: 0,
+            name_len: 0,
+            name: [0; SCOPE_NAME_BYTES],
         }
     }
 }

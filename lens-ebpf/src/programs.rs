@@ -1,7 +1,10 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
-    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated},
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
+        bpf_probe_read_user_str_bytes, generated,
+    },
     macros::{map, uprobe, uretprobe},
     maps::{HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext},
@@ -315,5 +318,64 @@ pub fn dl_debug_state(ctx: ProbeContext) -> u32 {
         unsafe { generated::bpf_send_signal(SIGSTOP) };
     }
     entry.submit(BPF_RB_FORCE_WAKEUP as u64);
+    0
+}
+
+/// Entry of a function that marks a phase boundary (torch scope exit, backward, grad
+/// mode, checkpoint writer/reader): sent at once with the first integer argument
+/// (`set_enabled`'s flag).
+#[uprobe]
+pub fn phase_mark(ctx: ProbeContext) -> u32 {
+    let Some((_, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+        return 0;
+    };
+    event.count = arg_u64(&ctx, 0);
+    emit(&event, submit_flags());
+    0
+}
+
+/// Return of a phase-marking function (end of a backward, of a checkpoint file).
+#[uretprobe]
+pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let mut event = new_event(EventKind::PhaseMark, probe_id(&ctx), pid_tgid);
+    event.at_return = 1;
+    event.ret = ctx.ret::<i64>();
+    emit(&event, submit_flags());
+    0
+}
+
+/// `record_function_enter_new(const std::string& name, ...)`: the name is read here, in
+/// the kernel, while the string is alive. The function returns a class by value, so the
+/// hidden return pointer takes rdi and `name` is the second argument. libstdc++'s
+/// `std::string` starts with its data pointer and length.
+#[uprobe]
+pub fn torch_scope_enter(ctx: ProbeContext) -> u32 {
+    let Some((_, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+        return 0;
+    };
+    let string = arg_u64(&ctx, 1);
+    // SAFETY: reads of the traced thread's memory through the checked helpers.
+    unsafe {
+        let data = bpf_probe_read_user(string as *const u64).unwrap_or(0);
+        event.count = bpf_probe_read_user((string + 8) as *const u64).unwrap_or(0);
+        if let Ok(name) = bpf_probe_read_user_str_bytes(data as *const u8, &mut event.name) {
+            event.name_len = name.len() as u32;
+        }
+    }
+    emit(&event, submit_flags());
+    0
+}
+
+/// Entry of a call whose duration is wanted but whose arguments are not decoded
+/// (gloo collectives: the tensors live behind C++ vectors).
+#[uprobe]
+pub fn timed_call_entry(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, event)) = begin_call(&ctx, EventKind::Collective) else {
+        return 0;
+    };
+    remember_entry(&ctx, pid_tgid, &event);
     0
 }

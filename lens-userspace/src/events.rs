@@ -16,9 +16,25 @@ pub enum CollectiveOp {
     ReduceScatter,
     Send,
     Recv,
+    /// Process groups only (NCCL has no barrier call).
+    Barrier,
 }
 
 impl CollectiveOp {
+    fn from_gloo_probe(probe: ProbeId) -> Option<CollectiveOp> {
+        Some(match probe {
+            ProbeId::GlooAllReduce => CollectiveOp::AllReduce,
+            ProbeId::GlooBroadcast => CollectiveOp::Broadcast,
+            ProbeId::GlooReduce => CollectiveOp::Reduce,
+            ProbeId::GlooAllGather => CollectiveOp::AllGather,
+            ProbeId::GlooReduceScatter => CollectiveOp::ReduceScatter,
+            ProbeId::GlooSend => CollectiveOp::Send,
+            ProbeId::GlooRecv => CollectiveOp::Recv,
+            ProbeId::GlooBarrier => CollectiveOp::Barrier,
+            _ => return None,
+        })
+    }
+
     fn from_probe(probe: ProbeId) -> Option<CollectiveOp> {
         Some(match probe {
             ProbeId::NcclAllReduce => CollectiveOp::AllReduce,
@@ -42,6 +58,21 @@ impl CollectiveOp {
             CollectiveOp::ReduceScatter => "nccl.reduce_scatter",
             CollectiveOp::Send => "nccl.send",
             CollectiveOp::Recv => "nccl.recv",
+            CollectiveOp::Barrier => "nccl.barrier",
+        }
+    }
+
+    /// The span name of a `c10d::ProcessGroupGloo` call, e.g. `gloo.all_reduce`.
+    pub const fn gloo_span_name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce => "gloo.all_reduce",
+            CollectiveOp::Broadcast => "gloo.broadcast",
+            CollectiveOp::Reduce => "gloo.reduce",
+            CollectiveOp::AllGather => "gloo.all_gather",
+            CollectiveOp::ReduceScatter => "gloo.reduce_scatter",
+            CollectiveOp::Send => "gloo.send",
+            CollectiveOp::Recv => "gloo.recv",
+            CollectiveOp::Barrier => "gloo.barrier",
         }
     }
 
@@ -54,6 +85,7 @@ impl CollectiveOp {
             CollectiveOp::ReduceScatter => "reduce_scatter",
             CollectiveOp::Send => "send",
             CollectiveOp::Recv => "recv",
+            CollectiveOp::Barrier => "barrier",
         }
     }
 }
@@ -92,6 +124,54 @@ impl SyncKind {
             SyncKind::Device => "device",
         }
     }
+}
+
+/// A torch `record_function` scope, by what its name says about the training loop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TorchScope {
+    /// `enumerate(DataLoader)#…__next__`: a batch fetch.
+    DataLoaderNext,
+    /// `Optimizer.step#…`.
+    OptimizerStep,
+    /// `Optimizer.zero_grad#…`.
+    OptimizerZeroGrad,
+    /// Any other scope (a user's own `record_function`, profiler regions).
+    Other,
+}
+
+impl TorchScope {
+    /// Name prefixes torch's own Python code gives these scopes.
+    const DATALOADER_PREFIX: &str = "enumerate(DataLoader)#";
+    const OPTIMIZER_STEP_PREFIX: &str = "Optimizer.step#";
+    const OPTIMIZER_ZERO_GRAD_PREFIX: &str = "Optimizer.zero_grad#";
+
+    pub fn from_name(name: &str) -> TorchScope {
+        if name.starts_with(Self::DATALOADER_PREFIX) {
+            TorchScope::DataLoaderNext
+        } else if name.starts_with(Self::OPTIMIZER_STEP_PREFIX) {
+            TorchScope::OptimizerStep
+        } else if name.starts_with(Self::OPTIMIZER_ZERO_GRAD_PREFIX) {
+            TorchScope::OptimizerZeroGrad
+        } else {
+            TorchScope::Other
+        }
+    }
+}
+
+/// A training-phase boundary seen in the target (one function entry or return).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "signal", rename_all = "snake_case")]
+pub enum PhaseSignal {
+    ScopeEnter { scope: TorchScope, name: String },
+    ScopeExit,
+    BackwardStart,
+    BackwardEnd,
+    GradMode { enabled: bool },
+    CheckpointWriteStart,
+    CheckpointWriteEnd,
+    CheckpointReadStart,
+    CheckpointReadEnd,
 }
 
 /// Where and when: common to every event.
@@ -150,6 +230,20 @@ pub enum ProbeEvent {
         timing: CallTiming,
         open: bool,
     },
+    /// A `c10d::ProcessGroupGloo` collective call, entry to return (the call enqueues
+    /// the work; its arguments are not decoded).
+    GlooCall {
+        #[serde(flatten)]
+        timing: CallTiming,
+        op: CollectiveOp,
+    },
+    Phase {
+        tgid: u32,
+        tid: u32,
+        at_ns: u64,
+        #[serde(flatten)]
+        signal: PhaseSignal,
+    },
     LinkMapChanged {
         tgid: u32,
     },
@@ -161,8 +255,9 @@ impl ProbeEvent {
             ProbeEvent::Collective { timing, .. }
             | ProbeEvent::SyncWait { timing, .. }
             | ProbeEvent::CommInit { timing, .. }
-            | ProbeEvent::Group { timing, .. } => timing.tgid,
-            ProbeEvent::LinkMapChanged { tgid } => *tgid,
+            | ProbeEvent::Group { timing, .. }
+            | ProbeEvent::GlooCall { timing, .. } => timing.tgid,
+            ProbeEvent::Phase { tgid, .. } | ProbeEvent::LinkMapChanged { tgid } => *tgid,
         }
     }
 
@@ -215,6 +310,13 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
     };
     let result = raw.ret as i32;
     Ok(match kind {
+        EventKind::Collective if CollectiveOp::from_gloo_probe(probe).is_some() => {
+            ProbeEvent::GlooCall {
+                timing,
+                op: CollectiveOp::from_gloo_probe(probe)
+                    .ok_or(DecodeError::UnknownProbe(raw.probe))?,
+            }
+        }
         EventKind::Collective => ProbeEvent::Collective {
             timing,
             op: CollectiveOp::from_probe(probe).ok_or(DecodeError::UnknownProbe(raw.probe))?,
@@ -246,6 +348,38 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
             open: raw.group_open != 0,
         },
         EventKind::LinkMapChanged => ProbeEvent::LinkMapChanged { tgid: raw.tgid },
+        EventKind::PhaseMark => ProbeEvent::Phase {
+            tgid: raw.tgid,
+            tid: raw.tid,
+            at_ns: raw.start_ns,
+            signal: phase_signal(probe, raw).ok_or(DecodeError::UnknownProbe(raw.probe))?,
+        },
+    })
+}
+
+fn phase_signal(probe: ProbeId, raw: &Event) -> Option<PhaseSignal> {
+    let at_return = raw.at_return != 0;
+    Some(match (probe, at_return) {
+        (ProbeId::TorchScopeEnter, false) => {
+            let len = (raw.name_len as usize).min(raw.name.len());
+            let name = String::from_utf8_lossy(&raw.name[..len]).into_owned();
+            PhaseSignal::ScopeEnter {
+                scope: TorchScope::from_name(&name),
+                name,
+            }
+        }
+        (ProbeId::TorchScopeExit, false) => PhaseSignal::ScopeExit,
+        (ProbeId::TorchBackward, false) => PhaseSignal::BackwardStart,
+        (ProbeId::TorchBackward, true) => PhaseSignal::BackwardEnd,
+        // `bool` in the low byte of the first argument register.
+        (ProbeId::TorchGradMode, false) => PhaseSignal::GradMode {
+            enabled: raw.count & 0xff != 0,
+        },
+        (ProbeId::CheckpointWriterOpen, false) => PhaseSignal::CheckpointWriteStart,
+        (ProbeId::CheckpointWriterClose, true) => PhaseSignal::CheckpointWriteEnd,
+        (ProbeId::CheckpointReaderOpen, false) => PhaseSignal::CheckpointReadStart,
+        (ProbeId::CheckpointReaderClose, true) => PhaseSignal::CheckpointReadEnd,
+        _ => return None,
     })
 }
 

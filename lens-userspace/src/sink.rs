@@ -173,6 +173,19 @@ fn describe(event: &ProbeEvent) -> String {
                 "nccl.group_end"
             }
         ),
+        ProbeEvent::GlooCall { timing, op } => format!(
+            "[{}:{}] {} call={:.1}us",
+            timing.tgid,
+            timing.tid,
+            op.gloo_span_name(),
+            us(timing.duration_ns())
+        ),
+        ProbeEvent::Phase {
+            tgid,
+            tid,
+            at_ns,
+            signal,
+        } => format!("[{tgid}:{tid}] {signal:?} at={at_ns}"),
         ProbeEvent::LinkMapChanged { tgid } => format!("[{tgid}] libraries changed"),
     }
 }

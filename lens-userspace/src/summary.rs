@@ -54,6 +54,8 @@ impl Default for SyncWaits {
 pub struct ProcessSummary {
     pub process: Option<ProcessInfo>,
     pub collectives: BTreeMap<CollectiveOp, CollectiveStats>,
+    /// `c10d::ProcessGroupGloo` calls (bytes unknown: tensors are not decoded).
+    pub gloo_collectives: BTreeMap<CollectiveOp, CollectiveStats>,
     sync_waits: BTreeMap<SyncKind, SyncWaits>,
     sync_total_ns: BTreeMap<SyncKind, u64>,
     pub communicators: Vec<Communicator>,
@@ -151,7 +153,14 @@ impl EventSink for Summary {
                 id_hash: *comm_id_hash,
                 result: *result,
             }),
-            ProbeEvent::Group { .. } | ProbeEvent::LinkMapChanged { .. } => {}
+            ProbeEvent::GlooCall { timing, op } => {
+                let stats = process.gloo_collectives.entry(*op).or_default();
+                stats.calls += 1;
+                stats.call_time_ns += timing.duration_ns();
+            }
+            ProbeEvent::Group { .. }
+            | ProbeEvent::Phase { .. }
+            | ProbeEvent::LinkMapChanged { .. } => {}
         }
     }
 
@@ -242,6 +251,16 @@ impl Summary {
                     );
                 }
             }
+            for (op, stats) in &process.gloo_collectives {
+                let _ = writeln!(
+                    out,
+                    "  {:<16} {:>8} {:>12} {:>12}",
+                    op.gloo_span_name(),
+                    stats.calls,
+                    "-",
+                    duration(stats.call_time_ns),
+                );
+            }
             let launches = process.launches();
             if launches.is_empty() {
                 out.push_str("  launches: none seen\n");
@@ -312,6 +331,11 @@ impl Summary {
                     .iter()
                     .map(|(op, stats)| (op.name(), stats))
                     .collect();
+                let gloo_collectives: BTreeMap<&str, &CollectiveStats> = process
+                    .gloo_collectives
+                    .iter()
+                    .map(|(op, stats)| (op.name(), stats))
+                    .collect();
                 let syncs: BTreeMap<&str, SyncStats> = process
                     .sync_stats()
                     .into_iter()
@@ -325,6 +349,7 @@ impl Summary {
                     "exit": process.exit,
                     "communicators": process.communicators,
                     "collectives": collectives,
+                    "gloo_collectives": gloo_collectives,
                     "sync_waits": syncs,
                     "calls": calls,
                 })

@@ -212,11 +212,7 @@ fn attach_spec(
         if !attached_offsets.insert(offset) {
             continue;
         }
-        let mut programs = vec![spec.entry];
-        if spec.needs_return {
-            programs.push(Program::CallReturn);
-        }
-        for program in programs {
+        for program in spec.entry.into_iter().chain(spec.exit) {
             let result = uprobe_mut(ebpf, program).and_then(|uprobe| {
                 uprobe
                     .attach(

@@ -16,10 +16,14 @@ pub enum Program {
     NcclCommInitEntry,
     CallReturn,
     DlDebugState,
+    PhaseMark,
+    PhaseMarkReturn,
+    TorchScopeEnter,
+    TimedCallEntry,
 }
 
 impl Program {
-    pub const ALL: [Program; 7] = [
+    pub const ALL: [Program; 11] = [
         Program::CountOnly,
         Program::NcclGroup,
         Program::NcclCollectiveEntry,
@@ -27,6 +31,10 @@ impl Program {
         Program::NcclCommInitEntry,
         Program::CallReturn,
         Program::DlDebugState,
+        Program::PhaseMark,
+        Program::PhaseMarkReturn,
+        Program::TorchScopeEnter,
+        Program::TimedCallEntry,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -38,6 +46,10 @@ impl Program {
             Program::NcclCommInitEntry => "nccl_comm_init_entry",
             Program::CallReturn => "call_return",
             Program::DlDebugState => "dl_debug_state",
+            Program::PhaseMark => "phase_mark",
+            Program::PhaseMarkReturn => "phase_mark_return",
+            Program::TorchScopeEnter => "torch_scope_enter",
+            Program::TimedCallEntry => "timed_call_entry",
         }
     }
 }
@@ -50,9 +62,10 @@ pub struct ProbeSpec {
     /// Extra entry points of the same API, attached when the library has them and never
     /// reported when it does not (`_ptsz`: the per-thread default stream variants).
     pub optional_aliases: &'static [&'static str],
-    pub entry: Program,
-    /// Also attach [`Program::CallReturn`]: the call's duration and result are needed.
-    pub needs_return: bool,
+    /// The program attached at the function's entry, if any.
+    pub entry: Option<Program>,
+    /// The program attached at its return, if any.
+    pub exit: Option<Program>,
     /// Attached when any of these groups is enabled; empty = always (infrastructure).
     pub groups: &'static [SpanGroup],
 }
@@ -65,6 +78,22 @@ const STEP_DETAIL: &[SpanGroup] = &[
     SpanGroup::Optimizer,
 ];
 const ALWAYS: &[SpanGroup] = &[];
+/// The step machine (what opens and closes steps, see docs/spans.md): torch scopes and
+/// backward passes. `model_init` needs it too: it ends where the first step begins.
+const STEP_PHASES: &[SpanGroup] = &[
+    SpanGroup::ModelInit,
+    SpanGroup::Step,
+    SpanGroup::ForwardBackward,
+    SpanGroup::Optimizer,
+];
+/// Torch scopes also tell evaluation loops (DataLoader fetches under `no_grad`).
+const SCOPES: &[SpanGroup] = &[
+    SpanGroup::ModelInit,
+    SpanGroup::Step,
+    SpanGroup::ForwardBackward,
+    SpanGroup::Optimizer,
+    SpanGroup::Evaluate,
+];
 
 const fn spec(
     id: ProbeId,
@@ -77,8 +106,30 @@ const fn spec(
         id,
         library,
         optional_aliases: &[],
+        entry: Some(entry),
+        exit: if needs_return {
+            Some(Program::CallReturn)
+        } else {
+            None
+        },
+        groups,
+    }
+}
+
+/// A phase boundary: marks sent at entry and/or at return.
+const fn mark(
+    id: ProbeId,
+    library: LibraryKind,
+    entry: Option<Program>,
+    exit: Option<Program>,
+    groups: &'static [SpanGroup],
+) -> ProbeSpec {
+    ProbeSpec {
+        id,
+        library,
+        optional_aliases: &[],
         entry,
-        needs_return,
+        exit,
         groups,
     }
 }
@@ -88,7 +139,7 @@ const fn with_aliases(mut spec: ProbeSpec, aliases: &'static [&'static str]) -> 
     spec
 }
 
-use LibraryKind::{CudaRuntime, DynamicLoader, Nccl};
+use LibraryKind::{C10, CudaRuntime, DynamicLoader, Nccl, TorchCpu};
 use Program::*;
 
 pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
@@ -213,7 +264,94 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         false,
         ALWAYS,
     ),
+    mark(
+        ProbeId::TorchScopeEnter,
+        TorchCpu,
+        Some(TorchScopeEnter),
+        None,
+        SCOPES,
+    ),
+    mark(
+        ProbeId::TorchScopeExit,
+        TorchCpu,
+        Some(PhaseMark),
+        None,
+        SCOPES,
+    ),
+    mark(
+        ProbeId::TorchBackward,
+        TorchCpu,
+        Some(PhaseMark),
+        Some(PhaseMarkReturn),
+        STEP_PHASES,
+    ),
+    mark(
+        ProbeId::TorchGradMode,
+        C10,
+        Some(PhaseMark),
+        None,
+        &[SpanGroup::Evaluate],
+    ),
+    with_aliases(
+        mark(
+            ProbeId::CheckpointWriterOpen,
+            TorchCpu,
+            Some(PhaseMark),
+            None,
+            &[SpanGroup::Checkpoint],
+        ),
+        // The constructor that writes through a callback (`torch.save` to a buffer).
+        &["_ZN6caffe29serialize19PyTorchStreamWriterC1ESt8functionIFmPKvmEEbm"],
+    ),
+    mark(
+        ProbeId::CheckpointWriterClose,
+        TorchCpu,
+        None,
+        Some(PhaseMarkReturn),
+        &[SpanGroup::Checkpoint],
+    ),
+    with_aliases(
+        mark(
+            ProbeId::CheckpointReaderOpen,
+            TorchCpu,
+            Some(PhaseMark),
+            None,
+            &[SpanGroup::LoadCheckpoint],
+        ),
+        // From an istream and from a read adapter (`torch.load` of a file object).
+        &[
+            "_ZN6caffe29serialize19PyTorchStreamReaderC1EPSi",
+            "_ZN6caffe29serialize19PyTorchStreamReaderC1ESt10shared_ptrINS0_20ReadAdapterInterfaceEE",
+        ],
+    ),
+    mark(
+        ProbeId::CheckpointReaderClose,
+        TorchCpu,
+        None,
+        Some(PhaseMarkReturn),
+        &[SpanGroup::LoadCheckpoint],
+    ),
+    gloo(ProbeId::GlooAllReduce),
+    gloo(ProbeId::GlooBroadcast),
+    gloo(ProbeId::GlooReduce),
+    gloo(ProbeId::GlooAllGather),
+    gloo(ProbeId::GlooReduceScatter),
+    gloo(ProbeId::GlooSend),
+    gloo(ProbeId::GlooRecv),
+    gloo(ProbeId::GlooBarrier),
 ];
+
+/// A `c10d::ProcessGroupGloo` collective: timed call, child of the phase it runs in.
+const fn gloo(id: ProbeId) -> ProbeSpec {
+    ProbeSpec {
+        id,
+        library: TorchCpu,
+        optional_aliases: &[],
+        entry: Some(TimedCallEntry),
+        exit: Some(CallReturn),
+        groups: STEP_DETAIL,
+    }
+}
 
 impl ProbeSpec {
     pub fn enabled(&self, groups: &SpanGroups) -> bool {
@@ -249,12 +387,24 @@ mod tests {
         assert_eq!(nccl, [ProbeId::NcclCommInitRank]);
         assert_eq!(enabled_for(CudaRuntime, &groups).count(), 0);
         assert_eq!(enabled_for(DynamicLoader, &groups).count(), 1);
+        let torch: Vec<ProbeId> = enabled_for(TorchCpu, &groups).map(|s| s.id).collect();
+        assert_eq!(
+            torch,
+            [
+                ProbeId::TorchScopeEnter,
+                ProbeId::TorchScopeExit,
+                ProbeId::CheckpointWriterOpen,
+                ProbeId::CheckpointWriterClose,
+            ]
+        );
+        let c10: Vec<ProbeId> = enabled_for(C10, &groups).map(|s| s.id).collect();
+        assert_eq!(c10, [ProbeId::TorchGradMode]);
     }
 
     #[test]
     fn per_step_attaches_everything() {
         let groups: SpanGroups = "per_step".parse().unwrap();
-        let total: usize = [CudaRuntime, Nccl, DynamicLoader]
+        let total: usize = LibraryKind::ALL
             .into_iter()
             .map(|kind| enabled_for(kind, &groups).count())
             .sum();

@@ -15,13 +15,19 @@ pub enum LibraryKind {
     Nccl,
     /// The dynamic loader (`ld-linux-x86-64.so.2`), for `_dl_debug_state`.
     DynamicLoader,
+    /// PyTorch's CPU library `libtorch_cpu.so`: autograd, scopes, serialization, gloo.
+    TorchCpu,
+    /// PyTorch's core `libc10.so`: grad mode.
+    C10,
 }
 
 impl LibraryKind {
-    pub const ALL: [LibraryKind; 3] = [
+    pub const ALL: [LibraryKind; 5] = [
         LibraryKind::CudaRuntime,
         LibraryKind::Nccl,
         LibraryKind::DynamicLoader,
+        LibraryKind::TorchCpu,
+        LibraryKind::C10,
     ];
 
     /// Recognises a library by its file name (any version suffix).
@@ -30,6 +36,10 @@ impl LibraryKind {
             Some(LibraryKind::CudaRuntime)
         } else if name.starts_with("libnccl.so") {
             Some(LibraryKind::Nccl)
+        } else if name == "libtorch_cpu.so" {
+            Some(LibraryKind::TorchCpu)
+        } else if name == "libc10.so" {
+            Some(LibraryKind::C10)
         } else if name.starts_with("ld-linux") && name.contains(".so") {
             Some(LibraryKind::DynamicLoader)
         } else {
@@ -42,6 +52,8 @@ impl LibraryKind {
             LibraryKind::CudaRuntime => "libcudart",
             LibraryKind::Nccl => "libnccl",
             LibraryKind::DynamicLoader => "ld.so",
+            LibraryKind::TorchCpu => "libtorch_cpu",
+            LibraryKind::C10 => "libc10",
         }
     }
 }
