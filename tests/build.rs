@@ -11,6 +11,10 @@ const FIXTURE_FILES: &[&str] = &[
     "fixtures/fake_nccl.c",
     "fixtures/trainer.c",
     "fixtures/real_libs_caller.c",
+    "fixtures/fake_torch.c",
+    "fixtures/fake_c10.c",
+    "fixtures/fake_torch_symbols.h",
+    "fixtures/trainer_torch.c",
 ];
 
 fn main() {

@@ -5,7 +5,8 @@ use std::{collections::BTreeSet, fmt, str::FromStr};
 
 use crate::error::LensError;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum SpanGroup {
     Job,
     Checkpoint,

@@ -10,8 +10,10 @@ pub mod groups;
 pub mod nccl;
 pub mod privileges;
 pub mod probes;
+pub mod semconv;
 pub mod session;
 pub mod sink;
+pub mod spans;
 pub mod summary;
 pub mod target;
 

@@ -6,6 +6,7 @@ use lens_probe::{
     cli::Cli,
     session::{Session, StopReason, TraceOptions},
     sink::EventPrinter,
+    spans::{SpanBuilder, console::ConsoleTree},
     summary::Summary,
     target::{self, ExitStatus},
 };
@@ -87,7 +88,8 @@ fn run(cli: Cli) -> Result<i32, LensError> {
 
     let mut summary = Summary::default();
     let printer = (cli.verbose >= 1).then(|| EventPrinter::new(std::io::stderr()));
-    let mut sinks = (&mut summary, printer);
+    let mut spans = SpanBuilder::new(cli.span_groups.clone(), ConsoleTree::new(std::io::stderr()));
+    let mut sinks = (&mut summary, (printer, &mut spans));
     let report = session.run_blocking(&mut sinks, cli.duration)?;
 
     eprint!("{}", summary.render(&report.losses));

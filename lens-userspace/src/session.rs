@@ -161,14 +161,16 @@ impl Session {
     pub fn attach_pid(&mut self, pid: u32) -> Result<()> {
         let info = ProcessInfo::read(pid)?;
         let libraries = library::find_libraries(pid)?;
-        if !libraries
-            .iter()
-            .any(|l| matches!(l.kind, LibraryKind::CudaRuntime | LibraryKind::Nccl))
-        {
+        if !libraries.iter().any(|l| {
+            matches!(
+                l.kind,
+                LibraryKind::CudaRuntime | LibraryKind::Nccl | LibraryKind::TorchCpu
+            )
+        }) {
             return Err(LensError::NoTracedLibraries {
                 pid,
                 name: info.name,
-                wanted: "libcudart.so, libnccl.so".into(),
+                wanted: "libcudart.so, libnccl.so, libtorch_cpu.so".into(),
             });
         }
         let pidfd = target::pidfd_open(pid)?;
@@ -209,14 +211,16 @@ impl Session {
             let _ = self.targets_map()?.remove(&pid);
             return Err(error);
         }
-        let info = ProcessInfo::read(pid).unwrap_or_else(|_| ProcessInfo {
+        let mut info = ProcessInfo::read(pid).unwrap_or_else(|_| ProcessInfo {
             pid,
             name: argv[0].to_string_lossy().into_owned(),
             command_line: argv
                 .iter()
                 .map(|a| a.to_string_lossy().into_owned())
                 .collect(),
+            traced_from_start: true,
         });
+        info.traced_from_start = true;
         self.targets.insert(
             pid,
             Target {

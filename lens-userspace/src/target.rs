@@ -20,6 +20,9 @@ pub struct ProcessInfo {
     /// Short name (`/proc/PID/comm`).
     pub name: String,
     pub command_line: Vec<String>,
+    /// Started by lens-probe (`--exec`): seen from its first instruction, so the job and
+    /// its initialisation are whole. `false` for processes attached to while running.
+    pub traced_from_start: bool,
 }
 
 impl ProcessInfo {
@@ -38,6 +41,7 @@ impl ProcessInfo {
             pid,
             name,
             command_line,
+            traced_from_start: false,
         })
     }
 }

@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 
 /// The directory the build script compiled the fixtures into
 /// (`$OUT_DIR/fixtures`): `libcudart.so.12`, `libnccl.so.2` (and their link-name
-/// symlinks), `trainer` and `real_libs_caller`.
+/// symlinks), `trainer` and `real_libs_caller`; and `faketorch/` with `libtorch_cpu.so`,
+/// `libc10.so` and `trainer_torch`.
 pub fn fixtures_dir() -> &'static Path {
     Path::new(env!("LENS_FIXTURES_DIR"))
 }
@@ -31,6 +32,20 @@ pub fn real_libs_caller() -> PathBuf {
 /// The directory holding the fake `libcudart.so.12` and `libnccl.so.2`.
 pub fn fake_lib_dir() -> PathBuf {
     fixtures_dir().to_path_buf()
+}
+
+/// The fake PyTorch training job, linked against the fake `libtorch_cpu.so` and
+/// `libc10.so` next to it and the fake `libnccl.so.2` one directory up (RUNPATH
+/// `$ORIGIN:$ORIGIN/..`). Usage `trainer_torch [STEPS] [ACCUM] [EVAL_EVERY] [CKPT_EVERY]`;
+/// its exact call sequence is in `tests/README.md`.
+pub fn torch_trainer() -> PathBuf {
+    fake_torch_dir().join("trainer_torch")
+}
+
+/// The directory holding the fake `libtorch_cpu.so` and `libc10.so` (and
+/// `trainer_torch`): `faketorch/` under [`fixtures_dir`].
+pub fn fake_torch_dir() -> PathBuf {
+    fixtures_dir().join("faketorch")
 }
 
 /// Where the uprobe PMU advertises its perf event type; missing when the kernel has
@@ -369,6 +384,109 @@ mod tests {
                 assert_eq!(insn, "push %rbp", "{lib}: {sym} starts with `{insn}`");
             }
         }
+    }
+
+    /// The probed functions of the fake `libtorch_cpu.so`, exported (`nm -D`, `T`).
+    const TORCH_EXPORTED_SYMBOLS: &[&str] = &[
+        "_ZN5torch8autograd8profiler25record_function_enter_newERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEERKSt8optionalIS7_E",
+        "_ZN5torch8autograd6Engine7executeERKSt6vectorINS0_4EdgeESaIS3_EERKS2_IN2at6TensorESaIS9_EEbbbS7_",
+        "_ZN6caffe29serialize19PyTorchStreamWriterC1ERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEEbm",
+        "_ZN6caffe29serialize19PyTorchStreamWriterD1Ev",
+        "_ZN6caffe29serialize19PyTorchStreamReaderC1ERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE",
+        "_ZN6caffe29serialize19PyTorchStreamReaderD1Ev",
+        "_ZN4c10d16ProcessGroupGloo9allreduceERSt6vectorIN2at6TensorESaIS3_EERKNS_16AllreduceOptionsE",
+        "_ZN4c10d16ProcessGroupGloo9broadcastERSt6vectorIN2at6TensorESaIS3_EERKNS_16BroadcastOptionsE",
+        "_ZN4c10d16ProcessGroupGloo9allgatherERSt6vectorIS1_IN2at6TensorESaIS3_EESaIS5_EERS5_RKNS_16AllgatherOptionsE",
+        "_ZN4c10d16ProcessGroupGloo14reduce_scatterERSt6vectorIN2at6TensorESaIS3_EERS1_IS5_SaIS5_EERKNS_20ReduceScatterOptionsE",
+        "_ZN4c10d16ProcessGroupGloo6reduceERSt6vectorIN2at6TensorESaIS3_EERKNS_13ReduceOptionsE",
+        "_ZN4c10d16ProcessGroupGloo7barrierERKNS_14BarrierOptionsE",
+        "_ZN4c10d16ProcessGroupGloo4sendERSt6vectorIN2at6TensorESaIS3_EEii",
+        "_ZN4c10d16ProcessGroupGloo4recvERSt6vectorIN2at6TensorESaIS3_EEii",
+    ];
+
+    /// Static in the real library: a local `.symtab` symbol, absent from `.dynsym`.
+    const TORCH_LOCAL_EXIT: &str = "_ZN5torch8autograd8profilerL24record_function_exit_newERKN3c1013intrusive_ptrINS1_20PythonRecordFunctionENS2_6detail34intrusive_target_default_null_typeIS4_EEEE";
+
+    const C10_SYMBOLS: &[&str] = &[
+        "_ZN3c108GradMode11set_enabledEb",
+        "_ZN3c108GradMode10is_enabledEv",
+    ];
+
+    #[test]
+    fn torch_trainer_runs_with_defaults_and_options() {
+        for env in [
+            &[][..],
+            &[
+                ("TRAINER_DISTRIBUTED", "1"),
+                ("TRAINER_LOAD", "1"),
+                ("TRAINER_BAD_SCOPE", "1"),
+            ][..],
+        ] {
+            let mut cmd = Command::new(torch_trainer());
+            cmd.env("TRAINER_INIT_MS", "0")
+                .env("TRAINER_FORWARD_MS", "0")
+                .env("LENS_FAKE_BACKWARD_MS", "0")
+                .env("LENS_FAKE_CKPT_MS", "0")
+                .env("LENS_FAKE_COLLECTIVE_MS", "0")
+                .env_remove("TRAINER_START_DELAY_MS")
+                .env_remove("LD_LIBRARY_PATH");
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            let out = cmd.output().expect("running trainer_torch");
+            assert!(
+                out.status.success(),
+                "trainer_torch {env:?} failed: {:?}\nstderr: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!(
+                String::from_utf8_lossy(&out.stdout),
+                "trainer_torch: 4 steps done\n"
+            );
+        }
+    }
+
+    #[test]
+    fn torch_trainer_uses_fake_libs() {
+        let d = run_tool("readelf", &["-d", torch_trainer().to_str().unwrap()]);
+        for needed in [
+            "[libtorch_cpu.so]",
+            "[libc10.so]",
+            "[libnccl.so.2]",
+            "[$ORIGIN:$ORIGIN/..]",
+        ] {
+            assert!(d.contains(needed), "trainer_torch lacks {needed}:\n{d}");
+        }
+    }
+
+    #[test]
+    fn fake_torch_libs_have_the_probed_symbols() {
+        let torch = fake_torch_dir().join("libtorch_cpu.so");
+        let c10 = fake_torch_dir().join("libc10.so");
+        for (path, symbols) in [(&torch, TORCH_EXPORTED_SYMBOLS), (&c10, C10_SYMBOLS)] {
+            let exported = exported_functions(path);
+            for sym in symbols {
+                assert!(
+                    exported.contains_key(*sym),
+                    "{} does not export {sym}",
+                    path.display()
+                );
+            }
+        }
+        let exported = exported_functions(&torch);
+        assert!(
+            !exported.contains_key(TORCH_LOCAL_EXIT),
+            "record_function_exit_new must not be exported"
+        );
+        let symtab = run_tool("nm", &["--defined-only", torch.to_str().unwrap()]);
+        assert!(
+            symtab.lines().any(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.len() == 3 && f[1] == "t" && f[2] == TORCH_LOCAL_EXIT
+            }),
+            "no local text symbol {TORCH_LOCAL_EXIT} in .symtab"
+        );
     }
 
     #[test]

@@ -1,0 +1,74 @@
+//! Attribute names, one constant each: NeMo Lens' own semantic conventions (`dl.*`,
+//! `nemo.*`, `slurm.*`, `k8s.*`, `wandb.*`, same strings as `nemo.lens.semconv`), the
+//! OpenTelemetry ones lens-probe sets, and lens-probe's additions for what only a probe
+//! sees (collective calls, sync waits). No attribute name is spelled anywhere else.
+
+// ---- Distributed learning (dl.*), as NeMo Lens ----------------------------------------
+pub const DL_RANK: &str = "dl.rank";
+pub const DL_WORLD_SIZE: &str = "dl.world_size";
+pub const DL_LOCAL_RANK: &str = "dl.local_rank";
+pub const DL_ITERATION: &str = "dl.iteration";
+pub const DL_MICROBATCH_ID: &str = "dl.microbatch_id";
+
+// ---- Run identification (nemo.*), as NeMo Lens ----------------------------------------
+pub const NEMO_RUN_ID: &str = "nemo.run.id";
+pub const NEMO_USER_ID: &str = "nemo.user.id";
+
+// ---- SLURM (slurm.*), as NeMo Lens -----------------------------------------------------
+pub const SLURM_JOB_ID: &str = "slurm.job.id";
+pub const SLURM_JOB_NAME: &str = "slurm.job.name";
+pub const SLURM_NODELIST: &str = "slurm.nodelist";
+pub const SLURM_NNODES: &str = "slurm.nnodes";
+pub const SLURM_NTASKS: &str = "slurm.ntasks";
+pub const SLURM_PARTITION: &str = "slurm.partition";
+pub const SLURM_CLUSTER_NAME: &str = "slurm.cluster.name";
+
+// ---- Kubernetes (k8s.*), OpenTelemetry semconv -----------------------------------------
+pub const K8S_NAMESPACE_NAME: &str = "k8s.namespace.name";
+pub const K8S_POD_NAME: &str = "k8s.pod.name";
+pub const K8S_POD_UID: &str = "k8s.pod.uid";
+pub const K8S_NODE_NAME: &str = "k8s.node.name";
+pub const K8S_CONTAINER_NAME: &str = "k8s.container.name";
+
+// ---- W&B (wandb.*), as NeMo Lens -------------------------------------------------------
+pub const WANDB_ENTITY: &str = "wandb.entity";
+pub const WANDB_PROJECT: &str = "wandb.project";
+
+// ---- OpenTelemetry process attributes --------------------------------------------------
+pub const PROCESS_PID: &str = "process.pid";
+pub const PROCESS_EXIT_CODE: &str = "process.exit.code";
+
+// ---- lens-probe: span bookkeeping (nemo.*) ---------------------------------------------
+/// The span group a span belongs to, so queries can filter by group.
+pub const NEMO_SPAN_GROUP: &str = "nemo.span.group";
+/// The span was still open when its process exited or tracing stopped.
+pub const NEMO_SPAN_TRUNCATED: &str = "nemo.span.truncated";
+/// The probe attached to an already running process: iterations count from the first
+/// complete step it saw, not from the job's first.
+pub const NEMO_ATTACHED_MID_RUN: &str = "nemo.attached_mid_run";
+/// Microbatches (backward passes) in a `forward_backward` span.
+pub const DL_MICROBATCH_COUNT: &str = "dl.microbatch_count";
+/// DataLoader batches an `evaluate` span fetched.
+pub const DL_EVAL_BATCHES: &str = "dl.eval.batches";
+/// Checkpoint files written or read in one `checkpoint` / `load_checkpoint` span.
+pub const NEMO_CHECKPOINT_FILES: &str = "nemo.checkpoint.files";
+
+// ---- lens-probe: collective and sync calls ---------------------------------------------
+/// `nccl` or `gloo`.
+pub const DL_COLLECTIVE_BACKEND: &str = "dl.collective.backend";
+/// `all_reduce`, `broadcast`, ….
+pub const DL_COLLECTIVE_OP: &str = "dl.collective.op";
+/// Elements the call was given.
+pub const DL_COLLECTIVE_COUNT: &str = "dl.collective.count";
+/// Bytes moved from this rank's point of view (count × element size).
+pub const DL_COLLECTIVE_BYTES: &str = "dl.collective.bytes";
+pub const DL_COLLECTIVE_DTYPE: &str = "dl.collective.dtype";
+pub const DL_COLLECTIVE_REDUCE_OP: &str = "dl.collective.reduce_op";
+/// Root (broadcast, reduce) or peer (send, recv).
+pub const DL_COLLECTIVE_PEER: &str = "dl.collective.peer";
+/// Hash of the communicator's `ncclUniqueId`: the same on every rank of one communicator.
+pub const DL_COLLECTIVE_COMM_ID: &str = "dl.collective.comm_id";
+/// The call's return code (`ncclResult_t`, `cudaError_t`).
+pub const DL_CALL_RESULT: &str = "dl.call.result";
+/// `stream`, `event` or `device`.
+pub const CUDA_SYNC_KIND: &str = "cuda.sync.kind";

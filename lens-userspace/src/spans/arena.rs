@@ -1,0 +1,178 @@
+//! Open spans of one process, and the group gate at export: a span of a disabled group is
+//! tracked (its children need a place in time) but not exported, and its children hang
+//! on the nearest enabled ancestor instead.
+use std::collections::HashMap;
+
+use super::{AttrValue, Attributes, SpanEvent, SpanExporter, SpanId, SpanRecord, SpanStatus};
+use crate::{
+    groups::{SpanGroup, SpanGroups},
+    semconv,
+};
+
+/// Span ids: a random base per lens-probe run plus a counter, so ids of two runs (or of
+/// two processes in one trace) do not collide.
+#[derive(Debug)]
+pub struct IdSource {
+    next: u64,
+}
+
+impl IdSource {
+    pub fn new() -> IdSource {
+        use std::hash::{BuildHasher, Hasher};
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u64(super::monotonic_now_ns());
+        // Keep room below the top so the counter never wraps to 0 (invalid in OTel).
+        IdSource {
+            next: (hasher.finish() >> 1) | 1,
+        }
+    }
+
+    pub fn next(&mut self) -> SpanId {
+        let id = SpanId(self.next);
+        self.next = self.next.wrapping_add(1).max(1);
+        id
+    }
+}
+
+#[derive(Debug)]
+struct OpenSpan {
+    record: SpanRecord,
+    enabled: bool,
+}
+
+#[derive(Debug)]
+pub struct SpanArena {
+    pid: u32,
+    groups: SpanGroups,
+    open: HashMap<SpanId, OpenSpan>,
+}
+
+impl SpanArena {
+    pub fn new(pid: u32, groups: SpanGroups) -> SpanArena {
+        SpanArena {
+            pid,
+            groups,
+            open: HashMap::new(),
+        }
+    }
+
+    /// The exported span that children of `parent` hang on.
+    fn export_parent(&self, parent: Option<SpanId>) -> Option<SpanId> {
+        let open = self.open.get(&parent?)?;
+        if open.enabled {
+            Some(open.record.id)
+        } else {
+            open.record.parent
+        }
+    }
+
+    /// The group of the nearest enabled span at or above `parent` (detail spans take it).
+    fn export_group(&self, parent: Option<SpanId>) -> Option<SpanGroup> {
+        let id = self.export_parent(parent)?;
+        self.open.get(&id).map(|o| o.record.group)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &self,
+        id: SpanId,
+        name: &'static str,
+        group: SpanGroup,
+        parent: Option<SpanId>,
+        tid: u32,
+        start_ns: u64,
+        end_ns: u64,
+    ) -> SpanRecord {
+        SpanRecord {
+            id,
+            parent: self.export_parent(parent),
+            name,
+            group,
+            pid: self.pid,
+            tid,
+            start_ns,
+            end_ns,
+            attributes: vec![(semconv::NEMO_SPAN_GROUP, group.name().into())],
+            events: Vec::new(),
+            status: SpanStatus::Unset,
+        }
+    }
+
+    pub fn open(
+        &mut self,
+        ids: &mut IdSource,
+        name: &'static str,
+        group: SpanGroup,
+        parent: Option<SpanId>,
+        tid: u32,
+        start_ns: u64,
+    ) -> SpanId {
+        let id = ids.next();
+        let record = self.record(id, name, group, parent, tid, start_ns, start_ns);
+        let enabled = self.groups.contains(group);
+        self.open.insert(id, OpenSpan { record, enabled });
+        id
+    }
+
+    pub fn set_attr(&mut self, id: SpanId, key: &'static str, value: impl Into<AttrValue>) {
+        if let Some(open) = self.open.get_mut(&id) {
+            open.record.set_attr(key, value);
+        }
+    }
+
+    pub fn add_event(&mut self, id: SpanId, event: SpanEvent) {
+        if let Some(open) = self.open.get_mut(&id) {
+            open.record.events.push(event);
+        }
+    }
+
+    pub fn set_error(&mut self, id: SpanId, message: String) {
+        if let Some(open) = self.open.get_mut(&id) {
+            open.record.status = SpanStatus::Error(message);
+        }
+    }
+
+    /// Ends span `id` at `end_ns` (never before its start) and exports it if its group is
+    /// enabled. `truncated`: it did not end by itself (process exit, tracing stopped).
+    pub fn close(&mut self, id: SpanId, end_ns: u64, truncated: bool, out: &mut dyn SpanExporter) {
+        let Some(OpenSpan {
+            mut record,
+            enabled,
+        }) = self.open.remove(&id)
+        else {
+            return;
+        };
+        record.end_ns = end_ns.max(record.start_ns);
+        if truncated {
+            record.set_attr(semconv::NEMO_SPAN_TRUNCATED, true);
+        }
+        if enabled {
+            out.export(record);
+        }
+    }
+
+    /// A finished call (collective, sync wait) as a child of `parent`. Its probes are
+    /// only attached when a group wants it, so it is always exported; it carries the
+    /// group of the span it is shown under.
+    #[allow(clippy::too_many_arguments)]
+    pub fn emit_call(
+        &mut self,
+        ids: &mut IdSource,
+        name: &'static str,
+        parent: Option<SpanId>,
+        tid: u32,
+        start_ns: u64,
+        end_ns: u64,
+        attributes: Attributes,
+        error: Option<String>,
+        out: &mut dyn SpanExporter,
+    ) {
+        let group = self.export_group(parent).unwrap_or(SpanGroup::Step);
+        let mut record = self.record(ids.next(), name, group, parent, tid, start_ns, end_ns);
+        record.attributes.extend(attributes);
+        if let Some(message) = error {
+            record.status = SpanStatus::Error(message);
+        }
+        out.export(record);
+    }
+}

@@ -1,0 +1,335 @@
+//! The span builder: an [`EventSink`] that keeps, per traced process, the `train.job`
+//! root, a phase machine per thread, and turns calls (collectives, sync waits) into
+//! child spans of the phase they happen in.
+use std::collections::HashMap;
+
+use super::{
+    AttrValue, Attributes, SpanExporter, SpanId,
+    arena::{IdSource, SpanArena},
+    monotonic_now_ns, names,
+    phases::{ProcessContext, ThreadPhases},
+};
+use crate::{
+    events::{CallTiming, ProbeEvent},
+    groups::{SpanGroup, SpanGroups},
+    semconv,
+    sink::{EventSink, ProcessEnd},
+    target::{ExitStatus, ProcessInfo},
+};
+
+/// A communicator as `ncclCommInitRank` described it.
+#[derive(Clone, Copy, Debug)]
+struct Communicator {
+    rank: i32,
+    nranks: i32,
+    id_hash: u64,
+}
+
+struct ProcessSpans {
+    arena: SpanArena,
+    job: SpanId,
+    model_init: Option<SpanId>,
+    traced_from_start: bool,
+    threads: HashMap<u32, ThreadPhases>,
+    /// The thread running the training loop (first with phase activity): calls from
+    /// threads without phases of their own are shown under its phases.
+    loop_thread: Option<u32>,
+    communicators: HashMap<u64, Communicator>,
+}
+
+pub struct SpanBuilder<E: SpanExporter> {
+    groups: SpanGroups,
+    ids: IdSource,
+    processes: HashMap<u32, ProcessSpans>,
+    exporter: E,
+}
+
+impl<E: SpanExporter> SpanBuilder<E> {
+    pub fn new(groups: SpanGroups, exporter: E) -> SpanBuilder<E> {
+        SpanBuilder {
+            groups,
+            ids: IdSource::new(),
+            processes: HashMap::new(),
+            exporter,
+        }
+    }
+
+    pub fn exporter(&self) -> &E {
+        &self.exporter
+    }
+
+    pub fn into_exporter(self) -> E {
+        self.exporter
+    }
+
+    /// Starts the job of `info` at `start_ns` (the library entry point; the sink uses now).
+    pub fn start_process(&mut self, info: &ProcessInfo, start_ns: u64) {
+        let mut arena = SpanArena::new(info.pid, self.groups.clone());
+        let job = arena.open(
+            &mut self.ids,
+            names::JOB,
+            SpanGroup::Job,
+            None,
+            info.pid,
+            start_ns,
+        );
+        arena.set_attr(job, semconv::PROCESS_PID, info.pid);
+        let model_init = if info.traced_from_start {
+            Some(arena.open(
+                &mut self.ids,
+                names::MODEL_INIT,
+                SpanGroup::ModelInit,
+                Some(job),
+                info.pid,
+                start_ns,
+            ))
+        } else {
+            arena.set_attr(job, semconv::NEMO_ATTACHED_MID_RUN, true);
+            None
+        };
+        let exported_job = self.groups.contains(SpanGroup::Job).then_some(job);
+        self.exporter.process_started(info, exported_job, start_ns);
+        self.processes.insert(
+            info.pid,
+            ProcessSpans {
+                arena,
+                job,
+                model_init,
+                traced_from_start: info.traced_from_start,
+                threads: HashMap::new(),
+                loop_thread: None,
+                communicators: HashMap::new(),
+            },
+        );
+    }
+
+    /// Ends the job of `pid` at `end_ns`: open spans end there, marked truncated.
+    pub fn end_process(&mut self, pid: u32, exit: Option<ExitStatus>, end_ns: u64) {
+        let Some(mut process) = self.processes.remove(&pid) else {
+            return;
+        };
+        let ProcessSpans {
+            arena,
+            job,
+            model_init,
+            threads,
+            ..
+        } = &mut process;
+        let mut ctx = ProcessContext {
+            arena,
+            ids: &mut self.ids,
+            out: &mut self.exporter,
+            job: *job,
+            model_init,
+        };
+        let mut tids: Vec<u32> = threads.keys().copied().collect();
+        tids.sort_unstable();
+        for tid in tids {
+            if let Some(thread) = threads.get_mut(&tid) {
+                thread.finish(&mut ctx, end_ns);
+            }
+        }
+        if let Some(id) = ctx.model_init.take() {
+            ctx.arena.close(id, end_ns, true, ctx.out);
+        }
+        match exit {
+            Some(ExitStatus::Exited(code)) => {
+                ctx.arena.set_attr(*job, semconv::PROCESS_EXIT_CODE, code);
+                if code != 0 {
+                    ctx.arena
+                        .set_error(*job, format!("exited with code {code}"));
+                }
+            }
+            Some(ExitStatus::Signaled(signal)) => {
+                ctx.arena
+                    .set_error(*job, format!("killed by signal {signal}"));
+            }
+            Some(ExitStatus::Unknown) => {}
+            // Tracing stopped while the job runs on: the job span is cut short.
+            None => ctx.arena.set_attr(*job, semconv::NEMO_SPAN_TRUNCATED, true),
+        }
+        ctx.arena.close(*job, end_ns, false, ctx.out);
+        self.exporter.process_ended(pid);
+    }
+
+    fn on_phase(&mut self, tgid: u32, tid: u32, at: u64, signal: &crate::events::PhaseSignal) {
+        let Some(process) = self.processes.get_mut(&tgid) else {
+            return;
+        };
+        let traced_from_start = process.traced_from_start;
+        let thread = process
+            .threads
+            .entry(tid)
+            .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
+        let mut ctx = ProcessContext {
+            arena: &mut process.arena,
+            ids: &mut self.ids,
+            out: &mut self.exporter,
+            job: process.job,
+            model_init: &mut process.model_init,
+        };
+        thread.on_signal(&mut ctx, at, signal);
+        if process.loop_thread.is_none() && thread.is_active() {
+            process.loop_thread = Some(tid);
+        }
+    }
+
+    fn on_call(
+        &mut self,
+        timing: &CallTiming,
+        name: &'static str,
+        attributes: Attributes,
+        result: i32,
+    ) {
+        let Some(process) = self.processes.get_mut(&timing.tgid) else {
+            return;
+        };
+        let own = process.threads.get(&timing.tid).filter(|t| t.is_active());
+        let thread = own.or_else(|| {
+            process
+                .loop_thread
+                .and_then(|tid| process.threads.get(&tid))
+        });
+        let ctx = ProcessContext {
+            arena: &mut process.arena,
+            ids: &mut self.ids,
+            out: &mut self.exporter,
+            job: process.job,
+            model_init: &mut process.model_init,
+        };
+        let parent = match thread {
+            Some(thread) => thread.innermost(&ctx),
+            None => ctx.model_init.unwrap_or(ctx.job),
+        };
+        let mut attributes = attributes;
+        let error = (result != 0).then(|| format!("{name} returned {result}"));
+        if result != 0 {
+            attributes.push((semconv::DL_CALL_RESULT, result.into()));
+        }
+        ctx.arena.emit_call(
+            ctx.ids,
+            name,
+            Some(parent),
+            timing.tid,
+            timing.start_ns,
+            timing.end_ns,
+            attributes,
+            error,
+            ctx.out,
+        );
+    }
+}
+
+impl<E: SpanExporter> EventSink for SpanBuilder<E> {
+    fn on_process_start(&mut self, process: &ProcessInfo) {
+        self.start_process(process, monotonic_now_ns());
+    }
+
+    fn on_event(&mut self, event: &ProbeEvent) {
+        match event {
+            ProbeEvent::Phase {
+                tgid,
+                tid,
+                at_ns,
+                signal,
+            } => self.on_phase(*tgid, *tid, *at_ns, signal),
+            ProbeEvent::Collective {
+                timing,
+                op,
+                count,
+                datatype,
+                raw_datatype,
+                redop,
+                peer,
+                comm,
+                result,
+                ..
+            } => {
+                let mut attributes: Attributes = vec![
+                    (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
+                    (semconv::DL_COLLECTIVE_OP, op.name().into()),
+                    (semconv::DL_COLLECTIVE_COUNT, (*count).into()),
+                    (
+                        semconv::DL_COLLECTIVE_DTYPE,
+                        datatype.map_or_else(
+                            || AttrValue::from(format!("dtype({raw_datatype})")),
+                            |d| d.name().into(),
+                        ),
+                    ),
+                ];
+                if let Some(bytes) = event.bytes() {
+                    attributes.push((semconv::DL_COLLECTIVE_BYTES, bytes.into()));
+                }
+                if let Some(redop) = redop {
+                    attributes.push((semconv::DL_COLLECTIVE_REDUCE_OP, redop.name().into()));
+                }
+                if let Some(peer) = peer {
+                    attributes.push((semconv::DL_COLLECTIVE_PEER, (*peer).into()));
+                }
+                let communicator = self
+                    .processes
+                    .get(&timing.tgid)
+                    .and_then(|p| p.communicators.get(comm).copied());
+                if let Some(c) = communicator {
+                    attributes.push((
+                        semconv::DL_COLLECTIVE_COMM_ID,
+                        format!("{:016x}", c.id_hash).into(),
+                    ));
+                    attributes.push((semconv::DL_RANK, c.rank.into()));
+                    attributes.push((semconv::DL_WORLD_SIZE, c.nranks.into()));
+                }
+                self.on_call(timing, op.span_name(), attributes, *result);
+            }
+            ProbeEvent::GlooCall { timing, op } => {
+                let attributes = vec![
+                    (semconv::DL_COLLECTIVE_BACKEND, "gloo".into()),
+                    (semconv::DL_COLLECTIVE_OP, op.name().into()),
+                ];
+                self.on_call(timing, op.gloo_span_name(), attributes, 0);
+            }
+            ProbeEvent::SyncWait {
+                timing,
+                kind,
+                result,
+                ..
+            } => {
+                let attributes = vec![(semconv::CUDA_SYNC_KIND, kind.name().into())];
+                self.on_call(timing, kind.span_name(), attributes, *result);
+            }
+            ProbeEvent::CommInit {
+                timing,
+                comm,
+                rank,
+                nranks,
+                comm_id_hash,
+                result,
+            } => {
+                if let Some(process) = self.processes.get_mut(&timing.tgid) {
+                    process.communicators.insert(
+                        *comm,
+                        Communicator {
+                            rank: *rank,
+                            nranks: *nranks,
+                            id_hash: *comm_id_hash,
+                        },
+                    );
+                }
+                let attributes = vec![
+                    (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
+                    (
+                        semconv::DL_COLLECTIVE_COMM_ID,
+                        format!("{comm_id_hash:016x}").into(),
+                    ),
+                    (semconv::DL_RANK, (*rank).into()),
+                    (semconv::DL_WORLD_SIZE, (*nranks).into()),
+                ];
+                self.on_call(timing, names::NCCL_COMM_INIT, attributes, *result);
+            }
+            ProbeEvent::Group { .. } | ProbeEvent::LinkMapChanged { .. } => {}
+        }
+    }
+
+    fn on_process_end(&mut self, end: &ProcessEnd) {
+        self.end_process(end.pid, end.exit, monotonic_now_ns());
+    }
+}

@@ -1,0 +1,155 @@
+//! The console exporter: each process's span tree, indented, printed one top-level phase
+//! at a time as it completes (a step with its phases and calls, an evaluation, a
+//! checkpoint), and the job line when the process ends.
+use std::{collections::HashMap, io::Write};
+
+use super::{SpanExporter, SpanId, SpanRecord, SpanStatus};
+use crate::{semconv, target::ProcessInfo};
+
+/// Attributes the name already says, or that only queries need.
+const HIDDEN_ATTRIBUTES: &[&str] = &[
+    semconv::NEMO_SPAN_GROUP,
+    semconv::NEMO_SPAN_TRUNCATED,
+    semconv::DL_COLLECTIVE_BACKEND,
+    semconv::DL_COLLECTIVE_OP,
+    semconv::CUDA_SYNC_KIND,
+    semconv::PROCESS_PID,
+];
+
+struct ConsoleProcess {
+    job: Option<SpanId>,
+    start_ns: u64,
+    /// Finished spans waiting for their top-level ancestor to finish.
+    pending: Vec<SpanRecord>,
+}
+
+pub struct ConsoleTree<W: Write> {
+    out: W,
+    processes: HashMap<u32, ConsoleProcess>,
+}
+
+impl<W: Write> ConsoleTree<W> {
+    pub fn new(out: W) -> ConsoleTree<W> {
+        ConsoleTree {
+            out,
+            processes: HashMap::new(),
+        }
+    }
+
+    pub fn into_inner(self) -> W {
+        self.out
+    }
+}
+
+pub fn format_duration(ns: u64) -> String {
+    let ns = ns as f64;
+    if ns >= 1e9 {
+        format!("{:.3} s", ns / 1e9)
+    } else if ns >= 1e6 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.1} µs", ns / 1e3)
+    }
+}
+
+fn line(span: &SpanRecord, depth: usize, origin_ns: u64) -> String {
+    let offset = format!(
+        "+{:.3}s",
+        span.start_ns.saturating_sub(origin_ns) as f64 / 1e9
+    );
+    let label = format!("{}{}", "  ".repeat(depth), span.name);
+    let mut text = format!(
+        "  {offset:>10}  {label:<40} {:>10}",
+        format_duration(span.duration_ns())
+    );
+    for (key, value) in &span.attributes {
+        if !HIDDEN_ATTRIBUTES.contains(key) {
+            text.push_str(&format!("  {key}={value}"));
+        }
+    }
+    if span.truncated() {
+        text.push_str("  (truncated)");
+    }
+    if let SpanStatus::Error(message) = &span.status {
+        text.push_str(&format!("  ERROR: {message}"));
+    }
+    text
+}
+
+fn subtree(
+    spans: &[SpanRecord],
+    root: &SpanRecord,
+    depth: usize,
+    origin_ns: u64,
+    out: &mut Vec<String>,
+) {
+    out.push(line(root, depth, origin_ns));
+    let mut children: Vec<&SpanRecord> =
+        spans.iter().filter(|s| s.parent == Some(root.id)).collect();
+    children.sort_by_key(|s| (s.start_ns, s.id));
+    for child in children {
+        subtree(spans, child, depth + 1, origin_ns, out);
+    }
+}
+
+impl<W: Write> SpanExporter for ConsoleTree<W> {
+    fn process_started(&mut self, info: &ProcessInfo, job: Option<SpanId>, start_ns: u64) {
+        let _ = writeln!(
+            self.out,
+            "lens-probe: [pid {}] job started: {}",
+            info.pid,
+            info.command_line.join(" ")
+        );
+        self.processes.insert(
+            info.pid,
+            ConsoleProcess {
+                job,
+                start_ns,
+                pending: Vec::new(),
+            },
+        );
+    }
+
+    fn export(&mut self, span: SpanRecord) {
+        let Some(process) = self.processes.get_mut(&span.pid) else {
+            return;
+        };
+        if process.job == Some(span.id) {
+            let mut text = line(&span, 0, process.start_ns);
+            // The job line: its name and duration, no offset.
+            if let Some(at) = text.find(span.name) {
+                text.drain(..at);
+            }
+            let _ = writeln!(self.out, "lens-probe: [pid {}] {text}", span.pid);
+            return;
+        }
+        let top_level = span.parent.is_none() || span.parent == process.job;
+        if !top_level {
+            process.pending.push(span);
+            return;
+        }
+        let mut lines = Vec::new();
+        subtree(&process.pending, &span, 0, process.start_ns, &mut lines);
+        // Whatever hangs below this span has been printed with it.
+        let mut below = vec![span.id];
+        let mut i = 0;
+        while i < below.len() {
+            let parent = below[i];
+            below.extend(
+                process
+                    .pending
+                    .iter()
+                    .filter(|s| s.parent == Some(parent))
+                    .map(|s| s.id),
+            );
+            i += 1;
+        }
+        process.pending.retain(|s| !below.contains(&s.id));
+        let _ = writeln!(self.out, "{}", lines.join("\n"));
+    }
+
+    fn process_ended(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+        let _ = self.out.flush();
+    }
+}

@@ -1,0 +1,319 @@
+//! The phase rules on synthetic event streams: exact trees and boundaries.
+use super::{SpanBuilder, SpanLog, SpanStatus, names};
+use crate::{
+    events::{CallTiming, CollectiveOp, PhaseSignal, ProbeEvent, TorchScope},
+    groups::SpanGroups,
+    nccl::{DataType, RedOp},
+    semconv,
+    sink::{EventSink, ProcessEnd},
+    target::{ExitStatus, ProcessInfo},
+};
+
+const PID: u32 = 100;
+const FETCH: &str = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__";
+
+struct Run {
+    builder: SpanBuilder<SpanLog>,
+    now: u64,
+}
+
+impl Run {
+    fn new(groups: &str, from_start: bool) -> Run {
+        let mut builder =
+            SpanBuilder::new(groups.parse::<SpanGroups>().unwrap(), SpanLog::default());
+        builder.start_process(
+            &ProcessInfo {
+                pid: PID,
+                name: "python".into(),
+                command_line: vec!["python".into(), "train.py".into()],
+                traced_from_start: from_start,
+            },
+            0,
+        );
+        Run { builder, now: 0 }
+    }
+
+    /// Advances the clock by `ms` and sends `signal` then.
+    fn at(&mut self, ms: u64, signal: PhaseSignal) -> &mut Self {
+        self.now += ms * 1_000_000;
+        self.builder.on_event(&ProbeEvent::Phase {
+            tgid: PID,
+            tid: PID,
+            at_ns: self.now,
+            signal,
+        });
+        self
+    }
+
+    fn scope(&mut self, ms: u64, name: &str, length_ms: u64) -> &mut Self {
+        let signal = PhaseSignal::ScopeEnter {
+            scope: TorchScope::from_name(name),
+            name: name.into(),
+        };
+        self.at(ms, signal).at(length_ms, PhaseSignal::ScopeExit)
+    }
+
+    fn backward(&mut self, ms: u64, length_ms: u64) -> &mut Self {
+        self.at(ms, PhaseSignal::BackwardStart)
+            .at(length_ms, PhaseSignal::BackwardEnd)
+    }
+
+    fn grad(&mut self, ms: u64, enabled: bool) -> &mut Self {
+        self.at(ms, PhaseSignal::GradMode { enabled })
+    }
+
+    /// One training step as torch runs it: per microbatch a fetch, a forward (not seen),
+    /// a backward; then `Optimizer.step` (with its internal no_grad) and `zero_grad`.
+    fn step(&mut self, accum: u32) -> &mut Self {
+        for _ in 0..accum {
+            self.scope(1, FETCH, 1).backward(2, 3);
+        }
+        self.at(1, scope_enter("Optimizer.step#SGD.step"))
+            .grad(0, false)
+            .grad(1, true)
+            .at(0, PhaseSignal::ScopeExit)
+            .scope(0, "Optimizer.zero_grad#SGD.zero_grad", 1)
+    }
+
+    fn eval(&mut self, batches: u32) -> &mut Self {
+        self.grad(1, false);
+        for _ in 0..=batches {
+            self.scope(1, FETCH, 1);
+        }
+        self.grad(1, true)
+    }
+
+    fn checkpoint(&mut self) -> &mut Self {
+        self.at(1, PhaseSignal::CheckpointWriteStart)
+            .at(5, PhaseSignal::CheckpointWriteEnd)
+    }
+
+    fn allreduce(&mut self, start_ms_ago: u64) -> &mut Self {
+        let timing = CallTiming {
+            tgid: PID,
+            tid: PID,
+            start_ns: self.now - start_ms_ago * 1_000_000,
+            end_ns: self.now,
+        };
+        self.builder.on_event(&ProbeEvent::Collective {
+            timing,
+            op: CollectiveOp::AllReduce,
+            count: 256,
+            datatype: Some(DataType::Float32),
+            raw_datatype: 7,
+            redop: Some(RedOp::Sum),
+            peer: None,
+            comm: 0xC0FFEE00,
+            stream: 0,
+            result: 0,
+        });
+        self
+    }
+
+    fn end(mut self, ms: u64, exit: Option<ExitStatus>) -> SpanLog {
+        self.now += ms * 1_000_000;
+        self.builder.end_process(PID, exit, self.now);
+        self.builder.into_exporter()
+    }
+}
+
+fn scope_enter(name: &str) -> PhaseSignal {
+    PhaseSignal::ScopeEnter {
+        scope: TorchScope::from_name(name),
+        name: name.into(),
+    }
+}
+
+const KEYS: &[&str] = &[
+    semconv::DL_ITERATION,
+    semconv::DL_MICROBATCH_COUNT,
+    semconv::NEMO_SPAN_TRUNCATED,
+];
+
+fn ms(ns: u64) -> u64 {
+    ns / 1_000_000
+}
+
+#[test]
+fn a_training_run_from_start_gives_the_whole_tree() {
+    let mut run = Run::new("per_step", true);
+    run.grad(1, false).grad(1, true); // torch's import toggles grad mode: not evaluation
+    run.at(10, PhaseSignal::CheckpointReadStart)
+        .at(4, PhaseSignal::CheckpointReadEnd);
+    run.step(2).step(2).eval(2).checkpoint().step(1);
+    let log = run.end(3, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.outline(KEYS),
+        "train.job
+  train.model_init
+  train.load_checkpoint
+  train.step dl.iteration=0
+    train.forward_backward dl.microbatch_count=2
+    train.optimizer
+  train.step dl.iteration=1
+    train.forward_backward dl.microbatch_count=2
+    train.optimizer
+  train.evaluate
+  train.checkpoint
+  train.step dl.iteration=2
+    train.forward_backward dl.microbatch_count=1
+    train.optimizer
+"
+    );
+    // Boundaries: model_init ends where the checkpoint load starts (12 ms); step 0 starts
+    // at its first fetch (17) and ends when zero_grad returns (33); forward_backward ends
+    // with the last backward (30); the optimizer starts with Optimizer.step (31).
+    let span = |name: &str, n: usize| log.named(name).nth(n).unwrap().clone();
+    assert_eq!(ms(span(names::MODEL_INIT, 0).end_ns), 12);
+    let step0 = span(names::STEP, 0);
+    let fb0 = span(names::FORWARD_BACKWARD, 0);
+    let opt0 = span(names::OPTIMIZER, 0);
+    assert_eq!((ms(step0.start_ns), ms(step0.end_ns)), (17, 33));
+    assert_eq!((ms(fb0.start_ns), ms(fb0.end_ns)), (17, 30));
+    assert_eq!((ms(opt0.start_ns), ms(opt0.end_ns)), (31, 33));
+    assert_eq!(fb0.events.len(), 2);
+    assert_eq!(
+        fb0.events[1].attributes[0],
+        (semconv::DL_MICROBATCH_ID, 1i64.into())
+    );
+    let job = span(names::JOB, 0);
+    assert_eq!(job.status, SpanStatus::Unset);
+    assert!(log.spans.iter().all(|s| !s.truncated()));
+    // Children lie inside their parents.
+    for child in &log.spans {
+        if let Some(parent) = log.spans.iter().find(|s| Some(s.id) == child.parent) {
+            assert!(parent.start_ns <= child.start_ns && child.end_ns <= parent.end_ns);
+        }
+    }
+    // Every span carries its group.
+    assert_eq!(step0.attr(semconv::NEMO_SPAN_GROUP), Some(&"step".into()));
+}
+
+#[test]
+fn default_groups_export_only_job_evaluate_and_checkpoint() {
+    let mut run = Run::new("default", true);
+    run.step(2).eval(1).checkpoint().step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.outline(KEYS),
+        "train.job\n  train.evaluate\n  train.checkpoint\n"
+    );
+}
+
+#[test]
+fn calls_inside_a_disabled_phase_hang_on_the_nearest_enabled_one() {
+    let mut run = Run::new("job,step", true);
+    run.scope(1, FETCH, 1).at(1, PhaseSignal::BackwardStart);
+    run.allreduce(1);
+    run.at(1, PhaseSignal::BackwardEnd)
+        .scope(1, "Optimizer.step#SGD.step", 1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.outline(&[semconv::DL_COLLECTIVE_BYTES]),
+        "train.job\n  train.step\n    nccl.all_reduce dl.collective.bytes=1024\n"
+    );
+    let call = log.named("nccl.all_reduce").next().unwrap();
+    assert_eq!(call.attr(semconv::NEMO_SPAN_GROUP), Some(&"step".into()));
+}
+
+#[test]
+fn a_collective_during_backward_is_a_child_of_forward_backward() {
+    let mut run = Run::new("per_step", true);
+    run.scope(1, FETCH, 1).at(1, PhaseSignal::BackwardStart);
+    run.allreduce(1);
+    run.at(1, PhaseSignal::BackwardEnd)
+        .scope(1, "Optimizer.step#SGD.step", 1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert!(
+        log.outline(&[])
+            .contains("    train.forward_backward\n      nccl.all_reduce\n"),
+        "{}",
+        log.outline(&[])
+    );
+}
+
+#[test]
+fn no_grad_without_batches_is_not_evaluation() {
+    let mut run = Run::new("per_step", true);
+    run.step(1).grad(1, false).grad(2, true).step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(log.named(names::EVALUATE).count(), 0);
+    assert_eq!(log.named(names::STEP).count(), 2);
+}
+
+#[test]
+fn attaching_mid_step_reports_steps_only_from_the_next_boundary() {
+    let mut run = Run::new("per_step", false);
+    // Mid-way through a step: the end of a backward, then the optimizer.
+    run.at(1, PhaseSignal::BackwardEnd)
+        .scope(1, "Optimizer.step#SGD.step", 1)
+        .scope(0, "Optimizer.zero_grad#SGD.zero_grad", 1);
+    run.step(2).step(2);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.outline(KEYS),
+        "train.job
+  train.step dl.iteration=0
+    train.forward_backward dl.microbatch_count=2
+    train.optimizer
+  train.step dl.iteration=1
+    train.forward_backward dl.microbatch_count=2
+    train.optimizer
+"
+    );
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(job.attr(semconv::NEMO_ATTACHED_MID_RUN), Some(&true.into()));
+}
+
+#[test]
+fn a_killed_job_ends_open_spans_truncated_and_the_job_in_error() {
+    let mut run = Run::new("per_step", true);
+    run.step(1).scope(1, FETCH, 1).backward(1, 1);
+    let log = run.end(2, Some(ExitStatus::Signaled(9)));
+    assert_eq!(
+        log.outline(KEYS),
+        "train.job
+  train.model_init
+  train.step dl.iteration=0
+    train.forward_backward dl.microbatch_count=1
+    train.optimizer
+  train.step dl.iteration=1 nemo.span.truncated=true
+    train.forward_backward dl.microbatch_count=1 nemo.span.truncated=true
+"
+    );
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(job.status, SpanStatus::Error("killed by signal 9".into()));
+    // Truncated spans end at the process's end, children before parents.
+    let order: Vec<&str> = log.spans.iter().map(|s| s.name).collect();
+    assert_eq!(
+        &order[order.len() - 3..],
+        [names::FORWARD_BACKWARD, names::STEP, names::JOB]
+    );
+}
+
+#[test]
+fn back_to_back_checkpoint_files_are_one_checkpoint() {
+    let mut run = Run::new("default", true);
+    run.step(1).checkpoint().checkpoint().step(1).checkpoint();
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let files: Vec<i64> = log
+        .named(names::CHECKPOINT)
+        .map(|s| s.int_attr(semconv::NEMO_CHECKPOINT_FILES).unwrap())
+        .collect();
+    assert_eq!(files, [2, 1]);
+}
+
+#[test]
+fn the_process_end_sink_path_closes_the_job() {
+    let mut run = Run::new("default", true);
+    run.step(1);
+    let mut builder = run.builder;
+    builder.on_process_end(&ProcessEnd {
+        pid: PID,
+        calls: Default::default(),
+        exit: None,
+    });
+    let log = builder.into_exporter();
+    let job = log.named(names::JOB).next().unwrap();
+    assert!(job.truncated(), "tracing stopped while the job ran on");
+}
