@@ -1,0 +1,279 @@
+//! Span trees from the fake libtorch trainer (tests/README.md has its exact call
+//! sequence) through real uprobes: whole trees asserted, the group gate counted in
+//! attached uprobes, attaching mid-run, a killed job.
+use std::{ffi::OsString, time::Duration};
+
+use lens_common::ProbeId;
+use lens_probe::{
+    groups::SpanGroups,
+    semconv,
+    session::{Session, TraceOptions},
+    spans::{SpanBuilder, SpanLog, SpanStatus, names},
+};
+
+fn session(spec: &str) -> Session {
+    Session::new(TraceOptions {
+        span_groups: spec.parse::<SpanGroups>().unwrap(),
+        kernel_logs: false,
+    })
+    .unwrap()
+}
+
+/// `env VARS... trainer_torch ARGS...`
+fn trainer(env: &[(&str, &str)], args: &[&str]) -> Vec<OsString> {
+    let mut argv: Vec<OsString> = vec!["env".into()];
+    argv.extend(env.iter().map(|(k, v)| OsString::from(format!("{k}={v}"))));
+    argv.push(lens_tests::torch_trainer().into_os_string());
+    argv.extend(args.iter().map(OsString::from));
+    argv
+}
+
+fn trace(spec: &str, argv: &[OsString]) -> (SpanLog, Session) {
+    let mut session = session(spec);
+    session.exec(argv).unwrap();
+    let mut builder = SpanBuilder::new(spec.parse().unwrap(), SpanLog::default());
+    session
+        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
+        .unwrap();
+    (builder.into_exporter(), session)
+}
+
+const KEYS: &[&str] = &[
+    semconv::DL_ITERATION,
+    semconv::DL_MICROBATCH_COUNT,
+    semconv::NEMO_CHECKPOINT_FILES,
+    semconv::NEMO_SPAN_TRUNCATED,
+];
+
+fn step(iteration: u32, microbatches: u32) -> String {
+    format!(
+        "  train.step dl.iteration={iteration}\n    train.forward_backward \
+         dl.microbatch_count={microbatches}\n    train.optimizer\n"
+    )
+}
+
+#[test]
+fn per_step_gives_the_exact_tree() {
+    if !lens_tests::require_bpf("per_step_gives_the_exact_tree") {
+        return;
+    }
+    // 4 steps of 2 microbatches, evaluation after steps 2 and 4, a checkpoint after 3,
+    // a checkpoint loaded before training.
+    let (log, _) = trace(
+        "per_step",
+        &trainer(&[("TRAINER_LOAD", "1")], &["4", "2", "2", "3"]),
+    );
+    let expected = [
+        "train.job\n  train.model_init\n  train.load_checkpoint nemo.checkpoint.files=1\n"
+            .to_string(),
+        step(0, 2),
+        step(1, 2),
+        "  train.evaluate\n".into(),
+        step(2, 2),
+        "  train.checkpoint nemo.checkpoint.files=1\n".into(),
+        step(3, 2),
+        "  train.evaluate\n".into(),
+    ]
+    .concat();
+    assert_eq!(log.outline(KEYS), expected);
+    // In time: children inside parents, siblings one after another.
+    for child in &log.spans {
+        if let Some(parent) = log.spans.iter().find(|s| Some(s.id) == child.parent) {
+            assert!(
+                parent.start_ns <= child.start_ns && child.end_ns <= parent.end_ns,
+                "{} outside {}",
+                child.name,
+                parent.name
+            );
+        }
+    }
+    let steps: Vec<_> = log.named(names::STEP).collect();
+    for pair in steps.windows(2) {
+        assert!(pair[0].end_ns <= pair[1].start_ns);
+    }
+    // Each backward is a span event with its microbatch id; the fake backward sleeps 4 ms
+    // and the forward before it 2 ms.
+    for fb in log.named(names::FORWARD_BACKWARD) {
+        let ids: Vec<_> = fb
+            .events
+            .iter()
+            .map(|e| e.attributes[0].1.clone())
+            .collect();
+        assert_eq!(ids, [0i64.into(), 1i64.into()]);
+        assert!(fb.duration_ns() >= 2 * (2 + 4) * 1_000_000, "{fb:?}");
+    }
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(job.status, SpanStatus::Unset);
+    assert_eq!(job.int_attr(semconv::PROCESS_EXIT_CODE), Some(0));
+}
+
+#[test]
+fn default_groups_give_job_evaluate_checkpoint_and_attach_no_step_probes() {
+    if !lens_tests::require_bpf("default_groups_give_job_evaluate_checkpoint") {
+        return;
+    }
+    let argv = trainer(&[("TRAINER_DISTRIBUTED", "1")], &["4", "2", "2", "3"]);
+    let (log, session) = trace("default", &argv);
+    assert_eq!(
+        log.outline(KEYS),
+        "train.job\n  nccl.comm_init\n  train.evaluate\n  train.checkpoint \
+         nemo.checkpoint.files=1\n  train.evaluate\n"
+    );
+    // The gate is attachment: none of the per-step probes is in the kernel.
+    let attached = session.attacher().attached_by_probe();
+    for probe in [
+        ProbeId::TorchBackward,
+        ProbeId::GlooAllReduce,
+        ProbeId::NcclAllReduce,
+        ProbeId::CheckpointReaderOpen,
+    ] {
+        assert!(
+            !attached.contains_key(&probe),
+            "{probe:?} attached: {attached:?}"
+        );
+    }
+    for probe in [
+        ProbeId::TorchScopeEnter,
+        ProbeId::TorchScopeExit,
+        ProbeId::TorchGradMode,
+        ProbeId::CheckpointWriterOpen,
+        ProbeId::CheckpointWriterClose,
+        ProbeId::NcclCommInitRank,
+    ] {
+        assert!(
+            attached.contains_key(&probe),
+            "{probe:?} missing: {attached:?}"
+        );
+    }
+}
+
+#[test]
+fn uprobes_attached_grow_with_the_preset() {
+    if !lens_tests::require_bpf("uprobes_attached_grow_with_the_preset") {
+        return;
+    }
+    let count = |spec: &str| {
+        let (_, session) = trace(spec, &trainer(&[], &["1", "1", "0", "0"]));
+        session.attacher().uprobe_count()
+    };
+    let (default, per_step) = (count("default"), count("per_step"));
+    // default: ld.so, ncclCommInitRank (entry+return), scope enter/exit, grad mode,
+    // writer open, writer close (return).
+    assert_eq!(default, 1 + 2 + 2 + 1 + 2);
+    // per_step adds backward (entry+return), reader open/close, 8 gloo calls (entry+
+    // return), and from the fake libnccl the 7 collectives (entry+return) and group
+    // start/end (the trainer maps no libcudart).
+    assert_eq!(per_step, default + 2 + 2 + 8 * 2 + 7 * 2 + 2);
+}
+
+#[test]
+fn collectives_during_backward_are_children_of_forward_backward() {
+    if !lens_tests::require_bpf("collectives_during_backward") {
+        return;
+    }
+    let (log, _) = trace(
+        "per_step",
+        &trainer(&[("TRAINER_DISTRIBUTED", "1")], &["2", "2", "0", "0"]),
+    );
+    let calls = "      gloo.all_reduce\n      nccl.all_reduce dl.rank=1 dl.world_size=4\n";
+    let step = |i: u32| {
+        format!("  train.step\n    train.forward_backward\n{calls}{calls}    train.optimizer\n",)
+            .replace("train.step", &format!("train.step dl.iteration={i}"))
+    };
+    assert_eq!(
+        log.outline(&[
+            semconv::DL_ITERATION,
+            semconv::DL_RANK,
+            semconv::DL_WORLD_SIZE
+        ]),
+        format!(
+            "train.job\n  train.model_init\n    nccl.comm_init dl.rank=1 dl.world_size=4\n{}{}",
+            step(0),
+            step(1)
+        )
+    );
+    let allreduce = log.named("nccl.all_reduce").next().unwrap();
+    assert_eq!(allreduce.int_attr(semconv::DL_COLLECTIVE_BYTES), Some(4096));
+    assert_eq!(
+        allreduce.attr(semconv::NEMO_SPAN_GROUP),
+        Some(&"forward_backward".into())
+    );
+}
+
+#[test]
+fn attaching_mid_run_reports_whole_steps_only() {
+    if !lens_tests::require_bpf("attaching_mid_run_reports_whole_steps_only") {
+        return;
+    }
+    // ~60 ms steps; attach after ~5 of them.
+    let mut child = std::process::Command::new(lens_tests::torch_trainer())
+        .args(["30", "2", "0", "0"])
+        .env("TRAINER_FORWARD_MS", "25")
+        .env("TRAINER_INIT_MS", "0")
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(330));
+    let mut session = session("per_step");
+    session.attach_pid(child.id()).unwrap();
+    let mut builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
+    session
+        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    let log = builder.into_exporter();
+    let steps: Vec<_> = log.named(names::STEP).collect();
+    assert!(
+        (15..30).contains(&steps.len()),
+        "{} steps seen",
+        steps.len()
+    );
+    for (i, step) in steps.iter().enumerate() {
+        assert_eq!(step.int_attr(semconv::DL_ITERATION), Some(i as i64));
+        assert!(!step.truncated());
+        let children = log.children(step);
+        let names: Vec<_> = children.iter().map(|s| s.name).collect();
+        assert_eq!(names, [names::FORWARD_BACKWARD, names::OPTIMIZER]);
+        assert_eq!(
+            children[0].int_attr(semconv::DL_MICROBATCH_COUNT),
+            Some(2),
+            "step {i} is not whole"
+        );
+    }
+    assert_eq!(log.named(names::MODEL_INIT).count(), 0);
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(job.attr(semconv::NEMO_ATTACHED_MID_RUN), Some(&true.into()));
+}
+
+#[test]
+fn a_killed_job_has_an_error_status_and_truncated_open_spans() {
+    if !lens_tests::require_bpf("a_killed_job_has_an_error_status") {
+        return;
+    }
+    // 2 s forward passes: the first backward (which opens step 0) at ~2 s, the second
+    // at ~4 s; killed at 3 s, inside the second forward, with a second of margin.
+    let mut session = session("per_step");
+    let pid = session
+        .exec(&trainer(
+            &[("TRAINER_FORWARD_MS", "2000"), ("TRAINER_INIT_MS", "0")],
+            &["3", "2", "0", "0"],
+        ))
+        .unwrap();
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(3000));
+        // SAFETY: plain kill(2) of the child we started.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    });
+    let mut builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
+    session
+        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
+        .unwrap();
+    killer.join().unwrap();
+    let log = builder.into_exporter();
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(job.status, SpanStatus::Error("killed by signal 9".into()));
+    assert_eq!(
+        log.outline(KEYS),
+        "train.job\n  train.model_init\n  train.step dl.iteration=0 nemo.span.truncated=true\n    \
+         train.forward_backward dl.microbatch_count=1 nemo.span.truncated=true\n"
+    );
+}
