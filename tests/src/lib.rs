@@ -1,10 +1,10 @@
 //! Test harness for lens-probe: paths to the C fixtures built by `build.rs`
-//! (see `tests/README.md`) and the skip rules for tests that need privileges or the
-//! real NVIDIA libraries.
+//! (see `tests/README.md`) and the skip rules for tests that need privileges, the
+//! real NVIDIA libraries or the PyTorch venv.
 //!
 //! The skip rule: a test that cannot run here (not root, no uprobe PMU, no real
-//! libraries) prints `SKIP <test>: <reason>` and passes, except under `CI=true` (or
-//! `CI=1`), where it panics instead: in CI a skip is a failure.
+//! libraries, no PyTorch venv) prints `SKIP <test>: <reason>` and passes, except under
+//! `CI=true` (or `CI=1`), where it panics instead: in CI a skip is a failure.
 
 use std::path::{Path, PathBuf};
 
@@ -168,6 +168,80 @@ pub fn nvidia_libs(test_name: &str) -> Option<NvidiaLibs> {
         ),
     );
     None
+}
+
+/// The Python virtual environment `cargo xtask setup` creates with PyPI PyTorch and
+/// NeMo Lens (`torch==2.15.0`, `nemo-lens[sdk]==0.1.0`, Python 3.13; CPU use, no GPU).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TorchVenv {
+    /// `DIR/bin/python`
+    pub python: PathBuf,
+    /// The venv directory.
+    pub dir: PathBuf,
+}
+
+/// The stamp file `cargo xtask setup` writes into the venv once its `pip install` and
+/// `import torch, nemo.lens` succeeded.
+const TORCH_VENV_STAMP: &str = ".lens-requirements";
+
+/// The venv directory `cargo xtask setup` fills: `$LENS_TORCH_VENV`, or
+/// `$HOME/.cache/lens-probe/torch-venv`.
+fn torch_venv_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("LENS_TORCH_VENV").filter(|v| !v.is_empty()) {
+        return Some(PathBuf::from(dir));
+    }
+    std::env::var_os("HOME")
+        .filter(|v| !v.is_empty())
+        .map(|home| PathBuf::from(home).join(".cache/lens-probe/torch-venv"))
+}
+
+/// Finds the PyTorch venv (`$LENS_TORCH_VENV`, default
+/// `$HOME/.cache/lens-probe/torch-venv`): it must have `bin/python` and the
+/// `.lens-requirements` stamp that `cargo xtask setup` writes after a complete install.
+///
+/// When either is missing the same rule as [`require_bpf`] applies: panic under
+/// `CI=true` (or `CI=1`), otherwise print `SKIP <test_name>: <reason>` (which says to
+/// run `cargo xtask setup`) and return `None`.
+pub fn torch_venv(test_name: &str) -> Option<TorchVenv> {
+    let Some(dir) = torch_venv_dir() else {
+        skip(
+            test_name,
+            "PyTorch venv",
+            "neither LENS_TORCH_VENV nor HOME is set, so the PyTorch venv cannot be found; \
+             set LENS_TORCH_VENV and run `cargo xtask setup`",
+        );
+        return None;
+    };
+    let venv = TorchVenv {
+        python: dir.join("bin/python"),
+        dir,
+    };
+    let stamp = venv.dir.join(TORCH_VENV_STAMP);
+    let missing: Vec<String> = [&venv.python, &stamp]
+        .into_iter()
+        .filter(|p| !p.is_file())
+        .map(|p| p.display().to_string())
+        .collect();
+    if missing.is_empty() {
+        return Some(venv);
+    }
+    skip(
+        test_name,
+        "PyTorch venv",
+        &format!(
+            "missing {}; run `cargo xtask setup` to create the PyTorch venv in {} \
+             (or point LENS_TORCH_VENV at a venv it made)",
+            missing.join(" and "),
+            venv.dir.display()
+        ),
+    );
+    None
+}
+
+/// The real PyTorch CPU training script, `tests/fixtures/torch/train.py` (absolute).
+/// Run it with [`TorchVenv::python`].
+pub fn torch_train_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/torch/train.py")
 }
 
 #[cfg(test)]
@@ -546,6 +620,29 @@ mod tests {
         if !under_ci() {
             let _ = require_bpf("skip_rule");
             let _ = nvidia_libs("skip_rule");
+            let _ = torch_venv("skip_rule");
         }
+    }
+
+    #[test]
+    fn torch_train_script_exists() {
+        let script = torch_train_script();
+        assert!(script.is_absolute(), "{}", script.display());
+        assert!(script.is_file(), "{} missing", script.display());
+    }
+
+    /// When setup has run, the venv found is a Python >= 3.13 one whose `bin/python` runs.
+    #[test]
+    fn torch_venv_python_runs_when_present() {
+        let Some(venv) = torch_venv("torch_venv_python_runs_when_present") else {
+            return;
+        };
+        assert!(venv.python.starts_with(&venv.dir));
+        let out = Command::new(&venv.python)
+            .args(["-c", "import sys; print(sys.version_info[:2] >= (3, 13))"])
+            .output()
+            .expect("running the venv's python");
+        assert!(out.status.success());
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "True");
     }
 }

@@ -5,7 +5,8 @@ usage: cargo xtask <command>
 
 commands:
   setup [--dry-run]     install what the build and tests need (nightly + rust-src, bpf-linker,
-                        the NVIDIA PyPI wheels, gcc); each step is skipped when already done;
+                        the NVIDIA PyPI wheels, gcc, a Python 3.13 venv with PyTorch and
+                        NeMo Lens); each step is skipped when already done;
                         --dry-run only prints what it would do
   build-ebpf [--debug]  build the eBPF object into target/bpf and print its path (release by default)
   test                  setup, then build, test, clippy -D warnings and fmt --check the workspace

@@ -8,9 +8,12 @@
 //! - [`toolchain`]: locating rustup/cargo/bpf-linker and the pure parsing helpers behind
 //!   `cargo xtask setup` (LLVM major, the nightly's libLLVM name).
 //! - [`pypi`]: where `cargo xtask setup` puts the real NVIDIA libraries (PyPI wheels).
+//! - [`torch_venv`]: the cached Python 3.13 venv with PyPI PyTorch and NeMo Lens that
+//!   `cargo xtask setup` creates for the real-PyTorch integration tests.
 
 pub mod ebpf;
 pub mod pypi;
 pub mod toolchain;
+pub mod torch_venv;
 
 pub use ebpf::BuildError;

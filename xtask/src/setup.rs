@@ -7,6 +7,8 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use xtask::pypi;
+use xtask::torch_venv;
+
 use xtask::toolchain::{self, BPF_LINKER_VERSION, BpfLinkerInstall, NIGHTLY};
 
 /// An optional local wheel directory, used (as an optimisation only) when it exists.
@@ -26,17 +28,26 @@ pub fn run(dry_run: bool) -> Result<(), String> {
     bpf_linker(dry_run)?;
     pypi_wheels(dry_run)?;
     gcc(dry_run)?;
+    torch_venv_step(dry_run)?;
     println!("xtask setup: done in {:.1}s", start.elapsed().as_secs_f64());
     Ok(())
 }
 
+/// The number of steps, for the `[n/STEPS]` prefix.
+const STEPS: u32 = 5;
+
 fn step(n: u32, what: &str, msg: impl AsRef<str>) {
-    println!("  [{n}/4] {what}: {}", msg.as_ref());
+    println!("  [{n}/{STEPS}] {what}: {}", msg.as_ref());
 }
 
 /// Runs `cmd` with inherited stdout/stderr; `Err` is one line naming the command.
 fn run_streaming(cmd: &mut Command) -> Result<(), String> {
     let shown = toolchain::display_command(cmd);
+    run_streaming_shown(cmd, &shown)
+}
+
+/// [`run_streaming`], naming the command as `shown`.
+fn run_streaming_shown(cmd: &mut Command, shown: &str) -> Result<(), String> {
     match cmd.stdin(Stdio::null()).status() {
         Ok(status) if status.success() => Ok(()),
         Ok(status) => Err(format!("`{shown}` failed ({status})")),
@@ -351,6 +362,144 @@ fn gcc(dry_run: bool) -> Result<(), String> {
     }
     let v = gcc_version().ok_or_else(fail)?;
     step(4, what, format!("installed ({v})"));
+    Ok(())
+}
+
+// ---- 5. PyTorch venv -------------------------------------------------------------------
+
+fn torch_venv_step(dry_run: bool) -> Result<(), String> {
+    let what = "PyTorch venv";
+    let dir = torch_venv::venv_dir();
+    let python = torch_venv::venv_python(&dir);
+    let reqs = torch_venv::REQUIREMENTS.join(", ");
+    let pip = torch_venv::pip_command(&dir);
+    let pip_shown = torch_venv::display(&pip);
+
+    // What is there already: a usable venv (then only pip may be needed) or nothing.
+    // `symlink_metadata`: a dangling `bin/python` (its base Python removed) counts as there,
+    // since `python -m venv` would leave it dangling.
+    let create_with = if python.symlink_metadata().is_ok() {
+        let version = torch_venv::python_version(&python).ok_or_else(|| {
+            format!(
+                "{} does not run (was the Python it was made from removed?): delete {} and rerun \
+                 `cargo xtask setup`",
+                python.display(),
+                dir.display()
+            )
+        })?;
+        if torch_venv::parse_version(&version).is_none_or(|v| v < torch_venv::PYTHON_VERSION) {
+            let (major, minor) = torch_venv::PYTHON_VERSION;
+            return Err(format!(
+                "{} is a Python {version} venv but NeMo Lens needs Python >= {major}.{minor}: \
+                 delete it (or point {} elsewhere) and rerun `cargo xtask setup`",
+                dir.display(),
+                torch_venv::VENV_ENV
+            ));
+        }
+        let reason = match torch_venv::read_stamp(&dir) {
+            Some(true) => match torch_venv::import_check(&python) {
+                Ok(()) => {
+                    step(
+                        5,
+                        what,
+                        format!("already in {} (Python {version}; {reqs})", dir.display()),
+                    );
+                    return Ok(());
+                }
+                Err(e) => format!(
+                    "the stamp matches but `{}` fails: {e}",
+                    torch_venv::IMPORT_CHECK
+                ),
+            },
+            Some(false) => format!("{} lists other requirements", torch_venv::STAMP),
+            None => format!("no {} stamp yet", torch_venv::STAMP),
+        };
+        step(
+            5,
+            what,
+            format!(
+                "{} exists (Python {version}) but {reason}; installing in place: {reqs}",
+                dir.display()
+            ),
+        );
+        None
+    } else {
+        let found = match torch_venv::find_python313() {
+            Ok(found) => found,
+            Err(e) if dry_run => {
+                step(
+                    5,
+                    what,
+                    format!("no venv at {}; the real run would fail: {e}", dir.display()),
+                );
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        step(
+            5,
+            what,
+            format!(
+                "creating {} with Python {} ({}: {}), then installing {reqs} ({}):",
+                dir.display(),
+                found.version,
+                found.source,
+                found.path.display(),
+                torch_venv::FIRST_INSTALL_COST
+            ),
+        );
+        Some(found.path)
+    };
+
+    let mut venv = create_with.map(|py| torch_venv::venv_command(&py, &dir));
+    if dry_run {
+        if let Some(venv) = &venv {
+            step(
+                5,
+                what,
+                format!("would run `{}`", torch_venv::display(venv)),
+            );
+        }
+        step(5, what, format!("would run `{pip_shown}`"));
+        return Ok(());
+    }
+
+    let start = Instant::now();
+    if let Some(venv) = &mut venv {
+        if let Some(parent) = dir.parent() {
+            fs::create_dir_all(parent)
+                .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+        }
+        let shown = torch_venv::display(venv);
+        step(5, what, format!("running `{shown}`"));
+        run_streaming_shown(venv, &shown)?;
+    }
+    step(5, what, format!("running `{pip_shown}`"));
+    let mut pip = pip;
+    run_streaming_shown(&mut pip, &pip_shown).map_err(|e| {
+        format!(
+            "{e}: pip needs access to pypi.org (and ~5.3 GB of disk in {})",
+            dir.display()
+        )
+    })?;
+    torch_venv::import_check(&python).map_err(|e| {
+        format!(
+            "pip finished but `{} -c \"{}\"` fails: {e}",
+            python.display(),
+            torch_venv::IMPORT_CHECK
+        )
+    })?;
+    torch_venv::write_stamp(&dir)?;
+    step(
+        5,
+        what,
+        format!(
+            "installed in {} in {:.1}s (stamp {})",
+            dir.display(),
+            start.elapsed().as_secs_f64(),
+            torch_venv::stamp_path(&dir).display()
+        ),
+    );
     Ok(())
 }
 
