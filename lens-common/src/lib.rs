@@ -193,6 +193,11 @@ pub enum EventKind {
     /// boundary: torch scopes, backward, grad mode, checkpoint files. Sent at once, so
     /// the phases a later event falls in are already known when it arrives.
     PhaseMark = 6,
+    /// A traced process forked a new process (`tgid` is the child, `count` the parent);
+    /// the child is already traced.
+    ProcessForked = 7,
+    /// A traced process replaced its program (`execve`).
+    ProcessExec = 8,
 }
 
 impl EventKind {
@@ -204,6 +209,8 @@ impl EventKind {
             4 => Some(EventKind::Group),
             5 => Some(EventKind::LinkMapChanged),
             6 => Some(EventKind::PhaseMark),
+            7 => Some(EventKind::ProcessForked),
+            8 => Some(EventKind::ProcessExec),
             _ => None,
         }
     }
@@ -335,15 +342,18 @@ pub enum LossCause {
     CounterMapFull = 2,
     /// A return without its entry (attached mid-call): nothing to pair it with.
     UnmatchedReturn = 3,
+    /// The target map was full: a forked child of a traced process is not traced.
+    TargetMapFull = 4,
 }
 
 impl LossCause {
-    pub const COUNT: usize = 4;
+    pub const COUNT: usize = 5;
     pub const ALL: [LossCause; Self::COUNT] = [
         LossCause::RingBufferFull,
         LossCause::InflightMapFull,
         LossCause::CounterMapFull,
         LossCause::UnmatchedReturn,
+        LossCause::TargetMapFull,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -352,6 +362,7 @@ impl LossCause {
             LossCause::InflightMapFull => "inflight_map_full",
             LossCause::CounterMapFull => "counter_map_full",
             LossCause::UnmatchedReturn => "unmatched_return",
+            LossCause::TargetMapFull => "target_map_full",
         }
     }
 }
@@ -371,6 +382,12 @@ pub const fn comm_id_hash(words: &[u64; NCCL_UNIQUE_ID_WORDS]) -> u64 {
         i += 1;
     }
     hash
+}
+
+/// Globals of the BPF object the loader sets at load time: where `struct task_struct`
+/// keeps the fields the scheduler tracepoints read (from the running kernel's BTF).
+pub mod globals {
+    pub const TASK_TGID_OFFSET: &str = "TASK_TGID_OFFSET";
 }
 
 /// Map names, shared so the loader asks for exactly what the programs define.

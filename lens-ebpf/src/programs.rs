@@ -5,9 +5,9 @@ use aya_ebpf::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
         bpf_probe_read_user_str_bytes, generated,
     },
-    macros::{map, uprobe, uretprobe},
+    macros::{map, raw_tracepoint, uprobe, uretprobe},
     maps::{HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
-    programs::{ProbeContext, RetProbeContext},
+    programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use aya_log_ebpf::{debug, warn};
 use lens_common::{
@@ -34,6 +34,11 @@ static INFLIGHT: HashMap<InflightKey, Event> = HashMap::with_max_entries(limits:
 static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LossCause::COUNT as u32, 0);
 
 const SIGSTOP: u32 = 19;
+
+// Offsets in `struct task_struct`, set by the loader from the kernel's BTF (read
+// volatile: the compiler must not fold the placeholder values).
+#[unsafe(no_mangle)]
+static TASK_TGID_OFFSET: u32 = 0;
 
 #[inline(always)]
 fn count_loss(cause: LossCause) {
@@ -377,5 +382,47 @@ pub fn timed_call_entry(ctx: ProbeContext) -> u32 {
         return 0;
     };
     remember_entry(&ctx, pid_tgid, &event);
+    0
+}
+
+/// `sched_process_fork(parent, child)`: a traced process created another. A new process
+/// (not a thread) is traced from here, with its parent's settings, before it runs.
+#[raw_tracepoint(tracepoint = "sched_process_fork")]
+pub fn process_fork(ctx: RawTracePointContext) -> i32 {
+    let Some((pid_tgid, config)) = traced() else {
+        return 0;
+    };
+    let child: u64 = ctx.arg(1);
+    // SAFETY: reads of kernel memory through the checked helper; the offsets come from
+    // the running kernel's BTF.
+    let child_tgid = unsafe {
+        let offset = core::ptr::read_volatile(&TASK_TGID_OFFSET) as u64;
+        aya_ebpf::helpers::bpf_probe_read_kernel((child + offset) as *const i32).unwrap_or(0)
+    } as u32;
+    let parent_tgid = (pid_tgid >> 32) as u32;
+    if child_tgid == 0 || child_tgid == parent_tgid {
+        // A new thread of the same process: already traced.
+        return 0;
+    }
+    if TARGETS.insert(&child_tgid, &config, 0).is_err() {
+        count_loss(LossCause::TargetMapFull);
+        return 0;
+    }
+    let mut event = new_event(EventKind::ProcessForked, 0, pid_tgid);
+    event.tgid = child_tgid;
+    event.tid = child_tgid;
+    event.count = parent_tgid as u64;
+    emit(&event, BPF_RB_FORCE_WAKEUP as u64);
+    0
+}
+
+/// `sched_process_exec`: a traced process now runs another program.
+#[raw_tracepoint(tracepoint = "sched_process_exec")]
+pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let event = new_event(EventKind::ProcessExec, 0, pid_tgid);
+    emit(&event, BPF_RB_FORCE_WAKEUP as u64);
     0
 }

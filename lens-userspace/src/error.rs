@@ -81,6 +81,11 @@ pub enum LensError {
         name: &'static str,
     },
 
+    #[error(
+        "cannot read the kernel's BTF (/sys/kernel/btf/vmlinux, CONFIG_DEBUG_INFO_BTF): {reason}"
+    )]
+    KernelBtf { reason: String },
+
     #[error(transparent)]
     Io(#[from] io::Error),
 }

@@ -247,6 +247,15 @@ pub enum ProbeEvent {
     LinkMapChanged {
         tgid: u32,
     },
+    /// Traced process `parent` forked `child`, which is traced from now on.
+    ProcessForked {
+        parent: u32,
+        child: u32,
+    },
+    /// Traced process `tgid` called `execve`: it runs another program now.
+    ProcessExec {
+        tgid: u32,
+    },
 }
 
 impl ProbeEvent {
@@ -257,7 +266,10 @@ impl ProbeEvent {
             | ProbeEvent::CommInit { timing, .. }
             | ProbeEvent::Group { timing, .. }
             | ProbeEvent::GlooCall { timing, .. } => timing.tgid,
-            ProbeEvent::Phase { tgid, .. } | ProbeEvent::LinkMapChanged { tgid } => *tgid,
+            ProbeEvent::Phase { tgid, .. }
+            | ProbeEvent::LinkMapChanged { tgid }
+            | ProbeEvent::ProcessExec { tgid } => *tgid,
+            ProbeEvent::ProcessForked { child, .. } => *child,
         }
     }
 
@@ -301,6 +313,17 @@ pub fn decode(bytes: &[u8]) -> Result<ProbeEvent, DecodeError> {
 
 pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
     let kind = EventKind::from_u32(raw.kind).ok_or(DecodeError::UnknownKind(raw.kind))?;
+    // Scheduler events come from tracepoints, not from a probed function.
+    match kind {
+        EventKind::ProcessForked => {
+            return Ok(ProbeEvent::ProcessForked {
+                parent: raw.count as u32,
+                child: raw.tgid,
+            });
+        }
+        EventKind::ProcessExec => return Ok(ProbeEvent::ProcessExec { tgid: raw.tgid }),
+        _ => {}
+    }
     let probe = ProbeId::from_u32(raw.probe).ok_or(DecodeError::UnknownProbe(raw.probe))?;
     let timing = CallTiming {
         tgid: raw.tgid,
@@ -348,6 +371,7 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
             open: raw.group_open != 0,
         },
         EventKind::LinkMapChanged => ProbeEvent::LinkMapChanged { tgid: raw.tgid },
+        EventKind::ProcessForked | EventKind::ProcessExec => unreachable!("decoded above"),
         EventKind::PhaseMark => ProbeEvent::Phase {
             tgid: raw.tgid,
             tid: raw.tid,

@@ -88,6 +88,8 @@ pub struct Session {
     child: Option<u32>,
     child_exit: Option<ExitStatus>,
     undecodable: u64,
+    /// Where the exit watchers of targets report (set while `run` runs).
+    exit_tx: Option<mpsc::UnboundedSender<u32>>,
 }
 
 impl Session {
@@ -126,6 +128,7 @@ impl Session {
             child: None,
             child_exit: None,
             undecodable: 0,
+            exit_tx: None,
         })
     }
 
@@ -219,6 +222,7 @@ impl Session {
                 .map(|a| a.to_string_lossy().into_owned())
                 .collect(),
             traced_from_start: true,
+            rank: None,
         });
         info.traced_from_start = true;
         self.targets.insert(
@@ -234,9 +238,74 @@ impl Session {
         Ok(pid)
     }
 
+    /// Reports the exit of `pid` to `run` once its pidfd becomes readable.
+    fn watch_exit(&self, pid: u32, pidfd: OwnedFd) -> Result<()> {
+        let Some(exit_tx) = self.exit_tx.clone() else {
+            return Ok(());
+        };
+        let pidfd = register(pidfd)?;
+        tokio::spawn(async move {
+            let _ = pidfd.readable().await;
+            let _ = exit_tx.send(pid);
+        });
+        Ok(())
+    }
+
+    /// A traced process forked: the kernel already traces the child; give it a target of
+    /// its own (its exit watched, its settings inherited).
+    fn on_fork(&mut self, parent: u32, child: u32, sink: &mut dyn EventSink) {
+        let config = self
+            .targets
+            .get(&parent)
+            .map(|t| t.config)
+            .unwrap_or_default();
+        let registered = target::pidfd_open(child).and_then(|pidfd| {
+            let mut info = ProcessInfo::read(child)?;
+            info.traced_from_start = true;
+            self.watch_exit(child, pidfd)?;
+            Ok(info)
+        });
+        match registered {
+            Ok(info) => {
+                info!("pid {parent} started pid {child}: tracing it");
+                sink.on_process_start(&info);
+                self.targets.insert(
+                    child,
+                    Target {
+                        info,
+                        own_child: false,
+                        config,
+                        pidfd: None,
+                    },
+                );
+            }
+            // Gone already (a short-lived helper): nothing to trace.
+            Err(_) => {
+                if let Ok(mut targets) = self.targets_map() {
+                    let _ = targets.remove(&child);
+                }
+            }
+        }
+    }
+
+    /// A traced process runs a new program: tell the sinks what it is now.
+    fn on_exec(&mut self, pid: u32, sink: &mut dyn EventSink) {
+        let Some(target) = self.targets.get_mut(&pid) else {
+            return;
+        };
+        if let Ok(mut info) = ProcessInfo::read(pid) {
+            info.traced_from_start = true;
+            target.info = info;
+            sink.on_process_exec(&target.info);
+        }
+    }
+
     /// New libraries in `pid`: attach to them, then let a stopped child go on.
     fn on_link_map_changed(&mut self, pid: u32) {
         let Some(target) = self.targets.get(&pid) else {
+            // Traced by the kernel but not (or no longer) known here: never leave it
+            // stopped.
+            target::resume(pid);
             return;
         };
         let stop_on_load = target.config.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0;
@@ -276,6 +345,10 @@ impl Session {
             for decoded in batch {
                 match decoded {
                     Ok(ProbeEvent::LinkMapChanged { tgid }) => self.on_link_map_changed(tgid),
+                    Ok(ProbeEvent::ProcessForked { parent, child }) => {
+                        self.on_fork(parent, child, sink);
+                    }
+                    Ok(ProbeEvent::ProcessExec { tgid }) => self.on_exec(tgid, sink),
                     Ok(event) => sink.on_event(&event),
                     Err(error) => {
                         self.undecodable += 1;
@@ -355,16 +428,16 @@ impl Session {
         };
 
         let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<u32>();
-        for (pid, target) in &mut self.targets {
+        self.exit_tx = Some(exit_tx);
+        let mut pids: Vec<u32> = self.targets.keys().copied().collect();
+        pids.sort_unstable();
+        for pid in pids {
+            let Some(target) = self.targets.get_mut(&pid) else {
+                continue;
+            };
             sink.on_process_start(&target.info);
             if let Some(pidfd) = target.pidfd.take() {
-                let pidfd = register(pidfd)?;
-                let exit_tx = exit_tx.clone();
-                let pid = *pid;
-                tokio::spawn(async move {
-                    let _ = pidfd.readable().await;
-                    let _ = exit_tx.send(pid);
-                });
+                self.watch_exit(pid, pidfd)?;
             }
         }
 
@@ -443,6 +516,7 @@ impl Session {
             self.finish_target(pid, None, sink);
         }
         self.ring = Some(ring.into_inner());
+        self.exit_tx = None;
         Ok(RunReport {
             stop: stop.unwrap_or(StopReason::TargetsExited),
             losses: self.losses(),

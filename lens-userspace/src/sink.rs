@@ -21,6 +21,8 @@ pub struct ProcessEnd {
 
 pub trait EventSink {
     fn on_process_start(&mut self, _process: &ProcessInfo) {}
+    /// A traced process replaced its program (`execve`); `process` describes the new one.
+    fn on_process_exec(&mut self, _process: &ProcessInfo) {}
     fn on_event(&mut self, event: &ProbeEvent);
     fn on_process_end(&mut self, _end: &ProcessEnd) {}
 }
@@ -29,6 +31,10 @@ impl<A: EventSink, B: EventSink> EventSink for (A, B) {
     fn on_process_start(&mut self, process: &ProcessInfo) {
         self.0.on_process_start(process);
         self.1.on_process_start(process);
+    }
+    fn on_process_exec(&mut self, process: &ProcessInfo) {
+        self.0.on_process_exec(process);
+        self.1.on_process_exec(process);
     }
     fn on_event(&mut self, event: &ProbeEvent) {
         self.0.on_event(event);
@@ -44,6 +50,9 @@ impl<S: EventSink + ?Sized> EventSink for &mut S {
     fn on_process_start(&mut self, process: &ProcessInfo) {
         (**self).on_process_start(process);
     }
+    fn on_process_exec(&mut self, process: &ProcessInfo) {
+        (**self).on_process_exec(process);
+    }
     fn on_event(&mut self, event: &ProbeEvent) {
         (**self).on_event(event);
     }
@@ -56,6 +65,11 @@ impl<S: EventSink> EventSink for Option<S> {
     fn on_process_start(&mut self, process: &ProcessInfo) {
         if let Some(sink) = self {
             sink.on_process_start(process);
+        }
+    }
+    fn on_process_exec(&mut self, process: &ProcessInfo) {
+        if let Some(sink) = self {
+            sink.on_process_exec(process);
         }
     }
     fn on_event(&mut self, event: &ProbeEvent) {
@@ -187,6 +201,8 @@ fn describe(event: &ProbeEvent) -> String {
             signal,
         } => format!("[{tgid}:{tid}] {signal:?} at={at_ns}"),
         ProbeEvent::LinkMapChanged { tgid } => format!("[{tgid}] libraries changed"),
+        ProbeEvent::ProcessForked { parent, child } => format!("[{parent}] forked {child}"),
+        ProbeEvent::ProcessExec { tgid } => format!("[{tgid}] exec"),
     }
 }
 

@@ -121,6 +121,10 @@ impl EventSink for Summary {
         self.processes.entry(process.pid).or_default().process = Some(process.clone());
     }
 
+    fn on_process_exec(&mut self, process: &ProcessInfo) {
+        self.on_process_start(process);
+    }
+
     fn on_event(&mut self, event: &ProbeEvent) {
         let process = self.processes.entry(event.tgid()).or_default();
         match event {
@@ -160,7 +164,9 @@ impl EventSink for Summary {
             }
             ProbeEvent::Group { .. }
             | ProbeEvent::Phase { .. }
-            | ProbeEvent::LinkMapChanged { .. } => {}
+            | ProbeEvent::LinkMapChanged { .. }
+            | ProbeEvent::ProcessForked { .. }
+            | ProbeEvent::ProcessExec { .. } => {}
         }
     }
 

@@ -23,6 +23,59 @@ pub struct ProcessInfo {
     /// Started by lens-probe (`--exec`): seen from its first instruction, so the job and
     /// its initialisation are whole. `false` for processes attached to while running.
     pub traced_from_start: bool,
+    /// Its place in a distributed job, from its environment.
+    pub rank: Option<RankInfo>,
+}
+
+/// A process's rank as its launcher set it in its environment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankInfo {
+    pub rank: i64,
+    pub world_size: Option<i64>,
+    pub local_rank: Option<i64>,
+}
+
+/// (rank, world size, local rank) variables, by launcher, in order of preference:
+/// torchrun/torch.distributed, SLURM, Open MPI.
+const RANK_VARIABLES: [[&str; 3]; 3] = [
+    ["RANK", "WORLD_SIZE", "LOCAL_RANK"],
+    ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"],
+    [
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+    ],
+];
+
+impl RankInfo {
+    pub fn from_environment(environment: &[(String, String)]) -> Option<RankInfo> {
+        let get = |key: &str| -> Option<i64> {
+            environment
+                .iter()
+                .find(|(k, _)| k == key)
+                .and_then(|(_, v)| v.trim().parse().ok())
+        };
+        RANK_VARIABLES.iter().find_map(|[rank, world, local]| {
+            Some(RankInfo {
+                rank: get(rank)?,
+                world_size: get(world),
+                local_rank: get(local),
+            })
+        })
+    }
+}
+
+/// `/proc/PID/environ`: the environment the process started its current program with.
+pub fn read_environment(pid: u32) -> Vec<(String, String)> {
+    fs::read(format!("/proc/{pid}/environ"))
+        .unwrap_or_default()
+        .split(|b| *b == 0)
+        .filter_map(|entry| {
+            let entry = String::from_utf8_lossy(entry);
+            let (key, value) = entry.split_once('=')?;
+            Some((key.to_string(), value.to_string()))
+        })
+        .collect()
 }
 
 impl ProcessInfo {
@@ -42,6 +95,7 @@ impl ProcessInfo {
             name,
             command_line,
             traced_from_start: false,
+            rank: RankInfo::from_environment(&read_environment(pid)),
         })
     }
 }

@@ -205,7 +205,8 @@ fn attaching_mid_run_reports_whole_steps_only() {
     if !lens_tests::require_bpf("attaching_mid_run_reports_whole_steps_only") {
         return;
     }
-    // ~60 ms steps; attach after ~5 of them.
+    // ~60 ms steps; attach after ~5 of them (the probes loaded beforehand).
+    let mut session = session("per_step");
     let mut child = std::process::Command::new(lens_tests::torch_trainer())
         .args(["30", "2", "0", "0"])
         .env("TRAINER_FORWARD_MS", "25")
@@ -213,7 +214,6 @@ fn attaching_mid_run_reports_whole_steps_only() {
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(330));
-    let mut session = session("per_step");
     session.attach_pid(child.id()).unwrap();
     let mut builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
     session

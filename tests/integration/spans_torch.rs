@@ -363,3 +363,77 @@ fn the_same_tree_and_phase_durations_as_nemo_lens() {
         }
     }
 }
+
+#[test]
+fn torchrun_with_two_gloo_ranks_gives_one_tree_per_rank() {
+    let test = "torchrun_with_two_gloo_ranks";
+    if !lens_tests::require_bpf(test) {
+        return;
+    }
+    let Some(venv) = lens_tests::torch_venv(test) else {
+        return;
+    };
+    let torchrun = venv.dir.join("bin/torchrun");
+    let port = 20_000 + std::process::id() % 20_000;
+    let argv: Vec<OsString> = [
+        torchrun.to_str().unwrap(),
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port.to_string(),
+        lens_tests::torch_train_script().to_str().unwrap(),
+        "--distributed",
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--ckpt-every",
+        "0",
+    ]
+    .iter()
+    .map(OsString::from)
+    .collect();
+    let (log, _) = trace("per_step", &argv, &[("GLOO_SOCKET_IFNAME", "lo")]);
+    // One job per rank; the launcher and its helpers (which never train) give none.
+    let jobs: Vec<&SpanRecord> = log.named(names::JOB).collect();
+    let mut ranks: Vec<i64> = jobs
+        .iter()
+        .map(|j| j.int_attr(semconv::DL_RANK).unwrap_or(-1))
+        .collect();
+    ranks.sort_unstable();
+    assert_eq!(
+        ranks,
+        [0, 1],
+        "{}",
+        log.outline(&[
+            semconv::DL_RANK,
+            semconv::PROCESS_PID,
+            semconv::NEMO_ATTACHED_MID_RUN
+        ])
+    );
+    for job in jobs {
+        assert_eq!(job.int_attr(semconv::DL_WORLD_SIZE), Some(2));
+        assert_eq!(job.status, SpanStatus::Unset);
+        let phases: Vec<&SpanRecord> = log.children(job);
+        let steps: Vec<&&SpanRecord> = phases.iter().filter(|s| s.name == names::STEP).collect();
+        assert_eq!(steps.len(), 3);
+        for (i, step) in steps.iter().enumerate() {
+            assert_eq!(step.int_attr(semconv::DL_ITERATION), Some(i as i64));
+            let children = log.children(step);
+            let fb = children[0];
+            assert_eq!(fb.name, names::FORWARD_BACKWARD);
+            assert_eq!(fb.int_attr(semconv::DL_MICROBATCH_COUNT), Some(2));
+            // DDP reduces gradients during backward: gloo all_reduce calls inside it.
+            let calls = log.children(fb);
+            assert!(
+                calls.iter().any(|c| c.name == "gloo.all_reduce"),
+                "step {i}: {:?}",
+                calls.iter().map(|c| c.name).collect::<Vec<_>>()
+            );
+            assert_eq!(children.last().unwrap().name, names::OPTIMIZER);
+        }
+    }
+    assert_nested_in_time(&log);
+}

@@ -33,9 +33,13 @@ static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), 
 /// (aya-log) on; otherwise they are compiled in but switched off at load.
 pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
     let level: u8 = if kernel_logs { 0xff } else { 0 };
-    let mut ebpf = EbpfLoader::new()
-        .override_global("AYA_LOG_LEVEL", &level, false)
-        .load(BPF_OBJECT)?;
+    let tgid_offset = super::processes::tgid_offset_or_warn();
+    let mut loader = EbpfLoader::new();
+    loader.override_global("AYA_LOG_LEVEL", &level, false);
+    if let Some(offset) = &tgid_offset {
+        super::processes::configure(&mut loader, offset);
+    }
+    let mut ebpf = loader.load(BPF_OBJECT)?;
     for program in Program::ALL {
         uprobe_mut(&mut ebpf, program)?
             .load()
@@ -56,6 +60,9 @@ pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
                     source,
                 },
             })?;
+    }
+    if tgid_offset.is_some() {
+        super::processes::attach(&mut ebpf)?;
     }
     Ok(ebpf)
 }

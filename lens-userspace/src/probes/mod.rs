@@ -3,4 +3,5 @@
 pub mod attach;
 pub mod catalog;
 pub mod library;
+pub mod processes;
 pub mod symbols;

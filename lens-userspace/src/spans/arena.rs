@@ -45,6 +45,8 @@ pub struct SpanArena {
     pid: u32,
     groups: SpanGroups,
     open: HashMap<SpanId, OpenSpan>,
+    /// A training phase or a call has been seen (not just the job and its start-up).
+    training_seen: bool,
 }
 
 impl SpanArena {
@@ -53,7 +55,14 @@ impl SpanArena {
             pid,
             groups,
             open: HashMap::new(),
+            training_seen: false,
         }
+    }
+
+    /// Whether the process did anything a training job does (a step, an evaluation, a
+    /// checkpoint, a collective...): launchers, shells and helpers never do.
+    pub fn training_seen(&self) -> bool {
+        self.training_seen
     }
 
     /// The exported span that children of `parent` hang on.
@@ -108,6 +117,7 @@ impl SpanArena {
         start_ns: u64,
     ) -> SpanId {
         let id = ids.next();
+        self.training_seen |= !matches!(group, SpanGroup::Job | SpanGroup::ModelInit);
         let record = self.record(id, name, group, parent, tid, start_ns, start_ns);
         let enabled = self.groups.contains(group);
         self.open.insert(id, OpenSpan { record, enabled });
@@ -167,6 +177,7 @@ impl SpanArena {
         error: Option<String>,
         out: &mut dyn SpanExporter,
     ) {
+        self.training_seen = true;
         let group = self.export_group(parent).unwrap_or(SpanGroup::Step);
         let mut record = self.record(ids.next(), name, group, parent, tid, start_ns, end_ns);
         record.attributes.extend(attributes);

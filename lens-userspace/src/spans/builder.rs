@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use super::{
-    AttrValue, Attributes, SpanExporter, SpanId,
+    AttrValue, Attributes, SpanExporter, SpanId, SpanRecord,
     arena::{IdSource, SpanArena},
     monotonic_now_ns, names,
     phases::{ProcessContext, ThreadPhases},
@@ -26,6 +26,12 @@ struct Communicator {
 }
 
 struct ProcessSpans {
+    info: ProcessInfo,
+    start_ns: u64,
+    /// The process has shown training activity: its spans go to the exporter. Until
+    /// then they are held, and dropped if it exits without any (a launcher, a shell).
+    exporting: bool,
+    held: Vec<SpanRecord>,
     arena: SpanArena,
     job: SpanId,
     model_init: Option<SpanId>,
@@ -35,6 +41,38 @@ struct ProcessSpans {
     /// threads without phases of their own are shown under its phases.
     loop_thread: Option<u32>,
     communicators: HashMap<u64, Communicator>,
+}
+
+/// Routes a process's finished spans: to the exporter once it is exporting, else held.
+struct ProcessOutput<'a> {
+    exporting: bool,
+    held: &'a mut Vec<SpanRecord>,
+    out: &'a mut dyn SpanExporter,
+}
+
+impl SpanExporter for ProcessOutput<'_> {
+    fn export(&mut self, span: SpanRecord) {
+        if self.exporting {
+            self.out.export(span);
+        } else {
+            self.held.push(span);
+        }
+    }
+}
+
+impl ProcessSpans {
+    /// Once training shows, announce the job and release what was held, in order.
+    fn export_if_training(&mut self, out: &mut dyn SpanExporter, groups: &SpanGroups) {
+        if self.exporting || !self.arena.training_seen() {
+            return;
+        }
+        self.exporting = true;
+        let job = groups.contains(SpanGroup::Job).then_some(self.job);
+        out.process_started(&self.info, job, self.start_ns);
+        for span in self.held.drain(..) {
+            out.export(span);
+        }
+    }
 }
 
 pub struct SpanBuilder<E: SpanExporter> {
@@ -74,6 +112,15 @@ impl<E: SpanExporter> SpanBuilder<E> {
             start_ns,
         );
         arena.set_attr(job, semconv::PROCESS_PID, info.pid);
+        if let Some(rank) = info.rank {
+            arena.set_attr(job, semconv::DL_RANK, rank.rank);
+            if let Some(world_size) = rank.world_size {
+                arena.set_attr(job, semconv::DL_WORLD_SIZE, world_size);
+            }
+            if let Some(local_rank) = rank.local_rank {
+                arena.set_attr(job, semconv::DL_LOCAL_RANK, local_rank);
+            }
+        }
         let model_init = if info.traced_from_start {
             Some(arena.open(
                 &mut self.ids,
@@ -87,11 +134,13 @@ impl<E: SpanExporter> SpanBuilder<E> {
             arena.set_attr(job, semconv::NEMO_ATTACHED_MID_RUN, true);
             None
         };
-        let exported_job = self.groups.contains(SpanGroup::Job).then_some(job);
-        self.exporter.process_started(info, exported_job, start_ns);
         self.processes.insert(
             info.pid,
             ProcessSpans {
+                info: info.clone(),
+                start_ns,
+                exporting: false,
+                held: Vec::new(),
                 arena,
                 job,
                 model_init,
@@ -113,12 +162,26 @@ impl<E: SpanExporter> SpanBuilder<E> {
             job,
             model_init,
             threads,
+            exporting,
+            held,
             ..
         } = &mut process;
+        if !*exporting && !arena.training_seen() {
+            log::info!(
+                "pid {pid} ({}) ended without training activity: no spans",
+                process.info.name
+            );
+            return;
+        }
+        let mut output = ProcessOutput {
+            exporting: *exporting,
+            held,
+            out: &mut self.exporter,
+        };
         let mut ctx = ProcessContext {
             arena,
             ids: &mut self.ids,
-            out: &mut self.exporter,
+            out: &mut output,
             job: *job,
             model_init,
         };
@@ -149,7 +212,17 @@ impl<E: SpanExporter> SpanBuilder<E> {
             None => ctx.arena.set_attr(*job, semconv::NEMO_SPAN_TRUNCATED, true),
         }
         ctx.arena.close(*job, end_ns, false, ctx.out);
+        process.export_if_training(&mut self.exporter, &self.groups);
         self.exporter.process_ended(pid);
+    }
+
+    /// `pid` runs a new program: a job that has not trained yet starts over as that
+    /// program (a launcher that execs the trainer, a worker forked by a launcher).
+    pub fn exec_process(&mut self, info: &ProcessInfo, at_ns: u64) {
+        match self.processes.get_mut(&info.pid) {
+            Some(process) if process.exporting => process.info = info.clone(),
+            _ => self.start_process(info, at_ns),
+        }
     }
 
     fn on_phase(&mut self, tgid: u32, tid: u32, at: u64, signal: &crate::events::PhaseSignal) {
@@ -161,10 +234,15 @@ impl<E: SpanExporter> SpanBuilder<E> {
             .threads
             .entry(tid)
             .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
+        let mut output = ProcessOutput {
+            exporting: process.exporting,
+            held: &mut process.held,
+            out: &mut self.exporter,
+        };
         let mut ctx = ProcessContext {
             arena: &mut process.arena,
             ids: &mut self.ids,
-            out: &mut self.exporter,
+            out: &mut output,
             job: process.job,
             model_init: &mut process.model_init,
         };
@@ -172,6 +250,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
         if process.loop_thread.is_none() && thread.is_active() {
             process.loop_thread = Some(tid);
         }
+        process.export_if_training(&mut self.exporter, &self.groups);
     }
 
     fn on_call(
@@ -190,10 +269,15 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 .loop_thread
                 .and_then(|tid| process.threads.get(&tid))
         });
+        let mut output = ProcessOutput {
+            exporting: process.exporting,
+            held: &mut process.held,
+            out: &mut self.exporter,
+        };
         let ctx = ProcessContext {
             arena: &mut process.arena,
             ids: &mut self.ids,
-            out: &mut self.exporter,
+            out: &mut output,
             job: process.job,
             model_init: &mut process.model_init,
         };
@@ -217,12 +301,17 @@ impl<E: SpanExporter> SpanBuilder<E> {
             error,
             ctx.out,
         );
+        process.export_if_training(&mut self.exporter, &self.groups);
     }
 }
 
 impl<E: SpanExporter> EventSink for SpanBuilder<E> {
     fn on_process_start(&mut self, process: &ProcessInfo) {
         self.start_process(process, monotonic_now_ns());
+    }
+
+    fn on_process_exec(&mut self, process: &ProcessInfo) {
+        self.exec_process(process, monotonic_now_ns());
     }
 
     fn on_event(&mut self, event: &ProbeEvent) {
@@ -325,7 +414,10 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 ];
                 self.on_call(timing, names::NCCL_COMM_INIT, attributes, *result);
             }
-            ProbeEvent::Group { .. } | ProbeEvent::LinkMapChanged { .. } => {}
+            ProbeEvent::Group { .. }
+            | ProbeEvent::LinkMapChanged { .. }
+            | ProbeEvent::ProcessForked { .. }
+            | ProbeEvent::ProcessExec { .. } => {}
         }
     }
 

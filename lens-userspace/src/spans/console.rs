@@ -17,6 +17,8 @@ const HIDDEN_ATTRIBUTES: &[&str] = &[
 ];
 
 struct ConsoleProcess {
+    /// `rank N` when the process has one, else `pid N`: starts every line.
+    label: String,
     job: Option<SpanId>,
     start_ns: u64,
     /// Finished spans waiting for their top-level ancestor to finish.
@@ -52,14 +54,15 @@ pub fn format_duration(ns: u64) -> String {
     }
 }
 
-fn line(span: &SpanRecord, depth: usize, origin_ns: u64) -> String {
+fn line(label: &str, span: &SpanRecord, depth: usize, origin_ns: u64) -> String {
     let offset = format!(
         "+{:.3}s",
         span.start_ns.saturating_sub(origin_ns) as f64 / 1e9
     );
+    let process = label;
     let label = format!("{}{}", "  ".repeat(depth), span.name);
     let mut text = format!(
-        "  {offset:>10}  {label:<40} {:>10}",
+        "  [{process}] {offset:>10}  {label:<40} {:>10}",
         format_duration(span.duration_ns())
     );
     for (key, value) in &span.attributes {
@@ -77,32 +80,38 @@ fn line(span: &SpanRecord, depth: usize, origin_ns: u64) -> String {
 }
 
 fn subtree(
+    label: &str,
     spans: &[SpanRecord],
     root: &SpanRecord,
     depth: usize,
     origin_ns: u64,
     out: &mut Vec<String>,
 ) {
-    out.push(line(root, depth, origin_ns));
+    out.push(line(label, root, depth, origin_ns));
     let mut children: Vec<&SpanRecord> =
         spans.iter().filter(|s| s.parent == Some(root.id)).collect();
     children.sort_by_key(|s| (s.start_ns, s.id));
     for child in children {
-        subtree(spans, child, depth + 1, origin_ns, out);
+        subtree(label, spans, child, depth + 1, origin_ns, out);
     }
 }
 
 impl<W: Write> SpanExporter for ConsoleTree<W> {
     fn process_started(&mut self, info: &ProcessInfo, job: Option<SpanId>, start_ns: u64) {
+        let label = match info.rank {
+            Some(rank) => format!("rank {}", rank.rank),
+            None => format!("pid {}", info.pid),
+        };
         let _ = writeln!(
             self.out,
-            "lens-probe: [pid {}] job started: {}",
+            "lens-probe: [{label}] job started: pid {}: {}",
             info.pid,
             info.command_line.join(" ")
         );
         self.processes.insert(
             info.pid,
             ConsoleProcess {
+                label,
                 job,
                 start_ns,
                 pending: Vec::new(),
@@ -115,12 +124,12 @@ impl<W: Write> SpanExporter for ConsoleTree<W> {
             return;
         };
         if process.job == Some(span.id) {
-            let mut text = line(&span, 0, process.start_ns);
+            let mut text = line(&process.label, &span, 0, process.start_ns);
             // The job line: its name and duration, no offset.
             if let Some(at) = text.find(span.name) {
                 text.drain(..at);
             }
-            let _ = writeln!(self.out, "lens-probe: [pid {}] {text}", span.pid);
+            let _ = writeln!(self.out, "lens-probe: [{}] {text}", process.label);
             return;
         }
         let top_level = span.parent.is_none() || span.parent == process.job;
@@ -129,7 +138,14 @@ impl<W: Write> SpanExporter for ConsoleTree<W> {
             return;
         }
         let mut lines = Vec::new();
-        subtree(&process.pending, &span, 0, process.start_ns, &mut lines);
+        subtree(
+            &process.label,
+            &process.pending,
+            &span,
+            0,
+            process.start_ns,
+            &mut lines,
+        );
         // Whatever hangs below this span has been printed with it.
         let mut below = vec![span.id];
         let mut i = 0;

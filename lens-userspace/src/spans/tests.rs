@@ -27,6 +27,7 @@ impl Run {
                 name: "python".into(),
                 command_line: vec!["python".into(), "train.py".into()],
                 traced_from_start: from_start,
+                rank: None,
             },
             0,
         );
@@ -316,4 +317,40 @@ fn the_process_end_sink_path_closes_the_job() {
     let log = builder.into_exporter();
     let job = log.named(names::JOB).next().unwrap();
     assert!(job.truncated(), "tracing stopped while the job ran on");
+}
+
+#[test]
+fn a_process_that_never_trains_gives_no_spans() {
+    // A launcher: imports torch (grad mode toggles), waits, exits.
+    let mut run = Run::new("per_step", true);
+    run.grad(1, false).grad(1, true);
+    let log = run.end(100, Some(ExitStatus::Exited(0)));
+    assert!(log.spans.is_empty(), "{}", log.outline(&[]));
+}
+
+#[test]
+fn exec_before_training_starts_the_job_over_as_the_new_program() {
+    let mut run = Run::new("per_step", true);
+    run.grad(5, false).grad(1, true);
+    let exec_info = ProcessInfo {
+        pid: PID,
+        name: "python3".into(),
+        command_line: vec!["python3".into(), "train.py".into()],
+        traced_from_start: true,
+        rank: Some(crate::target::RankInfo {
+            rank: 1,
+            world_size: Some(2),
+            local_rank: Some(1),
+        }),
+    };
+    run.now += 10_000_000;
+    run.builder.exec_process(&exec_info, run.now);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(ms(job.start_ns), 16, "the job starts at the exec");
+    assert_eq!(job.int_attr(semconv::DL_RANK), Some(1));
+    assert_eq!(job.int_attr(semconv::DL_WORLD_SIZE), Some(2));
+    assert_eq!(job.int_attr(semconv::DL_LOCAL_RANK), Some(1));
+    assert_eq!(log.named(names::STEP).count(), 1);
 }
