@@ -46,10 +46,10 @@ pub const NEMO_SPAN_TRUNCATED: &str = "nemo.span.truncated";
 /// The probe attached to an already running process: iterations count from the first
 /// complete step it saw, not from the job's first.
 pub const NEMO_ATTACHED_MID_RUN: &str = "nemo.attached_mid_run";
+/// Duration of one backward pass (on its `backward` span event), ns.
+pub const DL_BACKWARD_DURATION_NS: &str = "dl.backward.duration_ns";
 /// Microbatches (backward passes) in a `forward_backward` span.
 pub const DL_MICROBATCH_COUNT: &str = "dl.microbatch_count";
-/// DataLoader batches an `evaluate` span fetched.
-pub const DL_EVAL_BATCHES: &str = "dl.eval.batches";
 /// Checkpoint files written or read in one `checkpoint` / `load_checkpoint` span.
 pub const NEMO_CHECKPOINT_FILES: &str = "nemo.checkpoint.files";
 

@@ -165,3 +165,59 @@ fn unknown_flags_and_bad_values_are_one_line_exit_2() {
         .unwrap();
     assert_one_line_error(&output, 2, "unknown span group \"bogus\"");
 }
+
+#[test]
+fn the_console_shows_each_processs_span_tree() {
+    if !lens_tests::require_bpf("the_console_shows_each_processs_span_tree") {
+        return;
+    }
+    let output = Command::new(LENS_PROBE)
+        .args(["--span-groups", "per_step", "--exec", "--"])
+        .arg(lens_tests::torch_trainer())
+        .args(["2", "1", "2", "0"])
+        .output()
+        .unwrap();
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    let pid = text
+        .lines()
+        .find_map(|l| l.strip_prefix("lens-probe: [pid ")?.split(']').next())
+        .unwrap_or_else(|| panic!("no job header in {text}"));
+    // The tree: one line per span, indented by depth, in start order, with its offset
+    // from the job's start, its duration and its key attributes.
+    let tree: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(&format!("  [pid {pid}] ")))
+        .map(|l| {
+            // `{offset:>10}  {indented name:<40} {duration:>10}  attributes`
+            let (offset, rest) = l.split_at(10);
+            assert!(
+                offset.trim_start().starts_with('+') && offset.ends_with('s'),
+                "{l}"
+            );
+            let (label, tail) = rest[2..].split_at(40);
+            let attributes = tail.split_whitespace().skip(2);
+            std::iter::once(label.trim_end())
+                .chain(attributes)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    assert_eq!(
+        tree,
+        [
+            "train.model_init",
+            "train.step dl.iteration=0",
+            "  train.forward_backward dl.microbatch_count=1",
+            "  train.optimizer",
+            "train.step dl.iteration=1",
+            "  train.forward_backward dl.microbatch_count=1",
+            "  train.optimizer",
+            "train.evaluate",
+        ],
+        "{text}"
+    );
+    let job_line = format!("lens-probe: [pid {pid}] train.job ");
+    let job = text.lines().find(|l| l.starts_with(&job_line)).unwrap();
+    assert!(job.ends_with("process.exit.code=0"), "{job}");
+}

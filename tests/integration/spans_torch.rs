@@ -437,3 +437,62 @@ fn torchrun_with_two_gloo_ranks_gives_one_tree_per_rank() {
     }
     assert_nested_in_time(&log);
 }
+
+#[test]
+fn attaching_in_the_fifth_step_gives_whole_steps_from_the_next_one() {
+    let test = "attaching_in_the_fifth_step";
+    if !lens_tests::require_bpf(test) {
+        return;
+    }
+    let Some(venv) = lens_tests::torch_venv(test) else {
+        return;
+    };
+    use std::io::BufRead;
+    // The probes are loaded first, so the attach itself is quick.
+    let mut session = Session::new(TraceOptions {
+        span_groups: "per_step".parse::<SpanGroups>().unwrap(),
+        kernel_logs: false,
+    })
+    .unwrap();
+    let mut child = std::process::Command::new(&venv.python)
+        .arg(lens_tests::torch_train_script())
+        .args(["--steps", "30", "--accum", "2", "--step-sleep", "0.1"])
+        .args(["--eval-every", "0", "--ckpt-every", "0", "--print-steps"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    // In the middle of step 4 (the fifth): its forward passes sleep 50 ms each.
+    loop {
+        let line = lines.next().expect("the script prints its steps").unwrap();
+        if line == "step 4" {
+            break;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(60));
+    session.attach_pid(child.id()).unwrap();
+    let attached_ns = lens_probe::spans::monotonic_now_ns();
+    let drain = std::thread::spawn(move || lines.count());
+    let mut builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
+    session
+        .run_blocking(&mut builder, Some(Duration::from_secs(120)))
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    drain.join().unwrap();
+    let log = builder.into_exporter();
+    // The step running while the probes went in was half-seen: it is skipped. Every
+    // reported step began after the attach, is whole, and they count from 0 up to the
+    // last of the 30.
+    let reported: Vec<&SpanRecord> = log.named(names::STEP).collect();
+    let n = reported.len() as u32;
+    assert!((1..=25).contains(&n), "{n} steps");
+    eprintln!("attaching mid-run: {n} whole steps of the last 25 reported");
+    assert_eq!(log.outline(KEYS), format!("train.job\n{}", steps(0..n, 2)));
+    assert!(reported[0].start_ns >= attached_ns);
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(job.attr(semconv::NEMO_ATTACHED_MID_RUN), Some(&true.into()));
+    for step in log.named(names::STEP) {
+        // Each whole step has both 50 ms forward passes in it.
+        assert!(step.duration_ns() >= 100_000_000, "{step:?}");
+    }
+}

@@ -299,7 +299,10 @@ impl ThreadPhases {
                 at_ns: self.backward_start,
                 attributes: vec![
                     (semconv::DL_MICROBATCH_ID, step.microbatches.into()),
-                    ("duration_ns", at.saturating_sub(self.backward_start).into()),
+                    (
+                        semconv::DL_BACKWARD_DURATION_NS,
+                        at.saturating_sub(self.backward_start).into(),
+                    ),
                 ],
             },
         );
