@@ -180,7 +180,8 @@ impl EventSink for Summary {
     }
 }
 
-fn duration(ns: u64) -> String {
+/// `1.23 s`, `4.56 ms`, `7.8 µs`: durations as people read them.
+pub(crate) fn format_duration(ns: u64) -> String {
     let ns = ns as f64;
     if ns >= 1e9 {
         format!("{:.2} s", ns / 1e9)
@@ -252,7 +253,7 @@ impl Summary {
                         op.name(),
                         stats.calls,
                         bytes(stats.bytes),
-                        duration(stats.call_time_ns),
+                        format_duration(stats.call_time_ns),
                         stats.errors
                     );
                 }
@@ -264,7 +265,7 @@ impl Summary {
                     op.gloo_span_name(),
                     stats.calls,
                     "-",
-                    duration(stats.call_time_ns),
+                    format_duration(stats.call_time_ns),
                 );
             }
             let launches = process.launches();
@@ -292,9 +293,9 @@ impl Summary {
                         "  {:<16} {:>8} {:>12} {:>12} {:>12}",
                         kind.name(),
                         stats.calls,
-                        duration(stats.total_ns),
-                        duration(stats.p50_ns),
-                        duration(stats.p99_ns)
+                        format_duration(stats.total_ns),
+                        format_duration(stats.p50_ns),
+                        format_duration(stats.p99_ns)
                     );
                 }
             }
@@ -440,7 +441,7 @@ mod tests {
     fn sizes_and_durations_read_naturally() {
         assert_eq!(bytes(512), "512 B");
         assert_eq!(bytes(60 * 1024), "60.0 KiB");
-        assert_eq!(duration(20_100_000), "20.10 ms");
-        assert_eq!(duration(1_500), "1.5 µs");
+        assert_eq!(format_duration(20_100_000), "20.10 ms");
+        assert_eq!(format_duration(1_500), "1.5 µs");
     }
 }

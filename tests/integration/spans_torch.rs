@@ -74,20 +74,11 @@ fn steps(range: std::ops::Range<u32>, microbatches: u32) -> String {
 }
 
 fn assert_nested_in_time(log: &SpanLog) {
-    for child in &log.spans {
-        if let Some(parent) = log.spans.iter().find(|s| Some(s.id) == child.parent) {
-            assert!(
-                parent.start_ns <= child.start_ns && child.end_ns <= parent.end_ns,
-                "{} [{}, {}] outside {} [{}, {}]",
-                child.name,
-                child.start_ns,
-                child.end_ns,
-                parent.name,
-                parent.start_ns,
-                parent.end_ns
-            );
-        }
-    }
+    let misnested = log.misnested();
+    assert!(
+        misnested.is_empty(),
+        "children outside their parents: {misnested:#?}"
+    );
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use std::{collections::HashMap, io::Write};
 
 use super::{SpanExporter, SpanId, SpanRecord, SpanStatus};
-use crate::{semconv, target::ProcessInfo};
+use crate::{semconv, summary::format_duration, target::ProcessInfo};
 
 /// Attributes the name already says, or that only queries need.
 const HIDDEN_ATTRIBUTES: &[&str] = &[
@@ -40,17 +40,6 @@ impl<W: Write> ConsoleTree<W> {
 
     pub fn into_inner(self) -> W {
         self.out
-    }
-}
-
-pub fn format_duration(ns: u64) -> String {
-    let ns = ns as f64;
-    if ns >= 1e9 {
-        format!("{:.3} s", ns / 1e9)
-    } else if ns >= 1e6 {
-        format!("{:.2} ms", ns / 1e6)
-    } else {
-        format!("{:.1} µs", ns / 1e3)
     }
 }
 

@@ -215,6 +215,19 @@ impl SpanLog {
         children
     }
 
+    /// Spans that do not lie within their parent in time, with that parent (a user would
+    /// see a child sticking out of its phase).
+    pub fn misnested(&self) -> Vec<(&SpanRecord, &SpanRecord)> {
+        self.spans
+            .iter()
+            .filter_map(|child| {
+                let parent = self.spans.iter().find(|s| Some(s.id) == child.parent)?;
+                (child.start_ns < parent.start_ns || child.end_ns > parent.end_ns)
+                    .then_some((child, parent))
+            })
+            .collect()
+    }
+
     /// The tree as indented `name key=value` lines, children in start order; attribute
     /// keys listed in `keys` only. For exact assertions on whole trees.
     pub fn outline(&self, keys: &[&str]) -> String {
