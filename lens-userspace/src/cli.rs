@@ -1,15 +1,9 @@
 //! Command line: what to trace, which span groups, how to report.
 use std::{ffi::OsString, path::PathBuf, time::Duration};
 
-use clap::{ArgAction, Parser, ValueEnum};
+use clap::{ArgAction, Parser};
 
 use crate::groups::SpanGroups;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Exporter {
-    /// Readable summary on stderr at exit (with -v, events as they come).
-    Console,
-}
 
 /// Zero-code observability for distributed ML training: attaches eBPF uprobes to a job's
 /// NCCL collectives and CUDA launch/sync calls.
@@ -41,14 +35,40 @@ pub struct Cli {
     )]
     pub span_groups: SpanGroups,
 
-    /// Where telemetry goes.
+    // The export settings are plain strings, checked by `ExportSettings::from_cli`, so a
+    // bad value (from the flag or its variable) is one line of ours with exit status 2.
+    /// Where spans go: otlp (to OTEL_EXPORTER_OTLP_ENDPOINT), console (stderr) or file
+    /// (to --export-file). Default: otlp when OTEL_EXPORTER_OTLP_ENDPOINT or
+    /// OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set, else console.
+    #[arg(long, value_name = "EXPORTER", env = "NEMO_LENS_EXPORTER")]
+    pub exporter: Option<String>,
+
+    /// The file for --exporter file.
+    #[arg(long, value_name = "PATH", env = "LENS_PROBE_EXPORT_FILE")]
+    pub export_file: Option<PathBuf>,
+
+    /// Which ranks export, as NeMo Lens: single_rank, all_ranks, sampled,
+    /// first_rank_per_node. Default: single_rank.
+    #[arg(long, value_name = "STRATEGY", env = "NEMO_LENS_EXPORT_STRATEGY")]
+    pub export_strategy: Option<String>,
+
+    /// For single_rank: the rank that exports; -1 (default) is the last rank.
     #[arg(
         long,
-        value_enum,
-        env = "NEMO_LENS_EXPORTER",
-        default_value = "console"
+        value_name = "RANK",
+        env = "NEMO_LENS_EXPORT_RANK",
+        allow_negative_numbers = true
     )]
-    pub exporter: Exporter,
+    pub export_rank: Option<String>,
+
+    /// For sampled: the share of ranks that export, 0 to 1 (default 1).
+    #[arg(
+        long,
+        value_name = "RATE",
+        env = "NEMO_LENS_EXPORT_SAMPLE_RATE",
+        allow_negative_numbers = true
+    )]
+    pub export_sample_rate: Option<String>,
 
     /// Stop tracing after this long (e.g. 30s, 5m).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
@@ -131,10 +151,34 @@ mod tests {
     fn bad_values_are_rejected() {
         assert!(parse(&["--pid", "x"]).is_err());
         assert!(parse(&["--pid", "1", "--span-groups", "steps"]).is_err());
-        assert!(parse(&["--pid", "1", "--exporter", "foo"]).is_err());
         assert!(parse(&["--pid", "1", "--duration", "0"]).is_err());
         assert!(parse(&["--pid", "1", "--duration", "soon"]).is_err());
         assert!(parse(&["--pid", "1", "--frobnicate"]).is_err());
+    }
+
+    #[test]
+    fn export_settings_are_taken_as_given() {
+        // Checked later, by `ExportSettings::from_cli`, so clap accepts any string.
+        let cli = parse(&[
+            "--pid",
+            "1",
+            "--exporter",
+            "foo",
+            "--export-rank",
+            "-1",
+            "--export-sample-rate",
+            "2",
+            "--export-strategy",
+            "sampled",
+            "--export-file",
+            "/tmp/spans.jsonl",
+        ])
+        .unwrap();
+        assert_eq!(cli.exporter.as_deref(), Some("foo"));
+        assert_eq!(cli.export_rank.as_deref(), Some("-1"));
+        assert_eq!(cli.export_sample_rate.as_deref(), Some("2"));
+        assert_eq!(cli.export_strategy.as_deref(), Some("sampled"));
+        assert_eq!(cli.export_file, Some(PathBuf::from("/tmp/spans.jsonl")));
     }
 
     #[test]

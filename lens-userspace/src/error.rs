@@ -86,6 +86,9 @@ pub enum LensError {
     )]
     KernelBtf { reason: String },
 
+    #[error("telemetry export: {0}")]
+    Export(String),
+
     #[error(transparent)]
     Io(#[from] io::Error),
 }

@@ -6,6 +6,7 @@
 pub mod cli;
 pub mod error;
 pub mod events;
+pub mod export;
 pub mod groups;
 pub mod nccl;
 pub mod privileges;

@@ -4,9 +4,13 @@ use clap::Parser;
 use lens_probe::{
     LensError,
     cli::Cli,
+    export::{
+        config::{ExportSettings, ExporterKind},
+        otlp::{Destination, ExportStats, OtelPipeline},
+    },
     session::{Session, StopReason, TraceOptions},
     sink::EventPrinter,
-    spans::{SpanBuilder, console::ConsoleTree},
+    spans::{SpanBuilder, SpanExporter, console::ConsoleTree},
     summary::Summary,
     target::{self, ExitStatus},
 };
@@ -67,10 +71,24 @@ fn init_logging(verbose: u8) {
 }
 
 fn run(cli: Cli) -> Result<i32, LensError> {
+    // Settings first: a bad value is reported before anything is loaded or started.
+    let export = ExportSettings::from_cli(&cli)?;
+    let mut pipeline = match export.exporter {
+        ExporterKind::Console => None,
+        ExporterKind::Otlp => Some(OtelPipeline::start(
+            Destination::otlp_from_env()?,
+            export.service_name.clone(),
+        )?),
+        ExporterKind::File => Some(OtelPipeline::start(
+            Destination::File(export.export_file.clone().unwrap_or_default()),
+            export.service_name.clone(),
+        )?),
+    };
     let mut session = Session::new(TraceOptions {
         span_groups: cli.span_groups.clone(),
         kernel_logs: cli.verbose >= 2,
     })?;
+    session.set_export_strategy(export.strategy);
     // Fork before any runtime thread exists.
     let child = if cli.exec {
         Some(session.exec(&cli.command)?)
@@ -88,9 +106,17 @@ fn run(cli: Cli) -> Result<i32, LensError> {
 
     let mut summary = Summary::default();
     let printer = (cli.verbose >= 1).then(|| EventPrinter::new(std::io::stderr()));
-    let mut spans = SpanBuilder::new(cli.span_groups.clone(), ConsoleTree::new(std::io::stderr()));
+    let exporter: Box<dyn SpanExporter + '_> = match pipeline.as_mut() {
+        Some(pipeline) => Box::new(pipeline),
+        None => Box::new(ConsoleTree::new(std::io::stderr())),
+    };
+    let mut spans = SpanBuilder::new(cli.span_groups.clone(), exporter);
     let mut sinks = (&mut summary, (printer, &mut spans));
     let report = session.run_blocking(&mut sinks, cli.duration)?;
+    drop(spans);
+    if let Some(pipeline) = pipeline.as_mut() {
+        report_export(&export, pipeline.finish());
+    }
 
     eprint!("{}", summary.render(&report.losses));
     if let Some(path) = &cli.summary_json {
@@ -107,14 +133,34 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     };
     let exit = match report.child_exit {
         Some(exit) => exit,
-        // Tracing stopped (--duration) while the command runs on: wait for it untraced.
-        None if report.stop == StopReason::Duration => wait_blocking(child),
+        // Tracing stopped (--duration, or the command is a rank that does not export)
+        // while the command runs on: wait for it untraced.
+        None if !matches!(report.stop, StopReason::Signal(_)) => wait_blocking(child),
         None => match report.stop {
             StopReason::Signal(signal) => ExitStatus::Signaled(signal),
             _ => ExitStatus::Unknown,
         },
     };
     Ok(exit.shell_code())
+}
+
+/// One line on what became of the spans; lost ones are always said.
+fn report_export(settings: &ExportSettings, stats: ExportStats) {
+    let target = match (&settings.exporter, &settings.export_file) {
+        (ExporterKind::File, Some(path)) => path.display().to_string(),
+        _ => "the OTLP endpoint".to_string(),
+    };
+    if stats.lost() == 0 {
+        eprintln!("lens-probe: {} spans exported to {target}", stats.exported);
+    } else {
+        eprintln!(
+            "lens-probe: {} spans exported to {target}; {} lost ({} queue full, {} export failed)",
+            stats.exported,
+            stats.lost(),
+            stats.dropped_queue_full,
+            stats.failed
+        );
+    }
 }
 
 fn wait_blocking(pid: u32) -> ExitStatus {

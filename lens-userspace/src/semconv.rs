@@ -72,3 +72,24 @@ pub const DL_COLLECTIVE_COMM_ID: &str = "dl.collective.comm_id";
 pub const DL_CALL_RESULT: &str = "dl.call.result";
 /// `stream`, `event` or `device`.
 pub const CUDA_SYNC_KIND: &str = "cuda.sync.kind";
+
+// ==== Export: resource attributes of the traced process ================================
+// Added for `export::resource`: the OpenTelemetry resource NeMo Lens builds
+// (`nemo.lens.providers` + `nemo.lens.resources`), read from the target, not lens-probe.
+
+// ---- OpenTelemetry service attributes --------------------------------------------------
+pub const SERVICE_NAME: &str = "service.name";
+pub const SERVICE_VERSION: &str = "service.version";
+/// `<run id>-rank<rank>`, as NeMo Lens.
+pub const SERVICE_INSTANCE_ID: &str = "service.instance.id";
+
+// ---- OpenTelemetry host, process and deployment attributes -----------------------------
+pub const HOST_NAME: &str = "host.name";
+/// GPUs the process may use (NeMo Lens' `host.gpu.count`).
+pub const HOST_GPU_COUNT: &str = "host.gpu.count";
+/// The command line, arguments joined with spaces.
+pub const PROCESS_COMMAND_LINE: &str = "process.command_line";
+pub const DEPLOYMENT_ENVIRONMENT: &str = "deployment.environment";
+
+// ---- Kubernetes (k8s.*), OpenTelemetry semconv, as NeMo Lens ---------------------------
+pub const K8S_JOB_NAME: &str = "k8s.job.name";

@@ -27,6 +27,7 @@ use tokio::{
 use crate::{
     error::{LensError, Result},
     events::{self, ProbeEvent},
+    export::strategy::ExportStrategy,
     groups::SpanGroups,
     privileges,
     probes::{
@@ -90,6 +91,8 @@ pub struct Session {
     undecodable: u64,
     /// Where the exit watchers of targets report (set while `run` runs).
     exit_tx: Option<mpsc::UnboundedSender<u32>>,
+    /// Which ranks are traced (NeMo Lens' export strategies); others are let go.
+    export_strategy: ExportStrategy,
 }
 
 impl Session {
@@ -129,6 +132,7 @@ impl Session {
             child_exit: None,
             undecodable: 0,
             exit_tx: None,
+            export_strategy: ExportStrategy::AllRanks,
         })
     }
 
@@ -159,10 +163,34 @@ impl Session {
             })
     }
 
+    /// Which ranks to trace: a process whose rank does not export under `strategy` is not
+    /// traced (decided when its rank is known: at attach, or when it execs). The library
+    /// default is every rank; the CLI uses NeMo Lens' default, `single_rank`.
+    pub fn set_export_strategy(&mut self, strategy: ExportStrategy) {
+        self.export_strategy = strategy;
+    }
+
+    fn exports(&self, info: &ProcessInfo) -> bool {
+        let exports = self.export_strategy.exports(info.rank.as_ref());
+        if !exports {
+            warn!(
+                "pid {} ({}, rank {}) does not export under {}: not traced",
+                info.pid,
+                info.name,
+                info.rank.map_or(0, |r| r.rank),
+                self.export_strategy
+            );
+        }
+        exports
+    }
+
     /// Attaches to the libraries `pid` maps now; later loads are caught by the dynamic
     /// loader probe. Fails when the process maps neither libcudart nor libnccl.
     pub fn attach_pid(&mut self, pid: u32) -> Result<()> {
         let info = ProcessInfo::read(pid)?;
+        if !self.exports(&info) {
+            return Ok(());
+        }
         let libraries = library::find_libraries(pid)?;
         if !libraries.iter().any(|l| {
             matches!(
@@ -297,6 +325,10 @@ impl Session {
             info.traced_from_start = true;
             target.info = info;
             sink.on_process_exec(&target.info);
+            let info = target.info.clone();
+            if !self.exports(&info) {
+                self.finish_target(pid, None, sink);
+            }
         }
     }
 

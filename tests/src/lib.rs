@@ -646,3 +646,38 @@ mod tests {
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "True");
     }
 }
+
+/// The rotel OTLP collector from the PyPI venv: its binary and the library directory
+/// its `libpython3.13.so` dependency lives in (for `LD_LIBRARY_PATH`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rotel {
+    pub agent: PathBuf,
+    pub library_dir: PathBuf,
+}
+
+/// Finds `rotel-agent` in the PyTorch venv (see [`torch_venv`] for the skip rule).
+pub fn rotel(test_name: &str) -> Option<Rotel> {
+    let venv = torch_venv(test_name)?;
+    let output = std::process::Command::new(&venv.python)
+        .args([
+            "-c",
+            "import sysconfig, rotel, os; print(sysconfig.get_config_var('LIBDIR')); \
+             print(os.path.join(os.path.dirname(rotel.__file__), 'rotel-agent'))",
+        ])
+        .output();
+    let found = output.ok().filter(|o| o.status.success()).and_then(|o| {
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        let mut lines = text.lines();
+        let library_dir = PathBuf::from(lines.next()?);
+        let agent = PathBuf::from(lines.next()?);
+        agent.is_file().then_some(Rotel { agent, library_dir })
+    });
+    if found.is_none() {
+        skip(
+            test_name,
+            "rotel collector",
+            "rotel-agent is not in the PyTorch venv; run `cargo xtask setup`",
+        );
+    }
+    found
+}

@@ -19,7 +19,14 @@ pub const PYTHON_ENV: &str = "LENS_PYTHON313";
 
 /// The pinned requirements (`pip` specifiers). NeMo Lens needs Python >= 3.13; its `sdk`
 /// extra brings opentelemetry-sdk and the OTLP exporters.
-pub const REQUIREMENTS: &[&str] = &["torch==2.15.0", "numpy==2.5.5", "nemo-lens[sdk]==0.1.0"];
+/// `rotel` is a Rust OTLP collector shipped as a wheel: the real collector of the export
+/// tests (its `rotel-agent` binary needs the venv Python's `libpython3.13.so`).
+pub const REQUIREMENTS: &[&str] = &[
+    "torch==2.15.0",
+    "numpy==2.5.5",
+    "nemo-lens[sdk]==0.1.0",
+    "rotel==0.0.1a15",
+];
 
 /// The stamp file, relative to the venv: the requirement list of the last successful
 /// install, one per line. Written only after pip and the import check succeeded.
@@ -297,7 +304,7 @@ mod tests {
     fn stamp_round_trip() {
         assert!(stamp_matches(&stamp_contents()));
         assert!(stamp_matches(
-            "\n torch==2.15.0\nnumpy==2.5.5 \n\nnemo-lens[sdk]==0.1.0"
+            "\n torch==2.15.0\nnumpy==2.5.5 \n\nnemo-lens[sdk]==0.1.0\nrotel==0.0.1a15 "
         ));
         assert!(!stamp_matches(""));
         assert!(!stamp_matches(
@@ -337,7 +344,7 @@ mod tests {
         assert_eq!(
             display(&pip_command(dir)),
             "/c/torch-venv/bin/python -m pip install --disable-pip-version-check \
-             torch==2.15.0 numpy==2.5.5 'nemo-lens[sdk]==0.1.0'"
+             torch==2.15.0 numpy==2.5.5 'nemo-lens[sdk]==0.1.0' rotel==0.0.1a15"
         );
         assert_eq!(venv_python(dir), Path::new("/c/torch-venv/bin/python"));
         assert_eq!(

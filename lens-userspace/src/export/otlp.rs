@@ -1,0 +1,472 @@
+//! The OpenTelemetry pipeline: finished spans become OTLP `SpanData` (with the resource
+//! of the process they came from and the trace id of its run) and go through a bounded
+//! queue to one export thread, which batches them per process and sends them with
+//! opentelemetry-otlp (gRPC or HTTP, configured by the standard `OTEL_EXPORTER_OTLP_*`
+//! variables) or writes them as OTLP JSON lines to a file.
+//!
+//! The probe never waits for the backend: when the queue is full a span is dropped and
+//! counted, and a failed export counts its spans; both are reported at exit.
+use std::{
+    borrow::Cow,
+    collections::HashMap,
+    fs::File,
+    io::{BufWriter, Write},
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+        mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant, SystemTime},
+};
+
+use log::warn;
+use opentelemetry::{
+    InstrumentationScope, KeyValue, Value,
+    trace::{SpanContext, SpanKind, Status, TraceFlags, TraceId, TraceState},
+};
+use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::{
+    Resource,
+    trace::{SpanData, SpanEvents, SpanExporter as _, SpanLinks},
+};
+
+use super::resource;
+use crate::{
+    error::{LensError, Result},
+    spans::{AttrValue, SpanExporter, SpanId, SpanRecord, SpanStatus, monotonic_now_ns},
+    target::ProcessInfo,
+};
+
+/// Spans waiting for the export thread; beyond this they are dropped (and counted).
+const QUEUE_SPANS: usize = 16_384;
+/// Spans per export call.
+const BATCH_SPANS: usize = 512;
+/// A process's spans wait at most this long before they are sent.
+const BATCH_DELAY: Duration = Duration::from_secs(1);
+/// How long the final flush may take at exit.
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where spans go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Destination {
+    /// An OTLP endpoint, with the protocol `OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL` names.
+    Otlp(Protocol),
+    /// OTLP JSON, one `ExportTraceServiceRequest` per line.
+    File(PathBuf),
+}
+
+impl Destination {
+    /// OTLP with the protocol from the standard variables of lens-probe's environment
+    /// (`grpc` when unset, as the OpenTelemetry SDKs default).
+    pub fn otlp_from_env() -> Result<Destination> {
+        let (key, value) = [
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ]
+        .into_iter()
+        .find_map(|key| {
+            std::env::var(key)
+                .ok()
+                .filter(|v| !v.trim().is_empty())
+                .map(|v| (key, v))
+        })
+        .unwrap_or(("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".into()));
+        let protocol = match value.trim() {
+            "grpc" => Protocol::Grpc,
+            "http/protobuf" => Protocol::HttpBinary,
+            "http/json" => Protocol::HttpJson,
+            other => {
+                return Err(LensError::InvalidSetting {
+                    key: key.into(),
+                    value: other.into(),
+                    reason: "expected grpc, http/protobuf or http/json".into(),
+                });
+            }
+        };
+        Ok(Destination::Otlp(protocol))
+    }
+}
+
+/// What happened to the spans handed to the pipeline.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExportStats {
+    /// Accepted by the backend (or written to the file).
+    pub exported: u64,
+    /// Dropped because the queue was full (the backend could not keep up).
+    pub dropped_queue_full: u64,
+    /// In an export that failed (backend unreachable, rejected, timed out).
+    pub failed: u64,
+}
+
+impl ExportStats {
+    pub fn lost(&self) -> u64 {
+        self.dropped_queue_full + self.failed
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    exported: AtomicU64,
+    dropped_queue_full: AtomicU64,
+    failed: AtomicU64,
+}
+
+enum Message {
+    Span(u32, Arc<Resource>, Box<SpanData>),
+    ProcessEnded(u32),
+}
+
+/// Per traced process: what its spans are sent with.
+struct ProcessExport {
+    resource: Arc<Resource>,
+    trace_id: TraceId,
+}
+
+/// The pipeline, as the span builder's [`SpanExporter`].
+pub struct OtelPipeline {
+    queue: Option<SyncSender<Message>>,
+    worker: Option<JoinHandle<()>>,
+    counters: Arc<Counters>,
+    processes: HashMap<u32, ProcessExport>,
+    /// `CLOCK_REALTIME - CLOCK_MONOTONIC`: kernel timestamps to wall-clock time.
+    realtime_offset_ns: i128,
+    /// The run id of processes whose environment names none: one per lens-probe run, so
+    /// everything it traces shares a trace.
+    fallback_run_id: String,
+    service_name: Option<String>,
+    scope: InstrumentationScope,
+}
+
+impl OtelPipeline {
+    /// Starts the export thread; fails (before anything is traced) if the exporter
+    /// cannot be built, e.g. a malformed endpoint.
+    pub fn start(destination: Destination, service_name: Option<String>) -> Result<OtelPipeline> {
+        let (queue, receiver) = mpsc::sync_channel(QUEUE_SPANS);
+        let counters = Arc::new(Counters::default());
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
+        let worker_counters = Arc::clone(&counters);
+        let worker = std::thread::Builder::new()
+            .name("lens-export".into())
+            .spawn(move || export_thread(destination, receiver, worker_counters, ready_tx))?;
+        ready_rx
+            .recv()
+            .unwrap_or_else(|_| Err(LensError::Export("export thread failed to start".into())))?;
+        let realtime_ns = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as i128)
+            .unwrap_or_default();
+        Ok(OtelPipeline {
+            queue: Some(queue),
+            worker: Some(worker),
+            counters,
+            processes: HashMap::new(),
+            realtime_offset_ns: realtime_ns - monotonic_now_ns() as i128,
+            fallback_run_id: resource::random_run_id(),
+            service_name,
+            scope: InstrumentationScope::builder("lens-probe")
+                .with_version(env!("CARGO_PKG_VERSION"))
+                .build(),
+        })
+    }
+
+    /// Sends what is queued, waits for the export thread (at most ~10 s), and says what
+    /// happened to the spans.
+    pub fn finish(&mut self) -> ExportStats {
+        drop(self.queue.take());
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.join();
+        }
+        ExportStats {
+            exported: self.counters.exported.load(Ordering::Relaxed),
+            dropped_queue_full: self.counters.dropped_queue_full.load(Ordering::Relaxed),
+            failed: self.counters.failed.load(Ordering::Relaxed),
+        }
+    }
+
+    fn time(&self, monotonic_ns: u64) -> SystemTime {
+        let ns = (monotonic_ns as i128 + self.realtime_offset_ns).max(0) as u64;
+        SystemTime::UNIX_EPOCH + Duration::from_nanos(ns)
+    }
+
+    fn span_data(&self, span: SpanRecord, trace_id: TraceId) -> SpanData {
+        let span_id = |id: SpanId| opentelemetry::trace::SpanId::from_bytes(id.0.to_be_bytes());
+        let events = span
+            .events
+            .into_iter()
+            .map(|event| {
+                opentelemetry::trace::Event::new(
+                    event.name,
+                    self.time(event.at_ns),
+                    attributes(event.attributes),
+                    0,
+                )
+            })
+            .collect();
+        SpanData {
+            span_context: SpanContext::new(
+                trace_id,
+                span_id(span.id),
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            ),
+            parent_span_id: span
+                .parent
+                .map_or(opentelemetry::trace::SpanId::INVALID, span_id),
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name: Cow::Borrowed(span.name),
+            start_time: self.time(span.start_ns),
+            end_time: self.time(span.end_ns),
+            attributes: attributes(span.attributes),
+            dropped_attributes_count: 0,
+            events: span_events(events),
+            links: SpanLinks::default(),
+            status: match span.status {
+                SpanStatus::Unset => Status::Unset,
+                SpanStatus::Error(message) => Status::error(message),
+            },
+            instrumentation_scope: self.scope.clone(),
+        }
+    }
+}
+
+fn span_events(events: Vec<opentelemetry::trace::Event>) -> SpanEvents {
+    let mut span_events = SpanEvents::default();
+    span_events.events = events;
+    span_events
+}
+
+fn attributes(attributes: Vec<(&'static str, AttrValue)>) -> Vec<KeyValue> {
+    attributes
+        .into_iter()
+        .map(|(key, value)| KeyValue::new(key, otel_value(value)))
+        .collect()
+}
+
+fn otel_value(value: AttrValue) -> Value {
+    match value {
+        AttrValue::Bool(v) => Value::Bool(v),
+        AttrValue::Int(v) => Value::I64(v),
+        AttrValue::Str(v) => Value::String(v.into()),
+    }
+}
+
+impl SpanExporter for OtelPipeline {
+    fn process_started(&mut self, info: &ProcessInfo, _job: Option<SpanId>, _start_ns: u64) {
+        let detected =
+            resource::detect_pid(info, &self.fallback_run_id, self.service_name.as_deref());
+        let resource = Resource::builder_empty()
+            .with_attributes(
+                detected
+                    .attributes
+                    .into_iter()
+                    .map(|(key, value)| KeyValue::new(key, otel_value(value))),
+            )
+            .build();
+        self.processes.insert(
+            info.pid,
+            ProcessExport {
+                resource: Arc::new(resource),
+                trace_id: TraceId::from_bytes(resource::trace_id_for_run(&detected.run_id)),
+            },
+        );
+    }
+
+    fn export(&mut self, span: SpanRecord) {
+        let Some(process) = self.processes.get(&span.pid) else {
+            return;
+        };
+        let (pid, resource, trace_id) = (span.pid, Arc::clone(&process.resource), process.trace_id);
+        let data = self.span_data(span, trace_id);
+        let Some(queue) = &self.queue else {
+            return;
+        };
+        match queue.try_send(Message::Span(pid, resource, Box::new(data))) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                self.counters
+                    .dropped_queue_full
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn process_ended(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+        if let Some(queue) = &self.queue {
+            // Blocking is fine here: a process end is rare, and its spans should go now.
+            let _ = queue.send(Message::ProcessEnded(pid));
+        }
+    }
+}
+
+impl Drop for OtelPipeline {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// The backend, as the export thread drives it.
+enum Sink {
+    Otlp(Box<opentelemetry_otlp::SpanExporter>),
+    File(BufWriter<File>),
+}
+
+impl Sink {
+    fn build(destination: &Destination) -> Result<Sink> {
+        let build_error =
+            |e: opentelemetry_otlp::ExporterBuildError| LensError::Export(e.to_string());
+        Ok(match destination {
+            Destination::Otlp(Protocol::Grpc) => Sink::Otlp(Box::new(
+                opentelemetry_otlp::SpanExporter::builder()
+                    .with_tonic()
+                    .build()
+                    .map_err(build_error)?,
+            )),
+            Destination::Otlp(protocol) => Sink::Otlp(Box::new(
+                opentelemetry_otlp::SpanExporter::builder()
+                    .with_http()
+                    .with_protocol(*protocol)
+                    .build()
+                    .map_err(build_error)?,
+            )),
+            Destination::File(path) => {
+                Sink::File(BufWriter::new(File::create(path).map_err(|source| {
+                    LensError::Export(format!("cannot create {}: {source}", path.display()))
+                })?))
+            }
+        })
+    }
+
+    fn export(
+        &mut self,
+        runtime: &tokio::runtime::Runtime,
+        resource: &Resource,
+        batch: Vec<SpanData>,
+    ) -> std::result::Result<(), String> {
+        match self {
+            Sink::Otlp(exporter) => {
+                exporter.set_resource(resource);
+                runtime
+                    .block_on(async {
+                        tokio::time::timeout(SHUTDOWN_TIMEOUT, exporter.export(batch)).await
+                    })
+                    .map_err(|_| "timed out".to_string())?
+                    .map_err(|e| e.to_string())
+            }
+            Sink::File(out) => {
+                use opentelemetry_proto::{
+                    tonic::collector::trace::v1::ExportTraceServiceRequest,
+                    transform::{
+                        common::tonic::ResourceAttributesWithSchema,
+                        trace::tonic::group_spans_by_resource_and_scope,
+                    },
+                };
+                let request = ExportTraceServiceRequest {
+                    resource_spans: group_spans_by_resource_and_scope(
+                        batch,
+                        &ResourceAttributesWithSchema::from(resource),
+                    ),
+                };
+                let line = serde_json::to_string(&request).map_err(|e| e.to_string())?;
+                writeln!(out, "{line}")
+                    .and_then(|()| out.flush())
+                    .map_err(|e| e.to_string())
+            }
+        }
+    }
+}
+
+/// The export thread: owns the backend and a tokio runtime to drive it.
+fn export_thread(
+    destination: Destination,
+    queue: Receiver<Message>,
+    counters: Arc<Counters>,
+    ready: mpsc::Sender<Result<()>>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            let _ = ready.send(Err(error.into()));
+            return;
+        }
+    };
+    // Built inside the runtime: the gRPC channel spawns its connection task there.
+    let sink = {
+        let _guard = runtime.enter();
+        Sink::build(&destination)
+    };
+    let mut sink = match sink {
+        Ok(sink) => {
+            let _ = ready.send(Ok(()));
+            sink
+        }
+        Err(error) => {
+            let _ = ready.send(Err(error));
+            return;
+        }
+    };
+    let mut batches: HashMap<u32, (Arc<Resource>, Vec<SpanData>, Instant)> = HashMap::new();
+    let mut warned = false;
+    let mut send = |batch: Vec<SpanData>, resource: &Resource, sink: &mut Sink| {
+        let n = batch.len() as u64;
+        match sink.export(&runtime, resource, batch) {
+            Ok(()) => {
+                counters.exported.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(error) => {
+                counters.failed.fetch_add(n, Ordering::Relaxed);
+                if !warned {
+                    warn!("span export failed ({error}); spans are counted as lost");
+                    warned = true;
+                }
+            }
+        }
+    };
+    loop {
+        let message = queue.recv_timeout(BATCH_DELAY / 4);
+        match message {
+            Ok(Message::Span(pid, resource, data)) => {
+                let entry = batches
+                    .entry(pid)
+                    .or_insert_with(|| (resource, Vec::new(), Instant::now()));
+                entry.1.push(*data);
+                if entry.1.len() >= BATCH_SPANS {
+                    let (resource, batch, _) = batches.remove(&pid).expect("just inserted");
+                    send(batch, &resource, &mut sink);
+                }
+            }
+            Ok(Message::ProcessEnded(pid)) => {
+                if let Some((resource, batch, _)) = batches.remove(&pid) {
+                    send(batch, &resource, &mut sink);
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                for (_, (resource, batch, _)) in batches.drain() {
+                    send(batch, &resource, &mut sink);
+                }
+                if let Sink::Otlp(exporter) = &mut sink {
+                    let _ = exporter.shutdown_with_timeout(SHUTDOWN_TIMEOUT);
+                }
+                return;
+            }
+        }
+        let due: Vec<u32> = batches
+            .iter()
+            .filter(|(_, (_, _, since))| since.elapsed() >= BATCH_DELAY)
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in due {
+            if let Some((resource, batch, _)) = batches.remove(&pid) {
+                send(batch, &resource, &mut sink);
+            }
+        }
+    }
+}

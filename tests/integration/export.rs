@@ -1,0 +1,463 @@
+//! Export end to end: lens-probe sends to a real OTLP collector (rotel, from PyPI) over
+//! gRPC and over HTTP, and the assertions are on what the collector received and
+//! printed; the OTLP JSON file exporter; one trace per run across ranks; a collector that
+//! is down; bad settings.
+use std::{
+    collections::BTreeMap,
+    net::TcpListener,
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
+
+/// A free loopback port (bound then released).
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn temp_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("lens-export-{name}-{}", std::process::id()))
+}
+
+/// rotel receiving OTLP on loopback, printing everything it receives (detailed) to a
+/// log file, exporting nowhere.
+struct Collector {
+    child: Child,
+    log: PathBuf,
+    grpc: u16,
+    http: u16,
+}
+
+impl Collector {
+    fn start(rotel: &lens_tests::Rotel, name: &str) -> Collector {
+        let (grpc, http) = (free_port(), free_port());
+        let log = temp_path(&format!("{name}-rotel.log"));
+        let child = Command::new(&rotel.agent)
+            .env("LD_LIBRARY_PATH", &rotel.library_dir)
+            .args(["start", "--exporter", "blackhole"])
+            .args(["--debug-log", "traces", "--debug-log-verbosity", "detailed"])
+            .arg("--otlp-grpc-endpoint")
+            .arg(format!("127.0.0.1:{grpc}"))
+            .arg("--otlp-http-endpoint")
+            .arg(format!("127.0.0.1:{http}"))
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let collector = Collector {
+            child,
+            log,
+            grpc,
+            http,
+        };
+        collector.wait_until(|text| text.contains("Starting Rotel"), "to start");
+        collector
+    }
+
+    fn text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn wait_until(&self, done: impl Fn(&str) -> bool, what: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = self.text();
+            if done(&text) {
+                return text;
+            }
+            assert!(Instant::now() < deadline, "rotel did not {what}:\n{text}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Collector {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// A span as rotel's detailed debug log prints it.
+#[derive(Clone, Debug, Default)]
+struct ReceivedSpan {
+    trace_id: String,
+    parent_id: String,
+    id: String,
+    name: String,
+    attributes: BTreeMap<String, String>,
+    resource: BTreeMap<String, String>,
+}
+
+/// `     -> key: Type(value)` → (key, value)
+fn attribute(line: &str) -> Option<(String, String)> {
+    let (key, rest) = line.trim().strip_prefix("-> ")?.split_once(": ")?;
+    let value = rest
+        .split_once('(')
+        .map_or(rest, |(_, v)| v.strip_suffix(')').unwrap_or(v));
+    Some((key.to_string(), value.to_string()))
+}
+
+fn parse_rotel(text: &str) -> Vec<ReceivedSpan> {
+    let mut spans = Vec::new();
+    let mut resource = BTreeMap::new();
+    let mut current: Option<ReceivedSpan> = None;
+    let mut in_resource = false;
+    for line in text.lines() {
+        let trimmed = line.trim();
+        if trimmed.starts_with("ResourceSpans #") {
+            spans.extend(current.take());
+            resource = BTreeMap::new();
+        } else if trimmed == "Resource attributes:" {
+            in_resource = true;
+        } else if trimmed.starts_with("ScopeSpans") {
+            in_resource = false;
+        } else if trimmed.starts_with("Span #") {
+            spans.extend(current.take());
+            current = Some(ReceivedSpan {
+                resource: resource.clone(),
+                ..ReceivedSpan::default()
+            });
+        } else if let Some((key, value)) = attribute(line) {
+            match current.as_mut() {
+                Some(span) if !in_resource => span.attributes.insert(key, value),
+                _ => resource.insert(key, value),
+            };
+        } else if let Some(span) = current.as_mut() {
+            let field = |prefix: &str| {
+                trimmed
+                    .strip_prefix(prefix)
+                    .map(|rest| rest.trim_start().trim_start_matches(':').trim().to_string())
+            };
+            if let Some(v) = field("Trace ID") {
+                span.trace_id = v;
+            } else if let Some(v) = field("Parent ID") {
+                span.parent_id = v;
+            } else if let Some(v) = field("ID ") {
+                span.id = v;
+            } else if let Some(v) = field("Name") {
+                span.name = v;
+            }
+        }
+    }
+    spans.extend(current);
+    spans
+}
+
+/// lens-probe on the fake torch trainer (2 steps, an evaluation), rank 0 of 1, run id
+/// `run-42`, with `env` settings for lens-probe itself.
+fn traced_trainer(env: &[(&str, String)]) -> Output {
+    let mut command = Command::new(LENS_PROBE);
+    command
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_PROTOCOL")
+        .args(["--span-groups", "per_step", "--exec", "--", "env"])
+        .args([
+            "RANK=0",
+            "WORLD_SIZE=1",
+            "LOCAL_RANK=0",
+            "NEMO_LENS_RUN_ID=run-42",
+        ])
+        .arg(lens_tests::torch_trainer())
+        .args(["2", "1", "2", "0"]);
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command.output().unwrap()
+}
+
+fn md5_hex(text: &str) -> String {
+    // The trace id of a run is md5(run id): computed here independently, with python.
+    let output = Command::new("python3")
+        .args([
+            "-c",
+            &format!("import hashlib; print(hashlib.md5({text:?}.encode()).hexdigest())"),
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8(output.stdout).unwrap().trim().to_string()
+}
+
+fn assert_trainer_spans(spans: &[ReceivedSpan]) {
+    let names: Vec<&str> = {
+        let mut names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+        names.sort_unstable();
+        names
+    };
+    assert_eq!(
+        names,
+        [
+            "train.evaluate",
+            "train.forward_backward",
+            "train.forward_backward",
+            "train.job",
+            "train.model_init",
+            "train.optimizer",
+            "train.optimizer",
+            "train.step",
+            "train.step",
+        ],
+        "{spans:#?}"
+    );
+    let job = spans.iter().find(|s| s.name == "train.job").unwrap();
+    assert!(job.parent_id.is_empty());
+    assert_eq!(job.trace_id, md5_hex("run-42"));
+    for span in spans {
+        assert_eq!(span.trace_id, job.trace_id, "one trace");
+        let group = span.attributes.get("nemo.span.group").map(String::as_str);
+        let (parent, group_name) = match span.name.as_str() {
+            "train.job" => (None, "job"),
+            "train.forward_backward" | "train.optimizer" => (Some("train.step"), ""),
+            other => (Some("train.job"), other.trim_start_matches("train.")),
+        };
+        if let Some(parent) = parent {
+            let parent_ids: Vec<&str> = spans
+                .iter()
+                .filter(|s| s.name == parent)
+                .map(|s| s.id.as_str())
+                .collect();
+            assert!(parent_ids.contains(&span.parent_id.as_str()), "{span:?}");
+        }
+        if !group_name.is_empty() {
+            assert_eq!(group, Some(group_name), "{span:?}");
+        }
+        // The resource describes the traced process, from its own environment.
+        assert_eq!(
+            span.resource.get("service.name").map(String::as_str),
+            Some("nemo")
+        );
+        assert_eq!(
+            span.resource.get("nemo.run.id").map(String::as_str),
+            Some("run-42")
+        );
+        assert_eq!(
+            span.resource.get("service.instance.id").map(String::as_str),
+            Some("run-42-rank0")
+        );
+        assert_eq!(span.resource.get("dl.rank").map(String::as_str), Some("0"));
+        assert_eq!(
+            span.resource.get("dl.world_size").map(String::as_str),
+            Some("1")
+        );
+        assert!(span.resource.contains_key("process.pid"));
+        assert!(span.resource.contains_key("host.name"));
+    }
+    let iterations: Vec<&str> = spans
+        .iter()
+        .filter(|s| s.name == "train.step")
+        .map(|s| s.attributes["dl.iteration"].as_str())
+        .collect();
+    assert_eq!(iterations, ["0", "1"]);
+}
+
+fn collector_test(name: &str, protocol: &str) {
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let Some(rotel) = lens_tests::rotel(name) else {
+        return;
+    };
+    let collector = Collector::start(&rotel, name);
+    let endpoint = match protocol {
+        "grpc" => format!("http://127.0.0.1:{}", collector.grpc),
+        _ => format!("http://127.0.0.1:{}", collector.http),
+    };
+    let output = traced_trainer(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol.to_string()),
+    ]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("9 spans exported to the OTLP endpoint"),
+        "{stderr}"
+    );
+    let text = collector.wait_until(|t| t.matches("Span #").count() >= 9, "receive 9 spans");
+    assert_trainer_spans(&parse_rotel(&text));
+}
+
+#[test]
+fn spans_reach_a_real_collector_over_grpc() {
+    collector_test("spans_reach_a_real_collector_over_grpc", "grpc");
+}
+
+#[test]
+fn spans_reach_a_real_collector_over_http() {
+    collector_test("spans_reach_a_real_collector_over_http", "http/protobuf");
+}
+
+/// The spans of an OTLP JSON lines file (one `ExportTraceServiceRequest` per line).
+fn file_spans(path: &Path) -> Vec<(BTreeMap<String, Value>, Value)> {
+    let mut spans = Vec::new();
+    for line in std::fs::read_to_string(path).unwrap().lines() {
+        let request: Value = serde_json::from_str(line).unwrap();
+        for resource_spans in request["resourceSpans"].as_array().unwrap() {
+            let resource: BTreeMap<String, Value> = resource_spans["resource"]["attributes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|kv| (kv["key"].as_str().unwrap().to_string(), kv["value"].clone()))
+                .collect();
+            for scope in resource_spans["scopeSpans"].as_array().unwrap() {
+                for span in scope["spans"].as_array().unwrap() {
+                    spans.push((resource.clone(), span.clone()));
+                }
+            }
+        }
+    }
+    spans
+}
+
+#[test]
+fn two_ranks_share_one_trace_with_distinct_span_ids() {
+    let name = "two_ranks_share_one_trace";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let path = temp_path("ranks.jsonl");
+    let trainer = lens_tests::torch_trainer();
+    // Two ranks of one run, started by one shell (followed as its children), with the
+    // same (deterministic) behaviour.
+    let script = format!(
+        "env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 NEMO_LENS_RUN_ID=run-7 {t} 2 1 0 0 & \
+         env RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 NEMO_LENS_RUN_ID=run-7 {t} 2 1 0 0; wait",
+        t = trainer.display()
+    );
+    let output = Command::new(LENS_PROBE)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args([
+            "--span-groups",
+            "per_step",
+            "--exporter",
+            "file",
+            "--export-file",
+        ])
+        .arg(&path)
+        .args(["--export-strategy", "all_ranks", "--exec", "--", "sh", "-c"])
+        .arg(&script)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let spans = file_spans(&path);
+    let _ = std::fs::remove_file(&path);
+    let trace_ids: std::collections::BTreeSet<&str> = spans
+        .iter()
+        .map(|(_, s)| s["traceId"].as_str().unwrap())
+        .collect();
+    assert_eq!(trace_ids.len(), 1, "one trace for the run");
+    assert_eq!(*trace_ids.iter().next().unwrap(), md5_hex("run-7"));
+    let span_ids: std::collections::BTreeSet<&str> = spans
+        .iter()
+        .map(|(_, s)| s["spanId"].as_str().unwrap())
+        .collect();
+    assert_eq!(span_ids.len(), spans.len(), "span ids are unique");
+    let mut ranks: Vec<i64> = spans
+        .iter()
+        .filter(|(_, s)| s["name"] == "train.job")
+        .map(|(resource, _)| {
+            resource["dl.rank"]["intValue"]
+                .as_str()
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    ranks.sort_unstable();
+    assert_eq!(ranks, [0, 1]);
+    // Each rank's job: 2 steps, each with its phases: 1 + 1 + 2 × 3 spans.
+    assert_eq!(spans.len(), 2 * 8, "{stderr}");
+}
+
+#[test]
+fn single_rank_exports_only_the_last_rank() {
+    let name = "single_rank_exports_only_the_last_rank";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let path = temp_path("single.jsonl");
+    let trainer = lens_tests::torch_trainer();
+    let script = format!(
+        "env RANK=0 WORLD_SIZE=2 {t} 1 1 0 0 & env RANK=1 WORLD_SIZE=2 {t} 1 1 0 0; wait",
+        t = trainer.display()
+    );
+    let output = Command::new(LENS_PROBE)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("NEMO_LENS_EXPORT_STRATEGY")
+        .args([
+            "--span-groups",
+            "per_step",
+            "--exporter",
+            "file",
+            "--export-file",
+        ])
+        .arg(&path)
+        .args(["--exec", "--", "sh", "-c"])
+        .arg(&script)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let spans = file_spans(&path);
+    let _ = std::fs::remove_file(&path);
+    let ranks: std::collections::BTreeSet<String> = spans
+        .iter()
+        .map(|(resource, _)| {
+            resource["dl.rank"]["intValue"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(ranks.into_iter().collect::<Vec<_>>(), ["1"], "{stderr}");
+}
+
+#[test]
+fn a_collector_that_is_down_costs_spans_not_the_run() {
+    let name = "a_collector_that_is_down";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let output = traced_trainer(&[(
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        format!("http://127.0.0.1:{}", free_port()),
+    )]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains(
+            "0 spans exported to the OTLP endpoint; 9 lost (0 queue full, 9 export failed)"
+        ),
+        "{stderr}"
+    );
+}
+
+fn assert_bad_setting(key: &str, value: &str, needle: &str) {
+    let output = Command::new(LENS_PROBE)
+        .env(key, value)
+        .args(["--pid", "1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{key}={value}: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains(key) && stderr.contains(needle), "{stderr}");
+}
+
+#[test]
+fn bad_nemo_lens_values_are_one_line_and_exit_2() {
+    assert_bad_setting("NEMO_LENS_EXPORT_SAMPLE_RATE", "2", "between 0 and 1");
+    assert_bad_setting("NEMO_LENS_EXPORTER", "foo", "otlp");
+    assert_bad_setting("NEMO_LENS_ENABLED", "maybe", "true");
+    assert_bad_setting("NEMO_LENS_EXPORT_STRATEGY", "some", "single_rank");
+    assert_bad_setting("NEMO_LENS_EXPORT_RANK", "last", "integer");
+}
