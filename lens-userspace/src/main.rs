@@ -115,7 +115,13 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     let report = session.run_blocking(&mut sinks, cli.duration)?;
     drop(spans);
     if let Some(pipeline) = pipeline.as_mut() {
-        report_export(&export, pipeline.finish());
+        let events_lost: Vec<(&'static str, u64)> = report
+            .losses
+            .kernel
+            .iter()
+            .map(|(cause, count)| (*cause, *count))
+            .collect();
+        report_export(&export, pipeline.finish(&events_lost));
     }
 
     eprint!("{}", summary.render(&report.losses));

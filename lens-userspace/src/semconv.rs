@@ -72,6 +72,10 @@ pub const DL_COLLECTIVE_COMM_ID: &str = "dl.collective.comm_id";
 pub const DL_CALL_RESULT: &str = "dl.call.result";
 /// `stream`, `event` or `device`.
 pub const CUDA_SYNC_KIND: &str = "cuda.sync.kind";
+/// `kernel`, `kernel_ex` or `graph` (launch counters).
+pub const CUDA_LAUNCH_KIND: &str = "cuda.launch.kind";
+/// Why lens-probe lost an event or a span (its own health metrics).
+pub const LENS_PROBE_LOSS_CAUSE: &str = "lens_probe.loss.cause";
 
 // ==== Export: resource attributes of the traced process ================================
 // Added for `export::resource`: the OpenTelemetry resource NeMo Lens builds

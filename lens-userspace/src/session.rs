@@ -251,6 +251,7 @@ impl Session {
                 .collect(),
             traced_from_start: true,
             rank: None,
+            view: Default::default(),
         });
         info.traced_from_start = true;
         self.targets.insert(

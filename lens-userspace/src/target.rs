@@ -9,6 +9,7 @@ use std::{
         unix::ffi::OsStrExt,
     },
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use crate::error::{LensError, Result};
@@ -25,6 +26,113 @@ pub struct ProcessInfo {
     pub traced_from_start: bool,
     /// Its place in a distributed job, from its environment.
     pub rank: Option<RankInfo>,
+    /// What it sees of itself (environment, cgroup, files in its root), read while it
+    /// runs: its spans are often exported after it has gone.
+    pub view: Arc<TargetView>,
+}
+
+/// A process's own view of where it runs, as resource detection needs it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TargetView {
+    pub environment: Vec<(String, String)>,
+    /// `/proc/PID/cgroup`.
+    pub cgroup: String,
+    /// `/etc/hostname` in its root.
+    pub hostname_file: Option<String>,
+    /// `/var/run/secrets/kubernetes.io` exists in its root (it runs in a pod).
+    pub kubernetes_secrets: bool,
+    /// Its service account's namespace file, in its root.
+    pub service_account_namespace: Option<String>,
+    /// `nvidia[0-9]+` device files in its `/dev`.
+    pub nvidia_devices: usize,
+}
+
+/// Inside a process's root.
+const K8S_SECRETS: &str = "var/run/secrets/kubernetes.io";
+const K8S_NAMESPACE_FILE: &str = "var/run/secrets/kubernetes.io/serviceaccount/namespace";
+const HOSTNAME_FILE: &str = "etc/hostname";
+const DEV: &str = "dev";
+
+/// Opens `relative` inside the directory tree rooted at `root` as a process with that
+/// root would: symlinks, absolute ones included (`/var/run` → `/run` in most images),
+/// resolve within it (`openat2(RESOLVE_IN_ROOT)`), not in lens-probe's own tree.
+fn open_in_root(root: &Path, relative: &str, flags: i32) -> io::Result<fs::File> {
+    let root = fs::File::open(root)?;
+    let path = CString::new(relative).map_err(io::Error::other)?;
+    // SAFETY: open_how is plain integers; all-zero is its documented default.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (flags | libc::O_CLOEXEC) as u64;
+    how.resolve = libc::RESOLVE_IN_ROOT;
+    // SAFETY: valid fd, NUL-terminated path and a correctly sized open_how.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root.as_raw_fd(),
+            path.as_ptr(),
+            &how as *const libc::open_how,
+            size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new fd we own.
+    Ok(unsafe { fs::File::from_raw_fd(fd as RawFd) })
+}
+
+fn read_trimmed(root: &Path, relative: &str) -> Option<String> {
+    let mut text = String::new();
+    open_in_root(root, relative, libc::O_RDONLY)
+        .ok()?
+        .read_to_string(&mut text)
+        .ok()?;
+    let text = text.trim();
+    (!text.is_empty()).then(|| text.to_string())
+}
+
+/// `nvidia[0-9]+` entries of `dev` inside `root`.
+fn nvidia_devices(root: &Path) -> usize {
+    let Ok(dev) = open_in_root(root, DEV, libc::O_RDONLY | libc::O_DIRECTORY) else {
+        return 0;
+    };
+    fs::read_dir(format!("/proc/self/fd/{}", dev.as_raw_fd()))
+        .map(|entries| {
+            entries
+                .filter_map(|entry| entry.ok())
+                .filter(|entry| {
+                    let name = entry.file_name();
+                    let name = name.to_string_lossy();
+                    name.strip_prefix("nvidia").is_some_and(|number| {
+                        !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit())
+                    })
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+impl TargetView {
+    /// The view of a process whose root directory is `root` (`/proc/PID/root`, which
+    /// resolves in its own mount namespace).
+    pub fn read(root: &Path, environment: Vec<(String, String)>, cgroup: String) -> TargetView {
+        TargetView {
+            environment,
+            cgroup,
+            hostname_file: read_trimmed(root, HOSTNAME_FILE),
+            kubernetes_secrets: open_in_root(root, K8S_SECRETS, libc::O_PATH).is_ok(),
+            service_account_namespace: read_trimmed(root, K8S_NAMESPACE_FILE),
+            nvidia_devices: nvidia_devices(root),
+        }
+    }
+
+    /// The view of running process `pid`.
+    pub fn capture(pid: u32) -> TargetView {
+        TargetView::read(
+            Path::new(&format!("/proc/{pid}/root")),
+            read_environment(pid),
+            fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default(),
+        )
+    }
 }
 
 /// A process's rank as its launcher set it in its environment.
@@ -90,12 +198,14 @@ impl ProcessInfo {
             .filter(|arg| !arg.is_empty())
             .map(|arg| String::from_utf8_lossy(arg).into_owned())
             .collect();
+        let view = TargetView::capture(pid);
         Ok(ProcessInfo {
             pid,
             name,
             command_line,
             traced_from_start: false,
-            rank: RankInfo::from_environment(&read_environment(pid)),
+            rank: RankInfo::from_environment(&view.environment),
+            view: Arc::new(view),
         })
     }
 }
@@ -306,6 +416,28 @@ pub fn resume(pid: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_view_resolves_absolute_symlinks_inside_the_targets_root() {
+        // As in most images: /var/run -> /run (absolute), the secret under /run.
+        let root = std::env::temp_dir().join(format!("lens-view-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let secrets = root.join("run/secrets/kubernetes.io/serviceaccount");
+        fs::create_dir_all(&secrets).unwrap();
+        fs::write(secrets.join("namespace"), "team-b\n").unwrap();
+        fs::create_dir_all(root.join("var")).unwrap();
+        std::os::unix::fs::symlink("/run", root.join("var/run")).unwrap();
+        fs::create_dir_all(root.join("dev")).unwrap();
+        for device in ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"] {
+            fs::write(root.join("dev").join(device), "").unwrap();
+        }
+        let view = TargetView::read(&root, Vec::new(), String::new());
+        let _ = fs::remove_dir_all(&root);
+        assert!(view.kubernetes_secrets);
+        assert_eq!(view.service_account_namespace.as_deref(), Some("team-b"));
+        assert_eq!(view.nvidia_devices, 2);
+        assert_eq!(view.hostname_file, None);
+    }
 
     #[test]
     fn programs_are_found_on_path_or_by_path() {

@@ -43,7 +43,8 @@ impl Collector {
         let child = Command::new(&rotel.agent)
             .env("LD_LIBRARY_PATH", &rotel.library_dir)
             .args(["start", "--exporter", "blackhole"])
-            .args(["--debug-log", "traces", "--debug-log-verbosity", "detailed"])
+            .args(["--debug-log", "traces", "--debug-log", "metrics"])
+            .args(["--debug-log-verbosity", "detailed"])
             .arg("--otlp-grpc-endpoint")
             .arg(format!("127.0.0.1:{grpc}"))
             .arg("--otlp-http-endpoint")
@@ -295,12 +296,17 @@ fn spans_reach_a_real_collector_over_http() {
     collector_test("spans_reach_a_real_collector_over_http", "http/protobuf");
 }
 
-/// The spans of an OTLP JSON lines file (one `ExportTraceServiceRequest` per line).
+/// The spans of an OTLP JSON lines file (one `ExportTraceServiceRequest` or
+/// `ExportMetricsServiceRequest` per line).
 fn file_spans(path: &Path) -> Vec<(BTreeMap<String, Value>, Value)> {
     let mut spans = Vec::new();
     for line in std::fs::read_to_string(path).unwrap().lines() {
         let request: Value = serde_json::from_str(line).unwrap();
-        for resource_spans in request["resourceSpans"].as_array().unwrap() {
+        let Some(resource_spans) = request["resourceSpans"].as_array() else {
+            assert!(request["resourceMetrics"].is_array(), "{line}");
+            continue;
+        };
+        for resource_spans in resource_spans {
             let resource: BTreeMap<String, Value> = resource_spans["resource"]["attributes"]
                 .as_array()
                 .unwrap()
@@ -460,4 +466,245 @@ fn bad_nemo_lens_values_are_one_line_and_exit_2() {
     assert_bad_setting("NEMO_LENS_ENABLED", "maybe", "true");
     assert_bad_setting("NEMO_LENS_EXPORT_STRATEGY", "some", "single_rank");
     assert_bad_setting("NEMO_LENS_EXPORT_RANK", "last", "integer");
+}
+
+/// The data points of metric `name` in rotel's detailed log (all its reports), each as
+/// its attributes and its `Value:` or, for histograms, `Count:`.
+fn metric_points(text: &str, name: &str) -> Vec<(BTreeMap<String, String>, u64)> {
+    let mut points = Vec::new();
+    for section in text.split(&format!("-> Name: {name}\n")).skip(1) {
+        // The section ends where the next metric or resource (of metrics or spans) begins.
+        let section = section
+            .split("-> Name: ")
+            .next()
+            .unwrap_or(section)
+            .split("Resource attributes:")
+            .next()
+            .unwrap_or(section);
+        for point in section.split("DataPoints #").skip(1) {
+            let attributes: BTreeMap<String, String> =
+                point.lines().filter_map(attribute).collect();
+            let value = point.lines().find_map(|l| {
+                l.trim()
+                    .strip_prefix("Value: ")
+                    .or_else(|| l.trim().strip_prefix("Count: "))
+                    .and_then(|v| v.parse::<f64>().ok())
+            });
+            if let Some(value) = value {
+                points.push((attributes, value as u64));
+            }
+        }
+    }
+    points
+}
+
+#[test]
+fn metrics_reach_a_real_collector() {
+    let name = "metrics_reach_a_real_collector";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let Some(rotel) = lens_tests::rotel(name) else {
+        return;
+    };
+    let collector = Collector::start(&rotel, name);
+    // 3 steps of 2 microbatches; each backward makes one gloo and one NCCL all_reduce of
+    // 1024 float32.
+    let output = Command::new(LENS_PROBE)
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{}", collector.grpc),
+        )
+        .env("OTEL_METRIC_EXPORT_INTERVAL", "200")
+        .args(["--span-groups", "per_step", "--exec", "--", "env"])
+        .args(["TRAINER_DISTRIBUTED=1", "RANK=0", "WORLD_SIZE=1"])
+        .arg(lens_tests::torch_trainer())
+        .args(["3", "2", "0", "0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let text = collector.wait_until(
+        |t| t.contains("lens_probe.events.lost"),
+        "receive lens-probe's own metrics",
+    );
+    // Cumulative: the last report holds the totals.
+    let last = |metric: &str, key: &str, value: &str| {
+        metric_points(&text, metric)
+            .into_iter()
+            .filter(|(attributes, _)| attributes.get(key).map(String::as_str) == Some(value))
+            .map(|(_, v)| v)
+            .last()
+            .unwrap_or_else(|| panic!("no {metric} {key}={value} in:\n{text}"))
+    };
+    assert_eq!(
+        last("dl.collective.calls", "dl.collective.backend", "nccl"),
+        6
+    );
+    assert_eq!(
+        last("dl.collective.calls", "dl.collective.backend", "gloo"),
+        6
+    );
+    assert_eq!(
+        last("dl.collective.bytes", "dl.collective.op", "all_reduce"),
+        6 * 4096
+    );
+    assert_eq!(
+        last("dl.collective.duration", "dl.collective.backend", "nccl"),
+        6
+    );
+    assert_eq!(
+        last("dl.phase.duration", "nemo.span.group", "forward_backward"),
+        3
+    );
+    assert_eq!(
+        last(
+            "lens_probe.events.lost",
+            "lens_probe.loss.cause",
+            "ring_buffer_full"
+        ),
+        0
+    );
+    let steps = metric_points(&text, "dl.step.duration");
+    assert_eq!(steps.last().map(|(_, count)| *count), Some(3), "{text}");
+    // Low cardinality: no pid, tid, stream or communicator handle on any data point.
+    for forbidden in ["process.pid", "tid", "stream", "comm"] {
+        for metric in [
+            "dl.collective.calls",
+            "dl.collective.duration",
+            "dl.phase.duration",
+        ] {
+            assert!(
+                metric_points(&text, metric)
+                    .iter()
+                    .all(|(attributes, _)| !attributes.contains_key(forbidden)),
+                "{metric} has {forbidden}"
+            );
+        }
+    }
+}
+
+#[test]
+fn resources_come_from_the_targets_environment_and_root() {
+    let name = "resources_come_from_the_targets_environment_and_root";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let path = temp_path("resource.jsonl");
+    // The target runs in a mount namespace of its own where a Kubernetes service account
+    // namespace file exists (lens-probe's own view has none), with SLURM and downward-API
+    // variables that lens-probe's environment does not have.
+    let script = format!(
+        "mount -t tmpfs none /var/run && \
+         mkdir -p /var/run/secrets/kubernetes.io/serviceaccount && \
+         echo team-a > /var/run/secrets/kubernetes.io/serviceaccount/namespace && \
+         exec env SLURM_JOB_ID=4711 SLURM_JOB_NAME=pretrain SLURM_NNODES=2 SLURM_NTASKS=16 \
+           SLURM_PROCID=9 SLURM_LOCALID=1 SLURM_PARTITION=gpu SLURM_CLUSTER_NAME=eos \
+           K8S_POD_NAME=pretrain-worker-1 K8S_NODE_NAME=node-17 CUDA_VISIBLE_DEVICES=0,1,2 \
+           NEMO_LENS_USER_ID=alice WANDB_PROJECT=llm DEPLOYMENT_ENV=staging \
+           {} 1 1 0 0",
+        lens_tests::torch_trainer().display()
+    );
+    let output = Command::new(LENS_PROBE)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args([
+            "--span-groups",
+            "per_step",
+            "--exporter",
+            "file",
+            "--export-file",
+        ])
+        .arg(&path)
+        .args(["--export-strategy", "all_ranks", "--exec", "--"])
+        .args(["unshare", "--mount", "--propagation", "private", "sh", "-c"])
+        .arg(&script)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let spans = file_spans(&path);
+    let _ = std::fs::remove_file(&path);
+    let (resource, _) = spans
+        .iter()
+        .find(|(_, s)| s["name"] == "train.job")
+        .expect("a job span");
+    let value = |key: &str| -> String {
+        let v = &resource
+            .get(key)
+            .unwrap_or_else(|| panic!("no {key} in {resource:#?}"));
+        v["stringValue"]
+            .as_str()
+            .or_else(|| v["intValue"].as_str())
+            .map(str::to_string)
+            .unwrap_or_else(|| v.to_string())
+    };
+    for (key, expected) in [
+        ("slurm.job.id", "4711"),
+        ("slurm.job.name", "pretrain"),
+        ("slurm.nnodes", "2"),
+        ("slurm.ntasks", "16"),
+        ("slurm.partition", "gpu"),
+        ("slurm.cluster.name", "eos"),
+        ("dl.rank", "9"),
+        ("dl.world_size", "16"),
+        ("dl.local_rank", "1"),
+        ("nemo.run.id", "4711"),
+        ("service.instance.id", "4711-rank9"),
+        ("k8s.pod.name", "pretrain-worker-1"),
+        ("k8s.node.name", "node-17"),
+        ("k8s.namespace.name", "team-a"),
+        ("host.gpu.count", "3"),
+        ("nemo.user.id", "alice"),
+        ("wandb.project", "llm"),
+        ("deployment.environment", "staging"),
+        ("service.name", "nemo"),
+    ] {
+        assert_eq!(value(key), expected, "{key}");
+    }
+}
+
+#[test]
+fn sigterm_flushes_what_was_traced() {
+    let name = "sigterm_flushes_what_was_traced";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let path = temp_path("sigterm.jsonl");
+    // Steps of ~0.2 s, many more than the run lasts.
+    let child = Command::new(LENS_PROBE)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .args([
+            "--span-groups",
+            "per_step",
+            "--exporter",
+            "file",
+            "--export-file",
+        ])
+        .arg(&path)
+        .args(["--exec", "--", "env", "TRAINER_FORWARD_MS=100"])
+        .arg(lens_tests::torch_trainer())
+        .args(["1000", "2", "0", "0"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    // SAFETY: plain kill(2) of our child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    // The command got the signal too: lens-probe exits as it did.
+    assert_eq!(output.status.code(), Some(128 + libc::SIGTERM), "{stderr}");
+    let spans = file_spans(&path);
+    let _ = std::fs::remove_file(&path);
+    let steps = spans
+        .iter()
+        .filter(|(_, s)| s["name"] == "train.step")
+        .count();
+    assert!(steps >= 3, "{steps} steps flushed: {stderr}");
+    let job = spans
+        .iter()
+        .find(|(_, s)| s["name"] == "train.job")
+        .map(|(_, s)| s)
+        .expect("the job span is flushed");
+    assert_eq!(job["status"]["code"], 2, "error status: {job}");
 }

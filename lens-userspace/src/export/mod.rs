@@ -4,6 +4,7 @@
 //! [`resource`]; the rank decision is [`strategy`]; the OTLP and file pipelines are
 //! [`otlp`].
 pub mod config;
+pub mod metrics;
 pub mod otlp;
 pub mod resource;
 pub mod strategy;

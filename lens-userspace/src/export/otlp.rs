@@ -32,7 +32,10 @@ use opentelemetry_sdk::{
     trace::{SpanData, SpanEvents, SpanExporter as _, SpanLinks},
 };
 
-use super::resource;
+use super::{
+    metrics::{self, ProbeMetrics, ProcessMetrics, SharedReader},
+    resource,
+};
 use crate::{
     error::{LensError, Result},
     spans::{AttrValue, SpanExporter, SpanId, SpanRecord, SpanStatus, monotonic_now_ns},
@@ -115,13 +118,19 @@ struct Counters {
 
 enum Message {
     Span(u32, Arc<Resource>, Box<SpanData>),
-    ProcessEnded(u32),
+    /// Collect this reader every metric interval.
+    MetricsStarted(u32, SharedReader),
+    /// Send the process's spans and a last collection of its metrics.
+    ProcessEnded(u32, Option<Box<ProcessMetrics>>),
+    /// lens-probe's own metrics, collected and sent once, at the end.
+    ProbeMetrics(Box<ProbeMetrics>),
 }
 
 /// Per traced process: what its spans are sent with.
 struct ProcessExport {
     resource: Arc<Resource>,
     trace_id: TraceId,
+    metrics: Box<ProcessMetrics>,
 }
 
 /// The pipeline, as the span builder's [`SpanExporter`].
@@ -171,10 +180,24 @@ impl OtelPipeline {
         })
     }
 
-    /// Sends what is queued, waits for the export thread (at most ~10 s), and says what
+    /// Sends what is queued and lens-probe's own loss counters (`events_lost`: kernel
+    /// events by cause), waits for the export thread (at most ~10 s), and says what
     /// happened to the spans.
-    pub fn finish(&mut self) -> ExportStats {
-        drop(self.queue.take());
+    pub fn finish(&mut self, events_lost: &[(&'static str, u64)]) -> ExportStats {
+        if let Some(queue) = self.queue.take() {
+            let probe = ProbeMetrics::new(probe_resource(self.service_name.as_deref()));
+            for (cause, count) in events_lost {
+                probe.record_events_lost(cause, *count);
+            }
+            probe.record_spans_lost(
+                "queue_full",
+                self.counters.dropped_queue_full.load(Ordering::Relaxed),
+            );
+            for (pid, process) in self.processes.drain() {
+                let _ = queue.send(Message::ProcessEnded(pid, Some(process.metrics)));
+            }
+            let _ = queue.send(Message::ProbeMetrics(Box::new(probe)));
+        }
         if let Some(worker) = self.worker.take() {
             let _ = worker.join();
         }
@@ -233,6 +256,18 @@ impl OtelPipeline {
     }
 }
 
+/// The resource of lens-probe's own health metrics.
+fn probe_resource(service_name: Option<&str>) -> Resource {
+    let _ = service_name;
+    Resource::builder_empty()
+        .with_attributes([
+            KeyValue::new(crate::semconv::SERVICE_NAME, "lens-probe"),
+            KeyValue::new(crate::semconv::SERVICE_VERSION, env!("CARGO_PKG_VERSION")),
+            KeyValue::new(crate::semconv::HOST_NAME, resource::own_host_name()),
+        ])
+        .build()
+}
+
 fn span_events(events: Vec<opentelemetry::trace::Event>) -> SpanEvents {
     let mut span_events = SpanEvents::default();
     span_events.events = events;
@@ -266,11 +301,16 @@ impl SpanExporter for OtelPipeline {
                     .map(|(key, value)| KeyValue::new(key, otel_value(value))),
             )
             .build();
+        let metrics = Box::new(ProcessMetrics::new(resource.clone()));
+        if let Some(queue) = &self.queue {
+            let _ = queue.send(Message::MetricsStarted(info.pid, metrics.reader.clone()));
+        }
         self.processes.insert(
             info.pid,
             ProcessExport {
                 resource: Arc::new(resource),
                 trace_id: TraceId::from_bytes(resource::trace_id_for_run(&detected.run_id)),
+                metrics,
             },
         );
     }
@@ -279,6 +319,7 @@ impl SpanExporter for OtelPipeline {
         let Some(process) = self.processes.get(&span.pid) else {
             return;
         };
+        process.metrics.record_span(&span);
         let (pid, resource, trace_id) = (span.pid, Arc::clone(&process.resource), process.trace_id);
         let data = self.span_data(span, trace_id);
         let Some(queue) = &self.queue else {
@@ -294,24 +335,37 @@ impl SpanExporter for OtelPipeline {
         }
     }
 
+    fn process_calls(
+        &mut self,
+        pid: u32,
+        calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
+    ) {
+        if let Some(process) = self.processes.get(&pid) {
+            process.metrics.record_calls(calls);
+        }
+    }
+
     fn process_ended(&mut self, pid: u32) {
-        self.processes.remove(&pid);
+        let metrics = self.processes.remove(&pid).map(|p| p.metrics);
         if let Some(queue) = &self.queue {
-            // Blocking is fine here: a process end is rare, and its spans should go now.
-            let _ = queue.send(Message::ProcessEnded(pid));
+            // Blocking is fine here: a process end is rare, and its data should go now.
+            let _ = queue.send(Message::ProcessEnded(pid, metrics));
         }
     }
 }
 
 impl Drop for OtelPipeline {
     fn drop(&mut self) {
-        self.finish();
+        self.finish(&[]);
     }
 }
 
 /// The backend, as the export thread drives it.
 enum Sink {
-    Otlp(Box<opentelemetry_otlp::SpanExporter>),
+    Otlp {
+        spans: Box<opentelemetry_otlp::SpanExporter>,
+        metrics: Box<opentelemetry_otlp::MetricExporter>,
+    },
     File(BufWriter<File>),
 }
 
@@ -320,19 +374,36 @@ impl Sink {
         let build_error =
             |e: opentelemetry_otlp::ExporterBuildError| LensError::Export(e.to_string());
         Ok(match destination {
-            Destination::Otlp(Protocol::Grpc) => Sink::Otlp(Box::new(
-                opentelemetry_otlp::SpanExporter::builder()
-                    .with_tonic()
-                    .build()
-                    .map_err(build_error)?,
-            )),
-            Destination::Otlp(protocol) => Sink::Otlp(Box::new(
-                opentelemetry_otlp::SpanExporter::builder()
-                    .with_http()
-                    .with_protocol(*protocol)
-                    .build()
-                    .map_err(build_error)?,
-            )),
+            Destination::Otlp(Protocol::Grpc) => Sink::Otlp {
+                spans: Box::new(
+                    opentelemetry_otlp::SpanExporter::builder()
+                        .with_tonic()
+                        .build()
+                        .map_err(build_error)?,
+                ),
+                metrics: Box::new(
+                    opentelemetry_otlp::MetricExporter::builder()
+                        .with_tonic()
+                        .build()
+                        .map_err(build_error)?,
+                ),
+            },
+            Destination::Otlp(protocol) => Sink::Otlp {
+                spans: Box::new(
+                    opentelemetry_otlp::SpanExporter::builder()
+                        .with_http()
+                        .with_protocol(*protocol)
+                        .build()
+                        .map_err(build_error)?,
+                ),
+                metrics: Box::new(
+                    opentelemetry_otlp::MetricExporter::builder()
+                        .with_http()
+                        .with_protocol(*protocol)
+                        .build()
+                        .map_err(build_error)?,
+                ),
+            },
             Destination::File(path) => {
                 Sink::File(BufWriter::new(File::create(path).map_err(|source| {
                     LensError::Export(format!("cannot create {}: {source}", path.display()))
@@ -348,7 +419,9 @@ impl Sink {
         batch: Vec<SpanData>,
     ) -> std::result::Result<(), String> {
         match self {
-            Sink::Otlp(exporter) => {
+            Sink::Otlp {
+                spans: exporter, ..
+            } => {
                 exporter.set_resource(resource);
                 runtime
                     .block_on(async {
@@ -371,13 +444,42 @@ impl Sink {
                         &ResourceAttributesWithSchema::from(resource),
                     ),
                 };
-                let line = serde_json::to_string(&request).map_err(|e| e.to_string())?;
-                writeln!(out, "{line}")
-                    .and_then(|()| out.flush())
-                    .map_err(|e| e.to_string())
+                write_json_line(out, &request)
             }
         }
     }
+
+    fn export_metrics(
+        &mut self,
+        runtime: &tokio::runtime::Runtime,
+        metrics: &opentelemetry_sdk::metrics::data::ResourceMetrics,
+    ) -> std::result::Result<(), String> {
+        use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
+        match self {
+            Sink::Otlp {
+                metrics: exporter, ..
+            } => runtime
+                .block_on(async {
+                    tokio::time::timeout(SHUTDOWN_TIMEOUT, exporter.export(metrics)).await
+                })
+                .map_err(|_| "timed out".to_string())?
+                .map_err(|e| e.to_string()),
+            Sink::File(out) => {
+                use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
+                write_json_line(out, &ExportMetricsServiceRequest::from(metrics))
+            }
+        }
+    }
+}
+
+fn write_json_line(
+    out: &mut BufWriter<File>,
+    request: &impl serde::Serialize,
+) -> std::result::Result<(), String> {
+    let line = serde_json::to_string(request).map_err(|e| e.to_string())?;
+    writeln!(out, "{line}")
+        .and_then(|()| out.flush())
+        .map_err(|e| e.to_string())
 }
 
 /// The export thread: owns the backend and a tokio runtime to drive it.
@@ -413,6 +515,21 @@ fn export_thread(
         }
     };
     let mut batches: HashMap<u32, (Arc<Resource>, Vec<SpanData>, Instant)> = HashMap::new();
+    let mut readers: HashMap<u32, SharedReader> = HashMap::new();
+    let metric_interval = metrics::export_interval();
+    let mut last_metrics = Instant::now();
+    let mut metrics_warned = false;
+    let mut send_metrics = |reader: &SharedReader, sink: &mut Sink| {
+        let Some(collected) = reader.collect() else {
+            return;
+        };
+        if let Err(error) = sink.export_metrics(&runtime, &collected) {
+            if !metrics_warned {
+                warn!("metric export failed ({error})");
+                metrics_warned = true;
+            }
+        }
+    };
     let mut warned = false;
     let mut send = |batch: Vec<SpanData>, resource: &Resource, sink: &mut Sink| {
         let n = batch.len() as u64;
@@ -442,20 +559,34 @@ fn export_thread(
                     send(batch, &resource, &mut sink);
                 }
             }
-            Ok(Message::ProcessEnded(pid)) => {
+            Ok(Message::MetricsStarted(pid, reader)) => {
+                readers.insert(pid, reader);
+            }
+            Ok(Message::ProcessEnded(pid, metrics)) => {
                 if let Some((resource, batch, _)) = batches.remove(&pid) {
                     send(batch, &resource, &mut sink);
                 }
+                readers.remove(&pid);
+                if let Some(metrics) = metrics {
+                    send_metrics(&metrics.reader, &mut sink);
+                }
             }
+            Ok(Message::ProbeMetrics(probe)) => send_metrics(&probe.reader, &mut sink),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => {
                 for (_, (resource, batch, _)) in batches.drain() {
                     send(batch, &resource, &mut sink);
                 }
-                if let Sink::Otlp(exporter) = &mut sink {
-                    let _ = exporter.shutdown_with_timeout(SHUTDOWN_TIMEOUT);
+                if let Sink::Otlp { spans, .. } = &mut sink {
+                    let _ = spans.shutdown_with_timeout(SHUTDOWN_TIMEOUT);
                 }
                 return;
+            }
+        }
+        if last_metrics.elapsed() >= metric_interval {
+            last_metrics = Instant::now();
+            for reader in readers.values() {
+                send_metrics(reader, &mut sink);
             }
         }
         let due: Vec<u32> = batches

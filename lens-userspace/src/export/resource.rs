@@ -23,7 +23,7 @@ use std::{
     fs,
     hash::{BuildHasher, Hasher},
     io::Read,
-    path::{Path, PathBuf},
+    path::Path,
 };
 
 use md5::{Digest, Md5};
@@ -31,7 +31,7 @@ use md5::{Digest, Md5};
 use crate::{
     semconv,
     spans::AttrValue,
-    target::{ProcessInfo, RankInfo, read_environment},
+    target::{ProcessInfo, RankInfo, TargetView},
 };
 
 /// Service name when neither the target nor lens-probe sets `OTEL_SERVICE_NAME` (Lens'
@@ -95,12 +95,6 @@ const K8S_ATTRIBUTES: [(&str, &str); 7] = [
     (ENV_HOSTNAME, semconv::K8S_POD_NAME),
 ];
 
-/// Inside the target's root.
-const K8S_SECRETS: &str = "var/run/secrets/kubernetes.io";
-const K8S_NAMESPACE_FILE: &str = "var/run/secrets/kubernetes.io/serviceaccount/namespace";
-const HOSTNAME_FILE: &str = "etc/hostname";
-const DEV: &str = "dev";
-
 /// The target's variables, looked up as `getenv` does (the first of a name).
 struct Environment<'a>(&'a [(String, String)]);
 
@@ -136,6 +130,18 @@ pub fn detect(
     fallback_run_id: &str,
     service_name: Option<&str>,
 ) -> TargetResource {
+    let view = TargetView::read(root, environment.to_vec(), cgroup.to_string());
+    detect_view(info, &view, fallback_run_id, service_name)
+}
+
+/// The resource of the process `info` from what it saw of itself (see [`TargetView`]).
+pub fn detect_view(
+    info: &ProcessInfo,
+    view: &TargetView,
+    fallback_run_id: &str,
+    service_name: Option<&str>,
+) -> TargetResource {
+    let environment = &view.environment;
     let env = Environment(environment);
     let rank = RankInfo::from_environment(environment).or(info.rank);
     let run_id = run_id(&env, fallback_run_id);
@@ -182,13 +188,13 @@ pub fn detect(
     }
 
     // resources.local
-    attributes.push((semconv::HOST_NAME, host_name(&env, root).into()));
+    attributes.push((semconv::HOST_NAME, host_name(&env, view).into()));
     attributes.push((semconv::PROCESS_PID, info.pid.into()));
     attributes.push((
         semconv::PROCESS_COMMAND_LINE,
         info.command_line.join(" ").into(),
     ));
-    if let Some(count) = gpu_count(&env, root) {
+    if let Some(count) = gpu_count(&env, view) {
         attributes.push((semconv::HOST_GPU_COUNT, count.into()));
     }
 
@@ -203,7 +209,7 @@ pub fn detect(
     }
 
     // resources.kubernetes, and what the pod's files say when the downward API does not.
-    if env.get(ENV_KUBERNETES_SERVICE_HOST).is_some() || root.join(K8S_SECRETS).exists() {
+    if env.get(ENV_KUBERNETES_SERVICE_HOST).is_some() || view.kubernetes_secrets {
         let mut k8s: Vec<(&'static str, AttrValue)> = Vec::new();
         for (variable, name) in K8S_ATTRIBUTES {
             if let Some(value) = env.get(variable)
@@ -213,12 +219,12 @@ pub fn detect(
             }
         }
         if !k8s.iter().any(|(k, _)| *k == semconv::K8S_NAMESPACE_NAME)
-            && let Some(namespace) = read_trimmed(&root.join(K8S_NAMESPACE_FILE))
+            && let Some(namespace) = &view.service_account_namespace
         {
-            k8s.push((semconv::K8S_NAMESPACE_NAME, namespace.into()));
+            k8s.push((semconv::K8S_NAMESPACE_NAME, namespace.clone().into()));
         }
         if !k8s.iter().any(|(k, _)| *k == semconv::K8S_POD_UID)
-            && let Some(uid) = pod_uid_from_cgroup(cgroup)
+            && let Some(uid) = pod_uid_from_cgroup(&view.cgroup)
         {
             k8s.push((semconv::K8S_POD_UID, uid.into()));
         }
@@ -239,17 +245,7 @@ pub fn detect_pid(
     fallback_run_id: &str,
     service_name: Option<&str>,
 ) -> TargetResource {
-    let environment = read_environment(info.pid);
-    let root = PathBuf::from(format!("/proc/{}/root", info.pid));
-    let cgroup = fs::read_to_string(format!("/proc/{}/cgroup", info.pid)).unwrap_or_default();
-    detect(
-        info,
-        &environment,
-        &root,
-        &cgroup,
-        fallback_run_id,
-        service_name,
-    )
+    detect_view(info, &info.view, fallback_run_id, service_name)
 }
 
 /// `NEMO_LENS_RUN_ID`, else `SLURM_JOB_ID` (as Lens), else `TORCHELASTIC_RUN_ID` (the
@@ -269,14 +265,15 @@ fn run_id(env: &Environment, fallback: &str) -> String {
 
 /// The name the target sees: its `HOSTNAME`, else its root's `/etc/hostname`, else this
 /// machine's (same UTS namespace, or as good a guess as any).
-fn host_name(env: &Environment, root: &Path) -> String {
+fn host_name(env: &Environment, view: &TargetView) -> String {
     env.trimmed(ENV_HOSTNAME)
         .map(str::to_string)
-        .or_else(|| read_trimmed(&root.join(HOSTNAME_FILE)))
+        .or_else(|| view.hostname_file.clone())
         .unwrap_or_else(own_host_name)
 }
 
-fn own_host_name() -> String {
+/// This machine's host name (for lens-probe's own resource and as the last fallback).
+pub fn own_host_name() -> String {
     let mut buffer = [0u8; 256];
     // SAFETY: the buffer is valid for its length; gethostname NUL-terminates unless it
     // truncates, and the last byte stays 0 either way.
@@ -291,31 +288,14 @@ fn own_host_name() -> String {
 /// `resources.local._detect_gpu_count`: `CUDA_VISIBLE_DEVICES` when set (blank: 0, else
 /// its comma-separated entries, as Python's `len(split(","))`); else the NVIDIA device
 /// files the target can see (where Lens asks `nvidia-smi`); none: unknown.
-fn gpu_count(env: &Environment, root: &Path) -> Option<i64> {
+fn gpu_count(env: &Environment, view: &TargetView) -> Option<i64> {
     if let Some(visible) = env.raw(ENV_CUDA_VISIBLE_DEVICES) {
         if visible.trim().is_empty() {
             return Some(0);
         }
         return Some(visible.split(',').count() as i64);
     }
-    let devices = fs::read_dir(root.join(DEV))
-        .ok()?
-        .filter_map(|entry| entry.ok())
-        .filter(|entry| {
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            name.strip_prefix("nvidia").is_some_and(|number| {
-                !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit())
-            })
-        })
-        .count();
-    (devices > 0).then_some(devices as i64)
-}
-
-fn read_trimmed(path: &Path) -> Option<String> {
-    let text = fs::read_to_string(path).ok()?;
-    let text = text.trim();
-    (!text.is_empty()).then(|| text.to_string())
+    (view.nvidia_devices > 0).then_some(view.nvidia_devices as i64)
 }
 
 /// The pod UID in a kubelet cgroup path (`/proc/PID/cgroup`, v1 or v2): with the systemd
@@ -381,6 +361,8 @@ pub fn random_run_id() -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+
     use super::*;
 
     /// A fresh directory standing for the target's root.
@@ -421,6 +403,7 @@ mod tests {
             ],
             traced_from_start: true,
             rank: None,
+            view: Default::default(),
         }
     }
 

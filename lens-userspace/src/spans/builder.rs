@@ -154,6 +154,17 @@ impl<E: SpanExporter> SpanBuilder<E> {
 
     /// Ends the job of `pid` at `end_ns`: open spans end there, marked truncated.
     pub fn end_process(&mut self, pid: u32, exit: Option<ExitStatus>, end_ns: u64) {
+        self.end_process_with_calls(pid, exit, end_ns, &Default::default());
+    }
+
+    /// [`Self::end_process`], with the kernel's call counters of the process.
+    pub fn end_process_with_calls(
+        &mut self,
+        pid: u32,
+        exit: Option<ExitStatus>,
+        end_ns: u64,
+        calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
+    ) {
         let Some(mut process) = self.processes.remove(&pid) else {
             return;
         };
@@ -213,6 +224,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
         }
         ctx.arena.close(*job, end_ns, false, ctx.out);
         process.export_if_training(&mut self.exporter, &self.groups);
+        self.exporter.process_calls(pid, calls);
         self.exporter.process_ended(pid);
     }
 
@@ -422,6 +434,6 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
     }
 
     fn on_process_end(&mut self, end: &ProcessEnd) {
-        self.end_process(end.pid, end.exit, monotonic_now_ns());
+        self.end_process_with_calls(end.pid, end.exit, monotonic_now_ns(), &end.calls);
     }
 }

@@ -9,6 +9,9 @@ mod phases;
 #[cfg(test)]
 mod tests;
 
+use std::collections::BTreeMap;
+
+use lens_common::ProbeId;
 use serde::Serialize;
 
 use crate::{groups::SpanGroup, semconv, target::ProcessInfo};
@@ -160,6 +163,8 @@ pub trait SpanExporter {
     /// is enabled.
     fn process_started(&mut self, _info: &ProcessInfo, _job: Option<SpanId>, _start_ns: u64) {}
     fn export(&mut self, span: SpanRecord);
+    /// The kernel's call counters of `pid` (launches...), read when it ended.
+    fn process_calls(&mut self, _pid: u32, _calls: &BTreeMap<ProbeId, u64>) {}
     /// Every span of `pid` has been exported.
     fn process_ended(&mut self, _pid: u32) {}
 }
@@ -170,6 +175,9 @@ impl<E: SpanExporter + ?Sized> SpanExporter for &mut E {
     }
     fn export(&mut self, span: SpanRecord) {
         (**self).export(span);
+    }
+    fn process_calls(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
+        (**self).process_calls(pid, calls);
     }
     fn process_ended(&mut self, pid: u32) {
         (**self).process_ended(pid);
@@ -182,6 +190,9 @@ impl<E: SpanExporter + ?Sized> SpanExporter for Box<E> {
     }
     fn export(&mut self, span: SpanRecord) {
         (**self).export(span);
+    }
+    fn process_calls(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
+        (**self).process_calls(pid, calls);
     }
     fn process_ended(&mut self, pid: u32) {
         (**self).process_ended(pid);

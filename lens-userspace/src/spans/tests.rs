@@ -28,6 +28,7 @@ impl Run {
                 command_line: vec!["python".into(), "train.py".into()],
                 traced_from_start: from_start,
                 rank: None,
+                view: Default::default(),
             },
             0,
         );
@@ -338,6 +339,7 @@ fn exec_before_training_starts_the_job_over_as_the_new_program() {
             world_size: Some(2),
             local_rank: Some(1),
         }),
+        view: Default::default(),
     };
     run.now += 10_000_000;
     run.builder.exec_process(&exec_info, run.now);

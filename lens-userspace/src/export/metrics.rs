@@ -1,0 +1,270 @@
+//! Metrics: time series derived from the spans and counters of each traced process,
+//! recorded with the OpenTelemetry SDK (one meter provider per process, so each carries
+//! the process's resource) and collected by the export thread every
+//! `OTEL_METRIC_EXPORT_INTERVAL` and when the process ends. Attributes stay low in
+//! cardinality: operation, dtype, kind, group; never a pid, a kernel or a stream. Names
+//! and units are listed in `docs/metrics.md`.
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Weak},
+    time::Duration,
+};
+
+use lens_common::ProbeId;
+use opentelemetry::{
+    KeyValue,
+    metrics::{Counter, Histogram, MeterProvider as _},
+};
+use opentelemetry_sdk::{
+    Resource,
+    error::OTelSdkResult,
+    metrics::{
+        InstrumentKind, ManualReader, Pipeline, SdkMeterProvider, Temporality,
+        data::ResourceMetrics, reader::MetricReader,
+    },
+};
+
+use crate::{
+    semconv,
+    spans::{AttrValue, SpanRecord, names},
+};
+
+/// Metric names (see `docs/metrics.md`).
+pub mod metric_names {
+    pub const COLLECTIVE_CALLS: &str = "dl.collective.calls";
+    pub const COLLECTIVE_BYTES: &str = "dl.collective.bytes";
+    pub const COLLECTIVE_DURATION: &str = "dl.collective.duration";
+    pub const SYNC_DURATION: &str = "cuda.sync.duration";
+    pub const KERNEL_LAUNCHES: &str = "cuda.kernel.launches";
+    pub const STEP_DURATION: &str = "dl.step.duration";
+    pub const PHASE_DURATION: &str = "dl.phase.duration";
+    pub const EVENTS_LOST: &str = "lens_probe.events.lost";
+    pub const SPANS_LOST: &str = "lens_probe.spans.lost";
+}
+
+/// `OTEL_METRIC_EXPORT_INTERVAL` (ms) of lens-probe's environment, default 60 s as the
+/// OpenTelemetry SDKs have it.
+pub fn export_interval() -> Duration {
+    std::env::var("OTEL_METRIC_EXPORT_INTERVAL")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|ms| *ms > 0)
+        .map_or(Duration::from_secs(60), Duration::from_millis)
+}
+
+/// A [`ManualReader`] the export thread can collect while the provider also holds it.
+#[derive(Debug, Clone)]
+pub struct SharedReader(Arc<ManualReader>);
+
+impl SharedReader {
+    fn new() -> SharedReader {
+        SharedReader(Arc::new(
+            ManualReader::builder()
+                .with_temporality(Temporality::Cumulative)
+                .build(),
+        ))
+    }
+
+    pub fn collect(&self) -> Option<ResourceMetrics> {
+        let mut metrics = ResourceMetrics::default();
+        self.0.collect(&mut metrics).ok()?;
+        Some(metrics)
+    }
+}
+
+impl MetricReader for SharedReader {
+    fn register_pipeline(&self, pipeline: Weak<Pipeline>) {
+        self.0.register_pipeline(pipeline);
+    }
+    fn collect(&self, rm: &mut ResourceMetrics) -> OTelSdkResult {
+        self.0.collect(rm)
+    }
+    fn force_flush(&self) -> OTelSdkResult {
+        self.0.force_flush()
+    }
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+    fn temporality(&self, kind: InstrumentKind) -> Temporality {
+        self.0.temporality(kind)
+    }
+}
+
+/// Bucket bounds in seconds, from 10 µs (a collective's enqueue) to 10 min (a step).
+const DURATION_BOUNDS: [f64; 16] = [
+    1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 300.0, 600.0,
+];
+
+/// The instruments of one traced process.
+pub struct ProcessMetrics {
+    provider: SdkMeterProvider,
+    pub reader: SharedReader,
+    collective_calls: Counter<u64>,
+    collective_bytes: Counter<u64>,
+    collective_duration: Histogram<f64>,
+    sync_duration: Histogram<f64>,
+    kernel_launches: Counter<u64>,
+    step_duration: Histogram<f64>,
+    phase_duration: Histogram<f64>,
+}
+
+fn string_attr(span: &SpanRecord, key: &'static str) -> Option<KeyValue> {
+    match span.attr(key)? {
+        AttrValue::Str(value) => Some(KeyValue::new(key, value.clone())),
+        _ => None,
+    }
+}
+
+impl ProcessMetrics {
+    pub fn new(resource: Resource) -> ProcessMetrics {
+        let reader = SharedReader::new();
+        let provider = SdkMeterProvider::builder()
+            .with_resource(resource)
+            .with_reader(reader.clone())
+            .build();
+        let meter = provider.meter("lens-probe");
+        let seconds = |name: &'static str, description: &'static str| {
+            meter
+                .f64_histogram(name)
+                .with_unit("s")
+                .with_description(description)
+                .with_boundaries(DURATION_BOUNDS.to_vec())
+                .build()
+        };
+        ProcessMetrics {
+            collective_calls: meter
+                .u64_counter(metric_names::COLLECTIVE_CALLS)
+                .with_unit("{call}")
+                .with_description("Collective and point-to-point calls")
+                .build(),
+            collective_bytes: meter
+                .u64_counter(metric_names::COLLECTIVE_BYTES)
+                .with_unit("By")
+                .with_description("Bytes given to collective calls (count × element size)")
+                .build(),
+            collective_duration: seconds(
+                metric_names::COLLECTIVE_DURATION,
+                "Time in collective calls (NCCL: the enqueue)",
+            ),
+            sync_duration: seconds(
+                metric_names::SYNC_DURATION,
+                "Time waiting in CUDA synchronisation calls",
+            ),
+            kernel_launches: meter
+                .u64_counter(metric_names::KERNEL_LAUNCHES)
+                .with_unit("{launch}")
+                .with_description("CUDA kernel and graph launches")
+                .build(),
+            step_duration: seconds(metric_names::STEP_DURATION, "Training step duration"),
+            phase_duration: seconds(
+                metric_names::PHASE_DURATION,
+                "Duration of training-loop phases, by span group",
+            ),
+            provider,
+            reader,
+        }
+    }
+
+    /// Records what a finished span says about the process.
+    pub fn record_span(&self, span: &SpanRecord) {
+        let seconds = span.duration_ns() as f64 / 1e9;
+        if span.attr(semconv::DL_COLLECTIVE_OP).is_some() {
+            let attributes: Vec<KeyValue> = [
+                semconv::DL_COLLECTIVE_BACKEND,
+                semconv::DL_COLLECTIVE_OP,
+                semconv::DL_COLLECTIVE_DTYPE,
+            ]
+            .into_iter()
+            .filter_map(|key| string_attr(span, key))
+            .collect();
+            self.collective_calls.add(1, &attributes);
+            if let Some(bytes) = span.int_attr(semconv::DL_COLLECTIVE_BYTES) {
+                self.collective_bytes.add(bytes.max(0) as u64, &attributes);
+            }
+            self.collective_duration.record(seconds, &attributes);
+        } else if let Some(kind) = string_attr(span, semconv::CUDA_SYNC_KIND) {
+            self.sync_duration.record(seconds, &[kind]);
+        } else if span.name != names::JOB && span.group != crate::groups::SpanGroup::Job {
+            if span.name == names::STEP && !span.truncated() {
+                self.step_duration.record(seconds, &[]);
+            }
+            self.phase_duration.record(
+                seconds,
+                &[KeyValue::new(semconv::NEMO_SPAN_GROUP, span.group.name())],
+            );
+        }
+    }
+
+    /// Launch counters, read from the kernel when the process ends.
+    pub fn record_calls(&self, calls: &BTreeMap<ProbeId, u64>) {
+        for (probe, kind) in [
+            (ProbeId::CudaLaunchKernel, "kernel"),
+            (ProbeId::CudaLaunchKernelExC, "kernel_ex"),
+            (ProbeId::CudaGraphLaunch, "graph"),
+        ] {
+            if let Some(&count) = calls.get(&probe) {
+                self.kernel_launches
+                    .add(count, &[KeyValue::new(semconv::CUDA_LAUNCH_KIND, kind)]);
+            }
+        }
+    }
+}
+
+impl Drop for ProcessMetrics {
+    fn drop(&mut self) {
+        let _ = self.provider.shutdown();
+    }
+}
+
+/// lens-probe's own health, as metrics of the `lens-probe` service.
+pub struct ProbeMetrics {
+    provider: SdkMeterProvider,
+    pub reader: SharedReader,
+    events_lost: Counter<u64>,
+    spans_lost: Counter<u64>,
+}
+
+impl ProbeMetrics {
+    pub fn new(resource: Resource) -> ProbeMetrics {
+        let reader = SharedReader::new();
+        let provider = SdkMeterProvider::builder()
+            .with_resource(resource)
+            .with_reader(reader.clone())
+            .build();
+        let meter = provider.meter("lens-probe");
+        ProbeMetrics {
+            events_lost: meter
+                .u64_counter(metric_names::EVENTS_LOST)
+                .with_unit("{event}")
+                .with_description("Kernel events lost, by cause")
+                .build(),
+            spans_lost: meter
+                .u64_counter(metric_names::SPANS_LOST)
+                .with_unit("{span}")
+                .with_description("Spans not delivered, by reason")
+                .build(),
+            provider,
+            reader,
+        }
+    }
+
+    pub fn record_events_lost(&self, cause: &'static str, count: u64) {
+        self.events_lost.add(
+            count,
+            &[KeyValue::new(semconv::LENS_PROBE_LOSS_CAUSE, cause)],
+        );
+    }
+
+    pub fn record_spans_lost(&self, reason: &'static str, count: u64) {
+        self.spans_lost.add(
+            count,
+            &[KeyValue::new(semconv::LENS_PROBE_LOSS_CAUSE, reason)],
+        );
+    }
+}
+
+impl Drop for ProbeMetrics {
+    fn drop(&mut self) {
+        let _ = self.provider.shutdown();
+    }
+}
