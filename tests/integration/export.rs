@@ -534,7 +534,7 @@ fn metrics_reach_a_real_collector() {
             .into_iter()
             .filter(|(attributes, _)| attributes.get(key).map(String::as_str) == Some(value))
             .map(|(_, v)| v)
-            .last()
+            .next_back()
             .unwrap_or_else(|| panic!("no {metric} {key}={value} in:\n{text}"))
     };
     assert_eq!(

@@ -523,11 +523,11 @@ fn export_thread(
         let Some(collected) = reader.collect() else {
             return;
         };
-        if let Err(error) = sink.export_metrics(&runtime, &collected) {
-            if !metrics_warned {
-                warn!("metric export failed ({error})");
-                metrics_warned = true;
-            }
+        if let Err(error) = sink.export_metrics(&runtime, &collected)
+            && !metrics_warned
+        {
+            warn!("metric export failed ({error})");
+            metrics_warned = true;
         }
     };
     let mut warned = false;
