@@ -708,3 +708,62 @@ fn sigterm_flushes_what_was_traced() {
         .expect("the job span is flushed");
     assert_eq!(job["status"]["code"], 2, "error status: {job}");
 }
+
+#[test]
+fn a_collector_that_hangs_fills_a_bounded_queue_and_the_probe_goes_on() {
+    let name = "a_collector_that_hangs";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    // Accepts connections and never answers: every export waits for its timeout.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    // ~2 600 fast steps of 7 spans each: more than the 16 384-span queue.
+    let output = Command::new("/usr/bin/time")
+        .args(["-f", "maxrss_kib=%M", LENS_PROBE])
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{port}"),
+        )
+        .args(["--span-groups", "per_step", "--exec", "--", "env"])
+        .args([
+            "TRAINER_DISTRIBUTED=1",
+            "TRAINER_FORWARD_MS=0",
+            "TRAINER_INIT_MS=0",
+        ])
+        .args(["LENS_FAKE_BACKWARD_MS=0", "LENS_FAKE_COLLECTIVE_MS=0"])
+        .arg(lens_tests::torch_trainer())
+        .args(["2600", "2", "0", "0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("spans exported to the OTLP endpoint"))
+        .unwrap_or_else(|| panic!("no export line: {stderr}"));
+    // `0 spans exported to the OTLP endpoint; L lost (Q queue full, F export failed)`
+    let numbers: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    let [exported, lost, queue_full, failed] = numbers[..] else {
+        panic!("{line}");
+    };
+    assert_eq!(exported, 0, "{line}");
+    assert!(queue_full > 0, "the queue overflowed: {line}");
+    assert_eq!(lost, queue_full + failed);
+    assert!(lost >= 2600 * 7, "every span is accounted for: {line}");
+    let rss_kib: u64 = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("maxrss_kib="))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    assert!(rss_kib < 200 * 1024, "lens-probe peaked at {rss_kib} KiB");
+}

@@ -13,9 +13,9 @@ use std::{
     io::{BufWriter, Write},
     path::PathBuf,
     sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-        mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError},
+        Arc, OnceLock,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+        mpsc::{self, Receiver, RecvTimeoutError, Sender},
     },
     thread::JoinHandle,
     time::{Duration, Instant, SystemTime},
@@ -48,8 +48,11 @@ const QUEUE_SPANS: usize = 16_384;
 const BATCH_SPANS: usize = 512;
 /// A process's spans wait at most this long before they are sent.
 const BATCH_DELAY: Duration = Duration::from_secs(1);
-/// How long the final flush may take at exit.
-const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest one export call may take.
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long everything still to send may take once lens-probe is finishing; what is
+/// left after that is counted as lost.
+const FLUSH_BUDGET: Duration = Duration::from_secs(10);
 
 /// Where spans go.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,6 +117,23 @@ struct Counters {
     exported: AtomicU64,
     dropped_queue_full: AtomicU64,
     failed: AtomicU64,
+    /// Spans sent to the export thread and not yet taken by it (the queue's bound).
+    queued: AtomicUsize,
+    /// Set when lens-probe finishes: the flush must be done by then.
+    flush_deadline: OnceLock<Instant>,
+}
+
+impl Counters {
+    /// How long the next export may take: [`EXPORT_TIMEOUT`], less once finishing.
+    fn export_timeout(&self) -> Duration {
+        self.flush_deadline
+            .get()
+            .map_or(EXPORT_TIMEOUT, |deadline| {
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(EXPORT_TIMEOUT)
+            })
+    }
 }
 
 enum Message {
@@ -135,7 +155,9 @@ struct ProcessExport {
 
 /// The pipeline, as the span builder's [`SpanExporter`].
 pub struct OtelPipeline {
-    queue: Option<SyncSender<Message>>,
+    /// Unbounded as a channel; spans are bounded by `Counters::queued`, so that process
+    /// ends and metrics always get through and the probe never blocks.
+    queue: Option<Sender<Message>>,
     worker: Option<JoinHandle<()>>,
     counters: Arc<Counters>,
     processes: HashMap<u32, ProcessExport>,
@@ -152,7 +174,7 @@ impl OtelPipeline {
     /// Starts the export thread; fails (before anything is traced) if the exporter
     /// cannot be built, e.g. a malformed endpoint.
     pub fn start(destination: Destination, service_name: Option<String>) -> Result<OtelPipeline> {
-        let (queue, receiver) = mpsc::sync_channel(QUEUE_SPANS);
+        let (queue, receiver) = mpsc::channel();
         let counters = Arc::new(Counters::default());
         let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
         let worker_counters = Arc::clone(&counters);
@@ -184,6 +206,10 @@ impl OtelPipeline {
     /// events by cause), waits for the export thread (at most ~10 s), and says what
     /// happened to the spans.
     pub fn finish(&mut self, events_lost: &[(&'static str, u64)]) -> ExportStats {
+        let _ = self
+            .counters
+            .flush_deadline
+            .set(Instant::now() + FLUSH_BUDGET);
         if let Some(queue) = self.queue.take() {
             let probe = ProbeMetrics::new(probe_resource(self.service_name.as_deref()));
             for (cause, count) in events_lost {
@@ -325,13 +351,21 @@ impl SpanExporter for OtelPipeline {
         let Some(queue) = &self.queue else {
             return;
         };
-        match queue.try_send(Message::Span(pid, resource, Box::new(data))) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                self.counters
-                    .dropped_queue_full
-                    .fetch_add(1, Ordering::Relaxed);
-            }
+        // The bound: spans waiting for the export thread.
+        if self.counters.queued.load(Ordering::Relaxed) >= QUEUE_SPANS {
+            self.counters
+                .dropped_queue_full
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.counters.queued.fetch_add(1, Ordering::Relaxed);
+        if queue
+            .send(Message::Span(pid, resource, Box::new(data)))
+            .is_err()
+        {
+            self.counters
+                .dropped_queue_full
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -348,7 +382,6 @@ impl SpanExporter for OtelPipeline {
     fn process_ended(&mut self, pid: u32) {
         let metrics = self.processes.remove(&pid).map(|p| p.metrics);
         if let Some(queue) = &self.queue {
-            // Blocking is fine here: a process end is rare, and its data should go now.
             let _ = queue.send(Message::ProcessEnded(pid, metrics));
         }
     }
@@ -417,6 +450,7 @@ impl Sink {
         runtime: &tokio::runtime::Runtime,
         resource: &Resource,
         batch: Vec<SpanData>,
+        timeout: Duration,
     ) -> std::result::Result<(), String> {
         match self {
             Sink::Otlp {
@@ -424,9 +458,7 @@ impl Sink {
             } => {
                 exporter.set_resource(resource);
                 runtime
-                    .block_on(async {
-                        tokio::time::timeout(SHUTDOWN_TIMEOUT, exporter.export(batch)).await
-                    })
+                    .block_on(async { tokio::time::timeout(timeout, exporter.export(batch)).await })
                     .map_err(|_| "timed out".to_string())?
                     .map_err(|e| e.to_string())
             }
@@ -453,15 +485,14 @@ impl Sink {
         &mut self,
         runtime: &tokio::runtime::Runtime,
         metrics: &opentelemetry_sdk::metrics::data::ResourceMetrics,
+        timeout: Duration,
     ) -> std::result::Result<(), String> {
         use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
         match self {
             Sink::Otlp {
                 metrics: exporter, ..
             } => runtime
-                .block_on(async {
-                    tokio::time::timeout(SHUTDOWN_TIMEOUT, exporter.export(metrics)).await
-                })
+                .block_on(async { tokio::time::timeout(timeout, exporter.export(metrics)).await })
                 .map_err(|_| "timed out".to_string())?
                 .map_err(|e| e.to_string()),
             Sink::File(out) => {
@@ -523,7 +554,11 @@ fn export_thread(
         let Some(collected) = reader.collect() else {
             return;
         };
-        if let Err(error) = sink.export_metrics(&runtime, &collected)
+        let timeout = counters.export_timeout();
+        if timeout.is_zero() {
+            return;
+        }
+        if let Err(error) = sink.export_metrics(&runtime, &collected, timeout)
             && !metrics_warned
         {
             warn!("metric export failed ({error})");
@@ -533,7 +568,13 @@ fn export_thread(
     let mut warned = false;
     let mut send = |batch: Vec<SpanData>, resource: &Resource, sink: &mut Sink| {
         let n = batch.len() as u64;
-        match sink.export(&runtime, resource, batch) {
+        let timeout = counters.export_timeout();
+        let result = if timeout.is_zero() {
+            Err("no time left to send at exit".to_string())
+        } else {
+            sink.export(&runtime, resource, batch, timeout)
+        };
+        match result {
             Ok(()) => {
                 counters.exported.fetch_add(n, Ordering::Relaxed);
             }
@@ -550,6 +591,7 @@ fn export_thread(
         let message = queue.recv_timeout(BATCH_DELAY / 4);
         match message {
             Ok(Message::Span(pid, resource, data)) => {
+                counters.queued.fetch_sub(1, Ordering::Relaxed);
                 let entry = batches
                     .entry(pid)
                     .or_insert_with(|| (resource, Vec::new(), Instant::now()));
@@ -578,7 +620,7 @@ fn export_thread(
                     send(batch, &resource, &mut sink);
                 }
                 if let Sink::Otlp { spans, .. } = &mut sink {
-                    let _ = spans.shutdown_with_timeout(SHUTDOWN_TIMEOUT);
+                    let _ = spans.shutdown_with_timeout(counters.export_timeout());
                 }
                 return;
             }
