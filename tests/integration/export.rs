@@ -282,8 +282,22 @@ fn collector_test(name: &str, protocol: &str) {
         stderr.contains("9 spans exported to the OTLP endpoint"),
         "{stderr}"
     );
-    let text = collector.wait_until(|t| t.matches("Span #").count() >= 9, "receive 9 spans");
+    let text = collector.wait_until(
+        |t| t.matches("Span #").count() >= 9 && t.contains("lens_probe.events.lost"),
+        "receive 9 spans and the metrics",
+    );
     assert_trainer_spans(&parse_rotel(&text));
+    // Metrics over the same protocol: two whole steps, the phases by group.
+    let steps = metric_points(&text, "dl.step.duration");
+    assert_eq!(steps.last().map(|(_, count)| *count), Some(2), "{text}");
+    let evaluations: Vec<u64> = metric_points(&text, "dl.phase.duration")
+        .into_iter()
+        .filter(|(attributes, _)| {
+            attributes.get("nemo.span.group").map(String::as_str) == Some("evaluate")
+        })
+        .map(|(_, count)| count)
+        .collect();
+    assert_eq!(evaluations.last(), Some(&1), "{text}");
 }
 
 #[test]
