@@ -310,9 +310,12 @@ fn spans_reach_a_real_collector_over_http() {
     collector_test("spans_reach_a_real_collector_over_http", "http/protobuf");
 }
 
+/// A span from an OTLP JSON file, with its resource's attributes.
+type FileSpan = (BTreeMap<String, Value>, Value);
+
 /// The spans of an OTLP JSON lines file (one `ExportTraceServiceRequest` or
 /// `ExportMetricsServiceRequest` per line).
-fn file_spans(path: &Path) -> Vec<(BTreeMap<String, Value>, Value)> {
+fn file_spans(path: &Path) -> Vec<FileSpan> {
     let mut spans = Vec::new();
     for line in std::fs::read_to_string(path).unwrap().lines() {
         let request: Value = serde_json::from_str(line).unwrap();
@@ -337,23 +340,13 @@ fn file_spans(path: &Path) -> Vec<(BTreeMap<String, Value>, Value)> {
     spans
 }
 
-#[test]
-fn two_ranks_share_one_trace_with_distinct_span_ids() {
-    let name = "two_ranks_share_one_trace";
-    if !lens_tests::require_bpf(name) {
-        return;
-    }
-    let path = temp_path("ranks.jsonl");
-    let trainer = lens_tests::torch_trainer();
-    // Two ranks of one run, started by one shell (followed as its children), with the
-    // same (deterministic) behaviour.
-    let script = format!(
-        "env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 NEMO_LENS_RUN_ID=run-7 {t} 2 1 0 0 & \
-         env RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 NEMO_LENS_RUN_ID=run-7 {t} 2 1 0 0; wait",
-        t = trainer.display()
-    );
+/// lens-probe with the file exporter on `sh -c SCRIPT` (`extra` flags before `--exec`):
+/// the spans it wrote and its stderr.
+fn run_to_file(file: &str, extra: &[&str], script: &str) -> (Vec<FileSpan>, String) {
+    let path = temp_path(file);
     let output = Command::new(LENS_PROBE)
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("NEMO_LENS_EXPORT_STRATEGY")
         .args([
             "--span-groups",
             "per_step",
@@ -362,14 +355,32 @@ fn two_ranks_share_one_trace_with_distinct_span_ids() {
             "--export-file",
         ])
         .arg(&path)
-        .args(["--export-strategy", "all_ranks", "--exec", "--", "sh", "-c"])
-        .arg(&script)
+        .args(extra)
+        .args(["--exec", "--", "sh", "-c", script])
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert_eq!(output.status.code(), Some(0), "{stderr}");
     let spans = file_spans(&path);
     let _ = std::fs::remove_file(&path);
+    (spans, stderr)
+}
+
+#[test]
+fn two_ranks_share_one_trace_with_distinct_span_ids() {
+    let name = "two_ranks_share_one_trace";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let trainer = lens_tests::torch_trainer();
+    // Two ranks of one run, started by one shell (followed as its children), with the
+    // same (deterministic) behaviour.
+    let script = format!(
+        "env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 NEMO_LENS_RUN_ID=run-7 {t} 2 1 0 0 & \
+         env RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 NEMO_LENS_RUN_ID=run-7 {t} 2 1 0 0; wait",
+        t = trainer.display()
+    );
+    let (spans, stderr) = run_to_file("ranks.jsonl", &["--export-strategy", "all_ranks"], &script);
     let trace_ids: std::collections::BTreeSet<&str> = spans
         .iter()
         .map(|(_, s)| s["traceId"].as_str().unwrap())
@@ -404,31 +415,12 @@ fn single_rank_exports_only_the_last_rank() {
     if !lens_tests::require_bpf(name) {
         return;
     }
-    let path = temp_path("single.jsonl");
     let trainer = lens_tests::torch_trainer();
     let script = format!(
         "env RANK=0 WORLD_SIZE=2 {t} 1 1 0 0 & env RANK=1 WORLD_SIZE=2 {t} 1 1 0 0; wait",
         t = trainer.display()
     );
-    let output = Command::new(LENS_PROBE)
-        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .env_remove("NEMO_LENS_EXPORT_STRATEGY")
-        .args([
-            "--span-groups",
-            "per_step",
-            "--exporter",
-            "file",
-            "--export-file",
-        ])
-        .arg(&path)
-        .args(["--exec", "--", "sh", "-c"])
-        .arg(&script)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(0), "{stderr}");
-    let spans = file_spans(&path);
-    let _ = std::fs::remove_file(&path);
+    let (spans, stderr) = run_to_file("single.jsonl", &[], &script);
     let ranks: std::collections::BTreeSet<String> = spans
         .iter()
         .map(|(resource, _)| {

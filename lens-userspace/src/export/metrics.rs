@@ -13,7 +13,7 @@ use std::{
 use lens_common::ProbeId;
 use opentelemetry::{
     KeyValue,
-    metrics::{Counter, Histogram, MeterProvider as _},
+    metrics::{Counter, Histogram, Meter, MeterProvider as _},
 };
 use opentelemetry_sdk::{
     Resource,
@@ -115,14 +115,20 @@ fn string_attr(span: &SpanRecord, key: &'static str) -> Option<KeyValue> {
     }
 }
 
+/// A meter provider for `resource` read by a [`SharedReader`], and its meter.
+fn provider(resource: Resource) -> (SdkMeterProvider, SharedReader, Meter) {
+    let reader = SharedReader::new();
+    let provider = SdkMeterProvider::builder()
+        .with_resource(resource)
+        .with_reader(reader.clone())
+        .build();
+    let meter = provider.meter("lens-probe");
+    (provider, reader, meter)
+}
+
 impl ProcessMetrics {
     pub fn new(resource: Resource) -> ProcessMetrics {
-        let reader = SharedReader::new();
-        let provider = SdkMeterProvider::builder()
-            .with_resource(resource)
-            .with_reader(reader.clone())
-            .build();
-        let meter = provider.meter("lens-probe");
+        let (provider, reader, meter) = provider(resource);
         let seconds = |name: &'static str, description: &'static str| {
             meter
                 .f64_histogram(name)
@@ -226,12 +232,7 @@ pub struct ProbeMetrics {
 
 impl ProbeMetrics {
     pub fn new(resource: Resource) -> ProbeMetrics {
-        let reader = SharedReader::new();
-        let provider = SdkMeterProvider::builder()
-            .with_resource(resource)
-            .with_reader(reader.clone())
-            .build();
-        let meter = provider.meter("lens-probe");
+        let (provider, reader, meter) = provider(resource);
         ProbeMetrics {
             events_lost: meter
                 .u64_counter(metric_names::EVENTS_LOST)
