@@ -41,6 +41,8 @@ use crate::{
 
 /// How often the ring buffer is drained when no wakeup came (wakeups are batched).
 const DRAIN_INTERVAL: Duration = Duration::from_millis(20);
+/// How often the kernel's call counters (launches) of running targets are read.
+const CALL_COUNTS_INTERVAL: Duration = Duration::from_secs(5);
 /// After a signal, how long the children we started get to exit before we give up.
 const CHILD_EXIT_GRACE: Duration = Duration::from_secs(5);
 
@@ -407,6 +409,29 @@ impl Session {
         sink.on_process_end(&ProcessEnd { pid, calls, exit });
     }
 
+    /// Every target's call counters so far (kept in the kernel).
+    fn call_counts(&mut self) -> BTreeMap<u32, BTreeMap<ProbeId, u64>> {
+        let mut by_pid: BTreeMap<u32, BTreeMap<ProbeId, u64>> = BTreeMap::new();
+        let Some(map) = self.ebpf.map(maps::CALL_COUNTS) else {
+            return by_pid;
+        };
+        let Ok(counts) = PerCpuHashMap::<_, CallKey, u64>::try_from(map) else {
+            return by_pid;
+        };
+        for key in counts.keys().filter_map(|k| k.ok()) {
+            if !self.targets.contains_key(&key.tgid) {
+                continue;
+            }
+            if let (Ok(values), Some(probe)) = (counts.get(&key, 0), ProbeId::from_u32(key.probe)) {
+                by_pid
+                    .entry(key.tgid)
+                    .or_default()
+                    .insert(probe, values.iter().sum());
+            }
+        }
+        by_pid
+    }
+
     fn take_call_counts(&mut self, pid: u32) -> BTreeMap<ProbeId, u64> {
         let mut calls = BTreeMap::new();
         let Some(map) = self.ebpf.map_mut(maps::CALL_COUNTS) else {
@@ -478,6 +503,7 @@ impl Session {
         let mut sigterm = signal(SignalKind::terminate())?;
         let deadline = limit.map(|limit| tokio::time::Instant::now() + limit);
         let mut tick = tokio::time::interval(DRAIN_INTERVAL);
+        let mut counts_tick = tokio::time::interval(CALL_COUNTS_INTERVAL);
         let mut stop: Option<StopReason> = None;
         let mut grace_deadline: Option<tokio::time::Instant> = None;
 
@@ -514,6 +540,11 @@ impl Session {
                     guard.clear_ready();
                 }
                 _ = tick.tick() => self.drain(ring.get_mut(), sink),
+                _ = counts_tick.tick() => {
+                    for (pid, calls) in self.call_counts() {
+                        sink.on_call_counts(pid, &calls);
+                    }
+                }
                 _ = log_ready => {}
                 Some(pid) = exit_rx.recv() => {
                     self.drain(ring.get_mut(), sink);

@@ -24,6 +24,9 @@ pub trait EventSink {
     /// A traced process replaced its program (`execve`); `process` describes the new one.
     fn on_process_exec(&mut self, _process: &ProcessInfo) {}
     fn on_event(&mut self, event: &ProbeEvent);
+    /// The kernel's call counters of a running process so far (totals, by probe):
+    /// launches are counted there, not sent as events.
+    fn on_call_counts(&mut self, _pid: u32, _calls: &BTreeMap<ProbeId, u64>) {}
     fn on_process_end(&mut self, _end: &ProcessEnd) {}
 }
 
@@ -40,6 +43,10 @@ impl<A: EventSink, B: EventSink> EventSink for (A, B) {
         self.0.on_event(event);
         self.1.on_event(event);
     }
+    fn on_call_counts(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
+        self.0.on_call_counts(pid, calls);
+        self.1.on_call_counts(pid, calls);
+    }
     fn on_process_end(&mut self, end: &ProcessEnd) {
         self.0.on_process_end(end);
         self.1.on_process_end(end);
@@ -55,6 +62,9 @@ impl<S: EventSink + ?Sized> EventSink for &mut S {
     }
     fn on_event(&mut self, event: &ProbeEvent) {
         (**self).on_event(event);
+    }
+    fn on_call_counts(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
+        (**self).on_call_counts(pid, calls);
     }
     fn on_process_end(&mut self, end: &ProcessEnd) {
         (**self).on_process_end(end);
@@ -75,6 +85,11 @@ impl<S: EventSink> EventSink for Option<S> {
     fn on_event(&mut self, event: &ProbeEvent) {
         if let Some(sink) = self {
             sink.on_event(event);
+        }
+    }
+    fn on_call_counts(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
+        if let Some(sink) = self {
+            sink.on_call_counts(pid, calls);
         }
     }
     fn on_process_end(&mut self, end: &ProcessEnd) {

@@ -773,3 +773,91 @@ fn a_collector_that_hangs_fills_a_bounded_queue_and_the_probe_goes_on() {
         .unwrap();
     assert!(rss_kib < 200 * 1024, "lens-probe peaked at {rss_kib} KiB");
 }
+
+/// `cuda.kernel.launches` data points in an OTLP JSON lines file, in file order:
+/// (launch kind, cumulative value).
+fn launch_points(path: &Path) -> Vec<(String, u64)> {
+    let mut points = Vec::new();
+    for line in std::fs::read_to_string(path).unwrap().lines() {
+        let request: Value = serde_json::from_str(line).unwrap();
+        let Some(resources) = request["resourceMetrics"].as_array() else {
+            continue;
+        };
+        for scope in resources
+            .iter()
+            .flat_map(|r| r["scopeMetrics"].as_array().unwrap())
+        {
+            for metric in scope["metrics"].as_array().unwrap() {
+                if metric["name"] != "cuda.kernel.launches" {
+                    continue;
+                }
+                for point in metric["sum"]["dataPoints"].as_array().unwrap() {
+                    let kind = point["attributes"][0]["value"]["stringValue"]
+                        .as_str()
+                        .unwrap()
+                        .to_string();
+                    // int64 as a JSON number here; OTLP/JSON also allows a string.
+                    let value = point["asInt"]
+                        .as_u64()
+                        .or_else(|| point["asInt"].as_str().and_then(|v| v.parse().ok()))
+                        .unwrap();
+                    points.push((kind, value));
+                }
+            }
+        }
+    }
+    points
+}
+
+#[test]
+fn launch_counts_become_metrics_while_the_job_runs() {
+    let name = "launch_counts_become_metrics_while_the_job_runs";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let path = temp_path("launches.jsonl");
+    // The fake trainer launches 10 kernels, 1 kernel_ex and 1 graph per step; 4 steps
+    // 3 s apart, so the 5 s counter readings see the run half-way.
+    let output = Command::new(LENS_PROBE)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env("OTEL_METRIC_EXPORT_INTERVAL", "1000")
+        .args([
+            "--span-groups",
+            "per_step",
+            "--exporter",
+            "file",
+            "--export-file",
+        ])
+        .arg(&path)
+        .args(["--exec", "--", "env", "TRAINER_STEP_DELAY_MS=3000"])
+        .arg(lens_tests::trainer())
+        .arg("4")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let points = launch_points(&path);
+    let _ = std::fs::remove_file(&path);
+    let kernel: Vec<u64> = points
+        .iter()
+        .filter(|(kind, _)| kind == "kernel")
+        .map(|(_, v)| *v)
+        .collect();
+    // Cumulative and never counted twice: the last report is the total.
+    assert_eq!(kernel.last(), Some(&40), "{points:?}");
+    assert!(kernel.windows(2).all(|w| w[0] <= w[1]), "{kernel:?}");
+    // Reported before the job ended, not only at its end.
+    assert!(
+        kernel.iter().any(|v| (1..40).contains(v)),
+        "no reading while running: {kernel:?}"
+    );
+    let last = |kind: &str| {
+        points
+            .iter()
+            .rev()
+            .find(|(k, _)| k == kind)
+            .map(|(_, v)| *v)
+    };
+    assert_eq!(last("kernel_ex"), Some(4));
+    assert_eq!(last("graph"), Some(4));
+}

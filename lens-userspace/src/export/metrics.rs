@@ -106,6 +106,8 @@ pub struct ProcessMetrics {
     kernel_launches: Counter<u64>,
     step_duration: Histogram<f64>,
     phase_duration: Histogram<f64>,
+    /// Launch totals already added (the kernel's counters are read as totals).
+    launches_recorded: BTreeMap<ProbeId, u64>,
 }
 
 fn string_attr(span: &SpanRecord, key: &'static str) -> Option<KeyValue> {
@@ -168,6 +170,7 @@ impl ProcessMetrics {
             ),
             provider,
             reader,
+            launches_recorded: BTreeMap::new(),
         }
     }
 
@@ -201,16 +204,23 @@ impl ProcessMetrics {
         }
     }
 
-    /// Launch counters, read from the kernel when the process ends.
-    pub fn record_calls(&self, calls: &BTreeMap<ProbeId, u64>) {
+    /// Launch counters: totals so far, read from the kernel while the process runs and
+    /// when it ends; what is new since the last reading is added.
+    pub fn record_calls(&mut self, calls: &BTreeMap<ProbeId, u64>) {
         for (probe, kind) in [
             (ProbeId::CudaLaunchKernel, "kernel"),
             (ProbeId::CudaLaunchKernelExC, "kernel_ex"),
             (ProbeId::CudaGraphLaunch, "graph"),
         ] {
-            if let Some(&count) = calls.get(&probe) {
+            let Some(&total) = calls.get(&probe) else {
+                continue;
+            };
+            let recorded = self.launches_recorded.entry(probe).or_default();
+            let new = total.saturating_sub(*recorded);
+            *recorded = total.max(*recorded);
+            if new > 0 {
                 self.kernel_launches
-                    .add(count, &[KeyValue::new(semconv::CUDA_LAUNCH_KIND, kind)]);
+                    .add(new, &[KeyValue::new(semconv::CUDA_LAUNCH_KIND, kind)]);
             }
         }
     }

@@ -374,7 +374,7 @@ impl SpanExporter for OtelPipeline {
         pid: u32,
         calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
     ) {
-        if let Some(process) = self.processes.get(&pid) {
+        if let Some(process) = self.processes.get_mut(&pid) {
             process.metrics.record_calls(calls);
         }
     }

@@ -433,6 +433,16 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
         }
     }
 
+    fn on_call_counts(
+        &mut self,
+        pid: u32,
+        calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
+    ) {
+        if self.processes.get(&pid).is_some_and(|p| p.exporting) {
+            self.exporter.process_calls(pid, calls);
+        }
+    }
+
     fn on_process_end(&mut self, end: &ProcessEnd) {
         self.end_process_with_calls(end.pid, end.exit, monotonic_now_ns(), &end.calls);
     }
