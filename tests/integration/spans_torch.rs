@@ -353,6 +353,7 @@ fn the_same_tree_and_phase_durations_as_nemo_lens() {
             );
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
