@@ -390,6 +390,14 @@ pub mod globals {
     pub const TASK_TGID_OFFSET: &str = "TASK_TGID_OFFSET";
 }
 
+/// Indexes of the `SETTINGS` array: run-wide switches the loader sets.
+pub mod settings {
+    /// Non-zero: library loads and execs of every process are reported (node-wide
+    /// discovery), not only those of targets.
+    pub const NODE_MODE: u32 = 0;
+    pub const COUNT: u32 = 1;
+}
+
 /// Map names, shared so the loader asks for exactly what the programs define.
 pub mod maps {
     pub const EVENTS: &str = "EVENTS";
@@ -397,6 +405,7 @@ pub mod maps {
     pub const CALL_COUNTS: &str = "CALL_COUNTS";
     pub const INFLIGHT: &str = "INFLIGHT";
     pub const LOSSES: &str = "LOSSES";
+    pub const SETTINGS: &str = "SETTINGS";
 }
 
 /// Sizes of the kernel-side maps.

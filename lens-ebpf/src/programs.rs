@@ -6,13 +6,13 @@ use aya_ebpf::{
         bpf_probe_read_user_str_bytes, generated,
     },
     macros::{map, raw_tracepoint, uprobe, uretprobe},
-    maps::{HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use aya_log_ebpf::{debug, warn};
 use lens_common::{
     CallKey, Event, EventKind, InflightKey, LossCause, NCCL_UNIQUE_ID_WORDS, ProbeId,
-    TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits,
+    TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits, settings,
 };
 
 #[map(name = "EVENTS")]
@@ -29,6 +29,17 @@ static CALL_COUNTS: PerCpuHashMap<CallKey, u64> =
 
 #[map(name = "INFLIGHT")]
 static INFLIGHT: HashMap<InflightKey, Event> = HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+
+/// Run-wide switches set by the loader (`lens_common::settings`).
+#[map(name = "SETTINGS")]
+static SETTINGS: Array<u32> = Array::with_max_entries(settings::COUNT, 0);
+
+#[inline(always)]
+fn node_mode() -> bool {
+    SETTINGS
+        .get(settings::NODE_MODE)
+        .is_some_and(|value| *value != 0)
+}
 
 #[map(name = "LOSSES")]
 static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LossCause::COUNT as u32, 0);
@@ -301,28 +312,42 @@ pub fn call_return(ctx: RetProbeContext) -> u32 {
 /// at once; for processes it started, stop them until it has attached to new libraries.
 #[uprobe]
 pub fn dl_debug_state(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, config)) = traced() else {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: the value is copied out before the map can change under us.
+    let config = unsafe { TARGETS.get(&tgid) }.copied();
+    if config.is_none() && !node_mode() {
         return 0;
-    };
-    let event = new_event(
+    }
+    let mut event = new_event(
         EventKind::LinkMapChanged,
         ProbeId::DlDebugState as u32,
         pid_tgid,
     );
+    let stop = config.is_some_and(|c| c.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0);
+    // `count`: 1 when the process was stopped and waits for the loader's SIGCONT;
+    // `peer`: 1 when it is a target (else a candidate of node-wide discovery).
+    event.count = stop as u64;
+    event.peer = config.is_some() as i32;
     // Reserve first: without room for the event nobody would resume a stopped target.
     let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
         count_loss(LossCause::RingBufferFull);
         return 0;
     };
     entry.write(event);
-    if config.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0 {
+    if stop {
         // The stop is queued before the loader can see the event, so its SIGCONT always
         // comes after it (a SIGCONT discards a pending stop).
         debug!(&ctx, "lens: stopping {} for attach", event.tgid);
         // SAFETY: signals the current process, which is the traced target.
         unsafe { generated::bpf_send_signal(SIGSTOP) };
     }
-    entry.submit(BPF_RB_FORCE_WAKEUP as u64);
+    let flags = if config.is_some() {
+        BPF_RB_FORCE_WAKEUP as u64
+    } else {
+        submit_flags()
+    };
+    entry.submit(flags);
     0
 }
 
@@ -419,10 +444,23 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
 /// `sched_process_exec`: a traced process now runs another program.
 #[raw_tracepoint(tracepoint = "sched_process_exec")]
 pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
-    let Some((pid_tgid, _)) = traced() else {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: only the presence is read.
+    let traced = unsafe { TARGETS.get(&tgid) }.is_some();
+    if !traced && !node_mode() {
         return 0;
-    };
-    let event = new_event(EventKind::ProcessExec, 0, pid_tgid);
-    emit(&event, BPF_RB_FORCE_WAKEUP as u64);
+    }
+    let mut event = new_event(EventKind::ProcessExec, 0, pid_tgid);
+    // 1: a target; 0: any process, for node-wide discovery (its loader may be new).
+    event.peer = traced as i32;
+    emit(
+        &event,
+        if traced {
+            BPF_RB_FORCE_WAKEUP as u64
+        } else {
+            submit_flags()
+        },
+    );
     0
 }

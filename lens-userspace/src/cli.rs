@@ -9,7 +9,7 @@ use crate::groups::SpanGroups;
 /// NCCL collectives and CUDA launch/sync calls.
 #[derive(Debug, Parser)]
 #[command(name = "lens-probe", version, about, long_about = None)]
-#[command(group = clap::ArgGroup::new("what").required(true).args(["pid", "exec"]))]
+#[command(group = clap::ArgGroup::new("what").required(true).args(["pid", "exec", "node"]))]
 pub struct Cli {
     /// Trace this running process (repeatable).
     #[arg(short, long, value_name = "PID", action = ArgAction::Append)]
@@ -23,6 +23,30 @@ pub struct Cli {
     /// The command for --exec.
     #[arg(last = true, value_name = "CMD", requires = "exec")]
     pub command: Vec<OsString>,
+
+    /// Node-wide: trace every training process on this host (one that maps libtorch_cpu,
+    /// libnccl or libcudart), those running now and those that start, until stopped.
+    #[arg(long, conflicts_with_all = ["pid", "exec"])]
+    pub node: bool,
+
+    /// With --node: only processes whose command line contains this text.
+    #[arg(long = "match", value_name = "TEXT", requires = "node")]
+    pub match_command_line: Option<String>,
+
+    /// With --node: only processes whose cgroup path contains this text (a SLURM job's
+    /// `job_1234`, a pod UID).
+    #[arg(long, value_name = "TEXT", requires = "node")]
+    pub match_cgroup: Option<String>,
+
+    /// With --node: only processes with this variable set to this value in their
+    /// environment (repeatable), e.g. SLURM_JOB_ID=1234.
+    #[arg(long, value_name = "KEY=VALUE", requires = "node", action = ArgAction::Append,
+          value_parser = crate::discovery::NodeFilter::parse_env)]
+    pub match_env: Vec<(String, String)>,
+
+    /// Write lens-probe's pid to this file (for scripts that stop it with SIGTERM).
+    #[arg(long, value_name = "PATH")]
+    pub pid_file: Option<PathBuf>,
 
     /// Span groups to enable: comma-separated groups and presets (default, per_step, all),
     /// case-insensitive. A disabled group's probes are not attached.

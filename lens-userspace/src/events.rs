@@ -246,15 +246,18 @@ pub enum ProbeEvent {
     },
     LinkMapChanged {
         tgid: u32,
+        /// The process is stopped until the loader resumes it.
+        stopped: bool,
+        /// A target (else a process seen by node-wide discovery).
+        traced: bool,
     },
     /// Traced process `parent` forked `child`, which is traced from now on.
-    ProcessForked {
-        parent: u32,
-        child: u32,
-    },
+    ProcessForked { parent: u32, child: u32 },
     /// Traced process `tgid` called `execve`: it runs another program now.
     ProcessExec {
         tgid: u32,
+        /// A target (else a process seen by node-wide discovery).
+        traced: bool,
     },
 }
 
@@ -267,8 +270,8 @@ impl ProbeEvent {
             | ProbeEvent::Group { timing, .. }
             | ProbeEvent::GlooCall { timing, .. } => timing.tgid,
             ProbeEvent::Phase { tgid, .. }
-            | ProbeEvent::LinkMapChanged { tgid }
-            | ProbeEvent::ProcessExec { tgid } => *tgid,
+            | ProbeEvent::LinkMapChanged { tgid, .. }
+            | ProbeEvent::ProcessExec { tgid, .. } => *tgid,
             ProbeEvent::ProcessForked { child, .. } => *child,
         }
     }
@@ -321,7 +324,12 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
                 child: raw.tgid,
             });
         }
-        EventKind::ProcessExec => return Ok(ProbeEvent::ProcessExec { tgid: raw.tgid }),
+        EventKind::ProcessExec => {
+            return Ok(ProbeEvent::ProcessExec {
+                tgid: raw.tgid,
+                traced: raw.peer == 1,
+            });
+        }
         _ => {}
     }
     let probe = ProbeId::from_u32(raw.probe).ok_or(DecodeError::UnknownProbe(raw.probe))?;
@@ -370,7 +378,11 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
             timing,
             open: raw.group_open != 0,
         },
-        EventKind::LinkMapChanged => ProbeEvent::LinkMapChanged { tgid: raw.tgid },
+        EventKind::LinkMapChanged => ProbeEvent::LinkMapChanged {
+            tgid: raw.tgid,
+            stopped: raw.count == 1,
+            traced: raw.peer == 1,
+        },
         EventKind::ProcessForked | EventKind::ProcessExec => unreachable!("decoded above"),
         EventKind::PhaseMark => ProbeEvent::Phase {
             tgid: raw.tgid,

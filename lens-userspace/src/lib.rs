@@ -4,6 +4,7 @@
 //! → [`events`] (decode) → [`sink`] consumers such as the [`summary`]. A [`session`]
 //! drives it for the processes in [`target`].
 pub mod cli;
+pub mod discovery;
 pub mod error;
 pub mod events;
 pub mod export;

@@ -4,6 +4,7 @@ use clap::Parser;
 use lens_probe::{
     LensError,
     cli::Cli,
+    discovery::NodeFilter,
     export::{
         config::{ExportSettings, ExporterKind},
         otlp::{Destination, ExportStats, OtelPipeline},
@@ -90,7 +91,20 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     })?;
     session.set_export_strategy(export.strategy);
     // Fork before any runtime thread exists.
-    let child = if cli.exec {
+    if let Some(path) = &cli.pid_file {
+        std::fs::write(path, format!("{}\n", std::process::id()))?;
+    }
+    let child = if cli.node {
+        let running = session.watch_node(NodeFilter {
+            command_line: cli.match_command_line.clone(),
+            cgroup: cli.match_cgroup.clone(),
+            environment: cli.match_env.clone(),
+        })?;
+        log::warn!(
+            "node mode: {running} training processes running now are traced; watching for new ones"
+        );
+        None
+    } else if cli.exec {
         Some(session.exec(&cli.command)?)
     } else {
         for pid in &cli.pid {

@@ -11,11 +11,13 @@ use std::{
 
 use aya::{
     Ebpf,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{
+        Array as BpfArray, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf,
+    },
 };
 use aya_log::EbpfLogger;
 use lens_common::{
-    CallKey, LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps,
+    CallKey, LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps, settings,
 };
 use log::{info, warn};
 use tokio::{
@@ -25,6 +27,7 @@ use tokio::{
 };
 
 use crate::{
+    discovery::{self, NodeFilter},
     error::{LensError, Result},
     events::{self, ProbeEvent},
     export::strategy::ExportStrategy,
@@ -95,6 +98,8 @@ pub struct Session {
     exit_tx: Option<mpsc::UnboundedSender<u32>>,
     /// Which ranks are traced (NeMo Lens' export strategies); others are let go.
     export_strategy: ExportStrategy,
+    /// Node mode: the filter discovered processes must pass.
+    node: Option<NodeFilter>,
 }
 
 impl Session {
@@ -135,6 +140,7 @@ impl Session {
             undecodable: 0,
             exit_tx: None,
             export_strategy: ExportStrategy::AllRanks,
+            node: None,
         })
     }
 
@@ -208,6 +214,8 @@ impl Session {
         }
         let pidfd = target::pidfd_open(pid)?;
         self.set_target(pid, TargetConfig::default())?;
+        self.attacher
+            .use_libraries(pid, libraries.iter().map(|l| l.file));
         for library in &libraries {
             self.attacher
                 .attach_library(&mut self.ebpf, library, &self.groups);
@@ -309,6 +317,8 @@ impl Session {
                         pidfd: None,
                     },
                 );
+                // It maps what its parent mapped.
+                self.attach_libraries_of(child);
             }
             // Gone already (a short-lived helper): nothing to trace.
             Err(_) => {
@@ -335,17 +345,31 @@ impl Session {
         }
     }
 
-    /// New libraries in `pid`: attach to them, then let a stopped child go on.
-    fn on_link_map_changed(&mut self, pid: u32) {
-        let Some(target) = self.targets.get(&pid) else {
-            // Traced by the kernel but not (or no longer) known here: never leave it
-            // stopped.
+    /// New libraries in `pid`: attach to them, then let a stopped process go on. In node
+    /// mode an untraced process that now maps a training library may become a target.
+    fn on_link_map_changed(
+        &mut self,
+        pid: u32,
+        stopped: bool,
+        traced: bool,
+        sink: &mut dyn EventSink,
+    ) {
+        if self.targets.contains_key(&pid) {
+            self.attach_libraries_of(pid);
+        } else if !traced && self.node.is_some() {
+            self.consider_candidate(pid, sink);
+        }
+        if stopped {
             target::resume(pid);
-            return;
-        };
-        let stop_on_load = target.config.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0;
+        }
+    }
+
+    /// Attaches to every library `pid` maps that is not probed yet; records its use.
+    fn attach_libraries_of(&mut self, pid: u32) {
         match library::find_libraries(pid) {
             Ok(libraries) => {
+                self.attacher
+                    .use_libraries(pid, libraries.iter().map(|l| l.file));
                 for library in libraries {
                     if !self.attacher.is_attached(library.file) {
                         info!(
@@ -359,9 +383,128 @@ impl Session {
             }
             Err(error) => info!("pid {pid}: {error}"),
         }
-        if stop_on_load {
-            target::resume(pid);
+    }
+
+    /// Node mode: traces every training process on the host that passes `filter`, those
+    /// running now (from their next step on) and those that start later (from the moment
+    /// they load a training library). Returns how many were running.
+    pub fn watch_node(&mut self, filter: NodeFilter) -> Result<usize> {
+        let map = self
+            .ebpf
+            .map_mut(maps::SETTINGS)
+            .ok_or(LensError::MissingInObject {
+                kind: "map",
+                name: maps::SETTINGS,
+            })?;
+        let mut settings_map: BpfArray<&mut MapData, u32> =
+            BpfArray::try_from(map).map_err(|source| LensError::Map {
+                map: maps::SETTINGS,
+                source,
+            })?;
+        settings_map
+            .set(settings::NODE_MODE, 1, 0)
+            .map_err(|source| LensError::Map {
+                map: maps::SETTINGS,
+                source,
+            })?;
+        self.node = Some(filter);
+        if let Some(loader) = attach::own_dynamic_loader()? {
+            self.attacher
+                .attach_library(&mut self.ebpf, &loader, &self.groups);
         }
+        let mut found = 0;
+        for pid in discovery::all_pids() {
+            if pid == std::process::id() {
+                continue;
+            }
+            // Loaders of running processes (containers bring their own): their future
+            // children's library loads are seen too.
+            self.on_node_exec(pid);
+            let Ok(libraries) = library::find_libraries(pid) else {
+                continue;
+            };
+            if !discovery::maps_training_library(&libraries) {
+                continue;
+            }
+            let Ok(info) = ProcessInfo::read(pid) else {
+                continue;
+            };
+            if self.node.as_ref().is_some_and(|f| f.matches(&info)) && self.exports(&info) {
+                self.register_discovered(info)?;
+                found += 1;
+            }
+        }
+        Ok(found)
+    }
+
+    /// Node mode: any process ran a new program; probe its dynamic loader if it is one we
+    /// have not seen (a container's own `ld.so`), so its library loads are reported.
+    fn on_node_exec(&mut self, pid: u32) {
+        let Ok(libraries) = library::find_libraries(pid) else {
+            return;
+        };
+        for library in libraries {
+            if library.kind == LibraryKind::DynamicLoader
+                && !self.attacher.is_attached(library.file)
+            {
+                info!(
+                    "new dynamic loader {}: attaching",
+                    library.shown_path.display()
+                );
+                self.attacher
+                    .attach_library(&mut self.ebpf, &library, &self.groups);
+            }
+        }
+    }
+
+    /// Node mode: `pid` changed its libraries; trace it if it is a training process that
+    /// passes the filter.
+    fn consider_candidate(&mut self, pid: u32, sink: &mut dyn EventSink) {
+        let Ok(libraries) = library::find_libraries(pid) else {
+            return;
+        };
+        if !discovery::maps_training_library(&libraries) {
+            return;
+        }
+        let Ok(mut info) = ProcessInfo::read(pid) else {
+            return;
+        };
+        if !self.node.as_ref().is_some_and(|f| f.matches(&info)) || !self.exports(&info) {
+            return;
+        }
+        // Seen as it loads its first training library: its job starts here.
+        info.traced_from_start = true;
+        if let Err(error) = self.register_discovered(info.clone()) {
+            // Most often: it exited in the meantime.
+            info!("pid {pid}: {error}");
+            return;
+        }
+        info!("node: tracing pid {pid} ({})", info.name);
+        sink.on_process_start(&info);
+    }
+
+    /// Makes a discovered process a target: in the kernel's map, its exit watched, its
+    /// libraries probed.
+    fn register_discovered(&mut self, info: ProcessInfo) -> Result<()> {
+        let pid = info.pid;
+        let pidfd = target::pidfd_open(pid)?;
+        self.set_target(pid, TargetConfig::default())?;
+        self.targets.insert(
+            pid,
+            Target {
+                info,
+                own_child: false,
+                config: TargetConfig::default(),
+                pidfd: Some(pidfd),
+            },
+        );
+        if self.exit_tx.is_some()
+            && let Some(pidfd) = self.targets.get_mut(&pid).and_then(|t| t.pidfd.take())
+        {
+            self.watch_exit(pid, pidfd)?;
+        }
+        self.attach_libraries_of(pid);
+        Ok(())
     }
 
     fn drain(&mut self, ring: &mut RingBuf<MapData>, sink: &mut dyn EventSink) {
@@ -379,11 +522,21 @@ impl Session {
             }
             for decoded in batch {
                 match decoded {
-                    Ok(ProbeEvent::LinkMapChanged { tgid }) => self.on_link_map_changed(tgid),
+                    Ok(ProbeEvent::LinkMapChanged {
+                        tgid,
+                        stopped,
+                        traced,
+                    }) => self.on_link_map_changed(tgid, stopped, traced, sink),
                     Ok(ProbeEvent::ProcessForked { parent, child }) => {
                         self.on_fork(parent, child, sink);
                     }
-                    Ok(ProbeEvent::ProcessExec { tgid }) => self.on_exec(tgid, sink),
+                    Ok(ProbeEvent::ProcessExec { tgid, traced: true }) => self.on_exec(tgid, sink),
+                    Ok(ProbeEvent::ProcessExec {
+                        tgid,
+                        traced: false,
+                    }) => {
+                        self.on_node_exec(tgid);
+                    }
                     Ok(event) => sink.on_event(&event),
                     Err(error) => {
                         self.undecodable += 1;
@@ -403,6 +556,7 @@ impl Session {
             let _ = targets.remove(&pid);
         }
         let calls = self.take_call_counts(pid);
+        self.attacher.release(&mut self.ebpf, pid);
         if Some(pid) == self.child {
             self.child_exit = exit;
         }
@@ -508,7 +662,8 @@ impl Session {
         let mut grace_deadline: Option<tokio::time::Instant> = None;
 
         loop {
-            if self.targets.is_empty() {
+            // Node mode watches for new processes until told to stop.
+            if self.targets.is_empty() && self.node.is_none() {
                 stop.get_or_insert(StopReason::TargetsExited);
                 break;
             }

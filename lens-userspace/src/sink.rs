@@ -215,9 +215,9 @@ fn describe(event: &ProbeEvent) -> String {
             at_ns,
             signal,
         } => format!("[{tgid}:{tid}] {signal:?} at={at_ns}"),
-        ProbeEvent::LinkMapChanged { tgid } => format!("[{tgid}] libraries changed"),
+        ProbeEvent::LinkMapChanged { tgid, .. } => format!("[{tgid}] libraries changed"),
         ProbeEvent::ProcessForked { parent, child } => format!("[{parent}] forked {child}"),
-        ProbeEvent::ProcessExec { tgid } => format!("[{tgid}] exec"),
+        ProbeEvent::ProcessExec { tgid, .. } => format!("[{tgid}] exec"),
     }
 }
 

@@ -10,7 +10,7 @@ use aya::{
     Ebpf, EbpfLoader,
     programs::{
         ProgramError, UProbe,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
 use lens_common::ProbeId;
@@ -104,11 +104,14 @@ impl LibraryAttachment {
     }
 }
 
-/// Keeps track of which files were already probed, so each is attached once.
+/// Keeps track of which files were already probed, so each is attached once, which
+/// targets use each, and its links, so a library no target maps any more is detached.
 #[derive(Default)]
 pub struct Attacher {
     done: HashSet<FileId>,
     attachments: Vec<LibraryAttachment>,
+    links: HashMap<FileId, Vec<(Program, UProbeLinkId)>>,
+    users: HashMap<FileId, HashSet<u32>>,
 }
 
 impl Attacher {
@@ -120,7 +123,63 @@ impl Attacher {
         &self.attachments
     }
 
-    /// Number of uprobes (entry and return) attached so far.
+    /// Records that target `pid` maps these files.
+    pub fn use_libraries(&mut self, pid: u32, files: impl IntoIterator<Item = FileId>) {
+        for file in files {
+            self.users.entry(file).or_default().insert(pid);
+        }
+    }
+
+    /// Target `pid` is gone: the probes of libraries no other target maps are detached
+    /// (the dynamic loader's stay: it finds the next targets). The kernel takes ~0.1 s
+    /// per uprobe to remove them, so they go on a thread of their own. Returns how many
+    /// uprobes were let go.
+    pub fn release(&mut self, ebpf: &mut Ebpf, pid: u32) -> usize {
+        let mut unused = Vec::new();
+        for (file, users) in &mut self.users {
+            if users.remove(&pid) && users.is_empty() {
+                unused.push(*file);
+            }
+        }
+        let mut count = 0;
+        for file in unused {
+            self.users.remove(&file);
+            let loader = self
+                .attachments
+                .iter()
+                .any(|a| a.library.file == file && a.library.kind == LibraryKind::DynamicLoader);
+            if !loader {
+                debug!("no target maps {file:?} any more: detaching its probes");
+                count += self.forget(ebpf, file);
+            }
+        }
+        count
+    }
+
+    /// Detaches every probe of `file` (on a thread of its own: the kernel is slow to
+    /// remove uprobes) and forgets it was attached. Returns how many went.
+    fn forget(&mut self, ebpf: &mut Ebpf, file: FileId) -> usize {
+        let mut released = Vec::new();
+        for (program, id) in self.links.remove(&file).unwrap_or_default() {
+            if let Ok(link) = uprobe_mut(ebpf, program).and_then(|uprobe| {
+                uprobe.take_link(id).map_err(|source| LensError::Program {
+                    program: program.name(),
+                    source,
+                })
+            }) {
+                released.push(link);
+            }
+        }
+        self.done.remove(&file);
+        self.attachments.retain(|a| a.library.file != file);
+        let count = released.len();
+        if count > 0 {
+            std::thread::spawn(move || drop(released));
+        }
+        count
+    }
+
+    /// Number of uprobes (entry and return) attached now.
     pub fn uprobe_count(&self) -> usize {
         self.attachments
             .iter()
@@ -151,7 +210,14 @@ impl Attacher {
             match resolve_file_offsets(&library.open_path, &wanted) {
                 Ok(offsets) => {
                     for spec in &specs {
-                        attach_spec(ebpf, library, spec, &offsets, &mut outcomes);
+                        attach_spec(
+                            ebpf,
+                            library,
+                            spec,
+                            &offsets,
+                            &mut outcomes,
+                            self.links.entry(library.file).or_default(),
+                        );
                     }
                 }
                 Err(error) => outcomes.extend(specs.iter().map(|spec| ProbeOutcome::Failed {
@@ -159,6 +225,19 @@ impl Attacher {
                     reason: error.to_string(),
                 })),
             }
+        }
+        let failed = outcomes
+            .iter()
+            .any(|o| matches!(o, ProbeOutcome::Failed { .. }));
+        if failed && !library.open_path.exists() {
+            // The process exited while we attached: nothing is wrong with the library.
+            // Undo, so that the next process that maps it gets it probed.
+            debug!(
+                "{} went away while attaching; will attach again",
+                library.shown_path.display()
+            );
+            self.forget(ebpf, library.file);
+            return None;
         }
         for outcome in &outcomes {
             match outcome {
@@ -202,6 +281,7 @@ fn attach_spec(
     spec: &catalog::ProbeSpec,
     offsets: &HashMap<String, u64>,
     outcomes: &mut Vec<ProbeOutcome>,
+    links: &mut Vec<(Program, UProbeLinkId)>,
 ) {
     let primary = spec.id.symbol();
     let mut attached_offsets = HashSet::new();
@@ -236,10 +316,13 @@ fn attach_spec(
                     })
             });
             outcomes.push(match result {
-                Ok(_) => ProbeOutcome::Attached {
-                    symbol: symbol.to_string(),
-                    offset,
-                },
+                Ok(id) => {
+                    links.push((program, id));
+                    ProbeOutcome::Attached {
+                        symbol: symbol.to_string(),
+                        offset,
+                    }
+                }
                 Err(error) => ProbeOutcome::Failed {
                     symbol: symbol.to_string(),
                     reason: error.to_string(),
