@@ -36,6 +36,8 @@ pub const WANDB_PROJECT: &str = "wandb.project";
 
 // ---- OpenTelemetry process attributes --------------------------------------------------
 pub const PROCESS_PID: &str = "process.pid";
+/// The pid inside the process's own pid namespace (a container's view), when it differs.
+pub const PROCESS_VPID: &str = "process.vpid";
 pub const PROCESS_EXIT_CODE: &str = "process.exit.code";
 
 // ---- lens-probe: span bookkeeping (nemo.*) ---------------------------------------------

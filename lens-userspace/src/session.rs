@@ -213,13 +213,15 @@ impl Session {
             });
         }
         let pidfd = target::pidfd_open(pid)?;
-        self.set_target(pid, TargetConfig::default())?;
         self.attacher
             .use_libraries(pid, libraries.iter().map(|l| l.file));
         for library in &libraries {
             self.attacher
                 .attach_library(&mut self.ebpf, library, &self.groups);
         }
+        // Only now, with every probe in place, do its events start: the first step boundary
+        // it reports is one all of whose signals are seen.
+        self.set_target(pid, TargetConfig::default())?;
         self.targets.insert(
             pid,
             Target {
@@ -472,15 +474,27 @@ impl Session {
         if !self.node.as_ref().is_some_and(|f| f.matches(&info)) || !self.exports(&info) {
             return;
         }
-        // Seen as it loads its first training library: its job starts here.
+        // Seen as it loads its first training library: its job starts here, before any of
+        // its events can arrive (they flow as soon as it is in the kernel's map).
         info.traced_from_start = true;
-        if let Err(error) = self.register_discovered(info.clone()) {
+        sink.on_process_start(&info);
+        // Paused while its probes go in (milliseconds), so that its first steps are seen.
+        let stopped = target::stop(pid);
+        let registered = self.register_discovered(info.clone());
+        if stopped {
+            target::resume(pid);
+        }
+        if let Err(error) = registered {
             // Most often: it exited in the meantime.
             info!("pid {pid}: {error}");
+            sink.on_process_end(&ProcessEnd {
+                pid,
+                calls: BTreeMap::new(),
+                exit: None,
+            });
             return;
         }
         info!("node: tracing pid {pid} ({})", info.name);
-        sink.on_process_start(&info);
     }
 
     /// Makes a discovered process a target: in the kernel's map, its exit watched, its

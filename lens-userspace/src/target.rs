@@ -45,6 +45,17 @@ pub struct TargetView {
     pub service_account_namespace: Option<String>,
     /// `nvidia[0-9]+` device files in its `/dev`.
     pub nvidia_devices: usize,
+    /// Its pid inside its own pid namespace, when that is not the host's (a container).
+    pub namespace_pid: Option<u32>,
+}
+
+/// The pid of `pid` in its innermost pid namespace (the last `NSpid` entry of its
+/// status), when it differs from the host's.
+fn namespace_pid(pid: u32) -> Option<u32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    let innermost: u32 = line.split_whitespace().last()?.parse().ok()?;
+    (innermost != pid).then_some(innermost)
 }
 
 /// Inside a process's root.
@@ -122,16 +133,20 @@ impl TargetView {
             kubernetes_secrets: open_in_root(root, K8S_SECRETS, libc::O_PATH).is_ok(),
             service_account_namespace: read_trimmed(root, K8S_NAMESPACE_FILE),
             nvidia_devices: nvidia_devices(root),
+            namespace_pid: None,
         }
     }
 
     /// The view of running process `pid`.
     pub fn capture(pid: u32) -> TargetView {
-        TargetView::read(
-            Path::new(&format!("/proc/{pid}/root")),
-            read_environment(pid),
-            fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default(),
-        )
+        TargetView {
+            namespace_pid: namespace_pid(pid),
+            ..TargetView::read(
+                Path::new(&format!("/proc/{pid}/root")),
+                read_environment(pid),
+                fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default(),
+            )
+        }
     }
 }
 
@@ -405,6 +420,22 @@ pub fn try_wait_child(pid: u32) -> Option<ExitStatus> {
     } else {
         None
     }
+}
+
+/// Pauses a running process (SIGSTOP) and returns whether it did: a process that is
+/// already stopped (by its user, a debugger) is left alone, so that it is not resumed by
+/// us either.
+pub fn stop(pid: u32) -> bool {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // `pid (comm) S ...`: the state follows the last ')'.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    if !matches!(state, Some('R' | 'S' | 'D')) {
+        return false;
+    }
+    // SAFETY: plain signal send.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) == 0 }
 }
 
 /// Resumes a target stopped by the probe at a library load.

@@ -597,9 +597,9 @@ fn resources_come_from_the_targets_environment_and_root() {
         return;
     }
     let path = temp_path("resource.jsonl");
-    // The target runs in a mount namespace of its own where a Kubernetes service account
-    // namespace file exists (lens-probe's own view has none), with SLURM and downward-API
-    // variables that lens-probe's environment does not have.
+    // The target runs in mount and pid namespaces of its own (as in a container), where a
+    // Kubernetes service account namespace file exists (lens-probe's own view has none),
+    // with SLURM and downward-API variables that lens-probe's environment does not have.
     let script = format!(
         "mount -t tmpfs none /var/run && \
          mkdir -p /var/run/secrets/kubernetes.io/serviceaccount && \
@@ -622,7 +622,15 @@ fn resources_come_from_the_targets_environment_and_root() {
         ])
         .arg(&path)
         .args(["--export-strategy", "all_ranks", "--exec", "--"])
-        .args(["unshare", "--mount", "--propagation", "private", "sh", "-c"])
+        .args([
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--pid",
+            "--fork",
+        ])
+        .args(["sh", "-c"])
         .arg(&script)
         .output()
         .unwrap();
@@ -664,6 +672,8 @@ fn resources_come_from_the_targets_environment_and_root() {
         ("wandb.project", "llm"),
         ("deployment.environment", "staging"),
         ("service.name", "nemo"),
+        // Pid 1 of its own pid namespace; process.pid is the host's.
+        ("process.vpid", "1"),
     ] {
         assert_eq!(value(key), expected, "{key}");
     }

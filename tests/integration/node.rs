@@ -106,3 +106,73 @@ fn node_mode_traces_processes_that_start_later_and_detaches_after_them() {
         .collect();
     assert!(left.is_empty(), "still attached: {left:?}");
 }
+
+#[test]
+fn the_mapped_inode_is_probed_not_what_the_maps_path_names_here() {
+    use lens_probe::{events::ProbeEvent, sink::EventLog};
+
+    if !lens_tests::require_bpf("the_mapped_inode_is_probed") {
+        return;
+    }
+    // In lens-probe's view, DIR holds decoys: a "libnccl.so.2" that is really a copy of
+    // the fake libcudart (no NCCL symbols at all). The trainer runs in a mount namespace
+    // where a tmpfs over DIR holds the real fake libraries: its maps show DIR/libnccl.so.2,
+    // a path that names the decoy here.
+    let dir = std::env::temp_dir().join(format!("lens-crafted-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let fixtures = lens_tests::fake_lib_dir();
+    std::fs::copy(fixtures.join("libcudart.so.12"), dir.join("libnccl.so.2")).unwrap();
+    std::fs::copy(
+        fixtures.join("libcudart.so.12"),
+        dir.join("libcudart.so.12"),
+    )
+    .unwrap();
+    let decoy = dir.join("libnccl.so.2");
+    let decoy_symbols =
+        lens_probe::probes::symbols::resolve_file_offsets(&decoy, &["ncclAllReduce"]).unwrap();
+    assert!(
+        decoy_symbols.is_empty(),
+        "the decoy must have no NCCL symbol"
+    );
+    let script = format!(
+        "mount -t tmpfs none {d} && cp {f}/libnccl.so.2 {f}/libcudart.so.12 {t} {d}/ && exec {d}/trainer 3",
+        d = dir.display(),
+        f = fixtures.display(),
+        t = lens_tests::trainer().display(),
+    );
+    let mut session = Session::new(TraceOptions {
+        span_groups: "per_step".parse::<SpanGroups>().unwrap(),
+        kernel_logs: false,
+    })
+    .unwrap();
+    session
+        .exec(&[
+            "unshare".into(),
+            "--mount".into(),
+            "--propagation".into(),
+            "private".into(),
+            "sh".into(),
+            "-c".into(),
+            script.into(),
+        ])
+        .unwrap();
+    let mut log = EventLog::default();
+    session
+        .run_blocking(&mut log, Some(Duration::from_secs(60)))
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // Probed by path, the decoy would have been attached (and found without a single
+    // NCCL symbol): no collective could have been seen. By the mapped inode
+    // (/proc/PID/map_files), the real library's calls are.
+    let all_reduces = log
+        .events
+        .iter()
+        .filter(|e| matches!(e, ProbeEvent::Collective { .. }))
+        .count();
+    assert!(
+        all_reduces >= 3,
+        "the real library's calls were seen: {all_reduces}"
+    );
+}

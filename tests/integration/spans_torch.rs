@@ -464,8 +464,8 @@ fn attaching_in_the_fifth_step_gives_whole_steps_from_the_next_one() {
         }
     }
     std::thread::sleep(Duration::from_millis(60));
+    let attach_started_ns = lens_probe::spans::monotonic_now_ns();
     session.attach_pid(child.id()).unwrap();
-    let attached_ns = lens_probe::spans::monotonic_now_ns();
     let drain = std::thread::spawn(move || lines.count());
     let mut builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
     session
@@ -482,7 +482,7 @@ fn attaching_in_the_fifth_step_gives_whole_steps_from_the_next_one() {
     assert!((1..=25).contains(&n), "{n} steps");
     eprintln!("attaching mid-run: {n} whole steps of the last 25 reported");
     assert_eq!(log.outline(KEYS), format!("train.job\n{}", steps(0..n, 2)));
-    assert!(reported[0].start_ns >= attached_ns);
+    assert!(reported[0].start_ns >= attach_started_ns);
     let job = log.named(names::JOB).next().unwrap();
     assert_eq!(job.attr(semconv::NEMO_ATTACHED_MID_RUN), Some(&true.into()));
     for step in log.named(names::STEP) {

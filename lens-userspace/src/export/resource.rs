@@ -190,6 +190,9 @@ pub fn detect_view(
     // resources.local
     attributes.push((semconv::HOST_NAME, host_name(&env, view).into()));
     attributes.push((semconv::PROCESS_PID, info.pid.into()));
+    if let Some(vpid) = view.namespace_pid {
+        attributes.push((semconv::PROCESS_VPID, vpid.into()));
+    }
     attributes.push((
         semconv::PROCESS_COMMAND_LINE,
         info.command_line.join(" ").into(),
