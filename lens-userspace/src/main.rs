@@ -118,7 +118,8 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         cli.span_groups
     );
 
-    let mut summary = Summary::default();
+    // Node mode runs for days over many processes: no per-process summary to grow.
+    let mut summary = (!cli.node).then(Summary::default);
     let printer = (cli.verbose >= 1).then(|| EventPrinter::new(std::io::stderr()));
     let exporter: Box<dyn SpanExporter + '_> = match pipeline.as_mut() {
         Some(pipeline) => Box::new(pipeline),
@@ -138,6 +139,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         report_export(&export, pipeline.finish(&events_lost));
     }
 
+    let summary = summary.unwrap_or_default();
     eprint!("{}", summary.render(&report.losses));
     if let Some(path) = &cli.summary_json {
         let json = serde_json::to_string_pretty(&summary.to_json(&report.losses))
