@@ -118,8 +118,12 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         cli.span_groups
     );
 
-    // Node mode runs for days over many processes: no per-process summary to grow.
-    let mut summary = (!cli.node).then(Summary::default);
+    // Node mode runs for days over many processes: summaries of ended ones are dropped.
+    let mut summary = if cli.node {
+        Summary::forgetting()
+    } else {
+        Summary::default()
+    };
     let printer = (cli.verbose >= 1).then(|| EventPrinter::new(std::io::stderr()));
     let exporter: Box<dyn SpanExporter + '_> = match pipeline.as_mut() {
         Some(pipeline) => Box::new(pipeline),
@@ -139,7 +143,6 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         report_export(&export, pipeline.finish(&events_lost));
     }
 
-    let summary = summary.unwrap_or_default();
     eprint!("{}", summary.render(&report.losses));
     if let Some(path) = &cli.summary_json {
         let json = serde_json::to_string_pretty(&summary.to_json(&report.losses))
@@ -149,6 +152,8 @@ fn run(cli: Cli) -> Result<i32, LensError> {
 
     let Some(child) = child else {
         return Ok(match report.stop {
+            // Node mode ends when told to: that is success.
+            StopReason::Signal(_) if cli.node => 0,
             StopReason::Signal(signal) => 128 + signal,
             _ => 0,
         });

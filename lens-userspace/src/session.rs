@@ -570,7 +570,11 @@ impl Session {
             let _ = targets.remove(&pid);
         }
         let calls = self.take_call_counts(pid);
-        self.attacher.release(&mut self.ebpf, pid);
+        // Node mode outlives its targets: probes nobody needs any more go. (Otherwise
+        // lens-probe ends with its targets, and the probes with it.)
+        if self.node.is_some() {
+            self.attacher.release(&mut self.ebpf, pid);
+        }
         if Some(pid) == self.child {
             self.child_exit = exit;
         }

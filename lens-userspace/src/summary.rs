@@ -114,6 +114,20 @@ impl Losses {
 #[derive(Debug, Default)]
 pub struct Summary {
     pub processes: BTreeMap<u32, ProcessSummary>,
+    /// Drop a process's summary when it ends, keeping only a count (node mode, which
+    /// runs for days over many processes).
+    pub forget_ended: bool,
+    pub ended_and_forgotten: u64,
+}
+
+impl Summary {
+    /// A summary that keeps only the processes still running, and a count of the others.
+    pub fn forgetting() -> Summary {
+        Summary {
+            forget_ended: true,
+            ..Summary::default()
+        }
+    }
 }
 
 impl EventSink for Summary {
@@ -177,6 +191,10 @@ impl EventSink for Summary {
         }
         process.exit = end.exit;
         process.ended = true;
+        if self.forget_ended {
+            self.processes.remove(&end.pid);
+            self.ended_and_forgotten += 1;
+        }
     }
 }
 
@@ -211,7 +229,13 @@ impl Summary {
     /// The summary as a person reads it.
     pub fn render(&self, losses: &Losses) -> String {
         let mut out = String::new();
-        if self.processes.is_empty() {
+        if self.ended_and_forgotten > 0 {
+            let _ = writeln!(
+                out,
+                "lens-probe: {} traced processes ended",
+                self.ended_and_forgotten
+            );
+        } else if self.processes.is_empty() {
             out.push_str("lens-probe: no traced process\n");
         }
         for (pid, process) in &self.processes {

@@ -681,3 +681,56 @@ pub fn rotel(test_name: &str) -> Option<Rotel> {
     }
     found
 }
+
+/// `kubernetes-validate` (PyPI) from the PyTorch venv: checks Kubernetes manifests
+/// against the OpenAPI schemas it ships for each Kubernetes minor version (offline).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KubernetesValidate {
+    /// The venv's interpreter, which runs it as `python -m kubernetes_validate`.
+    pub python: PathBuf,
+    /// Its own version (`1.37.0`), which is also the newest Kubernetes it knows.
+    pub version: String,
+}
+
+impl KubernetesValidate {
+    /// `python -m kubernetes_validate`: add options (`--strict`, `-k 1.30.0`…), then
+    /// the files (options after the first file are taken as file names). Exit status 0
+    /// when every resource validated, or had no schema (a `WARN` line, e.g. a
+    /// kustomization); 1 when one did not.
+    pub fn command(&self) -> std::process::Command {
+        let mut cmd = std::process::Command::new(&self.python);
+        cmd.args(["-m", "kubernetes_validate"])
+            .env_remove("PYTHONHOME")
+            .env_remove("PYTHONPATH");
+        cmd
+    }
+}
+
+/// Finds `kubernetes-validate` in the PyTorch venv (see [`torch_venv`] for the skip
+/// rule; a venv made before it was added to the requirements skips the same way).
+pub fn kubernetes_validate(test_name: &str) -> Option<KubernetesValidate> {
+    let venv = torch_venv(test_name)?;
+    let output = std::process::Command::new(&venv.python)
+        .args([
+            "-c",
+            "from kubernetes_validate.version import __version__; print(__version__)",
+        ])
+        .env_remove("PYTHONHOME")
+        .env_remove("PYTHONPATH")
+        .output();
+    let found = output.ok().filter(|o| o.status.success()).and_then(|o| {
+        let version = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        (!version.is_empty()).then(|| KubernetesValidate {
+            python: venv.python.clone(),
+            version,
+        })
+    });
+    if found.is_none() {
+        skip(
+            test_name,
+            "kubernetes-validate",
+            "kubernetes-validate is not in the PyTorch venv; run `cargo xtask setup`",
+        );
+    }
+    found
+}

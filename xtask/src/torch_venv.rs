@@ -21,11 +21,14 @@ pub const PYTHON_ENV: &str = "LENS_PYTHON313";
 /// extra brings opentelemetry-sdk and the OTLP exporters.
 /// `rotel` is a Rust OTLP collector shipped as a wheel: the real collector of the export
 /// tests (its `rotel-agent` binary needs the venv Python's `libpython3.13.so`).
+/// `kubernetes-validate` checks `observability/k8s/` against the Kubernetes OpenAPI
+/// schemas it ships (offline) in the deploy tests.
 pub const REQUIREMENTS: &[&str] = &[
     "torch==2.15.0",
     "numpy==2.5.5",
     "nemo-lens[sdk]==0.1.0",
     "rotel==0.0.1a15",
+    "kubernetes-validate==1.37.0",
 ];
 
 /// The stamp file, relative to the venv: the requirement list of the last successful
@@ -304,7 +307,12 @@ mod tests {
     fn stamp_round_trip() {
         assert!(stamp_matches(&stamp_contents()));
         assert!(stamp_matches(
-            "\n torch==2.15.0\nnumpy==2.5.5 \n\nnemo-lens[sdk]==0.1.0\nrotel==0.0.1a15 "
+            "\n torch==2.15.0\nnumpy==2.5.5 \n\nnemo-lens[sdk]==0.1.0\nrotel==0.0.1a15\n\
+             kubernetes-validate==1.37.0 "
+        ));
+        // The list before kubernetes-validate was added: a venv that must be updated.
+        assert!(!stamp_matches(
+            "torch==2.15.0\nnumpy==2.5.5\nnemo-lens[sdk]==0.1.0\nrotel==0.0.1a15\n"
         ));
         assert!(!stamp_matches(""));
         assert!(!stamp_matches(
@@ -344,7 +352,8 @@ mod tests {
         assert_eq!(
             display(&pip_command(dir)),
             "/c/torch-venv/bin/python -m pip install --disable-pip-version-check \
-             torch==2.15.0 numpy==2.5.5 'nemo-lens[sdk]==0.1.0' rotel==0.0.1a15"
+             torch==2.15.0 numpy==2.5.5 'nemo-lens[sdk]==0.1.0' rotel==0.0.1a15 \
+             kubernetes-validate==1.37.0"
         );
         assert_eq!(venv_python(dir), Path::new("/c/torch-venv/bin/python"));
         assert_eq!(
