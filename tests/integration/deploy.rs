@@ -48,134 +48,13 @@ fn k8s_files() -> Vec<String> {
     names
 }
 
-// ---- A minimal YAML reader: block mappings and sequences, plain or quoted scalars, flow
-// sequences of scalars, comments. Enough for these manifests; anything else panics.
-
-struct Line {
-    indent: usize,
-    text: String,
-}
-
-fn strip_comment(line: &str) -> &str {
-    let mut quote = None;
-    let mut previous = ' ';
-    for (i, c) in line.char_indices() {
-        match (quote, c) {
-            (None, '"' | '\'') => quote = Some(c),
-            (Some(q), _) if c == q => quote = None,
-            (None, '#') if previous.is_whitespace() => return &line[..i],
-            _ => {}
-        }
-        previous = c;
-    }
-    line
-}
-
-fn scalar(text: &str) -> Value {
-    let text = text.trim();
-    if let Some(inner) = text.strip_prefix('[').and_then(|t| t.strip_suffix(']')) {
-        return Value::Array(
-            inner
-                .split(',')
-                .map(str::trim)
-                .filter(|item| !item.is_empty())
-                .map(scalar)
-                .collect(),
-        );
-    }
-    assert!(
-        !text.starts_with(['|', '>', '&', '*', '{', '!']),
-        "unsupported YAML: {text}"
-    );
-    let unquoted = text
-        .strip_prefix('"')
-        .and_then(|t| t.strip_suffix('"'))
-        .or_else(|| text.strip_prefix('\'').and_then(|t| t.strip_suffix('\'')))
-        .unwrap_or(text);
-    Value::String(unquoted.to_string())
-}
-
-/// `key: rest` (the key unquoted), or None for a plain scalar.
-fn split_key(text: &str) -> Option<(String, &str)> {
-    let (key, rest) = text
-        .split_once(": ")
-        .or_else(|| text.strip_suffix(':').map(|k| (k, "")))?;
-    Some((scalar(key).as_str().unwrap().to_string(), rest.trim()))
-}
-
-fn parse_node(lines: &mut [Line], at: &mut usize, indent: usize) -> Value {
-    if lines[*at].text == "-" || lines[*at].text.starts_with("- ") {
-        let mut items = Vec::new();
-        while *at < lines.len()
-            && lines[*at].indent == indent
-            && (lines[*at].text == "-" || lines[*at].text.starts_with("- "))
-        {
-            let item = lines[*at].text[1..].trim().to_string();
-            if item.is_empty() {
-                *at += 1;
-                let inner = lines[*at].indent;
-                items.push(parse_node(lines, at, inner));
-            } else if split_key(&item).is_some() {
-                // "- key: value": a mapping whose first key is on this line.
-                lines[*at] = Line {
-                    indent: indent + 2,
-                    text: item,
-                };
-                items.push(parse_node(lines, at, indent + 2));
-            } else {
-                items.push(scalar(&item));
-                *at += 1;
-            }
-        }
-        return Value::Array(items);
-    }
-    let mut map = serde_json::Map::new();
-    while *at < lines.len() && lines[*at].indent == indent {
-        let text = lines[*at].text.clone();
-        let (key, rest) = split_key(&text).unwrap_or_else(|| panic!("not a key: {text}"));
-        *at += 1;
-        let value = if !rest.is_empty() {
-            scalar(rest)
-        } else if *at < lines.len()
-            && (lines[*at].indent > indent
-                || (lines[*at].indent == indent && lines[*at].text.starts_with('-')))
-        {
-            let inner = lines[*at].indent;
-            parse_node(lines, at, inner)
-        } else {
-            Value::Null
-        };
-        map.insert(key, value);
-    }
-    assert!(
-        *at >= lines.len() || lines[*at].indent < indent,
-        "bad indentation at {:?}",
-        lines[*at].text
-    );
-    Value::Object(map)
-}
-
-/// The documents of a YAML file.
+/// The documents of a YAML file, as JSON values (serde_yaml_ng).
 fn parse_yaml(text: &str) -> Vec<Value> {
-    let mut documents = Vec::new();
-    for document in text.split("\n---") {
-        let mut lines: Vec<Line> = document
-            .lines()
-            .map(strip_comment)
-            .filter(|l| !l.trim().is_empty() && l.trim() != "---")
-            .map(|l| Line {
-                indent: l.len() - l.trim_start().len(),
-                text: l.trim().to_string(),
-            })
-            .collect();
-        if lines.is_empty() {
-            continue;
-        }
-        let mut at = 0;
-        documents.push(parse_node(&mut lines, &mut at, 0));
-        assert_eq!(at, lines.len(), "unparsed YAML after line {at}");
-    }
-    documents
+    use serde::Deserialize;
+    serde_yaml_ng::Deserializer::from_str(text)
+        .map(|document| Value::deserialize(document).expect("valid YAML"))
+        .filter(|document| !document.is_null())
+        .collect()
 }
 
 fn k8s_resource(file: &str) -> Value {
@@ -192,19 +71,6 @@ fn strings(value: &Value) -> Vec<&str> {
         .iter()
         .map(|v| v.as_str().unwrap())
         .collect()
-}
-
-#[test]
-fn the_yaml_reader_reads_what_the_manifests_use() {
-    let docs = parse_yaml(
-        "# c\na:\n  b: \"x # y\"  # z\n  c: [\"A\", B]\n  d:\n  - e: 1\n    f: '2'\n  - g\n",
-    );
-    assert_eq!(
-        docs,
-        [
-            serde_json::json!({"a": {"b": "x # y", "c": ["A", "B"], "d": [{"e": "1", "f": "2"}, "g"]}})
-        ]
-    );
 }
 
 #[test]
@@ -297,10 +163,10 @@ fn the_daemonset_has_the_documented_security_posture() {
     );
 
     let pod = &daemonset["spec"]["template"]["spec"];
-    assert_eq!(pod["hostPID"], "true");
+    assert_eq!(pod["hostPID"], true);
     assert_eq!(pod["hostNetwork"], Value::Null);
     assert_eq!(pod["serviceAccountName"], account["metadata"]["name"]);
-    assert_eq!(pod["automountServiceAccountToken"], "false");
+    assert_eq!(pod["automountServiceAccountToken"], false);
     assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"], "true");
     assert!(
         pod["tolerations"]
@@ -316,10 +182,10 @@ fn the_daemonset_has_the_documented_security_posture() {
     assert_eq!(container["image"], "ghcr.io/example/lens-probe:0.1.0");
 
     let security = &container["securityContext"];
-    assert_eq!(security["privileged"], "false");
-    assert_eq!(security["runAsUser"], "0");
+    assert_eq!(security["privileged"], false);
+    assert_eq!(security["runAsUser"], 0);
     // The API server refuses allowPrivilegeEscalation: false with SYS_ADMIN.
-    assert_ne!(security["allowPrivilegeEscalation"], "false");
+    assert_ne!(security["allowPrivilegeEscalation"], false);
     assert_eq!(strings(&security["capabilities"]["drop"]), ["ALL"]);
     let added = strings(&security["capabilities"]["add"]);
     let documented: Vec<&str> = CAPABILITIES.iter().map(|(name, _)| *name).collect();
@@ -398,7 +264,7 @@ fn the_daemonset_has_the_documented_security_posture() {
     let mounts = container["volumeMounts"].as_array().unwrap();
     assert_eq!(mounts.len(), 1, "{mounts:?}");
     assert_eq!(mounts[0]["mountPath"], "/sys/kernel/btf");
-    assert_eq!(mounts[0]["readOnly"], "true");
+    assert_eq!(mounts[0]["readOnly"], true);
     let volumes = pod["volumes"].as_array().unwrap();
     assert_eq!(volumes.len(), 1, "{volumes:?}");
     assert_eq!(volumes[0]["hostPath"]["path"], "/sys/kernel/btf");

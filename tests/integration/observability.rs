@@ -591,10 +591,9 @@ fn the_dashboard_is_importable_with_its_variables() {
 
 // ---- The collector configuration -------------------------------------------------------
 
-/// A line-based reading of simple block YAML (what the collector config uses): every
-/// `key:` gets its path of parent keys; `key: value` a scalar; `key: [a, b]` and `- a`
-/// items a list. Comments and blank lines are ignored; anchors, multi-line strings and
-/// flow maps are not supported (and refused where they would mislead).
+/// The collector configuration flattened for lookups: every mapping key gets its path of
+/// parent keys, with its scalar value (or "" for a block); every sequence its items
+/// (parsed with serde_yaml_ng).
 #[derive(Debug, Default)]
 struct Yaml {
     /// Every key path, with its scalar value or "" for a block.
@@ -602,69 +601,39 @@ struct Yaml {
     lists: BTreeMap<Vec<String>, Vec<String>>,
 }
 
-fn strip_comment(line: &str) -> &str {
-    match line.find(" #") {
-        Some(i) => &line[..i],
-        None if line.trim_start().starts_with('#') => "",
-        None => line,
+fn scalar_text(value: &serde_yaml_ng::Value) -> String {
+    use serde_yaml_ng::Value as Y;
+    match value {
+        Y::String(s) => s.clone(),
+        Y::Bool(b) => b.to_string(),
+        Y::Number(n) => n.to_string(),
+        _ => String::new(),
+    }
+}
+
+fn flatten(value: &serde_yaml_ng::Value, path: &mut Vec<String>, yaml: &mut Yaml) {
+    use serde_yaml_ng::Value as Y;
+    match value {
+        Y::Mapping(map) => {
+            for (key, child) in map {
+                path.push(scalar_text(key));
+                yaml.keys.insert(path.clone(), scalar_text(child));
+                flatten(child, path, yaml);
+                path.pop();
+            }
+        }
+        Y::Sequence(items) => {
+            yaml.lists
+                .insert(path.clone(), items.iter().map(scalar_text).collect());
+        }
+        _ => {}
     }
 }
 
 fn parse_yaml(text: &str) -> Yaml {
+    let value: serde_yaml_ng::Value = serde_yaml_ng::from_str(text).expect("valid YAML");
     let mut yaml = Yaml::default();
-    let mut stack: Vec<(usize, String)> = Vec::new();
-    for (n, raw) in text.lines().enumerate() {
-        assert!(!raw.contains('\t'), "line {}: tab in YAML", n + 1);
-        let line = strip_comment(raw).trim_end();
-        if line.trim().is_empty() {
-            continue;
-        }
-        let indent = line.len() - line.trim_start().len();
-        let content = line.trim_start();
-        assert!(
-            !content.contains(['&', '*', '|', '>', '{']),
-            "line {}: unsupported YAML: {raw}",
-            n + 1
-        );
-        if let Some(item) = content.strip_prefix("- ") {
-            while stack.last().is_some_and(|(i, _)| *i >= indent) {
-                stack.pop();
-            }
-            let path: Vec<String> = stack.iter().map(|(_, k)| k.clone()).collect();
-            yaml.lists
-                .entry(path.clone())
-                .or_default()
-                .push(item.trim().to_string());
-            // A list item that is itself a map (`- key: value`) opens a nested level.
-            if let Some((key, value)) = item.split_once(':') {
-                let mut item_path = path;
-                item_path.push(key.trim().to_string());
-                yaml.keys.insert(item_path, value.trim().to_string());
-            }
-            continue;
-        }
-        let (key, value) = content
-            .split_once(':')
-            .unwrap_or_else(|| panic!("line {}: not `key:`: {raw}", n + 1));
-        while stack.last().is_some_and(|(i, _)| *i >= indent) {
-            stack.pop();
-        }
-        let mut path: Vec<String> = stack.iter().map(|(_, k)| k.clone()).collect();
-        path.push(key.trim().to_string());
-        let value = value.trim();
-        if let Some(list) = value.strip_prefix('[').and_then(|v| v.strip_suffix(']')) {
-            yaml.lists.insert(
-                path.clone(),
-                list.split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_string)
-                    .collect(),
-            );
-        }
-        yaml.keys.insert(path, value.to_string());
-        stack.push((indent, key.trim().to_string()));
-    }
+    flatten(&value, &mut Vec::new(), &mut yaml);
     yaml
 }
 
