@@ -686,12 +686,14 @@ fn sigterm_flushes_what_was_traced() {
         return;
     }
     let path = temp_path("sigterm.jsonl");
-    // Steps of ~0.2 s, many more than the run lasts.
-    let child = Command::new(LENS_PROBE)
+    // Steps of ~0.2 s, many more than the run lasts; -v prints the events as they come,
+    // so the signal goes once four steps have completed (their optimizer scopes ended).
+    let mut child = Command::new(LENS_PROBE)
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .args([
             "--span-groups",
             "per_step",
+            "-v",
             "--exporter",
             "file",
             "--export-file",
@@ -703,13 +705,31 @@ fn sigterm_flushes_what_was_traced() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_secs(3));
-    // SAFETY: plain kill(2) of our child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let output = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let pid = child.id() as i32;
+    let reader = std::io::BufReader::new(child.stderr.take().unwrap());
+    let collected = std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut text = String::new();
+        let mut zero_grads = 0;
+        for line in reader.lines().map_while(Result::ok) {
+            if line.contains("Optimizer.zero_grad") {
+                zero_grads += 1;
+                if zero_grads == 4 {
+                    // SAFETY: plain kill(2) of our child.
+                    unsafe { libc::kill(pid, libc::SIGTERM) };
+                }
+            }
+            if !line.contains("] ") || !line.contains(" at=") {
+                text.push_str(&line);
+                text.push('\n');
+            }
+        }
+        text
+    });
+    let status = child.wait().unwrap();
+    let stderr = collected.join().unwrap();
     // The command got the signal too: lens-probe exits as it did.
-    assert_eq!(output.status.code(), Some(128 + libc::SIGTERM), "{stderr}");
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{stderr}");
     let spans = file_spans(&path);
     let _ = std::fs::remove_file(&path);
     let steps = spans

@@ -309,7 +309,9 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
     if !lens_tests::require_bpf("attach_by_pid_counts_the_calls_made_after_attach") {
         return;
     }
-    // The trainer waits before its first call, so every call comes after the attach.
+    // The probes are loaded first; the trainer waits before its first call, so every
+    // call comes after the attach.
+    let mut session = Session::new(options("per_step")).unwrap();
     let mut child = std::process::Command::new(lens_tests::trainer())
         .arg("2")
         .env("TRAINER_START_DELAY_MS", "1500")
@@ -324,7 +326,6 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    let mut session = Session::new(options("per_step")).unwrap();
     session.attach_pid(child.id()).unwrap();
     let (log, report) = run(&mut session);
     assert!(child.wait().unwrap().success());
