@@ -11,6 +11,12 @@ commands:
   build-ebpf [--debug]  build the eBPF object into target/bpf and print its path (release by default)
   test                  setup, then build, test, clippy -D warnings and fmt --check the workspace
   demo                  setup, build lens-probe and the fixtures, trace the fake trainer
+  bench [--quick] [--rounds N]
+                        measure lens-probe's overhead (per-hit cost vs bpftrace, slowdown per
+                        preset on the fake trainer and on PyTorch, attach time, CPU and RSS,
+                        event throughput), variants interleaved, N rounds (default 5), medians;
+                        prints one markdown table and writes it into docs/performance.md.
+                        Needs root. --quick: 1 round, smaller loops, docs left as they are
   help                  print this help";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,6 +25,7 @@ pub enum Command {
     BuildEbpf { release: bool },
     Test,
     Demo,
+    Bench { quick: bool, rounds: Option<u32> },
     Help,
 }
 
@@ -53,6 +60,36 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
                 }
             }
             Ok(Command::BuildEbpf { release })
+        }
+        "bench" => {
+            let mut quick = false;
+            let mut rounds = None;
+            let mut args = rest.iter();
+            while let Some(arg) = args.next() {
+                let value = match *arg {
+                    "--quick" => {
+                        quick = true;
+                        continue;
+                    }
+                    "-h" | "--help" => return Ok(Command::Help),
+                    "--rounds" => args.next().copied(),
+                    other => match other.strip_prefix("--rounds=") {
+                        Some(value) => Some(value),
+                        None => return unexpected("bench", other),
+                    },
+                };
+                match value.map(str::parse::<u32>) {
+                    Some(Ok(n)) if n > 0 => rounds = Some(n),
+                    Some(_) => {
+                        return Err(format!(
+                            "`--rounds` wants a whole number of at least 1, not `{}`",
+                            value.unwrap_or_default()
+                        ));
+                    }
+                    None => return Err("`--rounds` needs a value".into()),
+                }
+            }
+            Ok(Command::Bench { quick, rounds })
         }
         cmd @ ("test" | "demo") => match rest.first() {
             None => Ok(if cmd == "test" {
@@ -96,6 +133,34 @@ mod tests {
             assert_eq!(parse(&[help]), Ok(Command::Help));
         }
         assert_eq!(parse(&["test", "--help"]), Ok(Command::Help));
+        assert_eq!(
+            parse(&["bench"]),
+            Ok(Command::Bench {
+                quick: false,
+                rounds: None
+            })
+        );
+        assert_eq!(
+            parse(&["bench", "--quick"]),
+            Ok(Command::Bench {
+                quick: true,
+                rounds: None
+            })
+        );
+        assert_eq!(
+            parse(&["bench", "--rounds", "3", "--quick"]),
+            Ok(Command::Bench {
+                quick: true,
+                rounds: Some(3)
+            })
+        );
+        assert_eq!(
+            parse(&["bench", "--rounds=7"]),
+            Ok(Command::Bench {
+                quick: false,
+                rounds: Some(7)
+            })
+        );
     }
 
     #[test]
@@ -118,6 +183,19 @@ mod tests {
             Err("unexpected argument `--release` for `demo`".to_owned())
         );
         assert!(parse(&["setup", "--force"]).is_err());
+        assert_eq!(
+            parse(&["bench", "--rounds"]),
+            Err("`--rounds` needs a value".to_owned())
+        );
+        assert_eq!(
+            parse(&["bench", "--rounds", "0"]),
+            Err("`--rounds` wants a whole number of at least 1, not `0`".to_owned())
+        );
+        assert!(parse(&["bench", "--rounds", "x"]).is_err());
+        assert_eq!(
+            parse(&["bench", "--fast"]),
+            Err("unexpected argument `--fast` for `bench`".to_owned())
+        );
         assert!(parse(&["BUILD-EBPF"]).is_err());
     }
 }

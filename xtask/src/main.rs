@@ -1,5 +1,6 @@
 //! `cargo xtask <command>`: project automation for lens-probe (see `cargo xtask help`).
 
+mod bench;
 mod cli;
 mod setup;
 
@@ -39,6 +40,17 @@ fn main() -> ExitCode {
         cli::Command::BuildEbpf { release } => build_ebpf(release),
         cli::Command::Test => test(),
         cli::Command::Demo => demo(),
+        cli::Command::Bench { quick, rounds } => {
+            let rounds = rounds.unwrap_or(if quick {
+                1
+            } else {
+                bench::Options::DEFAULT_ROUNDS
+            });
+            match bench::run(bench::Options { rounds, quick }) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
+        }
     }
 }
 

@@ -159,7 +159,10 @@ impl Parser<'_> {
             Some(_) => {
                 let start = self.i;
                 while self.i < self.s.len()
-                    && matches!(self.s[self.i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+                    && matches!(
+                        self.s[self.i],
+                        b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'
+                    )
                 {
                     self.i += 1;
                 }
@@ -265,7 +268,10 @@ mod tests {
         assert_eq!(process.get("f").unwrap().as_u64(), None);
         assert_eq!(process.get("n"), Some(&Json::Null));
         assert_eq!(process.get("ended"), Some(&Json::Bool(true)));
-        assert_eq!(process.get("s").unwrap().as_str(), Some("a\"b\\c\u{e9}\u{1F600}"));
+        assert_eq!(
+            process.get("s").unwrap().as_str(),
+            Some("a\"b\\c\u{e9}\u{1F600}")
+        );
         assert_eq!(Json::parse("[]").unwrap(), Json::Arr(vec![]));
         assert_eq!(Json::parse("{}").unwrap(), Json::Obj(vec![]));
     }
