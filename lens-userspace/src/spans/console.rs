@@ -1,7 +1,10 @@
 //! The console exporter: each process's span tree, indented, printed one top-level phase
 //! at a time as it completes (a step with its phases and calls, an evaluation, a
 //! checkpoint), and the job line when the process ends.
-use std::{collections::HashMap, io::Write};
+use std::{
+    collections::{HashMap, HashSet},
+    io::Write,
+};
 
 use super::{SpanExporter, SpanId, SpanRecord, SpanStatus};
 use crate::{semconv, summary::format_duration, target::ProcessInfo};
@@ -68,20 +71,19 @@ fn line(label: &str, span: &SpanRecord, depth: usize, origin_ns: u64) -> String 
     text
 }
 
+/// Lines of `root` and everything below it among `children` (pending spans by parent,
+/// each list in start order), depth first.
 fn subtree(
     label: &str,
-    spans: &[SpanRecord],
+    children: &HashMap<SpanId, Vec<&SpanRecord>>,
     root: &SpanRecord,
     depth: usize,
     origin_ns: u64,
     out: &mut Vec<String>,
 ) {
     out.push(line(label, root, depth, origin_ns));
-    let mut children: Vec<&SpanRecord> =
-        spans.iter().filter(|s| s.parent == Some(root.id)).collect();
-    children.sort_by_key(|s| (s.start_ns, s.id));
-    for child in children {
-        subtree(label, spans, child, depth + 1, origin_ns, out);
+    for child in children.get(&root.id).into_iter().flatten() {
+        subtree(label, children, child, depth + 1, origin_ns, out);
     }
 }
 
@@ -126,29 +128,35 @@ impl<W: Write> SpanExporter for ConsoleTree<W> {
             process.pending.push(span);
             return;
         }
+        // One pass to index the pending spans by parent: long phases gather many.
+        let mut children: HashMap<SpanId, Vec<&SpanRecord>> = HashMap::new();
+        for pending in &process.pending {
+            if let Some(parent) = pending.parent {
+                children.entry(parent).or_default().push(pending);
+            }
+        }
+        for list in children.values_mut() {
+            list.sort_by_key(|s| (s.start_ns, s.id));
+        }
         let mut lines = Vec::new();
         subtree(
             &process.label,
-            &process.pending,
+            &children,
             &span,
             0,
             process.start_ns,
             &mut lines,
         );
         // Whatever hangs below this span has been printed with it.
-        let mut below = vec![span.id];
-        let mut i = 0;
-        while i < below.len() {
-            let parent = below[i];
-            below.extend(
-                process
-                    .pending
-                    .iter()
-                    .filter(|s| s.parent == Some(parent))
-                    .map(|s| s.id),
-            );
-            i += 1;
+        let mut below: HashSet<SpanId> = HashSet::from([span.id]);
+        let mut queue = vec![span.id];
+        while let Some(parent) = queue.pop() {
+            for child in children.get(&parent).into_iter().flatten() {
+                below.insert(child.id);
+                queue.push(child.id);
+            }
         }
+        drop(children);
         process.pending.retain(|s| !below.contains(&s.id));
         let _ = writeln!(self.out, "{}", lines.join("\n"));
     }
