@@ -9,6 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use lens_tests::otlp_file_spans as file_spans;
 use serde_json::Value;
 
 const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
@@ -399,31 +400,6 @@ fn run_slurm_script(name: &str, job: &str, dir: &Path) -> (std::process::Output,
     let start = Instant::now();
     let output = command.output().unwrap();
     (output, start.elapsed())
-}
-
-/// (resource attributes, span) of every span in an OTLP JSON lines file.
-fn file_spans(path: &Path) -> Vec<(BTreeMap<String, Value>, Value)> {
-    let mut spans = Vec::new();
-    for line in fs::read_to_string(path).unwrap().lines() {
-        let request: Value = serde_json::from_str(line).unwrap();
-        let Some(resource_spans) = request["resourceSpans"].as_array() else {
-            continue;
-        };
-        for resource_spans in resource_spans {
-            let resource: BTreeMap<String, Value> = resource_spans["resource"]["attributes"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|kv| (kv["key"].as_str().unwrap().to_string(), kv["value"].clone()))
-                .collect();
-            for scope in resource_spans["scopeSpans"].as_array().unwrap() {
-                for span in scope["spans"].as_array().unwrap() {
-                    spans.push((resource.clone(), span.clone()));
-                }
-            }
-        }
-    }
-    spans
 }
 
 fn attribute(resource: &BTreeMap<String, Value>, key: &str) -> Option<String> {

@@ -10,6 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use lens_tests::{FileSpan, otlp_file_spans as file_spans};
 use serde_json::Value;
 
 const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
@@ -308,36 +309,6 @@ fn spans_reach_a_real_collector_over_grpc() {
 #[test]
 fn spans_reach_a_real_collector_over_http() {
     collector_test("spans_reach_a_real_collector_over_http", "http/protobuf");
-}
-
-/// A span from an OTLP JSON file, with its resource's attributes.
-type FileSpan = (BTreeMap<String, Value>, Value);
-
-/// The spans of an OTLP JSON lines file (one `ExportTraceServiceRequest` or
-/// `ExportMetricsServiceRequest` per line).
-fn file_spans(path: &Path) -> Vec<FileSpan> {
-    let mut spans = Vec::new();
-    for line in std::fs::read_to_string(path).unwrap().lines() {
-        let request: Value = serde_json::from_str(line).unwrap();
-        let Some(resource_spans) = request["resourceSpans"].as_array() else {
-            assert!(request["resourceMetrics"].is_array(), "{line}");
-            continue;
-        };
-        for resource_spans in resource_spans {
-            let resource: BTreeMap<String, Value> = resource_spans["resource"]["attributes"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|kv| (kv["key"].as_str().unwrap().to_string(), kv["value"].clone()))
-                .collect();
-            for scope in resource_spans["scopeSpans"].as_array().unwrap() {
-                for span in scope["spans"].as_array().unwrap() {
-                    spans.push((resource.clone(), span.clone()));
-                }
-            }
-        }
-    }
-    spans
 }
 
 /// lens-probe with the file exporter on `sh -c SCRIPT` (`extra` flags before `--exec`):

@@ -734,3 +734,40 @@ pub fn kubernetes_validate(test_name: &str) -> Option<KubernetesValidate> {
     }
     found
 }
+
+/// A span from an OTLP JSON lines file, with its resource's attributes (key → OTLP
+/// `AnyValue`).
+pub type FileSpan = (
+    std::collections::BTreeMap<String, serde_json::Value>,
+    serde_json::Value,
+);
+
+/// The spans of an OTLP JSON lines file as lens-probe's `file` exporter writes it (one
+/// `ExportTraceServiceRequest` or `ExportMetricsServiceRequest` per line; metrics lines
+/// are skipped).
+pub fn otlp_file_spans(path: &Path) -> Vec<FileSpan> {
+    let mut spans = Vec::new();
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    for line in text.lines() {
+        let request: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        let Some(resource_spans) = request["resourceSpans"].as_array() else {
+            assert!(request["resourceMetrics"].is_array(), "{line}");
+            continue;
+        };
+        for resource_spans in resource_spans {
+            let resource = resource_spans["resource"]["attributes"]
+                .as_array()
+                .expect("resource attributes")
+                .iter()
+                .map(|kv| (kv["key"].as_str().unwrap().to_string(), kv["value"].clone()))
+                .collect();
+            for scope in resource_spans["scopeSpans"].as_array().expect("scopeSpans") {
+                for span in scope["spans"].as_array().expect("spans") {
+                    spans.push((std::collections::BTreeMap::clone(&resource), span.clone()));
+                }
+            }
+        }
+    }
+    spans
+}
