@@ -35,7 +35,7 @@ use crate::{
     privileges,
     probes::{
         attach::{self, Attacher},
-        library::{self, LibraryKind},
+        library::{self, LibraryKind, MappedLibrary},
     },
     sink::{EventSink, ProcessEnd},
     summary::Losses,
@@ -200,35 +200,44 @@ impl Session {
             return Ok(());
         }
         let libraries = library::find_libraries(pid)?;
-        if !libraries.iter().any(|l| {
-            matches!(
-                l.kind,
-                LibraryKind::CudaRuntime | LibraryKind::Nccl | LibraryKind::TorchCpu
-            )
-        }) {
+        if !discovery::maps_training_library(&libraries) {
             return Err(LensError::NoTracedLibraries {
                 pid,
                 name: info.name,
                 wanted: "libcudart.so, libnccl.so, libtorch_cpu.so".into(),
             });
         }
+        self.add_running_target(info, &libraries)
+    }
+
+    /// Makes running process `info` (which maps `libraries`) a target: its libraries
+    /// probed, then it enters the kernel's map, then its exit is watched. Armed last, so
+    /// the first step boundary it reports is one all of whose signals are seen.
+    fn add_running_target(&mut self, info: ProcessInfo, libraries: &[MappedLibrary]) -> Result<()> {
+        let pid = info.pid;
         let pidfd = target::pidfd_open(pid)?;
         self.attacher
             .use_libraries(pid, libraries.iter().map(|l| l.file));
-        for library in &libraries {
+        for library in libraries {
             self.attacher
                 .attach_library(&mut self.ebpf, library, &self.groups);
         }
-        // Only now, with every probe in place, do its events start: the first step boundary
-        // it reports is one all of whose signals are seen.
         self.set_target(pid, TargetConfig::default())?;
+        // Before `run` the exit watch starts there; during it, here.
+        let pidfd = match self.exit_tx {
+            Some(_) => {
+                self.watch_exit(pid, pidfd)?;
+                None
+            }
+            None => Some(pidfd),
+        };
         self.targets.insert(
             pid,
             Target {
                 info,
                 own_child: false,
                 config: TargetConfig::default(),
-                pidfd: Some(pidfd),
+                pidfd,
             },
         );
         Ok(())
@@ -419,12 +428,12 @@ impl Session {
             if pid == std::process::id() {
                 continue;
             }
-            // Loaders of running processes (containers bring their own): their future
-            // children's library loads are seen too.
-            self.on_node_exec(pid);
             let Ok(libraries) = library::find_libraries(pid) else {
                 continue;
             };
+            // Loaders of running processes (containers bring their own): their future
+            // children's library loads are seen too.
+            self.attach_new_loaders(&libraries);
             if !discovery::maps_training_library(&libraries) {
                 continue;
             }
@@ -432,7 +441,7 @@ impl Session {
                 continue;
             };
             if self.node.as_ref().is_some_and(|f| f.matches(&info)) && self.exports(&info) {
-                self.register_discovered(info)?;
+                self.add_running_target(info, &libraries)?;
                 found += 1;
             }
         }
@@ -442,9 +451,12 @@ impl Session {
     /// Node mode: any process ran a new program; probe its dynamic loader if it is one we
     /// have not seen (a container's own `ld.so`), so its library loads are reported.
     fn on_node_exec(&mut self, pid: u32) {
-        let Ok(libraries) = library::find_libraries(pid) else {
-            return;
-        };
+        if let Ok(libraries) = library::find_libraries(pid) {
+            self.attach_new_loaders(&libraries);
+        }
+    }
+
+    fn attach_new_loaders(&mut self, libraries: &[MappedLibrary]) {
         for library in libraries {
             if library.kind == LibraryKind::DynamicLoader
                 && !self.attacher.is_attached(library.file)
@@ -454,7 +466,7 @@ impl Session {
                     library.shown_path.display()
                 );
                 self.attacher
-                    .attach_library(&mut self.ebpf, &library, &self.groups);
+                    .attach_library(&mut self.ebpf, library, &self.groups);
             }
         }
     }
@@ -480,7 +492,7 @@ impl Session {
         sink.on_process_start(&info);
         // Paused while its probes go in (milliseconds), so that its first steps are seen.
         let stopped = target::stop(pid);
-        let registered = self.register_discovered(info.clone());
+        let registered = self.add_running_target(info.clone(), &libraries);
         if stopped {
             target::resume(pid);
         }
@@ -495,30 +507,6 @@ impl Session {
             return;
         }
         info!("node: tracing pid {pid} ({})", info.name);
-    }
-
-    /// Makes a discovered process a target: in the kernel's map, its exit watched, its
-    /// libraries probed.
-    fn register_discovered(&mut self, info: ProcessInfo) -> Result<()> {
-        let pid = info.pid;
-        let pidfd = target::pidfd_open(pid)?;
-        self.set_target(pid, TargetConfig::default())?;
-        self.targets.insert(
-            pid,
-            Target {
-                info,
-                own_child: false,
-                config: TargetConfig::default(),
-                pidfd: Some(pidfd),
-            },
-        );
-        if self.exit_tx.is_some()
-            && let Some(pidfd) = self.targets.get_mut(&pid).and_then(|t| t.pidfd.take())
-        {
-            self.watch_exit(pid, pidfd)?;
-        }
-        self.attach_libraries_of(pid);
-        Ok(())
     }
 
     fn drain(&mut self, ring: &mut RingBuf<MapData>, sink: &mut dyn EventSink) {
