@@ -314,7 +314,7 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
     let mut session = Session::new(options("per_step")).unwrap();
     let mut child = std::process::Command::new(lens_tests::trainer())
         .arg("2")
-        .env("TRAINER_START_DELAY_MS", "1500")
+        .env("TRAINER_START_DELAY_MS", "3000")
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
