@@ -314,7 +314,7 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
     let mut session = Session::new(options("per_step")).unwrap();
     let mut child = std::process::Command::new(lens_tests::trainer())
         .arg("2")
-        .env("TRAINER_START_DELAY_MS", "3000")
+        .env("TRAINER_START_DELAY_MS", "1500")
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
@@ -333,7 +333,12 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
     assert_eq!(report.stop, StopReason::TargetsExited);
     assert_eq!(log.ended[0].exit, Some(ExitStatus::Unknown));
     let calls = &log.ended[0].calls;
-    assert_eq!(calls.get(&ProbeId::CudaLaunchKernel), Some(&20));
+    assert_eq!(
+        calls.get(&ProbeId::CudaLaunchKernel),
+        Some(&20),
+        "{calls:?} {:?}",
+        session.attacher().attached_by_probe()
+    );
     assert_eq!(calls.get(&ProbeId::NcclAllReduce), Some(&2));
     assert_eq!(calls.get(&ProbeId::NcclCommInitRank), Some(&1));
     let collectives = log
