@@ -9,6 +9,8 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 #[cfg(target_arch = "bpf")]
+mod bench_gen;
+#[cfg(target_arch = "bpf")]
 mod programs;
 
 #[cfg(target_arch = "bpf")]

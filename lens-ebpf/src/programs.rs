@@ -16,7 +16,7 @@ use lens_common::{
 };
 
 #[map(name = "EVENTS")]
-static EVENTS: RingBuf = RingBuf::with_byte_size(limits::RING_BUFFER_BYTES, 0);
+pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(limits::RING_BUFFER_BYTES, 0);
 
 /// Processes being traced (tgid → settings). Probes are attached per library file, so
 /// they fire in every process that maps it; this map is the filter.

@@ -18,5 +18,6 @@ pub mod sink;
 pub mod spans;
 pub mod summary;
 pub mod target;
+pub mod throughput;
 
 pub use error::{LensError, Result};

@@ -1,0 +1,77 @@
+//! A load generator for the event path, for `cargo xtask bench` and its test only:
+//! lens-probe never loads it. A real uprobe costs ~1 µs per hit, so no traced program can
+//! send a million events a second on a small machine; this program writes them straight
+//! into the same `EVENTS` ring buffer the probes use, so everything after the kernel
+//! (wakeups, the ring buffer reader, decoding, the span builder) is measured as it runs.
+//!
+//! User space runs it with `BPF_PROG_TEST_RUN` (a raw tracepoint program can be run
+//! with fake tracepoint arguments; it is never attached). Arguments, as `u64`s:
+//!
+//! | # | meaning |
+//! |---|---|
+//! | 0 | tgid the events carry |
+//! | 1 | tid the events carry |
+//! | 2 | events to write in this run, at most [`MAX_EVENTS_PER_RUN`] |
+//! | 3 | the collectives' element count |
+//!
+//! Each event is an `ncclAllReduce` as its return probe would send it (float32, sum, a
+//! communicator and a stream, start and end stamps). The program returns how many of
+//! them did not fit in the ring buffer (lost); the caller adds those up.
+use aya_ebpf::{
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    helpers::bpf_ktime_get_ns,
+    macros::raw_tracepoint,
+    programs::RawTracePointContext,
+};
+use lens_common::{Event, EventKind, ProbeId, limits};
+
+use crate::programs::EVENTS;
+
+/// Events one run writes at most (the loop's bound for the verifier).
+const MAX_EVENTS_PER_RUN: u64 = 64;
+/// The communicator and stream handles of the fake trainer (tests/README.md).
+const COMM: u64 = 0xC0FF_EE00;
+const STREAM: u64 = 0x5000;
+const FLOAT32: i32 = 7;
+const SUM: i32 = 0;
+
+/// The probes' wakeup policy (`submit_flags` in programs.rs): no wakeup until enough
+/// data waits, then a forced one.
+#[inline(always)]
+fn submit_flags() -> u64 {
+    if EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= limits::WAKEUP_THRESHOLD_BYTES {
+        BPF_RB_FORCE_WAKEUP as u64
+    } else {
+        BPF_RB_NO_WAKEUP as u64
+    }
+}
+
+#[raw_tracepoint(tracepoint = "lens_bench")]
+pub fn bench_emit(ctx: RawTracePointContext) -> i32 {
+    let tgid: u64 = ctx.arg(0);
+    let tid: u64 = ctx.arg(1);
+    let wanted: u64 = ctx.arg(2);
+    let count: u64 = ctx.arg(3);
+    let mut event = Event::zeroed();
+    event.kind = EventKind::Collective as u32;
+    event.probe = ProbeId::NcclAllReduce as u32;
+    event.tgid = tgid as u32;
+    event.tid = tid as u32;
+    event.count = count;
+    event.datatype = FLOAT32;
+    event.redop = SUM;
+    event.comm = COMM;
+    event.handle = STREAM;
+    let mut lost = 0;
+    let mut i = 0;
+    while i < MAX_EVENTS_PER_RUN && i < wanted {
+        // SAFETY: plain helper calls (entry and return stamps, as a probe pair takes).
+        event.start_ns = unsafe { bpf_ktime_get_ns() };
+        event.end_ns = unsafe { bpf_ktime_get_ns() };
+        if EVENTS.output::<Event>(&event, submit_flags()).is_err() {
+            lost += 1;
+        }
+        i += 1;
+    }
+    lost
+}
