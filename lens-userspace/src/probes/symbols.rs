@@ -1,73 +1,860 @@
 //! ELF symbols → file offsets, the unit uprobes attach by.
-use std::{collections::HashMap, fs::File, path::Path};
+//!
+//! The libraries probed can be large (libtorch_cpu.so: ~450 MB, 546 k static symbols,
+//! 78 MB of names), and every page of a mapped file that is read counts in lens-probe's
+//! memory. So the file is never mapped: `object` parses the headers (ELF, program and
+//! section headers, notes) through a small read cache, and the symbol and string tables
+//! are streamed through bounded buffers with `pread`: the string table once, to find
+//! where the wanted names are, then the symbol table once, for the symbols naming them.
+use std::{
+    collections::HashMap,
+    fs::File,
+    mem,
+    os::unix::fs::FileExt,
+    path::Path,
+    sync::{Mutex, PoisonError},
+};
 
-use memmap2::Mmap;
-use object::{Object, ObjectSegment, ObjectSymbol};
+use object::{
+    Endianness, FileKind, ReadCache, ReadRef, SectionIndex, elf,
+    read::elf::{FileHeader, ProgramHeader, SectionHeader, Sym},
+};
 
 use crate::error::{LensError, Result};
 
-/// Adds the defined symbols named in `wanted` to `addresses` (first definition wins).
-fn collect<'data: 'file, 'file>(
-    symbols: impl Iterator<Item = object::Symbol<'data, 'file>>,
-    wanted: &[&str],
-    addresses: &mut HashMap<String, u64>,
-) {
-    for symbol in symbols {
-        if !symbol.is_definition() || symbol.address() == 0 {
-            continue;
-        }
-        let Ok(name) = symbol.name_bytes() else {
-            continue;
-        };
-        // Compare bytes against the short wanted list: no allocation (and no demangling)
-        // per symbol, which matters for libraries with hundreds of thousands of them.
-        if let Some(found) = wanted.iter().find(|w| w.as_bytes() == name) {
-            addresses
-                .entry((*found).to_string())
-                .or_insert(symbol.address());
-        }
-    }
-}
+/// How much of a symbol or string table is read at a time.
+const CHUNK: usize = 1 << 20;
+
+/// Note sections and segments larger than this are not searched for a build-id (it sits
+/// in a note of its own, a few dozen bytes).
+const NOTE_LIMIT: u64 = 64 << 10;
+
+/// How many (library, wanted names) results the build-id memo holds before it is cleared.
+const MEMO_CAPACITY: usize = 64;
 
 /// Where each wanted symbol starts in the file, for the symbols the file defines.
-/// Looks at `.dynsym` first, then `.symtab` (local symbols of unstripped libraries).
-/// Version suffixes (`@@libcudart.so.12`) are not part of the names matched.
+/// Looks at `.dynsym` first, then `.symtab` (local symbols of unstripped libraries) when
+/// a wanted name is still missing; the first definition of a name wins. Version suffixes
+/// (`@@libcudart.so.12`) are not part of the names matched.
+///
+/// The symbols' addresses are remembered per GNU build-id, so the same library seen
+/// through different files (containers, node mode) is scanned once.
 pub fn resolve_file_offsets(path: &Path, wanted: &[&str]) -> Result<HashMap<String, u64>> {
+    static MEMO: Memo = Mutex::new(None);
+    resolve(path, wanted, CHUNK, Some(&MEMO))
+}
+
+/// What the symbols' addresses depend on: the library's contents (its build-id, and the
+/// sizes of its symbol tables, which tell a stripped copy from the unstripped one) and
+/// the names. Addresses, not file offsets, are remembered: tools that keep the build-id
+/// (patchelf) may move a library's segments in the file, never its symbols in memory.
+#[derive(PartialEq, Eq, Hash)]
+struct MemoKey {
+    build_id: Vec<u8>,
+    table_sizes: [u64; 2],
+    names: Vec<String>,
+}
+
+/// Symbol addresses by build-id and names, up to [`MEMO_CAPACITY`] entries.
+type Memo = Mutex<Option<HashMap<MemoKey, HashMap<String, u64>>>>;
+
+/// [`resolve_file_offsets`], reading the tables `chunk` bytes at a time, with the memo
+/// or without.
+fn resolve(
+    path: &Path,
+    wanted: &[&str],
+    chunk: usize,
+    memo: Option<&Memo>,
+) -> Result<HashMap<String, u64>> {
     let elf_error = |reason: String| LensError::Elf {
         path: path.to_path_buf(),
         reason,
     };
     let file = File::open(path).map_err(|e| elf_error(e.to_string()))?;
-    // SAFETY: read-only mapping of a library; a concurrent truncation would fault, which
-    // is the same risk every debugger and profiler takes on shared libraries.
-    let data = unsafe { Mmap::map(&file) }.map_err(|e| elf_error(e.to_string()))?;
-    let elf = object::File::parse(&*data).map_err(|e| elf_error(e.to_string()))?;
+    let layout = Layout::read(&file).map_err(elf_error)?;
+    let names = wanted_names(wanted);
 
-    let mut addresses: HashMap<String, u64> = HashMap::new();
-    collect(elf.dynamic_symbols(), wanted, &mut addresses);
-    // The static table is read only when the dynamic one lacks a wanted name: it is the
-    // large one (libtorch_cpu: 546 k symbols, 78 MB of names) and the file pages read
-    // count in lens-probe's memory while they are mapped.
-    if addresses.len() < wanted.len() {
-        collect(elf.symbols(), wanted, &mut addresses);
+    let key = memo.and(layout.build_id.as_ref()).map(|build_id| MemoKey {
+        build_id: build_id.clone(),
+        table_sizes: [&layout.dynsym, &layout.symtab]
+            .map(|table| table.as_ref().map_or(0, |t| t.symbols.1)),
+        names: names.iter().map(|name| name.to_string()).collect(),
+    });
+    let remembered = memo.zip(key.as_ref()).and_then(|(memo, key)| {
+        let memo = memo.lock().unwrap_or_else(PoisonError::into_inner);
+        memo.as_ref()?.get(key).cloned()
+    });
+    let addresses = match remembered {
+        Some(addresses) => addresses,
+        None => {
+            let addresses = layout.addresses(&file, &names, chunk).map_err(elf_error)?;
+            if let Some((memo, key)) = memo.zip(key) {
+                let mut memo = memo.lock().unwrap_or_else(PoisonError::into_inner);
+                let memo = memo.get_or_insert_with(HashMap::new);
+                if memo.len() >= MEMO_CAPACITY {
+                    memo.clear();
+                }
+                memo.insert(key, addresses.clone());
+            }
+            addresses
+        }
+    };
+    layout.file_offsets(addresses).map_err(elf_error)
+}
+
+/// The wanted names, sorted and without duplicates. A name that is empty or holds a NUL
+/// is no symbol's name.
+fn wanted_names<'a>(wanted: &[&'a str]) -> Vec<&'a str> {
+    let mut names: Vec<&str> = wanted
+        .iter()
+        .copied()
+        .filter(|name| !name.is_empty() && !name.contains('\0'))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+}
+
+/// A symbol table: where its entries and the names they point into are in the file, as
+/// (offset, size).
+#[derive(Clone, Copy, Debug)]
+struct SymbolTable {
+    symbols: (u64, u64),
+    strings: (u64, u64),
+}
+
+/// A `PT_LOAD` segment: file bytes [file_offset, file_offset + file_size) are loaded at
+/// address.
+#[derive(Clone, Copy, Debug)]
+struct Load {
+    address: u64,
+    file_offset: u64,
+    file_size: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Class {
+    Elf32,
+    Elf64,
+}
+
+/// What the headers say: enough to find the symbols and turn addresses into offsets.
+#[derive(Debug)]
+struct Layout {
+    class: Class,
+    endian: Endianness,
+    dynsym: Option<SymbolTable>,
+    symtab: Option<SymbolTable>,
+    loads: Vec<Load>,
+    build_id: Option<Vec<u8>>,
+}
+
+impl Layout {
+    /// Parses the headers, reading only them (the cache is dropped on return).
+    fn read(file: &File) -> std::result::Result<Layout, String> {
+        let cache = ReadCache::new(file);
+        match FileKind::parse(&cache).map_err(|e| e.to_string())? {
+            FileKind::Elf32 => Layout::parse::<elf::FileHeader32<Endianness>>(&cache, Class::Elf32),
+            FileKind::Elf64 => Layout::parse::<elf::FileHeader64<Endianness>>(&cache, Class::Elf64),
+            kind => Err(format!("not an ELF file ({kind:?})")),
+        }
     }
 
-    let mut offsets = HashMap::with_capacity(addresses.len());
-    for (name, address) in addresses {
-        let offset = elf
-            .segments()
-            .find_map(|segment| {
-                let start = segment.address();
-                let (file_start, file_size) = segment.file_range();
-                (address >= start && address - start < file_size)
-                    .then(|| address - start + file_start)
+    fn parse<Elf: FileHeader<Endian = Endianness>>(
+        data: &ReadCache<&File>,
+        class: Class,
+    ) -> std::result::Result<Layout, String> {
+        let header = Elf::parse(data).map_err(|e| e.to_string())?;
+        let endian = header.endian().map_err(|e| e.to_string())?;
+        let segments = header
+            .program_headers(endian, data)
+            .map_err(|e| e.to_string())?;
+        let sections = header.sections(endian, data).map_err(|e| e.to_string())?;
+        let file_size = data.len().map_err(|()| "unknown file size".to_string())?;
+
+        // As `object::read::elf::SymbolTable::parse`: the first table of the type, its
+        // names in the string table its `sh_link` names (none for link 0).
+        let table = |sh_type: u32| -> std::result::Result<Option<SymbolTable>, String> {
+            let Some((_, section)) = sections
+                .enumerate()
+                .find(|(_, section)| section.sh_type(endian) == sh_type)
+            else {
+                return Ok(None);
+            };
+            let symbols = section.file_range(endian).unwrap_or((0, 0));
+            if symbols
+                .0
+                .checked_add(symbols.1)
+                .is_none_or(|end| end > file_size)
+            {
+                return Err("Invalid ELF symbol table data".to_string());
+            }
+            let link = SectionIndex(section.sh_link(endian) as usize);
+            let strings = if link == SectionIndex(0) {
+                (0, 0)
+            } else {
+                let strings = sections.section(link).map_err(|e| e.to_string())?;
+                if strings.sh_type(endian) != elf::SHT_STRTAB {
+                    return Err("Invalid ELF string section type".to_string());
+                }
+                let range = strings.file_range(endian).unwrap_or((0, 0));
+                if range
+                    .0
+                    .checked_add(range.1)
+                    .is_none_or(|end| end > file_size)
+                {
+                    return Err("Invalid ELF string table data".to_string());
+                }
+                range
+            };
+            Ok(Some(SymbolTable { symbols, strings }))
+        };
+        let dynsym = table(elf::SHT_DYNSYM)?;
+        let symtab = table(elf::SHT_SYMTAB)?;
+
+        let loads = segments
+            .iter()
+            .filter(|segment| segment.p_type(endian) == elf::PT_LOAD)
+            .map(|segment| Load {
+                address: segment.p_vaddr(endian).into(),
+                file_offset: segment.p_offset(endian).into(),
+                file_size: segment.p_filesz(endian).into(),
             })
-            .ok_or_else(|| {
-                elf_error(format!(
-                    "symbol {name} at {address:#x} is in no loadable segment"
-                ))
-            })?;
-        offsets.insert(name, offset);
+            .collect();
+
+        // A library without a (readable) build-id is still resolved, just not remembered.
+        let build_id = Layout::build_id::<Elf>(data, endian, segments, &sections);
+        Ok(Layout {
+            class,
+            endian,
+            dynsym,
+            symtab,
+            loads,
+            build_id,
+        })
     }
-    Ok(offsets)
+
+    /// The GNU build-id: from `.note.gnu.build-id`, else from any small note section, else
+    /// (no section headers) from the `PT_NOTE` segments, as `object` looks for it.
+    fn build_id<'data, Elf: FileHeader<Endian = Endianness>>(
+        data: &'data ReadCache<&File>,
+        endian: Endianness,
+        segments: &'data [Elf::ProgramHeader],
+        sections: &object::read::elf::SectionTable<'data, Elf, &'data ReadCache<&File>>,
+    ) -> Option<Vec<u8>> {
+        let from = |notes: object::Result<Option<object::read::elf::NoteIterator<'data, Elf>>>| {
+            let mut notes = notes.ok()??;
+            while let Ok(Some(note)) = notes.next() {
+                if note.name() == elf::ELF_NOTE_GNU && note.n_type(endian) == elf::NT_GNU_BUILD_ID {
+                    return Some(note.desc().to_vec());
+                }
+            }
+            None
+        };
+        if sections.is_empty() {
+            return segments
+                .iter()
+                .filter(|segment| segment.p_filesz(endian).into() <= NOTE_LIMIT)
+                .find_map(|segment| from(segment.notes(endian, data)));
+        }
+        if let Some((_, section)) = sections.section_by_name(endian, b".note.gnu.build-id")
+            && let Some(id) = from(section.notes(endian, data))
+        {
+            return Some(id);
+        }
+        sections
+            .iter()
+            .filter(|section| section.sh_size(endian).into() <= NOTE_LIMIT)
+            .find_map(|section| from(section.notes(endian, data)))
+    }
+
+    /// The addresses of the symbols named `names` (sorted, unique) that the library
+    /// defines, reading the tables `chunk` bytes at a time.
+    fn addresses(
+        &self,
+        file: &File,
+        names: &[&str],
+        chunk: usize,
+    ) -> std::result::Result<HashMap<String, u64>, String> {
+        let mut addresses: HashMap<&str, u64> = HashMap::with_capacity(names.len());
+        // The static table is read only when the dynamic one lacks a wanted name: it is
+        // the large one.
+        for table in [self.dynsym, self.symtab].into_iter().flatten() {
+            let missing: Vec<&str> = names
+                .iter()
+                .copied()
+                .filter(|name| !addresses.contains_key(name))
+                .collect();
+            if missing.is_empty() {
+                break;
+            }
+            let at = name_offsets(file, table.strings, &missing, chunk)?;
+            if at.is_empty() {
+                continue;
+            }
+            let scan = match self.class {
+                Class::Elf32 => scan_symbols::<elf::FileHeader32<Endianness>>,
+                Class::Elf64 => scan_symbols::<elf::FileHeader64<Endianness>>,
+            };
+            scan(
+                file,
+                self.endian,
+                table.symbols,
+                &at,
+                &missing,
+                chunk,
+                &mut addresses,
+            )?;
+        }
+
+        Ok(addresses
+            .into_iter()
+            .map(|(name, address)| (name.to_string(), address))
+            .collect())
+    }
+
+    /// Symbol addresses → file offsets, through the `PT_LOAD` segment holding each.
+    fn file_offsets(
+        &self,
+        addresses: HashMap<String, u64>,
+    ) -> std::result::Result<HashMap<String, u64>, String> {
+        let mut offsets = HashMap::with_capacity(addresses.len());
+        for (name, address) in addresses {
+            let offset = self
+                .loads
+                .iter()
+                .find_map(|load| {
+                    (address >= load.address && address - load.address < load.file_size)
+                        .then(|| address - load.address + load.file_offset)
+                })
+                .ok_or_else(|| {
+                    format!("symbol {name} at {address:#x} is in no loadable segment")
+                })?;
+            offsets.insert(name, offset);
+        }
+        Ok(offsets)
+    }
+}
+
+/// Where in the string table at `(offset, size)` each of `names` is a whole string: the
+/// offsets `o` where the table holds the name followed by NUL, with the name's index,
+/// sorted by offset.
+/// The byte before `o` may be anything: linkers share tails (`foo` may be the end of
+/// `xfoo`), and a symbol named `xfoo` points at the `x`, not at `o`.
+///
+/// Reads `chunk` bytes at a time, keeping the last bytes of the previous read (as many as
+/// the longest name) so that a name across two reads is found.
+fn name_offsets(
+    file: &File,
+    (offset, size): (u64, u64),
+    names: &[&str],
+    chunk: usize,
+) -> std::result::Result<Vec<(u64, usize)>, String> {
+    let keep = names.iter().map(|name| name.len()).max().unwrap_or(0);
+    let chunk = chunk.max(1);
+    let mut buffer = Vec::with_capacity(keep + chunk.min(usize::try_from(size).unwrap_or(chunk)));
+    let mut at = Vec::new();
+    let mut read = 0u64;
+    while read < size {
+        let len = (size - read).min(chunk as u64) as usize;
+        let kept = buffer.len();
+        buffer.resize(kept + len, 0);
+        file.read_exact_at(&mut buffer[kept..], offset + read)
+            .map_err(|e| format!("reading the string table: {e}"))?;
+        // The table offset of buffer[0].
+        let base = read - kept as u64;
+        for end in nul_positions(&buffer[kept..]).map(|at| kept + at) {
+            let before = &buffer[..end];
+            let Some(&last) = before.last() else {
+                continue;
+            };
+            for (index, name) in names.iter().enumerate() {
+                let name = name.as_bytes();
+                if name.last() == Some(&last) && before.ends_with(name) {
+                    at.push((base + (end - name.len()) as u64, index));
+                }
+            }
+        }
+        read += len as u64;
+        let done = buffer.len().saturating_sub(keep);
+        buffer.drain(..done);
+    }
+    // Found in the order of their ends; two at one offset would be one name.
+    at.sort_unstable();
+    Ok(at)
+}
+
+/// The positions of the NUL bytes in `bytes`. Names are long (C++ ones, a hundred bytes
+/// and more), so most words of eight bytes hold no NUL and are passed over whole.
+fn nul_positions(bytes: &[u8]) -> impl Iterator<Item = usize> + '_ {
+    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+    const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+    bytes
+        .chunks(8)
+        .enumerate()
+        .filter(|(_, word)| match <[u8; 8]>::try_from(*word) {
+            // Non-zero exactly when one of the bytes is zero.
+            Ok(word) => {
+                let word = u64::from_ne_bytes(word);
+                word.wrapping_sub(ONES) & !word & HIGHS != 0
+            }
+            Err(_) => true,
+        })
+        .flat_map(|(index, word)| {
+            word.iter()
+                .enumerate()
+                .filter(|(_, byte)| **byte == 0)
+                .map(move |(at, _)| index * 8 + at)
+        })
+}
+
+/// Adds to `addresses` the address of each symbol of the table at `(offset, size)` whose
+/// name is at one of the string table offsets `at` (the names' indexes in `names`), if it
+/// is a definition with a non-zero address and the first for its name.
+fn scan_symbols<'a, Elf: FileHeader<Endian = Endianness>>(
+    file: &File,
+    endian: Endianness,
+    (offset, size): (u64, u64),
+    at: &[(u64, usize)],
+    names: &[&'a str],
+    chunk: usize,
+    addresses: &mut HashMap<&'a str, u64>,
+) -> std::result::Result<(), String> {
+    let entry = mem::size_of::<Elf::Sym>();
+    // As `object`: a trailing partial entry is ignored.
+    let count = size / entry as u64;
+    let per_read = (chunk / entry).max(1);
+    // u64 words: the entries read in place need their alignment.
+    let mut words = vec![0u64; (per_read.min(count as usize) * entry).div_ceil(8)];
+    let mut found = 0;
+    let mut done = 0u64;
+    while done < count && found < names.len() {
+        let entries = (count - done).min(per_read as u64) as usize;
+        let bytes = &mut object::pod::bytes_of_slice_mut(&mut words)[..entries * entry];
+        file.read_exact_at(bytes, offset + done * entry as u64)
+            .map_err(|e| format!("reading the symbol table: {e}"))?;
+        let (symbols, _) = object::pod::slice_from_bytes::<Elf::Sym>(bytes, entries)
+            .map_err(|()| "misaligned symbol table buffer".to_string())?;
+        for symbol in symbols {
+            let st_name = u64::from(symbol.st_name(endian));
+            let Ok(found_at) = at.binary_search_by_key(&st_name, |(offset, _)| *offset) else {
+                continue;
+            };
+            let index = at[found_at].1;
+            let name = names[index];
+            let address: u64 = symbol.st_value(endian).into();
+            if address == 0 || !is_definition::<Elf>(symbol, endian, name) {
+                continue;
+            }
+            if let std::collections::hash_map::Entry::Vacant(entry) = addresses.entry(name) {
+                entry.insert(address);
+                found += 1;
+            }
+        }
+        done += entries as u64;
+    }
+    Ok(())
+}
+
+/// `object`'s `Sym::is_definition`, given the name: a symbol in a section (or one named
+/// through `SHT_SYMTAB_SHNDX`) that is a function, an object or untyped, except the local
+/// untyped mapping symbols (`$x`, `$d`).
+fn is_definition<Elf: FileHeader<Endian = Endianness>>(
+    symbol: &Elf::Sym,
+    endian: Endianness,
+    name: &str,
+) -> bool {
+    let shndx = symbol.st_shndx(endian);
+    if shndx == elf::SHN_UNDEF || (shndx >= elf::SHN_LORESERVE && shndx != elf::SHN_XINDEX) {
+        return false;
+    }
+    match symbol.st_type() {
+        elf::STT_NOTYPE if symbol.st_bind() == elf::STB_LOCAL => !name.starts_with('$'),
+        elf::STT_FUNC | elf::STT_OBJECT | elf::STT_NOTYPE => true,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        fs,
+        path::PathBuf,
+        process::Command,
+        time::{Duration, Instant},
+    };
+
+    use memmap2::Mmap;
+    use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
+
+    use super::*;
+
+    /// A library with symbols in both tables: exported ones (`.dynsym` and `.symtab`),
+    /// local ones (`.symtab` only), and names that are tails of other names.
+    const SOURCE: &str = r#"
+        int lens_dynamic(int a) { return a + 1; }
+        static __attribute__((noinline, used)) int lens_static_only(int a) { return a * 3; }
+        int lens_calls_static(int a) { return lens_static_only(a) + 1; }
+        /* lens_tail is only ever the end of a longer name. */
+        int xlens_tail(int a) { return a + 4; }
+        static __attribute__((noinline, used)) int xlens_static_tail(int a) { return a + 5; }
+        int lens_calls_static_tail(int a) { return xlens_static_tail(a) + 1; }
+        /* lens_shared is a name of its own, which GNU ld stores as the tail of xlens_shared. */
+        int xlens_shared(int a) { return a + 6; }
+        int lens_shared(int a) { return a + 7; }
+    "#;
+
+    const WANTED: &[&str] = &[
+        "lens_dynamic",
+        "lens_static_only",
+        "lens_tail",
+        "lens_static_tail",
+        "lens_shared",
+        "xlens_shared",
+        "lens_missing",
+        "lens_dynamic",
+        "",
+    ];
+
+    /// A fresh directory, removed on drop.
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(name: &str) -> Dir {
+            let path = std::env::temp_dir()
+                .join(format!("lens-probe-symbols-{}-{name}", std::process::id()));
+            let _ = fs::remove_dir_all(&path);
+            fs::create_dir_all(&path).unwrap();
+            Dir(path)
+        }
+
+        /// Compiles `source` into a shared library named `name`.
+        fn library(&self, name: &str, source: &str, flags: &[&str]) -> PathBuf {
+            let c = self.0.join(format!("{name}.c"));
+            fs::write(&c, source).unwrap();
+            let library = self.0.join(name);
+            let out = Command::new("cc")
+                .args(["-shared", "-fPIC", "-O1", "-fno-inline"])
+                .args(flags)
+                .arg("-o")
+                .arg(&library)
+                .arg(&c)
+                .output()
+                .expect("a C compiler (cc) to build the test library");
+            assert!(
+                out.status.success(),
+                "cc failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            library
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// The implementation this module replaced: the whole file mapped, `object` walking
+    /// its symbols.
+    fn with_object(path: &Path, wanted: &[&str]) -> HashMap<String, u64> {
+        let file = File::open(path).unwrap();
+        // SAFETY: a read-only mapping of a library nobody writes meanwhile.
+        let data = unsafe { Mmap::map(&file) }.unwrap();
+        let elf = object::File::parse(&*data).unwrap();
+        let mut addresses: HashMap<String, u64> = HashMap::new();
+        let collect = |symbols: &mut dyn Iterator<Item = object::Symbol<'_, '_>>,
+                       addresses: &mut HashMap<String, u64>| {
+            for symbol in symbols {
+                if !symbol.is_definition() || symbol.address() == 0 {
+                    continue;
+                }
+                let Ok(name) = symbol.name_bytes() else {
+                    continue;
+                };
+                if let Some(found) = wanted.iter().find(|w| w.as_bytes() == name) {
+                    addresses
+                        .entry((*found).to_string())
+                        .or_insert(symbol.address());
+                }
+            }
+        };
+        collect(&mut elf.dynamic_symbols(), &mut addresses);
+        if addresses.len() < wanted.len() {
+            collect(&mut elf.symbols(), &mut addresses);
+        }
+        addresses
+            .into_iter()
+            .map(|(name, address)| {
+                let offset = elf
+                    .segments()
+                    .find_map(|segment| {
+                        let start = segment.address();
+                        let (file_start, file_size) = segment.file_range();
+                        (address >= start && address - start < file_size)
+                            .then(|| address - start + file_start)
+                    })
+                    .unwrap();
+                (name, offset)
+            })
+            .collect()
+    }
+
+    /// A copy of `library` at `copy` with its string tables zeroed (no symbol names, the
+    /// same build-id) and its `PT_LOAD` segments said to start `shift` bytes further into
+    /// the file (a 64-bit little-endian library).
+    fn copy_without_names(library: &Path, copy: &Path, shift: u64) {
+        let mut bytes = fs::read(library).unwrap();
+        let field = |bytes: &[u8], at: usize, size: usize| {
+            let mut word = [0; 8];
+            word[..size].copy_from_slice(&bytes[at..at + size]);
+            u64::from_le_bytes(word) as usize
+        };
+        let (phoff, phentsize, phnum) = (
+            field(&bytes, 32, 8),
+            field(&bytes, 54, 2),
+            field(&bytes, 56, 2),
+        );
+        for header in (0..phnum).map(|i| phoff + i * phentsize) {
+            if field(&bytes, header, 4) == elf::PT_LOAD as usize {
+                let offset = field(&bytes, header + 8, 8) as u64 + shift;
+                bytes[header + 8..header + 16].copy_from_slice(&offset.to_le_bytes());
+            }
+        }
+        let ranges: Vec<(u64, u64)> = {
+            let elf = object::File::parse(&*bytes).unwrap();
+            [".dynstr", ".strtab"]
+                .iter()
+                .filter_map(|name| elf.section_by_name(name)?.file_range())
+                .collect()
+        };
+        assert_eq!(
+            ranges.len(),
+            2,
+            "{} has both string tables",
+            library.display()
+        );
+        for (start, size) in ranges {
+            bytes[start as usize..(start + size) as usize].fill(0);
+        }
+        fs::write(copy, bytes).unwrap();
+    }
+
+    fn new_memo() -> Memo {
+        Mutex::new(None)
+    }
+
+    #[test]
+    fn offsets_are_the_ones_object_finds_for_any_chunk_size() {
+        let dir = Dir::new("chunks");
+        let library = dir.library("libboth.so", SOURCE, &[]);
+        let expected = with_object(&library, WANTED);
+        // 7 bytes: every name here straddles reads; 1: the extreme.
+        for chunk in [1, 2, 3, 7, 13, 64, 4096, CHUNK] {
+            let offsets = resolve(&library, WANTED, chunk, None).unwrap();
+            assert_eq!(offsets, expected, "chunk of {chunk} bytes");
+        }
+    }
+
+    #[test]
+    fn a_dynamic_symbol_resolves() {
+        let dir = Dir::new("dynamic");
+        let library = dir.library("libboth.so", SOURCE, &[]);
+        let offsets = resolve(&library, &["lens_dynamic"], 7, None).unwrap();
+        let expected = with_object(&library, &["lens_dynamic"]);
+        assert!(expected.contains_key("lens_dynamic"));
+        assert_eq!(offsets, expected);
+    }
+
+    #[test]
+    fn a_static_only_symbol_resolves_from_symtab() {
+        let dir = Dir::new("static");
+        let library = dir.library("libboth.so", SOURCE, &[]);
+        let offsets = resolve(&library, &["lens_static_only", "lens_dynamic"], 7, None).unwrap();
+        let expected = with_object(&library, &["lens_static_only", "lens_dynamic"]);
+        assert!(expected.contains_key("lens_static_only"));
+        assert_eq!(offsets, expected);
+        // Stripped of .symtab, only the exported one is left.
+        let stripped = dir.library("libstripped.so", SOURCE, &["-s"]);
+        let offsets = resolve(&stripped, &["lens_static_only", "lens_dynamic"], 7, None).unwrap();
+        assert_eq!(offsets.keys().collect::<Vec<_>>(), ["lens_dynamic"]);
+    }
+
+    #[test]
+    fn a_missing_name_is_left_out() {
+        let dir = Dir::new("missing");
+        let library = dir.library("libboth.so", SOURCE, &[]);
+        let offsets = resolve(&library, &["lens_missing", ""], 7, None).unwrap();
+        assert!(offsets.is_empty(), "{offsets:?}");
+    }
+
+    #[test]
+    fn a_name_is_not_found_as_the_tail_of_a_longer_one() {
+        let dir = Dir::new("tails");
+        let library = dir.library("libboth.so", SOURCE, &[]);
+        let wanted = [
+            "lens_tail",
+            "lens_static_tail",
+            "lens_shared",
+            "xlens_shared",
+        ];
+        let offsets = resolve(&library, &wanted, 7, None).unwrap();
+        assert_eq!(offsets, with_object(&library, &wanted));
+        assert!(!offsets.contains_key("lens_tail"));
+        assert!(!offsets.contains_key("lens_static_tail"));
+        // A name of its own stored as another's tail is found, at its own symbol.
+        assert_ne!(offsets["lens_shared"], offsets["xlens_shared"]);
+    }
+
+    #[test]
+    fn the_memo_answers_for_a_copy_with_the_same_build_id() {
+        let dir = Dir::new("memo");
+        let library = dir.library("libboth.so", SOURCE, &["-Wl,--build-id=sha1"]);
+        let copy = dir.0.join("libcopy.so");
+        copy_without_names(&library, &copy, 0x1000);
+        let memo = new_memo();
+        let offsets = resolve(&library, WANTED, CHUNK, Some(&memo)).unwrap();
+        assert!(!offsets.is_empty());
+        assert!(resolve(&copy, WANTED, CHUNK, None).unwrap().is_empty());
+        // Same build-id and table sizes, same names (in any order): not scanned again, and
+        // the offsets are the copy's own.
+        let mut reordered = WANTED.to_vec();
+        reordered.reverse();
+        let shifted: HashMap<String, u64> = offsets
+            .iter()
+            .map(|(name, offset)| (name.clone(), offset + 0x1000))
+            .collect();
+        assert_eq!(
+            resolve(&copy, &reordered, CHUNK, Some(&memo)).unwrap(),
+            shifted
+        );
+        // Other names are another question.
+        assert!(
+            resolve(&copy, &["lens_dynamic"], CHUNK, Some(&memo))
+                .unwrap()
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_library_without_build_id_is_not_remembered() {
+        let dir = Dir::new("no-build-id");
+        let library = dir.library("libboth.so", SOURCE, &["-Wl,--build-id=none"]);
+        let copy = dir.0.join("libcopy.so");
+        copy_without_names(&library, &copy, 0);
+        let memo = new_memo();
+        assert!(
+            !resolve(&library, WANTED, CHUNK, Some(&memo))
+                .unwrap()
+                .is_empty()
+        );
+        assert!(
+            resolve(&copy, WANTED, CHUNK, Some(&memo))
+                .unwrap()
+                .is_empty()
+        );
+        assert!(memo.lock().unwrap().as_ref().is_none_or(HashMap::is_empty));
+    }
+
+    #[test]
+    fn the_memo_stays_bounded() {
+        let dir = Dir::new("bounded");
+        let library = dir.library("libboth.so", SOURCE, &["-Wl,--build-id=sha1"]);
+        let memo = new_memo();
+        for i in 0..MEMO_CAPACITY * 2 + 1 {
+            let name = format!("lens_name_{i}");
+            resolve(&library, &[&name], CHUNK, Some(&memo)).unwrap();
+            let held = memo.lock().unwrap().as_ref().map_or(0, HashMap::len);
+            assert!(held <= MEMO_CAPACITY, "{held} results held");
+        }
+    }
+
+    #[test]
+    fn unreadable_libraries_are_elf_errors() {
+        let dir = Dir::new("errors");
+        let library = dir.library("libboth.so", SOURCE, &[]);
+        let text = dir.0.join("not-elf.so");
+        fs::write(&text, "not an ELF file\n").unwrap();
+        let bytes = fs::read(&library).unwrap();
+        let truncated = dir.0.join("truncated.so");
+        fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+        for path in [dir.0.join("absent.so"), text, truncated] {
+            match resolve_file_offsets(&path, &["lens_dynamic"]) {
+                Err(LensError::Elf { path: at, .. }) => assert_eq!(at, path),
+                other => panic!("{}: {other:?}", path.display()),
+            }
+        }
+    }
+
+    fn peak_rss_kib() -> u64 {
+        let status = fs::read_to_string("/proc/self/status").unwrap();
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmHWM:"))
+            .and_then(|kib| kib.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    }
+
+    /// The real libtorch_cpu.so (`LENS_LIBTORCH_CPU`, else the test venv's): the offsets
+    /// are the ones `object` finds, and the peak RSS and time of both are printed.
+    /// `cargo test -p lens-userspace --lib probes::symbols -- --ignored --nocapture`
+    #[test]
+    #[ignore = "needs libtorch_cpu.so; measures memory"]
+    fn libtorch_offsets_and_peak_memory() {
+        let library = std::env::var_os("LENS_LIBTORCH_CPU")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                let home = PathBuf::from(std::env::var_os("HOME").unwrap());
+                let lib = home.join(".cache/lens-probe/torch-venv/lib");
+                fs::read_dir(&lib)
+                    .unwrap()
+                    .flatten()
+                    .map(|python| {
+                        python
+                            .path()
+                            .join("site-packages/torch/lib/libtorch_cpu.so")
+                    })
+                    .find(|path| path.exists())
+                    .expect("libtorch_cpu.so in the torch venv")
+            });
+        let wanted = [
+            // .dynsym
+            "_ZN5torch8autograd6Engine7executeERKSt6vectorINS0_4EdgeESaIS3_EERKS2_IN2at6TensorESaIS9_EEbbbS7_",
+            "_ZN5torch8autograd8profiler25record_function_enter_newERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEERKSt8optionalIS7_E",
+            "_ZN6caffe29serialize19PyTorchStreamWriterD1Ev",
+            "_ZN4c10d16ProcessGroupGloo7barrierERKNS_14BarrierOptionsE",
+            "_ZN2at14RecordFunction3endEv",
+            // .symtab only
+            "_ZN5torch8autograd8profilerL24record_function_exit_newERKN3c1013intrusive_ptrINS1_20PythonRecordFunctionENS2_6detail34intrusive_target_default_null_typeIS4_EEEE",
+            "_ZN5torch8autograd8profilerL27record_function_exit_legacyERKN2at6TensorE",
+        ];
+        let measure = |what: &str, resolve: &dyn Fn() -> HashMap<String, u64>| {
+            let before = peak_rss_kib();
+            let start = Instant::now();
+            let offsets = resolve();
+            let took: Duration = start.elapsed();
+            let after = peak_rss_kib();
+            println!(
+                "{what}: {} of {} names, {took:.2?}, VmHWM {before} kB -> {after} kB (+{} kB)",
+                offsets.len(),
+                wanted.len(),
+                after - before
+            );
+            offsets
+        };
+        // The bounded reads first: VmHWM only grows.
+        let streamed = measure("pread, bounded buffers", &|| {
+            resolve(&library, &wanted, CHUNK, None).unwrap()
+        });
+        let memo = new_memo();
+        resolve(&library, &wanted, CHUNK, Some(&memo)).unwrap();
+        let remembered = measure("build-id memo hit", &|| {
+            resolve(&library, &wanted, CHUNK, Some(&memo)).unwrap()
+        });
+        let mapped = measure("mmap + object", &|| with_object(&library, &wanted));
+        assert_eq!(streamed, mapped);
+        assert_eq!(remembered, mapped);
+        assert_eq!(streamed.len(), wanted.len());
+    }
 }
