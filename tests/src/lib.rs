@@ -23,6 +23,13 @@ pub fn trainer() -> PathBuf {
     fixtures_dir().join("trainer")
 }
 
+/// `hammer KIND N`: calls one function of the fake libraries N times in a loop and
+/// prints the loop's time (KIND: `launch`, `sync`, `collective`, `group`; see
+/// `tests/README.md`). Linked like [`trainer`]. Used by `cargo xtask bench`.
+pub fn hammer() -> PathBuf {
+    fixtures_dir().join("hammer")
+}
+
 /// The program that `dlopen`s the real `libcudart.so.12` and `libnccl.so.2` by path
 /// and calls each probed function once: `real_libs_caller <cudart> <nccl>`.
 pub fn real_libs_caller() -> PathBuf {
@@ -315,6 +322,7 @@ mod tests {
     fn fixtures_exist() {
         for p in [
             trainer(),
+            hammer(),
             real_libs_caller(),
             fake_lib_dir().join("libcudart.so.12"),
             fake_lib_dir().join("libnccl.so.2"),
@@ -361,6 +369,35 @@ mod tests {
             took >= std::time::Duration::from_millis(51),
             "trainer took only {took:?}"
         );
+    }
+
+    #[test]
+    fn hammer_calls_one_function_n_times() {
+        for kind in ["launch", "sync", "collective", "group"] {
+            let out = Command::new(hammer())
+                .args([kind, "3"])
+                .env("LENS_FAKE_SYNC_MS", "0")
+                .output()
+                .expect("running hammer");
+            assert!(out.status.success(), "hammer {kind} 3: {:?}", out.status);
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let time = stdout
+                .strip_prefix(&format!("hammer: {kind} 3 calls in "))
+                .and_then(|rest| rest.strip_suffix(" ns\n"))
+                .unwrap_or_else(|| panic!("hammer {kind} 3 printed {stdout:?}"));
+            assert!(time.parse::<u64>().is_ok(), "{stdout:?}");
+        }
+        for bad in [&["launch"][..], &["launch", "x"], &["teleport", "3"]] {
+            let out = Command::new(hammer()).args(bad).output().unwrap();
+            assert_eq!(out.status.code(), Some(2), "hammer {bad:?}");
+        }
+        let dyn_section = run_tool("readelf", &["-d", hammer().to_str().unwrap()]);
+        for needed in ["[libcudart.so.12]", "[libnccl.so.2]", "[$ORIGIN]"] {
+            assert!(
+                dyn_section.contains(needed),
+                "hammer lacks {needed}:\n{dyn_section}"
+            );
+        }
     }
 
     #[test]
