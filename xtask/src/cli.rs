@@ -1,5 +1,7 @@
 //! Hand-parsed command line of `cargo xtask`.
 
+use crate::bench::Blocks;
+
 pub const USAGE: &str = "\
 usage: cargo xtask <command>
 
@@ -11,21 +13,31 @@ commands:
   build-ebpf [--debug]  build the eBPF object into target/bpf and print its path (release by default)
   test                  setup, then build, test, clippy -D warnings and fmt --check the workspace
   demo                  setup, build lens-probe and the fixtures, trace the fake trainer
-  bench [--quick] [--rounds N]
-                        measure lens-probe's overhead (per-hit cost vs bpftrace, slowdown per
-                        preset on the fake trainer and on PyTorch, attach time, CPU and RSS,
-                        event throughput), variants interleaved, N rounds (default 5), medians;
-                        prints one markdown table and writes it into docs/performance.md.
-                        Needs root. --quick: 1 round, smaller loops, docs left as they are
+  bench [--quick] [--rounds N] [--only BLOCK,...]
+                        measure lens-probe's overhead (per-hit cost vs bpftrace, overall and
+                        per probe kind, slowdown per preset on the fake trainer and on
+                        PyTorch, attach time, CPU and RSS, event throughput), variants
+                        interleaved, N rounds (default 5), medians; prints one markdown table
+                        and writes it into docs/performance.md. Needs root. --quick: 1 round,
+                        smaller loops, docs left as they are. --only: these blocks only
+                        (trainer, per-kind, torch, attach, throughput), docs left as they are
   help                  print this help";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Command {
-    Setup { dry_run: bool },
-    BuildEbpf { release: bool },
+    Setup {
+        dry_run: bool,
+    },
+    BuildEbpf {
+        release: bool,
+    },
     Test,
     Demo,
-    Bench { quick: bool, rounds: Option<u32> },
+    Bench {
+        quick: bool,
+        rounds: Option<u32>,
+        only: Option<Blocks>,
+    },
     Help,
 }
 
@@ -64,6 +76,7 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
         "bench" => {
             let mut quick = false;
             let mut rounds = None;
+            let mut only = None;
             let mut args = rest.iter();
             while let Some(arg) = args.next() {
                 let value = match *arg {
@@ -73,9 +86,21 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
                     }
                     "-h" | "--help" => return Ok(Command::Help),
                     "--rounds" => args.next().copied(),
-                    other => match other.strip_prefix("--rounds=") {
-                        Some(value) => Some(value),
-                        None => return unexpected("bench", other),
+                    "--only" => {
+                        let list = args.next().ok_or("`--only` needs a list of blocks")?;
+                        only = Some(Blocks::parse(list)?);
+                        continue;
+                    }
+                    other => match (
+                        other.strip_prefix("--rounds="),
+                        other.strip_prefix("--only="),
+                    ) {
+                        (Some(value), _) => Some(value),
+                        (_, Some(list)) => {
+                            only = Some(Blocks::parse(list)?);
+                            continue;
+                        }
+                        _ => return unexpected("bench", other),
                     },
                 };
                 match value.map(str::parse::<u32>) {
@@ -89,7 +114,11 @@ pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
                     None => return Err("`--rounds` needs a value".into()),
                 }
             }
-            Ok(Command::Bench { quick, rounds })
+            Ok(Command::Bench {
+                quick,
+                rounds,
+                only,
+            })
         }
         cmd @ ("test" | "demo") => match rest.first() {
             None => Ok(if cmd == "test" {
@@ -137,28 +166,49 @@ mod tests {
             parse(&["bench"]),
             Ok(Command::Bench {
                 quick: false,
-                rounds: None
+                rounds: None,
+                only: None
             })
         );
         assert_eq!(
             parse(&["bench", "--quick"]),
             Ok(Command::Bench {
                 quick: true,
-                rounds: None
+                rounds: None,
+                only: None
             })
         );
         assert_eq!(
             parse(&["bench", "--rounds", "3", "--quick"]),
             Ok(Command::Bench {
                 quick: true,
-                rounds: Some(3)
+                rounds: Some(3),
+                only: None
             })
         );
         assert_eq!(
             parse(&["bench", "--rounds=7"]),
             Ok(Command::Bench {
                 quick: false,
-                rounds: Some(7)
+                rounds: Some(7),
+                only: None
+            })
+        );
+        let only = Blocks::parse("per-kind,throughput").unwrap();
+        assert_eq!(
+            parse(&["bench", "--only", "per-kind,throughput", "--quick"]),
+            Ok(Command::Bench {
+                quick: true,
+                rounds: None,
+                only: Some(only)
+            })
+        );
+        assert_eq!(
+            parse(&["bench", "--only=per-kind,throughput"]),
+            Ok(Command::Bench {
+                quick: false,
+                rounds: None,
+                only: Some(only)
             })
         );
     }
@@ -192,6 +242,17 @@ mod tests {
             Err("`--rounds` wants a whole number of at least 1, not `0`".to_owned())
         );
         assert!(parse(&["bench", "--rounds", "x"]).is_err());
+        assert_eq!(
+            parse(&["bench", "--only"]),
+            Err("`--only` needs a list of blocks".to_owned())
+        );
+        assert_eq!(
+            parse(&["bench", "--only", "trainer,gpu"]),
+            Err(
+                "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput)"
+                    .to_owned()
+            )
+        );
         assert_eq!(
             parse(&["bench", "--fast"]),
             Err("unexpected argument `--fast` for `bench`".to_owned())

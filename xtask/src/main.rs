@@ -40,13 +40,21 @@ fn main() -> ExitCode {
         cli::Command::BuildEbpf { release } => build_ebpf(release),
         cli::Command::Test => test(),
         cli::Command::Demo => demo(),
-        cli::Command::Bench { quick, rounds } => {
+        cli::Command::Bench {
+            quick,
+            rounds,
+            only,
+        } => {
             let rounds = rounds.unwrap_or(if quick {
                 1
             } else {
                 bench::Options::DEFAULT_ROUNDS
             });
-            match bench::run(bench::Options { rounds, quick }) {
+            match bench::run(bench::Options {
+                rounds,
+                quick,
+                blocks: only.unwrap_or(bench::Blocks::ALL),
+            }) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }

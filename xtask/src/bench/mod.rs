@@ -8,14 +8,22 @@
 //! 1. the fake `trainer` (tests/fixtures) uninstrumented, under lens-probe with each
 //!    preset, and under bpftrace `count()` on the same functions: per-hit cost,
 //!    launch-heavy slowdown per preset and event throughput (from `--summary-json`);
-//! 2. the real PyTorch script `tests/fixtures/torch/train.py` (torch venv) per preset:
+//! 2. per probe kind ([`per_kind`]): `hammer KIND N` calls one function N times, under
+//!    bpftrace and lens-probe: per-hit cost of launches, syncs, collectives, groups;
+//! 3. the real PyTorch script `tests/fixtures/torch/train.py` (torch venv) per preset:
 //!    loop time (from its `step 0` line to the end of the process), and lens-probe's CPU
 //!    and memory during the `per_step` runs;
-//! 3. `--pid` attach to a running PyTorch process.
+//! 4. `--pid` attach to a running PyTorch process;
+//! 5. the user side's event throughput ([`throughput`]): a kernel-side generator feeds
+//!    the ring buffer, decoder and span builder at increasing rates.
+//!
+//! `--only` runs some of them (then docs/performance.md is left as it is).
 
 mod json;
+mod per_kind;
 mod proc;
 mod report;
+mod throughput;
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -32,10 +40,78 @@ use xtask::{toolchain, torch_venv};
 pub struct Options {
     pub rounds: u32,
     pub quick: bool,
+    /// The blocks to run; docs/performance.md is rewritten only when all of them ran.
+    pub blocks: Blocks,
 }
 
 impl Options {
     pub const DEFAULT_ROUNDS: u32 = 5;
+}
+
+/// The bench's blocks, as `--only` names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Block {
+    /// The fake trainer: per-hit cost, slowdown per preset, its events (1, 2a, 5).
+    Trainer,
+    /// Per-hit cost per probe kind (1b).
+    PerKind,
+    /// The PyTorch loop per preset, lens-probe's CPU and memory (2b, 4).
+    Torch,
+    /// `--pid` attach to a running PyTorch process (3, 4).
+    Attach,
+    /// The user side's event throughput from the kernel-side generator (5b).
+    Throughput,
+}
+
+impl Block {
+    pub const ALL: [Block; 5] = [
+        Block::Trainer,
+        Block::PerKind,
+        Block::Torch,
+        Block::Attach,
+        Block::Throughput,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Block::Trainer => "trainer",
+            Block::PerKind => "per-kind",
+            Block::Torch => "torch",
+            Block::Attach => "attach",
+            Block::Throughput => "throughput",
+        }
+    }
+}
+
+/// A set of [`Block`]s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Blocks(u8);
+
+impl Blocks {
+    pub const ALL: Blocks = Blocks((1 << Block::ALL.len()) - 1);
+
+    pub fn contains(self, block: Block) -> bool {
+        self.0 & (1 << block as u8) != 0
+    }
+
+    /// `per-kind,throughput` → those two.
+    pub fn parse(list: &str) -> Result<Blocks, String> {
+        let mut set = 0;
+        for name in list.split(',').map(str::trim) {
+            let block = Block::ALL
+                .into_iter()
+                .find(|b| b.name() == name)
+                .ok_or_else(|| {
+                    let names: Vec<&str> = Block::ALL.iter().map(|b| b.name()).collect();
+                    format!(
+                        "unknown bench block `{name}` (blocks: {})",
+                        names.join(", ")
+                    )
+                })?;
+            set |= 1 << block as u8;
+        }
+        Ok(Blocks(set))
+    }
 }
 
 /// Probed calls per step of the fake `trainer` (the table in tests/README.md): 10 + 1
@@ -205,7 +281,16 @@ pub fn run(opts: Options) -> Result<(), String> {
     preflight()?;
     crate::run_step(
         "bench",
-        &mut crate::cargo(&["build", "--release", "-p", "lens-userspace"]),
+        &mut crate::cargo(&[
+            "build",
+            "--release",
+            "-p",
+            "lens-userspace",
+            "--bin",
+            "lens-probe",
+            "--example",
+            "throughput",
+        ]),
     )?;
     let fixtures = root.join("target").join("bench-fixtures");
     let mut build = Command::new("bash");
@@ -256,31 +341,54 @@ pub fn run(opts: Options) -> Result<(), String> {
     let machine = Machine::read(&ctx.root);
     let mut watch = Watch::default();
     watch.check();
-    let fake = fake_block(&ctx, &mut watch)?;
-    let torch = match &ctx.python {
-        Ok(python) => Some(torch_block(&ctx, python, &mut watch)?),
-        Err(_) => None,
+    let wanted = |block| opts.blocks.contains(block);
+    let python = ctx.python.as_ref().ok();
+    let fake = match wanted(Block::Trainer) {
+        true => Some(fake_block(&ctx, &mut watch)?),
+        false => None,
     };
-    let attach = match &ctx.python {
-        Ok(python) => Some(attach_block(&ctx, python, &mut watch)?),
-        Err(_) => None,
+    let per_kind = match wanted(Block::PerKind) {
+        true => Some(per_kind::block(&ctx, &mut watch, opts.quick)?),
+        false => None,
+    };
+    let torch = match python.filter(|_| wanted(Block::Torch)) {
+        Some(python) => Some(torch_block(&ctx, python, &mut watch)?),
+        None => None,
+    };
+    let attach = match python.filter(|_| wanted(Block::Attach)) {
+        Some(python) => Some(attach_block(&ctx, python, &mut watch)?),
+        None => None,
+    };
+    let throughput = match wanted(Block::Throughput) {
+        true => Some(throughput::block(&ctx, &mut watch, opts.quick)?),
+        false => None,
     };
     watch.check();
     let load_end = loadavg();
 
-    let sections = sections(&ctx, &fake, torch.as_ref(), attach.as_deref());
-    let table = report::table(&sections);
-    let notes = notes(
-        &ctx,
-        &fake,
-        torch.as_ref(),
-        attach.as_deref(),
-        &watch,
-        slack,
-    );
+    let results = Results {
+        blocks: opts.blocks,
+        fake,
+        per_kind,
+        torch,
+        attach,
+        throughput,
+    };
+    let table = report::table(&sections(&ctx, &results));
+    let notes = notes(&ctx, &results, &watch, slack);
+    let only = if opts.blocks == Blocks::ALL {
+        String::new()
+    } else {
+        let names: Vec<&str> = Block::ALL
+            .into_iter()
+            .filter(|b| opts.blocks.contains(*b))
+            .map(Block::name)
+            .collect();
+        format!(" --only {}", names.join(","))
+    };
     let generated = format!(
         "## Latest `cargo xtask bench`\n\n\
-         Generated by `cargo xtask bench{}` ({} round{}, variants interleaved, medians) on \
+         Generated by `cargo xtask bench{}{only}` ({} round{}, variants interleaved, medians) on \
          {}: kernel {}, CPU {}, {} cores, load average {} at the start and {} at the end, \
          commit {}. Took {:.0} s.\n\n{table}\n{notes}",
         if opts.quick { " --quick" } else { "" },
@@ -306,6 +414,8 @@ pub fn run(opts: Options) -> Result<(), String> {
     ));
     if opts.quick {
         say("--quick: docs/performance.md left as it is");
+    } else if opts.blocks != Blocks::ALL {
+        say("--only: docs/performance.md left as it is");
     } else {
         let doc_path = ctx.root.join("docs/performance.md");
         let doc = fs::read_to_string(&doc_path)
@@ -1132,17 +1242,49 @@ fn ratio_to(values: &[f64], base: &[f64]) -> Option<f64> {
     Some(median(values)? / median(base)?)
 }
 
-fn sections(
-    ctx: &Ctx,
-    fake: &FakeBlock,
-    torch: Option<&TorchBlock>,
-    attach: Option<&[AttachRun]>,
-) -> Vec<Section> {
-    let no_torch = ctx.python.as_ref().err().map_or("", String::as_str);
+/// What the blocks that ran measured.
+struct Results {
+    blocks: Blocks,
+    fake: Option<FakeBlock>,
+    per_kind: Option<per_kind::PerKindBlock>,
+    torch: Option<TorchBlock>,
+    attach: Option<Vec<AttachRun>>,
+    throughput: Option<throughput::ThroughputBlock>,
+}
+
+/// The table's sections, in order, for the blocks that ran.
+fn sections(ctx: &Ctx, r: &Results) -> Vec<Section> {
+    let (torch, attach) = (r.torch.as_ref(), r.attach.as_deref());
+    let mut out = Vec::new();
+    if let Some(fake) = &r.fake {
+        out.push(trainer_cost_section(fake));
+    }
+    if let Some(per_kind) = &r.per_kind {
+        out.push(per_kind.section());
+    }
+    let torch_wanted = r.blocks.contains(Block::Torch);
+    if r.fake.is_some() || torch_wanted {
+        out.push(slowdown_section(ctx, r.fake.as_ref(), torch, torch_wanted));
+    }
+    if r.blocks.contains(Block::Attach) {
+        out.push(attach_section(ctx, attach));
+    }
+    if torch_wanted || r.blocks.contains(Block::Attach) {
+        out.push(usage_section(ctx, torch, torch_wanted, attach));
+    }
+    if let Some(fake) = &r.fake {
+        out.push(trainer_throughput_section(fake));
+    }
+    if let Some(throughput) = &r.throughput {
+        out.push(throughput.section());
+    }
+    out
+}
+
+/// Section 1: Per-hit cost on the fake trainer.
+fn trainer_cost_section(fake: &FakeBlock) -> Section {
     let none = fake.times(Fake::None);
     let calls = fake.calls();
-
-    // 1. Per-hit cost.
     let mut rows = vec![row(
         format!("uninstrumented `trainer {}`", fake.steps),
         &none,
@@ -1201,38 +1343,49 @@ fn sections(
             _ => rows.push(row(label, &values, fmt_duration, ratio, target, met)),
         }
     }
-    let mut out = vec![Section {
+    Section {
         title: format!(
             "1. Per-hit cost on the fake libraries (`trainer {}`: {} probed calls per run; ratio of the per-call rows: to bpftrace's floor)",
             fake.steps,
             fmt_count(calls as f64)
         ),
         rows,
-    }];
+    }
+}
 
-    // 2. Slowdown per preset.
+/// Section 2: Slowdown per preset: (a) the fake trainer, (b) PyTorch when `torch_wanted`.
+fn slowdown_section(
+    ctx: &Ctx,
+    fake: Option<&FakeBlock>,
+    torch: Option<&TorchBlock>,
+    torch_wanted: bool,
+) -> Section {
+    let no_torch = ctx.python.as_ref().err().map_or("", String::as_str);
     let mut rows = Vec::new();
-    rows.push(row(
-        format!(
-            "(a) fake trainer, launch-heavy, `trainer {}`: none",
-            fake.steps
-        ),
-        &none,
-        fmt_duration,
-        Some(1.0),
-        "",
-        Met::NoTarget,
-    ));
-    for preset in PRESETS {
-        let t = fake.times(Fake::Lens(preset));
+    if let Some(fake) = fake {
+        let none = fake.times(Fake::None);
         rows.push(row(
-            format!("(a) fake trainer: `{preset}`"),
-            &t,
+            format!(
+                "(a) fake trainer, launch-heavy, `trainer {}`: none",
+                fake.steps
+            ),
+            &none,
             fmt_duration,
-            ratio_to(&t, &none),
+            Some(1.0),
             "",
             Met::NoTarget,
         ));
+        for preset in PRESETS {
+            let t = fake.times(Fake::Lens(preset));
+            rows.push(row(
+                format!("(a) fake trainer: `{preset}`"),
+                &t,
+                fmt_duration,
+                ratio_to(&t, &none),
+                "",
+                Met::NoTarget,
+            ));
+        }
     }
     match torch {
         Some(torch) => {
@@ -1268,18 +1421,22 @@ fn sections(
                 ));
             }
         }
-        None => rows.push(Row::not_measured(
+        None if torch_wanted => rows.push(Row::not_measured(
             "(b) PyTorch loop: `per_step`",
             "≤ 1.005× (≤ 0.5 %)",
             no_torch,
         )),
+        None => {}
     }
-    out.push(Section {
+    Section {
         title: "2. Training-loop slowdown per preset (ratio: to uninstrumented)".into(),
         rows,
-    });
+    }
+}
 
-    // 3. Attach.
+/// Section 3: Attach time.
+fn attach_section(ctx: &Ctx, attach: Option<&[AttachRun]>) -> Section {
+    let no_torch = ctx.python.as_ref().err().map_or("", String::as_str);
     let rows = match attach {
         Some(runs) => {
             let tracing: Vec<f64> = runs.iter().map(|r| r.tracing_s).collect();
@@ -1334,12 +1491,20 @@ fn sections(
             no_torch,
         )],
     };
-    out.push(Section {
+    Section {
         title: "3. Attach time".into(),
         rows,
-    });
+    }
+}
 
-    // 4. CPU and RSS.
+/// Section 4: lens-probe's CPU and memory.
+fn usage_section(
+    ctx: &Ctx,
+    torch: Option<&TorchBlock>,
+    torch_wanted: bool,
+    attach: Option<&[AttachRun]>,
+) -> Section {
+    let no_torch = ctx.python.as_ref().err().map_or("", String::as_str);
     let mut rows = Vec::new();
     let cpu_target = "≤ 1 % of a core";
     let rss_target = "≤ 50 MB";
@@ -1405,11 +1570,12 @@ fn sections(
                 met_max(&end_rss, mb_limit),
             ));
         }
-        None => rows.push(Row::not_measured(
+        None if torch_wanted => rows.push(Row::not_measured(
             "lens-probe CPU and RSS during a PyTorch loop",
             cpu_target,
             no_torch,
         )),
+        None => {}
     }
     match (attach, &ctx.time) {
         (Some(runs), Ok(_)) => {
@@ -1442,13 +1608,16 @@ fn sections(
         )),
         (None, _) => {}
     }
-    out.push(Section {
+    Section {
         title: "4. lens-probe CPU and memory (PyTorch, `per_step`)".into(),
         rows,
-    });
+    }
+}
 
-    // 5. Throughput.
-    let per_step_runs = fake.runs(lens);
+/// Section 5: the events the fake trainer sends, bounded by its uprobes' cost (block 5b
+/// measures the user side itself).
+fn trainer_throughput_section(fake: &FakeBlock) -> Section {
+    let per_step_runs = fake.runs(Fake::Lens("per_step"));
     let rates: Vec<f64> = per_step_runs
         .iter()
         .filter_map(|r| Some(r.summary.as_ref()?.events as f64 / r.elapsed_s))
@@ -1459,9 +1628,6 @@ fn sections(
         .flat_map(|(_, runs)| runs)
         .filter_map(|r| Some(r.summary.as_ref()?.lost))
         .sum();
-    let rate_met = median(&rates).map_or(Met::NotMeasured("no value".into()), |m| {
-        Met::from_bool(m >= 1e6 && lost == 0)
-    });
     let lens_runs = fake
         .runs
         .iter()
@@ -1474,8 +1640,8 @@ fn sections(
             &rates,
             |r| format!("{} /s", fmt_count(r)),
             None,
-            "≥ 1 000 000 /s, zero loss",
-            rate_met,
+            "(the rate target: 5b)",
+            Met::NoTarget,
         ),
         Row {
             what: format!("events lost over all {lens_runs} lens-probe runs on the fake trainer"),
@@ -1486,43 +1652,24 @@ fn sections(
             met: Met::from_bool(lost == 0),
         },
     ];
-    out.push(Section {
-        title: "5. Event throughput (fake trainer, `per_step`)".into(),
+    Section {
+        title: "5. Event throughput (fake trainer, `per_step`: as many events as its uprobes let it send)".into(),
         rows,
-    });
-    out
+    }
 }
 
-fn notes(
-    ctx: &Ctx,
-    fake: &FakeBlock,
-    torch: Option<&TorchBlock>,
-    attach: Option<&[AttachRun]>,
-    watch: &Watch,
-    slack: bool,
-) -> String {
+fn notes(ctx: &Ctx, r: &Results, watch: &Watch, slack: bool) -> String {
+    let (torch, attach) = (r.torch.as_ref(), r.attach.as_deref());
     let mut n = String::from("How each row was measured:\n\n");
-    let steps = fake.steps;
-    n.push_str(&format!(
-        "- Fake trainer: `LENS_FAKE_SYNC_MS=0 sh -c 'trainer 1; t0; trainer {steps}; t1'` with \
-         the fixtures built into `target/bench-fixtures`; the time is `trainer {steps}`'s own \
-         (`date +%s%N` around it, after a `trainer 1` that has the libraries' probes \
-         attached), not lens-probe's start-up or teardown. lens-probe runs as \
-         `target/release/lens-probe --span-groups PRESET --exporter file --export-file /dev/null \
-         --summary-json F --exec -- sh -c …`; bpftrace \
-         runs `uprobe:LIB:FUNC,… {{ @ = count(); }}` on the same {} functions (started first, \
-         the trainer runs once its `BEGIN` has fired, then SIGINT). {} probed calls per timed \
-         run ({CALLS_PER_STEP} per step + `ncclCommInitRank`, from the `per_step` runs' \
-         `--summary-json`); events: {EVENTS_PER_STEP} per step.\n",
-        FAKE_PROBES.len(),
-        fmt_count(fake.calls() as f64),
-    ));
-    n.push_str(
-        "- Per probed call = (traced − uninstrumented time of the same round) / calls, \
-         median over the rounds. lens-probe puts return probes on 10 of the 24 calls of a \
-         step (collectives, syncs), bpftrace's floor row has entry probes only; the \
-         entries + returns row is the kernel floor for lens-probe's probe set.\n",
-    );
+    if let Some(fake) = &r.fake {
+        fake_notes(&mut n, fake);
+    }
+    if let Some(per_kind) = &r.per_kind {
+        n.push_str(&per_kind.notes());
+    }
+    if let Some(throughput) = &r.throughput {
+        n.push_str(&throughput.notes());
+    }
     if slack {
         n.push_str(
             "- The timer slack of every process started is 1 ns (`/proc/self/timerslack_ns`, \
@@ -1533,13 +1680,6 @@ fn notes(
     } else {
         n.push_str("- The timer slack could not be lowered: the fake syncs sleep ~70 µs each.\n");
     }
-    n.push_str(
-        "- The fake trainer's lens-probe runs export to a file (`/dev/null`) rather than the \
-         console: the console tree keeps every span of a top-level phase until it ends and \
-         then links children by scanning all of them (quadratic). The fake trainer never ends \
-         its first phase, so 20 000 steps cost lens-probe ~3 min of CPU after the trainer \
-         has exited (measured by hand; outside the timed part, but too long for a bench).\n",
-    );
     if let Some(torch) = torch {
         let args = ctx.sizes.torch_args().join(" ");
         n.push_str(&format!(
@@ -1598,9 +1738,10 @@ fn notes(
     }
     let mut teardowns = Vec::new();
     for preset in PRESETS {
-        let fake_t: Vec<f64> = fake
-            .runs(Fake::Lens(preset))
+        let fake_t: Vec<f64> = r
+            .fake
             .iter()
+            .flat_map(|fake| fake.runs(Fake::Lens(preset)))
             .filter_map(|r| r.teardown_s)
             .collect();
         if let Some(m) = median(&fake_t) {
@@ -1627,13 +1768,17 @@ fn notes(
             teardowns.join(", ")
         ));
     }
-    if let Some(why) = &fake.bpftrace_skipped {
-        n.push_str(&format!("- bpftrace not measured: {why}.\n"));
+    if let Some(fake) = &r.fake {
+        if let Some(why) = &fake.bpftrace_skipped {
+            n.push_str(&format!("- bpftrace not measured: {why}.\n"));
+        }
+        for m in &fake.count_mismatches {
+            n.push_str(&format!("- **Check**: {m}.\n"));
+        }
     }
-    for m in &fake.count_mismatches {
-        n.push_str(&format!("- **Check**: {m}.\n"));
-    }
-    if let Err(why) = &ctx.python {
+    if let Err(why) = &ctx.python
+        && (r.blocks.contains(Block::Torch) || r.blocks.contains(Block::Attach))
+    {
         n.push_str(&format!("- PyTorch rows not measured: {why}.\n"));
     }
     if watch.foreign.is_empty() {
@@ -1655,6 +1800,38 @@ fn notes(
             .display()
     ));
     n
+}
+
+/// The fake trainer's notes (blocks 1, 2a, 5).
+fn fake_notes(n: &mut String, fake: &FakeBlock) {
+    let steps = fake.steps;
+    n.push_str(&format!(
+        "- Fake trainer: `LENS_FAKE_SYNC_MS=0 sh -c 'trainer 1; t0; trainer {steps}; t1'` with \
+         the fixtures built into `target/bench-fixtures`; the time is `trainer {steps}`'s own \
+         (`date +%s%N` around it, after a `trainer 1` that has the libraries' probes \
+         attached), not lens-probe's start-up or teardown. lens-probe runs as \
+         `target/release/lens-probe --span-groups PRESET --exporter file --export-file /dev/null \
+         --summary-json F --exec -- sh -c …`; bpftrace \
+         runs `uprobe:LIB:FUNC,… {{ @ = count(); }}` on the same {} functions (started first, \
+         the trainer runs once its `BEGIN` has fired, then SIGINT). {} probed calls per timed \
+         run ({CALLS_PER_STEP} per step + `ncclCommInitRank`, from the `per_step` runs' \
+         `--summary-json`); events: {EVENTS_PER_STEP} per step.\n",
+        FAKE_PROBES.len(),
+        fmt_count(fake.calls() as f64),
+    ));
+    n.push_str(
+        "- Per probed call = (traced − uninstrumented time of the same round) / calls, \
+         median over the rounds. lens-probe puts return probes on 10 of the 24 calls of a \
+         step (collectives, syncs), bpftrace's floor row has entry probes only; the \
+         entries + returns row is the kernel floor for lens-probe's probe set.\n",
+    );
+    n.push_str(
+        "- The fake trainer's lens-probe runs export to a file (`/dev/null`) rather than the \
+         console: the console tree keeps every span of a top-level phase until it ends and \
+         then links children by scanning all of them (quadratic). The fake trainer never ends \
+         its first phase, so 20 000 steps cost lens-probe ~3 min of CPU after the trainer \
+         has exited (measured by hand; outside the timed part, but too long for a bench).\n",
+    );
 }
 
 #[cfg(test)]

@@ -1,0 +1,540 @@
+//! Block 1b: the per-hit cost of each kind of probe, one function at a time. The fixture
+//! `hammer KIND N` (tests/fixtures/hammer.c) calls one probed function N times in a tight
+//! loop and prints the loop's own time; each kind runs uninstrumented, under bpftrace
+//! `count()` on the same entry (the kernel's floor), under bpftrace with the return probe
+//! too where lens-probe has one, and under lens-probe `per_step`.
+
+use std::fs;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::json::Json;
+use super::proc::{Line, Proc, Stream};
+use super::report::{Met, Row, Section, fmt_count, fmt_duration, median};
+use super::{
+    Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, parse_bpftrace_count, say,
+    sum_members, wait_teardown,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Launch,
+    Sync,
+    Collective,
+    Group,
+}
+
+impl Kind {
+    pub(super) const ALL: [Kind; 4] = [Kind::Launch, Kind::Sync, Kind::Collective, Kind::Group];
+
+    /// `hammer`'s first argument.
+    fn arg(self) -> &'static str {
+        match self {
+            Kind::Launch => "launch",
+            Kind::Sync => "sync",
+            Kind::Collective => "collective",
+            Kind::Group => "group",
+        }
+    }
+
+    fn library(self) -> &'static str {
+        match self {
+            Kind::Launch | Kind::Sync => "libcudart.so.12",
+            Kind::Collective | Kind::Group => "libnccl.so.2",
+        }
+    }
+
+    fn function(self) -> &'static str {
+        match self {
+            Kind::Launch => "cudaLaunchKernel",
+            Kind::Sync => "cudaStreamSynchronize",
+            Kind::Collective => "ncclAllReduce",
+            Kind::Group => "ncclGroupStart",
+        }
+    }
+
+    /// lens-probe's programs on this function (lens-userspace/src/probes/catalog.rs).
+    fn programs(self) -> &'static str {
+        match self {
+            Kind::Launch => "`count_only` (entry: counted in the kernel, no event)",
+            Kind::Sync => "`cuda_sync_entry` + `call_return` (one event per call)",
+            Kind::Collective => "`nccl_collective_entry` + `call_return` (one event per call)",
+            Kind::Group => "`nccl_group` (entry: one event per call)",
+        }
+    }
+
+    /// Whether lens-probe also puts a return probe on the function.
+    fn returns(self) -> bool {
+        matches!(self, Kind::Sync | Kind::Collective)
+    }
+
+    /// Calls per timed run. The fake sync is a `nanosleep(0)` (~20 µs here): fewer calls
+    /// keep its runs near the others' length.
+    fn calls(self, quick: bool) -> u64 {
+        let n = if quick { 100_000 } else { 500_000 };
+        match self {
+            Kind::Sync => n / 10,
+            _ => n,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Variant {
+    None,
+    /// bpftrace `count()` on the entry; with `returns`, also on the return.
+    Bpftrace {
+        returns: bool,
+    },
+    Lens,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::None => "none",
+            Variant::Bpftrace { returns: false } => "bpftrace",
+            Variant::Bpftrace { returns: true } => "bpftrace-ret",
+            Variant::Lens => "per_step",
+        }
+    }
+}
+
+/// Runs `hammer KIND 1` (so that the libraries' probes are in place: uprobes are per
+/// file), then `hammer KIND N`, whose own loop time is the measure. `$0` is hammer.
+const WRAPPER: &str = r#"T="$0"; "$T" "$1" 1 >/dev/null || exit 1; "$T" "$1" "$2""#;
+
+/// `hammer: KIND N calls in T ns` → seconds.
+fn parse_loop_time(line: &str) -> Option<f64> {
+    let rest = line.trim().strip_prefix("hammer: ")?;
+    let (_, time) = rest.split_once(" calls in ")?;
+    let ns: u64 = time.strip_suffix(" ns")?.parse().ok()?;
+    Some(ns as f64 / 1e9)
+}
+
+fn bpftrace_script(ctx: &Ctx, kind: Kind, returns: bool) -> String {
+    let target = format!(
+        "{}:{}",
+        ctx.fixtures.join(kind.library()).display(),
+        kind.function()
+    );
+    let mut script = format!(
+        "BEGIN {{ printf(\"lens-bench-ready\\n\"); }}\nuprobe:{target} {{ @ = count(); }}\n"
+    );
+    if returns {
+        script.push_str(&format!("uretprobe:{target} {{ @ret = count(); }}\n"));
+    }
+    script
+}
+
+/// The probed function's call count and the run's losses, from `--summary-json`: the
+/// process run as `hammer KIND N`.
+fn hammer_summary(json: &Json, kind: Kind, calls: u64) -> Result<(u64, u64), String> {
+    let n = calls.to_string();
+    let process = json
+        .get("processes")
+        .map(Json::as_array)
+        .unwrap_or_default()
+        .iter()
+        .find(|p| {
+            let argv = p
+                .get("command_line")
+                .map(Json::as_array)
+                .unwrap_or_default();
+            argv.len() == 3
+                && argv[0].as_str().is_some_and(|a| a.ends_with("hammer"))
+                && argv[1].as_str() == Some(kind.arg())
+                && argv[2].as_str() == Some(n.as_str())
+        })
+        .ok_or_else(|| format!("no `hammer {} {n}` process in the summary", kind.arg()))?;
+    let counted = process
+        .get("calls")
+        .and_then(|c| c.get(kind.function()))
+        .and_then(Json::as_u64)
+        .unwrap_or(0);
+    let losses = json.get("losses");
+    let lost = sum_members(losses.and_then(|l| l.get("kernel")), None)
+        + losses
+            .and_then(|l| l.get("undecodable"))
+            .and_then(Json::as_u64)
+            .unwrap_or(0);
+    Ok((counted, lost))
+}
+
+struct Run {
+    loop_s: f64,
+}
+
+struct KindRuns {
+    kind: Kind,
+    calls: u64,
+    runs: Vec<(Variant, Vec<Run>)>,
+}
+
+impl KindRuns {
+    fn times(&self, variant: Variant) -> Vec<f64> {
+        self.runs
+            .iter()
+            .find(|(v, _)| *v == variant)
+            .map_or(&[][..], |(_, r)| r)
+            .iter()
+            .map(|r| r.loop_s)
+            .collect()
+    }
+
+    /// Per round: (time of `variant` − uninstrumented time of the same round) / calls.
+    fn per_call(&self, variant: Variant) -> Vec<f64> {
+        self.times(variant)
+            .iter()
+            .zip(self.times(Variant::None))
+            .map(|(t, base)| (t - base) / self.calls as f64)
+            .collect()
+    }
+}
+
+pub(super) struct PerKindBlock {
+    kinds: Vec<KindRuns>,
+    bpftrace_skipped: Option<String>,
+    /// Counts that differ from what the loop made, and lost events.
+    checks: Vec<String>,
+}
+
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PerKindBlock, String> {
+    let mut block = PerKindBlock {
+        kinds: Kind::ALL
+            .iter()
+            .map(|&kind| {
+                let mut variants = vec![Variant::None];
+                if ctx.bpftrace.is_ok() {
+                    variants.push(Variant::Bpftrace { returns: false });
+                    if kind.returns() {
+                        variants.push(Variant::Bpftrace { returns: true });
+                    }
+                }
+                variants.push(Variant::Lens);
+                KindRuns {
+                    kind,
+                    calls: kind.calls(quick),
+                    runs: variants.into_iter().map(|v| (v, Vec::new())).collect(),
+                }
+            })
+            .collect(),
+        bpftrace_skipped: ctx.bpftrace.as_ref().err().cloned(),
+        checks: Vec::new(),
+    };
+    for round in 1..=ctx.rounds {
+        for kind_runs in block.kinds.iter_mut() {
+            let (kind, calls) = (kind_runs.kind, kind_runs.calls);
+            for (variant, runs) in kind_runs.runs.iter_mut() {
+                watch.check();
+                let run = run(ctx, kind, calls, *variant, round, &mut block.checks)?;
+                say(&format!(
+                    "round {round}/{}: hammer {} {calls} under {:<12} {:.1} ns per call",
+                    ctx.rounds,
+                    kind.arg(),
+                    variant.name(),
+                    run.loop_s / calls as f64 * 1e9
+                ));
+                runs.push(run);
+            }
+        }
+    }
+    Ok(block)
+}
+
+fn run(
+    ctx: &Ctx,
+    kind: Kind,
+    calls: u64,
+    variant: Variant,
+    round: u32,
+    checks: &mut Vec<String>,
+) -> Result<Run, String> {
+    let hammer = ctx.fixtures.join("hammer");
+    let n = calls.to_string();
+    let name = format!("hammer-{}-{}-r{round}", kind.arg(), variant.name());
+    let log = ctx.logs.join(format!("{name}.log"));
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    let wrapped = |cmd: &mut Command| {
+        cmd.args(["sh", "-c", WRAPPER])
+            .arg(&hammer)
+            .arg(kind.arg())
+            .arg(&n);
+        fake_env(cmd);
+    };
+    let mut loop_s = None;
+    let mut on_line = |l: &Line| {
+        if l.stream == Stream::Out
+            && let Some(s) = parse_loop_time(&l.text)
+        {
+            loop_s = Some(s);
+        }
+    };
+    match variant {
+        Variant::None => {
+            let mut cmd = Command::new("env");
+            cmd.current_dir(&ctx.root);
+            wrapped(&mut cmd);
+            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
+        }
+        Variant::Lens => {
+            let summary_path = ctx.out.join(format!("{name}.summary.json"));
+            let _ = fs::remove_file(&summary_path);
+            let pid_file = ctx.out.join(format!("{name}.pid"));
+            let mut cmd = lens_command(ctx, None, "per_step", &pid_file);
+            cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
+                .arg("--summary-json")
+                .arg(&summary_path)
+                .args(["--exec", "--"]);
+            wrapped(&mut cmd);
+            let before = lens_probe_pids();
+            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
+            wait_teardown(&name, &before);
+            let text = fs::read_to_string(&summary_path)
+                .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
+            let json = Json::parse(&text)
+                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
+            let (counted, lost) = hammer_summary(&json, kind, calls)
+                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
+            if counted != calls {
+                checks.push(format!(
+                    "{name}: lens-probe counted {counted} calls of {}, expected {calls}",
+                    kind.function()
+                ));
+            }
+            if lost != 0 {
+                checks.push(format!("{name}: lens-probe lost {lost} events"));
+            }
+        }
+        Variant::Bpftrace { returns } => {
+            let program = ctx.bpftrace.as_ref().map_err(Clone::clone)?;
+            let mut bt = Command::new(program);
+            bt.current_dir(&ctx.root).args([
+                "-B",
+                "none",
+                "-e",
+                &bpftrace_script(ctx, kind, returns),
+            ]);
+            let mut bt = Proc::spawn(&format!("{name} (bpftrace)"), &mut bt, &log)?;
+            // BEGIN runs once every probe is attached.
+            bt.wait_line(
+                Instant::now() + Duration::from_secs(120),
+                "its BEGIN probe ran",
+                |l| l.text.trim() == "lens-bench-ready",
+            )?;
+            let mut cmd = Command::new("env");
+            cmd.current_dir(&ctx.root);
+            wrapped(&mut cmd);
+            let result = Proc::spawn(&name, &mut cmd, &ctx.logs.join(format!("{name}.run.log")))?
+                .finish_ok(deadline, &mut on_line);
+            bt.signal("INT");
+            let mut count = None;
+            let mut ret_count = None;
+            bt.finish(Instant::now() + Duration::from_secs(120), |l| {
+                if let Some(n) = parse_bpftrace_count(&l.text) {
+                    count = Some(n);
+                } else if let Some(n) = l
+                    .text
+                    .trim()
+                    .strip_prefix("@ret: ")
+                    .and_then(|n| n.trim().parse::<u64>().ok())
+                {
+                    ret_count = Some(n);
+                }
+            })?;
+            result?;
+            // The warm-up call and the loop's.
+            let expected = calls + 1;
+            if count != Some(expected) || (returns && ret_count != Some(expected)) {
+                checks.push(format!(
+                    "{name}: bpftrace counted {count:?} entries and {ret_count:?} returns, \
+                     expected {expected}"
+                ));
+            }
+        }
+    }
+    let loop_s = loop_s.ok_or_else(|| {
+        format!(
+            "{name}: hammer printed no loop time (output in {})",
+            log.display()
+        )
+    })?;
+    Ok(Run { loop_s })
+}
+
+fn ns(seconds: f64) -> String {
+    fmt_duration(seconds)
+}
+
+impl PerKindBlock {
+    pub(super) fn section(&self) -> Section {
+        let target = "≤ 1.05× bpftrace";
+        let mut rows = Vec::new();
+        for k in &self.kinds {
+            let (kind, calls) = (k.kind, k.calls);
+            let call = format!("`{}`", kind.function());
+            let base: Vec<f64> = k
+                .times(Variant::None)
+                .iter()
+                .map(|t| t / calls as f64)
+                .collect();
+            rows.push(super::report::row(
+                format!(
+                    "**{}** (`hammer {} {}`): uninstrumented {call}, per call",
+                    kind.arg(),
+                    kind.arg(),
+                    fmt_count(calls as f64)
+                ),
+                &base,
+                ns,
+                None,
+                "",
+                Met::NoTarget,
+            ));
+            let floor_values = k.per_call(Variant::Bpftrace { returns: false });
+            let ret_values = k.per_call(Variant::Bpftrace { returns: true });
+            let lens = k.per_call(Variant::Lens);
+            let floor = median(&floor_values);
+            let ret = median(&ret_values);
+            // No ratio to a cost the noise made zero or negative.
+            let ratio =
+                |values: &[f64], to: Option<f64>| Some(median(values)? / to.filter(|t| *t > 0.0)?);
+            let met = |r: Option<f64>| match (r, &self.bpftrace_skipped) {
+                (Some(r), _) => Met::from_bool(r <= 1.05),
+                (None, Some(why)) => Met::NotMeasured(why.clone()),
+                (None, None) => Met::NotMeasured("no value".into()),
+            };
+            let floor_label = format!("+ bpftrace `count()` on the entry of {call} (kernel floor)");
+            match &self.bpftrace_skipped {
+                Some(why) => rows.push(Row::not_measured(&floor_label, "", why)),
+                None => rows.push(super::report::row(
+                    floor_label,
+                    &floor_values,
+                    ns,
+                    floor.filter(|f| *f > 0.0).map(|_| 1.0),
+                    "",
+                    Met::NoTarget,
+                )),
+            }
+            if kind.returns() {
+                let label = format!(
+                    "+ bpftrace `count()` on the entry and the return of {call} (ratio: to the floor)"
+                );
+                match &self.bpftrace_skipped {
+                    Some(why) => rows.push(Row::not_measured(&label, "", why)),
+                    None => rows.push(super::report::row(
+                        label,
+                        &ret_values,
+                        ns,
+                        ratio(&ret_values, floor),
+                        "",
+                        Met::NoTarget,
+                    )),
+                }
+                rows.push(super::report::row(
+                    format!(
+                        "+ lens-probe `per_step`: {} (ratio: to the floor)",
+                        kind.programs()
+                    ),
+                    &lens,
+                    ns,
+                    ratio(&lens, floor),
+                    "",
+                    Met::NoTarget,
+                ));
+                let r = ratio(&lens, ret);
+                rows.push(super::report::row(
+                    "… the same, ratio to bpftrace on the same probes (entry + return)",
+                    &lens,
+                    ns,
+                    r,
+                    target,
+                    met(r),
+                ));
+            } else {
+                let r = ratio(&lens, floor);
+                rows.push(super::report::row(
+                    format!(
+                        "+ lens-probe `per_step`: {} (ratio: to the floor, the same probe)",
+                        kind.programs()
+                    ),
+                    &lens,
+                    ns,
+                    r,
+                    target,
+                    met(r),
+                ));
+            }
+        }
+        Section {
+            title: "1b. Per-hit cost per probe kind (`hammer KIND N`: one fake-library function \
+                    called N times in a loop, the loop's own time; rows with + : traced − \
+                    uninstrumented, per call)"
+                .into(),
+            rows,
+        }
+    }
+
+    pub(super) fn notes(&self) -> String {
+        let mut n = String::new();
+        let sizes: Vec<String> = self
+            .kinds
+            .iter()
+            .map(|k| format!("{} {}", k.kind.arg(), fmt_count(k.calls as f64)))
+            .collect();
+        n.push_str(&format!(
+            "- Per probe kind: `LENS_FAKE_SYNC_MS=0 sh -c 'hammer KIND 1; hammer KIND N'` \
+             (tests/fixtures/hammer.c, N: {}); the time is the loop's own (`hammer` reads \
+             `CLOCK_MONOTONIC` around it), so process start-up, library loading and \
+             lens-probe's attach are left out. lens-probe runs as `lens-probe --span-groups \
+             per_step --exporter file --export-file /dev/null --summary-json F --exec -- sh -c …` \
+             (probes on every function of both fake libraries; only one fires); bpftrace runs \
+             `uprobe:LIB:FUNC {{ @ = count(); }}` (and `uretprobe:LIB:FUNC {{ @ret = count(); }}` \
+             for the entry + return rows), started first, the loop runs once its `BEGIN` has \
+             fired. Kinds and variants are interleaved in every round. `collective` makes one \
+             `ncclCommInitRank` before its loop; `sync` is a `nanosleep(0)` of ~20 µs per call, \
+             so its rows are the noisiest.\n",
+            sizes.join(", ")
+        ));
+        if let Some(why) = &self.bpftrace_skipped {
+            n.push_str(&format!("- Per-kind bpftrace rows not measured: {why}.\n"));
+        }
+        for c in &self.checks {
+            n.push_str(&format!("- **Check**: {c}.\n"));
+        }
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hammer_lines_and_summaries() {
+        assert_eq!(
+            parse_loop_time("hammer: launch 500000 calls in 2218936 ns"),
+            Some(0.002218936)
+        );
+        assert_eq!(parse_loop_time("hammer: launch 5 calls"), None);
+        let doc = r#"{"losses": {"kernel": {"ring_buffer_full": 0}, "undecodable": 1},
+          "processes": [
+            {"command_line": ["/f/hammer", "group", "1"], "calls": {"ncclGroupStart": 1}},
+            {"command_line": ["/f/hammer", "group", "500"], "calls": {"ncclGroupStart": 500}}
+          ]}"#;
+        let json = Json::parse(doc).unwrap();
+        assert_eq!(hammer_summary(&json, Kind::Group, 500), Ok((500, 1)));
+        assert!(hammer_summary(&json, Kind::Launch, 500).is_err());
+    }
+
+    #[test]
+    fn kinds() {
+        assert_eq!(
+            Kind::ALL.iter().filter(|k| k.returns()).count(),
+            2,
+            "sync and collective have return probes"
+        );
+        assert_eq!(Kind::Sync.calls(false), 50_000);
+        assert_eq!(Kind::Launch.calls(true), 100_000);
+    }
+}

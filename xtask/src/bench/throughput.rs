@@ -1,0 +1,355 @@
+//! Block 5b: event throughput of lens-probe's user side, and where loss starts. A traced
+//! program cannot send a million events a second here (one uprobe hit is ~1 µs), so the
+//! events come from the kernel-side generator `bench_emit` (lens-ebpf/src/bench_gen.rs)
+//! written into the real ring buffer, drained, decoded and built into spans as a tracing
+//! session does: `target/release/examples/throughput` (lens-userspace/examples), which
+//! prints one JSON report per run.
+
+use std::process::Command;
+use std::time::Instant;
+
+use super::json::Json;
+use super::proc::{Proc, Stream};
+use super::report::{Met, Row, Section, fmt_count, median, min_max};
+use super::{Ctx, RUN_TIMEOUT, Watch, say, scrub_lens_env};
+
+/// Target rates (events/s); `None`: as fast as the producer goes.
+const RATES: [Option<u64>; 6] = [
+    Some(250_000),
+    Some(500_000),
+    Some(1_000_000),
+    Some(1_500_000),
+    Some(2_000_000),
+    None,
+];
+
+/// The issue's target rate.
+const TARGET: f64 = 1e6;
+
+/// A paced run counts as "held" when it received at least this share of its target (the
+/// producer shares two cores with the consumer and may fall short).
+const HELD: f64 = 0.97;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Exporter {
+    /// Summary + span builder, spans counted and dropped: the event path itself.
+    Null,
+    /// Summary + span builder + lens-probe's OTLP file exporter to /dev/null (as the
+    /// bench's lens-probe runs).
+    File,
+}
+
+impl Exporter {
+    const ALL: [Exporter; 2] = [Exporter::Null, Exporter::File];
+
+    fn arg(self) -> &'static str {
+        match self {
+            Exporter::Null => "null",
+            Exporter::File => "file",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+struct GenRun {
+    sent: u64,
+    received: u64,
+    lost: u64,
+    received_rate: f64,
+    elapsed_s: f64,
+    consumer_cpu_s: f64,
+    producer_cpu_s: f64,
+    spans: u64,
+    spans_dropped: u64,
+    export_cpu_s: f64,
+}
+
+impl GenRun {
+    fn parse(line: &str) -> Option<GenRun> {
+        let json = Json::parse(line.trim()).ok()?;
+        let u = |key: &str| json.get(key).and_then(Json::as_u64);
+        let f = |key: &str| json.get(key).and_then(Json::as_f64);
+        Some(GenRun {
+            sent: u("sent")?,
+            received: u("received")?,
+            lost: u("lost")?,
+            received_rate: f("received_rate")?,
+            elapsed_s: f("elapsed_s")?,
+            consumer_cpu_s: f("consumer_cpu_s")?,
+            producer_cpu_s: f("producer_cpu_s")?,
+            spans: u("spans")?,
+            spans_dropped: u("spans_dropped")?,
+            export_cpu_s: f("export_cpu_s")?,
+        })
+    }
+
+    /// Share of a core the draining thread used.
+    fn consumer_share(&self) -> f64 {
+        self.consumer_cpu_s / self.elapsed_s.max(1e-9)
+    }
+
+    /// No event lost and, paced, the target rate reached.
+    fn held(&self, rate: Option<u64>) -> bool {
+        self.lost == 0 && rate.is_none_or(|r| self.received_rate >= HELD * r as f64)
+    }
+}
+
+pub(super) struct ThroughputBlock {
+    duration_s: f64,
+    rounds: u32,
+    runs: Vec<(Exporter, Option<u64>, Vec<GenRun>)>,
+}
+
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<ThroughputBlock, String> {
+    let duration_s = if quick { 1.0 } else { 2.0 };
+    // 12 runs a round: three rounds at most keep the block near a minute and a half.
+    let rounds = ctx.rounds.min(3);
+    let mut block = ThroughputBlock {
+        duration_s,
+        rounds,
+        runs: Exporter::ALL
+            .iter()
+            .flat_map(|e| RATES.iter().map(move |r| (*e, *r, Vec::new())))
+            .collect(),
+    };
+    for round in 1..=rounds {
+        for (exporter, rate, runs) in block.runs.iter_mut() {
+            watch.check();
+            let run = run(ctx, *exporter, *rate, duration_s, round)?;
+            say(&format!(
+                "round {round}/{rounds}: generator at {} /s, {} exporter: {} /s received, {} lost, \
+                 consumer {:.0} % of a core, {} spans dropped",
+                rate.map_or("unpaced".into(), |r| fmt_count(r as f64)),
+                exporter.arg(),
+                fmt_count(run.received_rate),
+                run.lost,
+                run.consumer_share() * 100.0,
+                run.spans_dropped
+            ));
+            runs.push(run);
+        }
+    }
+    Ok(block)
+}
+
+fn run(
+    ctx: &Ctx,
+    exporter: Exporter,
+    rate: Option<u64>,
+    duration_s: f64,
+    round: u32,
+) -> Result<GenRun, String> {
+    let name = format!(
+        "throughput-{}-{}-r{round}",
+        exporter.arg(),
+        rate.map_or("unpaced".into(), |r| r.to_string())
+    );
+    let log = ctx.logs.join(format!("{name}.log"));
+    let mut cmd = Command::new(ctx.root.join("target/release/examples/throughput"));
+    scrub_lens_env(&mut cmd);
+    cmd.current_dir(&ctx.root)
+        .args(["--rate", &rate.unwrap_or(0).to_string()])
+        .args(["--duration", &duration_s.to_string()])
+        .args(["--exporter", exporter.arg()]);
+    let mut report = None;
+    Proc::spawn(&name, &mut cmd, &log)?.finish_ok(Instant::now() + RUN_TIMEOUT, |l| {
+        if l.stream == Stream::Out
+            && let Some(run) = GenRun::parse(&l.text)
+        {
+            report = Some(run);
+        }
+    })?;
+    report.ok_or_else(|| format!("{name}: no report (output in {})", log.display()))
+}
+
+fn per_second(r: f64) -> String {
+    format!("{} /s", fmt_count(r))
+}
+
+impl ThroughputBlock {
+    fn runs(&self, exporter: Exporter, rate: Option<u64>) -> &[GenRun] {
+        self.runs
+            .iter()
+            .find(|(e, r, _)| *e == exporter && *r == rate)
+            .map_or(&[], |(_, _, runs)| runs)
+    }
+
+    /// The highest target rate held (no loss, rate reached) in every round, and for
+    /// `spans` also no span dropped by the export queue.
+    fn highest_held(&self, exporter: Exporter, spans: bool) -> Option<u64> {
+        RATES
+            .iter()
+            .filter_map(|r| *r)
+            .filter(|&r| {
+                let runs = self.runs(exporter, Some(r));
+                !runs.is_empty()
+                    && runs
+                        .iter()
+                        .all(|run| run.held(Some(r)) && (!spans || run.spans_dropped == 0))
+            })
+            .max()
+    }
+
+    pub(super) fn section(&self) -> Section {
+        let mut rows = Vec::new();
+        for exporter in Exporter::ALL {
+            for rate in RATES {
+                let runs = self.runs(exporter, rate);
+                let values: Vec<f64> = runs.iter().map(|r| r.received_rate).collect();
+                let lost: u64 = runs.iter().map(|r| r.lost).sum();
+                let share: Vec<f64> = runs.iter().map(GenRun::consumer_share).collect();
+                let dropped: Vec<f64> = runs.iter().map(|r| r.spans_dropped as f64).collect();
+                let export_share: Vec<f64> = runs
+                    .iter()
+                    .map(|r| r.export_cpu_s / r.elapsed_s.max(1e-9))
+                    .collect();
+                let chain = match exporter {
+                    Exporter::Null => "span builder, spans counted",
+                    Exporter::File => "span builder → OTLP file exporter (/dev/null)",
+                };
+                let mut what = format!(
+                    "{}, {chain}: events/s received; lost {}; consumer thread {:.0} % of a core",
+                    rate.map_or("unpaced".into(), |r| format!("at {}", per_second(r as f64))),
+                    fmt_count(lost as f64),
+                    median(&share).unwrap_or(f64::NAN) * 100.0,
+                );
+                if exporter == Exporter::File {
+                    what.push_str(&format!(
+                        ", export thread {:.0} %; spans dropped (export queue full) {}",
+                        median(&export_share).unwrap_or(f64::NAN) * 100.0,
+                        fmt_count(median(&dropped).unwrap_or(f64::NAN))
+                    ));
+                }
+                let (target, met) = match (exporter, rate) {
+                    (Exporter::Null, Some(r)) if r as f64 == TARGET => (
+                        "≥ 1 000 000 /s, zero loss",
+                        Met::from_bool(
+                            !runs.is_empty() && runs.iter().all(|run| run.held(Some(r))),
+                        ),
+                    ),
+                    _ => ("", Met::NoTarget),
+                };
+                rows.push(super::report::row(
+                    what,
+                    &values,
+                    per_second,
+                    rate.and_then(|r| Some(median(&values)? / r as f64)),
+                    target,
+                    met,
+                ));
+            }
+        }
+        let highest = self.highest_held(Exporter::Null, false);
+        rows.push(Row {
+            what: "highest target rate with zero loss in every round (and the rate reached), \
+                   span builder"
+                .into(),
+            median: highest.map_or("none".into(), |r| per_second(r as f64)),
+            spread: "—".into(),
+            ratio: "—".into(),
+            target: "≥ 1 000 000 /s, zero loss".into(),
+            met: Met::from_bool(highest.is_some_and(|r| r as f64 >= TARGET)),
+        });
+        let per_event: Vec<f64> = self
+            .runs(Exporter::Null, None)
+            .iter()
+            .filter(|r| r.received > 0)
+            .map(|r| r.consumer_cpu_s / r.received as f64)
+            .collect();
+        rows.push(super::report::row(
+            "consumer thread CPU per event, unpaced, span builder (its capacity: 1 s / this)",
+            &per_event,
+            super::report::fmt_duration,
+            None,
+            "",
+            Met::NoTarget,
+        ));
+        let highest_file = self.highest_held(Exporter::File, true);
+        rows.push(Row {
+            what: "… the same with the OTLP file exporter, no span dropped either".into(),
+            median: highest_file.map_or("none of the rates".into(), |r| per_second(r as f64)),
+            spread: "—".into(),
+            ratio: "—".into(),
+            target: "".into(),
+            met: Met::NoTarget,
+        });
+        Section {
+            title: "5b. Event throughput of the user side (kernel-side generator → ring buffer → \
+                    decoder → summary and span builder; ratio: received / target rate)"
+                .into(),
+            rows,
+        }
+    }
+
+    pub(super) fn notes(&self) -> String {
+        let producer: Vec<f64> = self
+            .runs(Exporter::Null, None)
+            .iter()
+            .filter(|r| r.sent > 0)
+            .map(|r| r.producer_cpu_s / r.sent as f64)
+            .collect();
+        let spread = |v: &[f64]| {
+            min_max(v).map_or(String::new(), |(lo, hi)| {
+                format!(" ({:.0}–{:.0} ns)", lo * 1e9, hi * 1e9)
+            })
+        };
+        format!(
+            "- Event throughput (5b): `target/release/examples/throughput --rate R --duration {} \
+             --exporter null|file` ({} round{}). A producer thread runs the BPF program \
+             `bench_emit` (lens-ebpf/src/bench_gen.rs, never loaded by lens-probe) with \
+             `BPF_PROG_TEST_RUN`, 64 events a run, paced to R; each event is an `ncclAllReduce` \
+             written into the `EVENTS` ring buffer with the probes' wakeup policy (no wakeup \
+             below 256 KiB waiting, a forced one above). The main thread drains it as \
+             lens-probe's session does (on a wakeup, or every 20 ms; `events::decode`, then the \
+             summary and the span builder), from lens-probe's own BPF object \
+             (`lens_probe::throughput`). Lost = not written (ring buffer full) + not received + \
+             undecodable. A rate is held when nothing was lost and at least {:.0} % of it \
+             arrived: producer, consumer and export thread share the two cores. Past 256 KiB \
+             waiting every event forces a wakeup, which makes the producer slower when the \
+             consumer lags (unpaced it spent {} ns of CPU per event{}, median): the \
+             generator, not the consumer, is what limits the unpaced rate while the consumer \
+             has CPU to spare.\n",
+            self.duration_s,
+            self.rounds,
+            if self.rounds == 1 { "" } else { "s" },
+            HELD * 100.0,
+            median(&producer).map_or("?".into(), |v| format!("{:.0}", v * 1e9)),
+            spread(&producer),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports() {
+        let line = r#"{"consumer_cpu_s":0.5,"elapsed_s":2.0,"export_cpu_s":0.0,"lost":0,"lost_ring_full":0,"producer_cpu_s":0.1,"producer_s":2.0,"received":1990000,"received_rate":995000.0,"runs":31094,"sent":1990000,"spans":1990001,"spans_dropped":0,"summary_all_reduce_calls":1990000,"target_rate":1000000.0,"timer_drains":100,"undecodable":0,"wakeup_drains":100}"#;
+        let run = GenRun::parse(line).unwrap();
+        assert_eq!(run.received, 1_990_000);
+        assert_eq!(run.consumer_share(), 0.25);
+        assert!(run.held(Some(1_000_000)));
+        assert!(!run.held(Some(2_000_000)));
+        assert!(run.held(None));
+        assert!(
+            !GenRun {
+                lost: 1,
+                ..run.clone()
+            }
+            .held(None)
+        );
+        assert_eq!(GenRun::parse("throughput: no privileges"), None);
+        let block = ThroughputBlock {
+            duration_s: 1.0,
+            rounds: 1,
+            runs: vec![
+                (Exporter::Null, Some(500_000), vec![run.clone()]),
+                (Exporter::Null, Some(1_000_000), vec![run.clone()]),
+                (Exporter::Null, Some(2_000_000), vec![run]),
+            ],
+        };
+        assert_eq!(block.highest_held(Exporter::Null, false), Some(1_000_000));
+        assert_eq!(block.highest_held(Exporter::File, true), None);
+    }
+}
