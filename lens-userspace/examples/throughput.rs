@@ -51,6 +51,10 @@ struct Args {
     export_file: PathBuf,
     #[arg(long, default_value = "per_step")]
     span_groups: SpanGroups,
+    /// Run the generator on the last CPU and drain on CPU 0 (unpinned, the kernel's
+    /// wakeups tend to put both on one core).
+    #[arg(long)]
+    pin: bool,
 }
 
 #[derive(Default)]
@@ -99,6 +103,11 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         events: args.events,
         duration: Some(Duration::from_secs_f64(args.duration)),
         events_per_run: args.events_per_run,
+        pin: args
+            .pin
+            .then(|| std::thread::available_parallelism().map_or(1, usize::from))
+            .filter(|cpus| *cpus >= 2)
+            .map(|cpus| (cpus - 1, 0)),
     };
     let mut summary = Summary::default();
     let (report, spans, spans_dropped, export_cpu_s) = match args.exporter {
@@ -140,6 +149,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     object.insert("spans".into(), spans.into());
     object.insert("spans_dropped".into(), spans_dropped.into());
     object.insert("export_cpu_s".into(), export_cpu_s.into());
+    object.insert("pinned".into(), options.pin.is_some().into());
     println!("{json}");
     Ok(())
 }

@@ -61,6 +61,10 @@ pub struct Options {
     pub duration: Option<Duration>,
     /// Events per generator run (1 to [`MAX_EVENTS_PER_RUN`]).
     pub events_per_run: u32,
+    /// Pin the producer and the draining thread to these CPUs (producer, consumer). The
+    /// kernel wakes the reader on the waker's CPU, so unpinned the two often end up
+    /// sharing one core, and the producer's speed then limits what is measured.
+    pub pin: Option<(usize, usize)>,
 }
 
 impl Default for Options {
@@ -70,6 +74,7 @@ impl Default for Options {
             events: None,
             duration: Some(Duration::from_secs(1)),
             events_per_run: MAX_EVENTS_PER_RUN,
+            pin: None,
         }
     }
 }
@@ -127,6 +132,28 @@ fn thread_cpu() -> Duration {
     // SAFETY: plain syscall writing into a local.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Pins the calling thread to `cpu`; returns its affinity before, to restore.
+fn pin_to(cpu: usize) -> std::io::Result<libc::cpu_set_t> {
+    // SAFETY: cpu_set_t is plain bits; the calls only read and write these locals.
+    unsafe {
+        let mut before: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut before) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(before)
+    }
+}
+
+fn restore_affinity(set: &libc::cpu_set_t) {
+    // SAFETY: as in `pin_to`.
+    unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), set) };
 }
 
 fn gettid() -> u32 {
@@ -197,6 +224,10 @@ pub fn run(options: Options, sink: &mut dyn EventSink) -> Result<Report> {
     let info = ProcessInfo::read(pid)?;
     sink.on_process_start(&info);
 
+    let before = match options.pin {
+        Some((_, consumer)) => Some(pin_to(consumer)?),
+        None => None,
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -214,7 +245,11 @@ pub fn run(options: Options, sink: &mut dyn EventSink) -> Result<Report> {
         // Whatever happened here, the producer must end for the scope to.
         stop.store(true, Ordering::Relaxed);
         consumed
-    })?;
+    });
+    if let Some(before) = &before {
+        restore_affinity(before);
+    }
+    let report = report?;
     sink.on_process_end(&ProcessEnd {
         pid,
         calls: Default::default(),
@@ -233,6 +268,9 @@ fn produce(
     options: Options,
     stop: &AtomicBool,
 ) -> Result<Produced> {
+    if let Some((producer, _)) = options.pin {
+        pin_to(producer)?;
+    }
     let cpu0 = thread_cpu();
     let tid = gettid();
     let limit = options.events.unwrap_or(u64::MAX);

@@ -88,6 +88,7 @@ fn generator_events_arrive_whole_and_become_spans() {
             events: Some(EVENTS),
             duration: Some(Duration::from_secs(60)),
             events_per_run: MAX_EVENTS_PER_RUN,
+            pin: None,
         },
         &mut (&mut expect, &mut spans),
     )

@@ -150,7 +150,8 @@ fn run(
     cmd.current_dir(&ctx.root)
         .args(["--rate", &rate.unwrap_or(0).to_string()])
         .args(["--duration", &duration_s.to_string()])
-        .args(["--exporter", exporter.arg()]);
+        .args(["--exporter", exporter.arg()])
+        .arg("--pin");
     let mut report = None;
     Proc::spawn(&name, &mut cmd, &log)?.finish_ok(Instant::now() + RUN_TIMEOUT, |l| {
         if l.stream == Stream::Out
@@ -295,11 +296,14 @@ impl ThroughputBlock {
         };
         format!(
             "- Event throughput (5b): `target/release/examples/throughput --rate R --duration {} \
-             --exporter null|file` ({} round{}). A producer thread runs the BPF program \
+             --exporter null|file --pin` ({} round{}). A producer thread (pinned to the last \
+             CPU) runs the BPF program \
              `bench_emit` (lens-ebpf/src/bench_gen.rs, never loaded by lens-probe) with \
              `BPF_PROG_TEST_RUN`, 64 events a run, paced to R; each event is an `ncclAllReduce` \
              written into the `EVENTS` ring buffer with the probes' wakeup policy (no wakeup \
-             below 256 KiB waiting, a forced one above). The main thread drains it as \
+             below 256 KiB waiting, a forced one above). The main thread (pinned to CPU 0: \
+             unpinned, the kernel wakes it on the producer's CPU and the two share one core) \
+             drains it as \
              lens-probe's session does (on a wakeup, or every 20 ms; `events::decode`, then the \
              summary and the span builder), from lens-probe's own BPF object \
              (`lens_probe::throughput`). Lost = not written (ring buffer full) + not received + \
