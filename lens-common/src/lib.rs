@@ -94,6 +94,15 @@ impl ProbeId {
         ProbeId::GlooBarrier,
     ];
 
+    /// A kernel or graph launch: counted in the kernel, never sent as an event, and the
+    /// fine-grained probes an overhead budget samples.
+    pub const fn is_launch(self) -> bool {
+        matches!(
+            self,
+            ProbeId::CudaLaunchKernel | ProbeId::CudaLaunchKernelExC | ProbeId::CudaGraphLaunch
+        )
+    }
+
     pub const fn from_u32(value: u32) -> Option<ProbeId> {
         if (value as usize) < Self::COUNT {
             Some(Self::ALL[value as usize])
@@ -251,6 +260,9 @@ pub struct Event {
     pub handle: u64,
     /// Hash of the 128-byte `ncclUniqueId` (CommInit).
     pub comm_id_hash: u64,
+    /// The process's kernel launches counted so far (PhaseMark events): launches per
+    /// phase are the difference between two marks, aggregated in the kernel.
+    pub launches: u64,
     /// `ncclDataType_t` (collectives).
     pub datatype: i32,
     /// `ncclRedOp_t` (AllReduce, Reduce, ReduceScatter), else [`NONE_I32`].
@@ -285,6 +297,7 @@ impl Event {
             comm: 0,
             handle: 0,
             comm_id_hash: 0,
+            launches: 0,
             datatype: NONE_I32,
             redop: NONE_I32,
             peer: NONE_I32,
@@ -406,6 +419,7 @@ pub mod maps {
     pub const INFLIGHT: &str = "INFLIGHT";
     pub const LOSSES: &str = "LOSSES";
     pub const SETTINGS: &str = "SETTINGS";
+    pub const LAUNCH_TOTALS: &str = "LAUNCH_TOTALS";
 }
 
 /// Sizes of the kernel-side maps.

@@ -7,6 +7,10 @@
 //! Launches are only counted, in `CALL_COUNTS`.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
+// An atomic add on a shared counter (`LAUNCH_TOTALS`): the BPF target has no
+// `AtomicU64::fetch_add`, but the intrinsic lowers to BPF's atomic add.
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 #[cfg(target_arch = "bpf")]
 mod bench_gen;

@@ -10,6 +10,7 @@ use aya_ebpf::{
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use aya_log_ebpf::{debug, warn};
+use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::{
     CallKey, Event, EventKind, InflightKey, LossCause, NCCL_UNIQUE_ID_WORDS, ProbeId,
     TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits, settings,
@@ -26,6 +27,11 @@ static TARGETS: HashMap<u32, TargetConfig> = HashMap::with_max_entries(limits::M
 #[map(name = "CALL_COUNTS")]
 static CALL_COUNTS: PerCpuHashMap<CallKey, u64> =
     PerCpuHashMap::with_max_entries(limits::MAX_CALL_COUNTERS, 0);
+
+/// Kernel launches per process (tgid → total), read by the phase-marking programs so that
+/// launches per phase need no event per launch.
+#[map(name = "LAUNCH_TOTALS")]
+static LAUNCH_TOTALS: HashMap<u32, u64> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
 
 #[map(name = "INFLIGHT")]
 static INFLIGHT: HashMap<InflightKey, Event> = HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
@@ -173,8 +179,29 @@ fn begin_call(ctx: &ProbeContext, kind: EventKind) -> Option<(u64, Event)> {
 pub fn count_only(ctx: ProbeContext) -> u32 {
     if let Some((pid_tgid, _)) = traced() {
         count_call(pid_tgid, probe_id(&ctx));
+        let tgid = (pid_tgid >> 32) as u32;
+        match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
+            // SAFETY: a live map value; threads of one process on other CPUs add to it
+            // too, hence the atomic add.
+            Some(total) => unsafe {
+                atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(total, 1);
+            },
+            None => {
+                if LAUNCH_TOTALS.insert(&tgid, &1, 0).is_err() {
+                    count_loss(LossCause::CounterMapFull);
+                }
+            }
+        }
     }
     0
+}
+
+/// The process's launches so far, stamped on phase marks.
+#[inline(always)]
+fn launches_so_far(pid_tgid: u64) -> u64 {
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: a plain read of a counter; a torn read cannot happen for an aligned u64.
+    unsafe { LAUNCH_TOTALS.get(&tgid) }.copied().unwrap_or(0)
 }
 
 /// `ncclGroupStart` / `ncclGroupEnd`: counted and sent, they bracket fused collectives.
@@ -356,10 +383,11 @@ pub fn dl_debug_state(ctx: ProbeContext) -> u32 {
 /// (`set_enabled`'s flag).
 #[uprobe]
 pub fn phase_mark(ctx: ProbeContext) -> u32 {
-    let Some((_, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
         return 0;
     };
     event.count = arg_u64(&ctx, 0);
+    event.launches = launches_so_far(pid_tgid);
     emit(&event, submit_flags());
     0
 }
@@ -373,6 +401,7 @@ pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
     let mut event = new_event(EventKind::PhaseMark, probe_id(&ctx), pid_tgid);
     event.at_return = 1;
     event.ret = ctx.ret::<i64>();
+    event.launches = launches_so_far(pid_tgid);
     emit(&event, submit_flags());
     0
 }
@@ -383,9 +412,10 @@ pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
 /// `std::string` starts with its data pointer and length.
 #[uprobe]
 pub fn torch_scope_enter(ctx: ProbeContext) -> u32 {
-    let Some((_, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
         return 0;
     };
+    event.launches = launches_so_far(pid_tgid);
     let string = arg_u64(&ctx, 1);
     // SAFETY: reads of the traced thread's memory through the checked helpers.
     unsafe {

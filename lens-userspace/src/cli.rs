@@ -3,7 +3,7 @@ use std::{ffi::OsString, path::PathBuf, time::Duration};
 
 use clap::{ArgAction, Parser};
 
-use crate::groups::SpanGroups;
+use crate::{budget::OverheadBudget, groups::SpanGroups};
 
 /// Zero-code observability for distributed ML training: attaches eBPF uprobes to a job's
 /// NCCL collectives and CUDA launch/sync calls.
@@ -97,6 +97,12 @@ pub struct Cli {
     /// Stop tracing after this long (e.g. 30s, 5m).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub duration: Option<Duration>,
+
+    /// Keep the kernel-launch probes within this share of the job's time (e.g. 1%): above
+    /// it they are in only for sampled windows; spans inside one carry exact launch counts
+    /// (`cuda.launch.sampled`), metrics scale the counts up.
+    #[arg(long, value_name = "PERCENT", env = "LENS_PROBE_OVERHEAD_BUDGET")]
+    pub overhead_budget: Option<OverheadBudget>,
 
     /// Also write the exit summary as JSON to this file.
     #[arg(long, value_name = "FILE")]

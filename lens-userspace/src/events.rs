@@ -241,6 +241,8 @@ pub enum ProbeEvent {
         tgid: u32,
         tid: u32,
         at_ns: u64,
+        /// The process's kernel launches counted so far (0 while none is counted).
+        launches: u64,
         #[serde(flatten)]
         signal: PhaseSignal,
     },
@@ -388,6 +390,7 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
             tgid: raw.tgid,
             tid: raw.tid,
             at_ns: raw.start_ns,
+            launches: raw.launches,
             signal: phase_signal(probe, raw).ok_or(DecodeError::UnknownProbe(raw.probe))?,
         },
     })

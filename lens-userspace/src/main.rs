@@ -122,6 +122,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     let session: &'static mut Session = Box::leak(Box::new(Session::new(TraceOptions {
         span_groups: cli.span_groups.clone(),
         kernel_logs: cli.verbose >= 2,
+        overhead_budget: cli.overhead_budget,
     })?));
     session.set_export_strategy(export.strategy);
     // Fork before any runtime thread exists.
@@ -178,9 +179,26 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     }
 
     eprint!("{}", summary.render(&report.losses));
+    if let Some(budget) = &report.budget {
+        eprintln!(
+            "lens-probe: overhead budget {}%: launch probes cost an estimated {:.2}% \
+             ({:.0} ns a hit), in for {:.1}% of the time, {} sampled windows",
+            budget.budget_percent,
+            budget.estimated_percent,
+            budget.per_hit_ns,
+            budget.sampled_percent,
+            budget.windows
+        );
+    }
     if let Some(path) = &cli.summary_json {
-        let json = serde_json::to_string_pretty(&summary.to_json(&report.losses))
-            .expect("summary serialises");
+        let mut json = summary.to_json(&report.losses);
+        if let (Some(budget), Some(object)) = (&report.budget, json.as_object_mut()) {
+            object.insert(
+                "overhead_budget".into(),
+                serde_json::to_value(budget).expect("budget report serialises"),
+            );
+        }
+        let json = serde_json::to_string_pretty(&json).expect("summary serialises");
         std::fs::write(path, json + "\n")?;
     }
 

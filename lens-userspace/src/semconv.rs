@@ -76,6 +76,12 @@ pub const DL_CALL_RESULT: &str = "dl.call.result";
 pub const CUDA_SYNC_KIND: &str = "cuda.sync.kind";
 /// `kernel`, `kernel_ex` or `graph` (launch counters).
 pub const CUDA_LAUNCH_KIND: &str = "cuda.launch.kind";
+/// Kernel launches (`cudaLaunchKernel`, `…ExC`, `cudaGraphLaunch`) the process made while
+/// a phase span was open; set only when every one of them was counted.
+pub const CUDA_LAUNCH_COUNT: &str = "cuda.launch.count";
+/// `true`: launches are counted in sampled windows only (`--overhead-budget`); on a span,
+/// its count is exact and the span lay inside a window; on a metric, counts are scaled up.
+pub const CUDA_LAUNCH_SAMPLED: &str = "cuda.launch.sampled";
 /// Why lens-probe lost an event or a span (its own health metrics).
 pub const LENS_PROBE_LOSS_CAUSE: &str = "lens_probe.loss.cause";
 

@@ -27,6 +27,7 @@ use tokio::{
 };
 
 use crate::{
+    budget::{Action, BudgetController, BudgetReport, OverheadBudget},
     discovery::{self, NodeFilter},
     error::{LensError, Result},
     events::{self, ProbeEvent},
@@ -35,6 +36,7 @@ use crate::{
     privileges,
     probes::{
         attach::{self, Attacher},
+        calibrate,
         library::{self, LibraryKind, MappedLibrary},
     },
     sink::{EventSink, ProcessEnd},
@@ -54,6 +56,8 @@ pub struct TraceOptions {
     pub span_groups: SpanGroups,
     /// Kernel-side diagnostics (aya-log) forwarded to the log.
     pub kernel_logs: bool,
+    /// `--overhead-budget`: launch probes sampled to stay within it.
+    pub overhead_budget: Option<OverheadBudget>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +77,8 @@ pub struct RunReport {
     pub losses: Losses,
     /// Exit status of the process started with [`Session::exec`], once it exited.
     pub child_exit: Option<ExitStatus>,
+    /// What the overhead budget did, when one was set.
+    pub budget: Option<BudgetReport>,
 }
 
 struct Target {
@@ -81,6 +87,10 @@ struct Target {
     own_child: bool,
     config: TargetConfig,
     pidfd: Option<OwnedFd>,
+    /// The sink was told its launches are being counted.
+    launches_counted: bool,
+    /// ... at some time.
+    launches_seen: bool,
 }
 
 pub struct Session {
@@ -100,6 +110,21 @@ pub struct Session {
     export_strategy: ExportStrategy,
     /// Node mode: the filter discovered processes must pass.
     node: Option<NodeFilter>,
+    /// `--overhead-budget`: the controller, and when it started (monotonic ns).
+    budget: Option<(BudgetController, u64)>,
+    /// Launches per process as reported to the sinks: under a budget, counted launches
+    /// plus an estimate for the pauses between windows.
+    launch_estimates: HashMap<u32, LaunchEstimate>,
+}
+
+/// A process's launches under an overhead budget: counted in windows, extrapolated at the
+/// last window's rate in between.
+#[derive(Clone, Copy, Debug, Default)]
+struct LaunchEstimate {
+    counted: u64,
+    estimated: f64,
+    /// Launches per second in the last window.
+    rate: f64,
 }
 
 impl Session {
@@ -128,11 +153,27 @@ impl Session {
         } else {
             None
         };
+        let mut attacher = Attacher::default();
+        let budget = match options.overhead_budget {
+            Some(budget) => {
+                attacher.sample_launches();
+                let per_hit = calibrate::per_hit_cost(&mut ebpf);
+                info!(
+                    "overhead budget {budget}: a launch probe hit costs {} ns here",
+                    per_hit.as_nanos()
+                );
+                Some((
+                    BudgetController::new(budget, per_hit),
+                    crate::spans::monotonic_now_ns(),
+                ))
+            }
+            None => None,
+        };
         Ok(Session {
             ebpf,
             ring: Some(ring),
             logger,
-            attacher: Attacher::default(),
+            attacher,
             groups: options.span_groups,
             targets: HashMap::new(),
             child: None,
@@ -141,11 +182,27 @@ impl Session {
             exit_tx: None,
             export_strategy: ExportStrategy::AllRanks,
             node: None,
+            budget,
+            launch_estimates: HashMap::new(),
         })
     }
 
     pub fn attacher(&self) -> &Attacher {
         &self.attacher
+    }
+
+    fn launch_totals_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, u64>> {
+        let map = self
+            .ebpf
+            .map_mut(maps::LAUNCH_TOTALS)
+            .ok_or(LensError::MissingInObject {
+                kind: "map",
+                name: maps::LAUNCH_TOTALS,
+            })?;
+        BpfHashMap::try_from(map).map_err(|source| LensError::Map {
+            map: maps::LAUNCH_TOTALS,
+            source,
+        })
     }
 
     fn targets_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, TargetConfig>> {
@@ -238,6 +295,8 @@ impl Session {
                 own_child: false,
                 config: TargetConfig::default(),
                 pidfd,
+                launches_counted: false,
+                launches_seen: false,
             },
         );
         Ok(())
@@ -282,6 +341,8 @@ impl Session {
                 own_child: true,
                 config,
                 pidfd: Some(pidfd),
+                launches_counted: false,
+                launches_seen: false,
             },
         );
         self.child = Some(pid);
@@ -326,6 +387,8 @@ impl Session {
                         own_child: false,
                         config,
                         pidfd: None,
+                        launches_counted: false,
+                        launches_seen: false,
                     },
                 );
                 // It maps what its parent mapped.
@@ -557,7 +620,14 @@ impl Session {
         if let Ok(mut targets) = self.targets_map() {
             let _ = targets.remove(&pid);
         }
-        let calls = self.take_call_counts(pid);
+        let mut calls = self.take_call_counts(pid);
+        if let Ok(mut totals) = self.launch_totals_map() {
+            let _ = totals.remove(&pid);
+        }
+        if let Some(estimate) = self.launch_estimates.remove(&pid) {
+            let new = launch_total(&calls).saturating_sub(estimate.counted);
+            scale_launches(&mut calls, estimate.estimated + new as f64);
+        }
         // Node mode outlives its targets: probes nobody needs any more go. (Otherwise
         // lens-probe ends with its targets, and the probes with it.)
         if self.node.is_some() {
@@ -614,6 +684,87 @@ impl Session {
         calls
     }
 
+    /// Tells the sink about targets whose launches began or stopped being counted (their
+    /// libraries' launch probes went in or out).
+    fn sync_launch_counting(&mut self, sink: &mut dyn EventSink) {
+        let now = crate::spans::monotonic_now_ns();
+        let sampled = self.budget.is_some();
+        for (pid, target) in &mut self.targets {
+            let counted = self.attacher.counts_launches(*pid);
+            if counted != target.launches_counted {
+                // A process traced from its start had its libraries probed as they loaded,
+                // before any launch: its count starts with it.
+                let since = if counted && !target.launches_seen && target.info.traced_from_start {
+                    0
+                } else {
+                    now
+                };
+                target.launches_counted = counted;
+                target.launches_seen |= counted;
+                sink.on_launch_counting(*pid, counted, since, sampled);
+            }
+        }
+    }
+
+    /// One tick of the overhead budget: feed it the launch counters, move the launch
+    /// probes as it says, and hand the sinks launch totals with the pauses estimated.
+    fn budget_tick(&mut self, sink: &mut dyn EventSink) {
+        if self.budget.is_none() {
+            return;
+        }
+        let counts = self.call_counts();
+        let Some((controller, started)) = self.budget.as_mut() else {
+            return;
+        };
+        let started = *started;
+        let now = crate::spans::monotonic_now_ns();
+        let launches: HashMap<u32, u64> = counts
+            .iter()
+            .map(|(pid, calls)| (*pid, launch_total(calls)))
+            .collect();
+        let was_in = controller.probes_in();
+        let elapsed = (now - started) as f64 / 1e9;
+        let action = controller.tick(elapsed, &launches);
+        log::debug!("overhead budget at {elapsed:.2}s: launches {launches:?} → {action:?}");
+        let tick = crate::budget::TICK.as_secs_f64();
+        for (pid, total) in &launches {
+            let estimate = self.launch_estimates.entry(*pid).or_default();
+            let new = total.saturating_sub(estimate.counted);
+            estimate.counted = *total;
+            if was_in {
+                estimate.rate = new as f64 / tick;
+                estimate.estimated += new as f64;
+            } else {
+                estimate.estimated += estimate.rate * tick;
+            }
+        }
+        match action {
+            Action::Keep => {}
+            Action::Detach => {
+                // Said before they go: a span ending after this is not fully counted.
+                for (pid, target) in &mut self.targets {
+                    if target.launches_counted {
+                        target.launches_counted = false;
+                        sink.on_launch_counting(*pid, false, now, true);
+                    }
+                }
+                let moved = self.attacher.set_launch_probes(&mut self.ebpf, false);
+                info!("overhead budget: {moved} launch probes out");
+            }
+            Action::Attach => {
+                let moved = self.attacher.set_launch_probes(&mut self.ebpf, true);
+                info!("overhead budget: {moved} launch probes in for a sampled window");
+                self.sync_launch_counting(sink);
+            }
+        }
+        for (pid, mut calls) in counts {
+            if let Some(estimate) = self.launch_estimates.get(&pid) {
+                scale_launches(&mut calls, estimate.estimated);
+            }
+            sink.on_call_counts(pid, &calls);
+        }
+    }
+
     fn losses(&self) -> Losses {
         let mut losses = Losses {
             undecodable: self.undecodable,
@@ -664,6 +815,11 @@ impl Session {
         let deadline = limit.map(|limit| tokio::time::Instant::now() + limit);
         let mut tick = tokio::time::interval(DRAIN_INTERVAL);
         let mut counts_tick = tokio::time::interval(CALL_COUNTS_INTERVAL);
+        let mut budget_tick = tokio::time::interval(crate::budget::TICK);
+        // Ticks missed while the loop was busy are not made up in a burst: the controller
+        // measures rates over the time that really passed.
+        budget_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        self.sync_launch_counting(sink);
         let mut stop: Option<StopReason> = None;
         let mut grace_deadline: Option<tokio::time::Instant> = None;
 
@@ -701,11 +857,13 @@ impl Session {
                     guard.clear_ready();
                 }
                 _ = tick.tick() => self.drain(ring.get_mut(), sink),
-                _ = counts_tick.tick() => {
+                // Under a budget its tick reads the counters (and scales the launches).
+                _ = counts_tick.tick(), if self.budget.is_none() => {
                     for (pid, calls) in self.call_counts() {
                         sink.on_call_counts(pid, &calls);
                     }
                 }
+                _ = budget_tick.tick(), if self.budget.is_some() => self.budget_tick(sink),
                 _ = log_ready => {}
                 Some(pid) = exit_rx.recv() => {
                     self.drain(ring.get_mut(), sink);
@@ -723,6 +881,8 @@ impl Session {
                 }
                 _ = grace => break,
             }
+            // Libraries attached while draining may have put launch probes in.
+            self.sync_launch_counting(sink);
             if stop.is_some() && grace_deadline.is_none() {
                 break;
             }
@@ -742,10 +902,14 @@ impl Session {
         }
         self.ring = Some(ring.into_inner());
         self.exit_tx = None;
+        let budget = self.budget.as_ref().map(|(controller, started)| {
+            controller.report((crate::spans::monotonic_now_ns() - started) as f64 / 1e9)
+        });
         Ok(RunReport {
             stop: stop.unwrap_or(StopReason::TargetsExited),
             losses: self.losses(),
             child_exit: self.child_exit,
+            budget,
         })
     }
 
@@ -787,6 +951,28 @@ impl Session {
         }
         if !children.is_empty() {
             *grace_deadline = Some(tokio::time::Instant::now() + CHILD_EXIT_GRACE);
+        }
+    }
+}
+
+fn launch_total(calls: &BTreeMap<ProbeId, u64>) -> u64 {
+    calls
+        .iter()
+        .filter(|(probe, _)| probe.is_launch())
+        .map(|(_, count)| count)
+        .sum()
+}
+
+/// Scales the launch counters so that they add up to `estimated` (kinds keep their shares).
+fn scale_launches(calls: &mut BTreeMap<ProbeId, u64>, estimated: f64) {
+    let counted = launch_total(calls);
+    if counted == 0 {
+        return;
+    }
+    let factor = estimated / counted as f64;
+    for (probe, count) in calls.iter_mut() {
+        if probe.is_launch() {
+            *count = (*count as f64 * factor).round() as u64;
         }
     }
 }

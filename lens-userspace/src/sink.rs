@@ -27,6 +27,9 @@ pub trait EventSink {
     /// The kernel's call counters of a running process so far (totals, by probe):
     /// launches are counted there, not sent as events.
     fn on_call_counts(&mut self, _pid: u32, _calls: &BTreeMap<ProbeId, u64>) {}
+    /// The launch probes of `pid`'s libraries went in (`counting`) or out at `at_ns`
+    /// (monotonic clock). `sampled`: an overhead budget moves them in and out.
+    fn on_launch_counting(&mut self, _pid: u32, _counting: bool, _at_ns: u64, _sampled: bool) {}
     fn on_process_end(&mut self, _end: &ProcessEnd) {}
 }
 
@@ -47,6 +50,10 @@ impl<A: EventSink, B: EventSink> EventSink for (A, B) {
         self.0.on_call_counts(pid, calls);
         self.1.on_call_counts(pid, calls);
     }
+    fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
+        self.0.on_launch_counting(pid, counting, at_ns, sampled);
+        self.1.on_launch_counting(pid, counting, at_ns, sampled);
+    }
     fn on_process_end(&mut self, end: &ProcessEnd) {
         self.0.on_process_end(end);
         self.1.on_process_end(end);
@@ -65,6 +72,9 @@ impl<S: EventSink + ?Sized> EventSink for &mut S {
     }
     fn on_call_counts(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
         (**self).on_call_counts(pid, calls);
+    }
+    fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
+        (**self).on_launch_counting(pid, counting, at_ns, sampled);
     }
     fn on_process_end(&mut self, end: &ProcessEnd) {
         (**self).on_process_end(end);
@@ -90,6 +100,11 @@ impl<S: EventSink> EventSink for Option<S> {
     fn on_call_counts(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
         if let Some(sink) = self {
             sink.on_call_counts(pid, calls);
+        }
+    }
+    fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
+        if let Some(sink) = self {
+            sink.on_launch_counting(pid, counting, at_ns, sampled);
         }
     }
     fn on_process_end(&mut self, end: &ProcessEnd) {
@@ -213,8 +228,9 @@ fn describe(event: &ProbeEvent) -> String {
             tgid,
             tid,
             at_ns,
+            launches,
             signal,
-        } => format!("[{tgid}:{tid}] {signal:?} at={at_ns}"),
+        } => format!("[{tgid}:{tid}] {signal:?} at={at_ns} launches={launches}"),
         ProbeEvent::LinkMapChanged { tgid, .. } => format!("[{tgid}] libraries changed"),
         ProbeEvent::ProcessForked { parent, child } => format!("[{parent}] forked {child}"),
         ProbeEvent::ProcessExec { tgid, .. } => format!("[{tgid}] exec"),

@@ -20,6 +20,7 @@ fn options(spec: &str) -> TraceOptions {
     TraceOptions {
         span_groups: spec.parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
+        overhead_budget: None,
     }
 }
 

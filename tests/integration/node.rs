@@ -22,6 +22,7 @@ fn node_mode_traces_processes_that_start_later_and_detaches_after_them() {
     let mut session = Session::new(TraceOptions {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
+        overhead_budget: None,
     })
     .unwrap();
     session.set_export_strategy(ExportStrategy::AllRanks);
@@ -144,6 +145,7 @@ fn the_mapped_inode_is_probed_not_what_the_maps_path_names_here() {
     let mut session = Session::new(TraceOptions {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
+        overhead_budget: None,
     })
     .unwrap();
     session

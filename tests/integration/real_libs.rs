@@ -26,6 +26,7 @@ fn real_cudart_and_nccl_every_symbol_attaches_and_calls_are_seen() {
     let mut session = Session::new(TraceOptions {
         span_groups: "all".parse().unwrap(),
         kernel_logs: false,
+        overhead_budget: None,
     })
     .unwrap();
     session

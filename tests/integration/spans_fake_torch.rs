@@ -15,6 +15,7 @@ fn session(spec: &str) -> Session {
     Session::new(TraceOptions {
         span_groups: spec.parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
+        overhead_budget: None,
     })
     .unwrap()
 }
@@ -152,9 +153,10 @@ fn uprobes_attached_grow_with_the_preset() {
     // writer open, writer close (return).
     assert_eq!(default, 1 + 2 + 2 + 1 + 2);
     // per_step adds backward (entry+return), reader open/close, 8 gloo calls (entry+
-    // return), and from the fake libnccl the 7 collectives (entry+return) and group
-    // start/end (the trainer maps no libcudart).
-    assert_eq!(per_step, default + 2 + 2 + 8 * 2 + 7 * 2 + 2);
+    // return), from the fake libnccl the 7 collectives (entry+return) and group
+    // start/end, and from the fake libcudart the 3 launches (entry) and 3 syncs
+    // (entry+return).
+    assert_eq!(per_step, default + 2 + 2 + 8 * 2 + 7 * 2 + 2 + 3 + 3 * 2);
 }
 
 #[test]
@@ -267,4 +269,100 @@ fn a_killed_job_has_an_error_status_and_truncated_open_spans() {
         "train.job\n  train.model_init\n  train.step dl.iteration=0 nemo.span.truncated=true\n    \
          train.forward_backward dl.microbatch_count=1 nemo.span.truncated=true\n"
     );
+}
+
+#[test]
+fn phase_spans_carry_the_launches_counted_in_the_kernel() {
+    if !lens_tests::require_bpf("phase_spans_carry_the_launches_counted_in_the_kernel") {
+        return;
+    }
+    // 3 kernel launches in each forward pass and in each optimizer step, 2 microbatches;
+    // evaluation (no launches) after steps 2 and 4.
+    let (log, _) = trace(
+        "per_step",
+        &trainer(&[("TRAINER_LAUNCHES", "3")], &["4", "2", "2", "0"]),
+    );
+    let keys = &[semconv::DL_ITERATION, semconv::CUDA_LAUNCH_COUNT];
+    let step = |i: u32| {
+        format!(
+            "  train.step dl.iteration={i} cuda.launch.count=9\n    train.forward_backward \
+             cuda.launch.count=6\n    train.optimizer cuda.launch.count=3\n"
+        )
+    };
+    let evaluate = "  train.evaluate cuda.launch.count=0\n".to_string();
+    let expected = [
+        "train.job cuda.launch.count=36\n  train.model_init cuda.launch.count=0\n".to_string(),
+        step(0),
+        step(1),
+        evaluate.clone(),
+        step(2),
+        step(3),
+        evaluate,
+    ]
+    .concat();
+    assert_eq!(log.outline(keys), expected);
+    assert!(
+        log.spans
+            .iter()
+            .all(|s| s.attr(semconv::CUDA_LAUNCH_SAMPLED).is_none()),
+        "no budget, nothing sampled"
+    );
+}
+
+#[test]
+fn an_overhead_budget_samples_the_launch_probes_and_stays_under_it() {
+    if !lens_tests::require_bpf("an_overhead_budget_samples_the_launch_probes") {
+        return;
+    }
+    // 100 launches of 2 µs in each forward and optimizer step, ~8 ms steps: with the launch
+    // probes in all the time they would cost a few % of the time; the budget is 1%.
+    let mut session = Session::new(TraceOptions {
+        span_groups: "per_step".parse().unwrap(),
+        kernel_logs: false,
+        overhead_budget: Some("1%".parse().unwrap()),
+    })
+    .unwrap();
+    let steps = 1000;
+    session
+        .exec(&trainer(
+            &[
+                ("TRAINER_LAUNCHES", "100"),
+                ("LENS_FAKE_LAUNCH_NS", "2000"),
+                ("TRAINER_INIT_MS", "0"),
+            ],
+            &[&steps.to_string(), "1", "0", "0"],
+        ))
+        .unwrap();
+    let mut builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
+    let report = session
+        .run_blocking(&mut builder, Some(Duration::from_secs(120)))
+        .unwrap();
+    let budget = report.budget.expect("a budget report");
+    let log = builder.into_exporter();
+    let steps_seen: Vec<_> = log.named(names::STEP).collect();
+    assert_eq!(steps_seen.len(), steps);
+    let counted: Vec<_> = steps_seen
+        .iter()
+        .filter(|s| s.attr(semconv::CUDA_LAUNCH_COUNT).is_some())
+        .collect();
+    let summary = format!("{budget:?}; {} of {steps} steps counted", counted.len());
+    assert!(budget.estimated_percent <= 1.0, "{summary}");
+    assert!(budget.per_hit_ns > 0.0, "{summary}");
+    assert!(budget.sampled_percent < 90.0, "{summary}");
+    assert!(budget.windows >= 1, "{summary}");
+    assert!(!counted.is_empty(), "{summary}");
+    assert!(counted.len() < steps * 9 / 10, "{summary}");
+    for step in counted {
+        // Exact where counted: the step lay inside a window.
+        assert_eq!(
+            step.attr(semconv::CUDA_LAUNCH_COUNT).map(|v| v.to_string()),
+            Some("200".to_string()),
+            "{summary}"
+        );
+        assert_eq!(
+            step.attr(semconv::CUDA_LAUNCH_SAMPLED)
+                .map(|v| v.to_string()),
+            Some("true".to_string())
+        );
+    }
 }

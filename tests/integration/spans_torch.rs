@@ -32,6 +32,7 @@ fn trace(spec: &str, argv: &[OsString], env: &[(&str, &str)]) -> (SpanLog, Sessi
     let mut session = Session::new(TraceOptions {
         span_groups: spec.parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
+        overhead_budget: None,
     })
     .unwrap();
     let mut argv_env: Vec<OsString> = vec!["env".into()];
@@ -446,6 +447,7 @@ fn attaching_in_the_fifth_step_gives_whole_steps_from_the_next_one() {
     let mut session = Session::new(TraceOptions {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
+        overhead_budget: None,
     })
     .unwrap();
     let mut child = std::process::Command::new(&venv.python)

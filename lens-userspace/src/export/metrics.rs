@@ -108,6 +108,8 @@ pub struct ProcessMetrics {
     phase_duration: Histogram<f64>,
     /// Launch totals already added (the kernel's counters are read as totals).
     launches_recorded: BTreeMap<ProbeId, u64>,
+    /// The launch totals are an overhead budget's estimates (`cuda.launch.sampled`).
+    pub launches_sampled: bool,
 }
 
 fn string_attr(span: &SpanRecord, key: &'static str) -> Option<KeyValue> {
@@ -171,6 +173,7 @@ impl ProcessMetrics {
             provider,
             reader,
             launches_recorded: BTreeMap::new(),
+            launches_sampled: false,
         }
     }
 
@@ -218,7 +221,15 @@ impl ProcessMetrics {
             let recorded = self.launches_recorded.entry(probe).or_default();
             let new = total.saturating_sub(*recorded);
             *recorded = total.max(*recorded);
-            if new > 0 {
+            if new > 0 && self.launches_sampled {
+                self.kernel_launches.add(
+                    new,
+                    &[
+                        KeyValue::new(semconv::CUDA_LAUNCH_KIND, kind),
+                        KeyValue::new(semconv::CUDA_LAUNCH_SAMPLED, true),
+                    ],
+                );
+            } else if new > 0 {
                 self.kernel_launches
                     .add(new, &[KeyValue::new(semconv::CUDA_LAUNCH_KIND, kind)]);
             }

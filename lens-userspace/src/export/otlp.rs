@@ -379,6 +379,12 @@ impl SpanExporter for OtelPipeline {
         }
     }
 
+    fn launches_sampled(&mut self, pid: u32) {
+        if let Some(process) = self.processes.get_mut(&pid) {
+            process.metrics.launches_sampled = true;
+        }
+    }
+
     fn process_ended(&mut self, pid: u32) {
         let metrics = self.processes.remove(&pid).map(|p| p.metrics);
         if let Some(queue) = &self.queue {

@@ -104,6 +104,31 @@ impl LibraryAttachment {
     }
 }
 
+/// A launch probe an overhead budget moves in and out: where it goes, and its link while
+/// it is in. The library stays open so that it can go in again after the process that
+/// showed it to us is gone (`/proc/self/fd/N` names the same inode in any namespace).
+struct SampledProbe {
+    file: FileId,
+    library: std::sync::Arc<std::fs::File>,
+    offset: u64,
+    id: ProbeId,
+    link: Option<UProbeLinkId>,
+}
+
+impl SampledProbe {
+    fn path(&self) -> std::path::PathBuf {
+        use std::os::fd::AsRawFd;
+        format!("/proc/self/fd/{}", self.library.as_raw_fd()).into()
+    }
+}
+
+/// Launch probes under an overhead budget ([`Attacher::sample_launches`]).
+#[derive(Default)]
+struct SampledLaunches {
+    probes_in: bool,
+    probes: Vec<SampledProbe>,
+}
+
 /// Keeps track of which files were already probed, so each is attached once, which
 /// targets use each, and its links, so a library no target maps any more is detached.
 #[derive(Default)]
@@ -112,9 +137,72 @@ pub struct Attacher {
     attachments: Vec<LibraryAttachment>,
     links: HashMap<FileId, Vec<(Program, UProbeLinkId)>>,
     users: HashMap<FileId, HashSet<u32>>,
+    sampled: Option<SampledLaunches>,
 }
 
 impl Attacher {
+    /// From now on launch probes can be taken out and put back ([`Self::set_launch_probes`])
+    /// for an overhead budget. Call before attaching.
+    pub fn sample_launches(&mut self) {
+        self.sampled = Some(SampledLaunches {
+            probes_in: true,
+            probes: Vec::new(),
+        });
+    }
+
+    /// Puts the launch probes in or takes them out (on a thread of its own: the kernel
+    /// takes ~0.1 s per uprobe to remove it). Returns how many moved.
+    pub fn set_launch_probes(&mut self, ebpf: &mut Ebpf, probes_in: bool) -> usize {
+        let Some(sampled) = self.sampled.as_mut() else {
+            return 0;
+        };
+        if sampled.probes_in == probes_in {
+            return 0;
+        }
+        sampled.probes_in = probes_in;
+        let Ok(uprobe) = uprobe_mut(ebpf, Program::CountOnly) else {
+            return 0;
+        };
+        let mut moved = 0;
+        let mut released = Vec::new();
+        for probe in &mut sampled.probes {
+            if probes_in {
+                match attach_at(uprobe, &probe.path(), probe.offset, probe.id) {
+                    Ok(link) => {
+                        probe.link = Some(link);
+                        moved += 1;
+                    }
+                    Err(error) => warn!("cannot put back the launch probe {:?}: {error}", probe.id),
+                }
+            } else if let Some(link) = probe.link.take()
+                && let Ok(link) = uprobe.take_link(link)
+            {
+                released.push(link);
+                moved += 1;
+            }
+        }
+        if !released.is_empty() {
+            std::thread::spawn(move || drop(released));
+        }
+        moved
+    }
+
+    /// Whether launches of target `pid` are counted now: a library it maps has its
+    /// launch probes in.
+    pub fn counts_launches(&self, pid: u32) -> bool {
+        let uses = |file: &FileId| self.users.get(file).is_some_and(|u| u.contains(&pid));
+        let fixed = self.links.iter().any(|(file, links)| {
+            uses(file)
+                && links
+                    .iter()
+                    .any(|(program, _)| *program == Program::CountOnly)
+        });
+        let sampled = self.sampled.as_ref().is_some_and(|s| {
+            s.probes_in && s.probes.iter().any(|p| p.link.is_some() && uses(&p.file))
+        });
+        fixed || sampled
+    }
+
     pub fn is_attached(&self, file: FileId) -> bool {
         self.done.contains(&file)
     }
@@ -160,6 +248,7 @@ impl Attacher {
     /// remove uprobes) and forgets it was attached. Returns how many went.
     fn forget(&mut self, ebpf: &mut Ebpf, file: FileId) -> usize {
         let mut released = Vec::new();
+        let mut released_sampled = Vec::new();
         for (program, id) in self.links.remove(&file).unwrap_or_default() {
             if let Ok(link) = uprobe_mut(ebpf, program).and_then(|uprobe| {
                 uprobe.take_link(id).map_err(|source| LensError::Program {
@@ -170,11 +259,23 @@ impl Attacher {
                 released.push(link);
             }
         }
+        if let Some(sampled) = self.sampled.as_mut()
+            && let Ok(uprobe) = uprobe_mut(ebpf, Program::CountOnly)
+        {
+            for probe in sampled.probes.iter_mut().filter(|p| p.file == file) {
+                if let Some(link) = probe.link.take()
+                    && let Ok(link) = uprobe.take_link(link)
+                {
+                    released_sampled.push(link);
+                }
+            }
+            sampled.probes.retain(|p| p.file != file);
+        }
         self.done.remove(&file);
         self.attachments.retain(|a| a.library.file != file);
-        let count = released.len();
+        let count = released.len() + released_sampled.len();
         if count > 0 {
-            std::thread::spawn(move || drop(released));
+            std::thread::spawn(move || drop((released, released_sampled)));
         }
         count
     }
@@ -210,6 +311,12 @@ impl Attacher {
             match resolve_file_offsets(&library.open_path, &wanted) {
                 Ok(offsets) => {
                     for spec in &specs {
+                        if spec.id.is_launch()
+                            && let Some(sampled) = self.sampled.as_mut()
+                        {
+                            sample_spec(ebpf, library, spec, &offsets, &mut outcomes, sampled);
+                            continue;
+                        }
                         attach_spec(
                             ebpf,
                             library,
@@ -272,6 +379,107 @@ impl Attacher {
             }
         }
         by_probe
+    }
+}
+
+/// A `count_only` probe (a launch's program) at `offset` in `path`, outside the
+/// bookkeeping of libraries: for measuring what one probe hit costs. Dropping the link
+/// takes it out.
+pub fn attach_count_only(
+    ebpf: &mut Ebpf,
+    path: &std::path::Path,
+    offset: u64,
+    id: ProbeId,
+) -> Result<aya::programs::uprobe::UProbeLink> {
+    let uprobe = uprobe_mut(ebpf, Program::CountOnly)?;
+    let link = attach_at(uprobe, path, offset, id)?;
+    uprobe.take_link(link).map_err(|source| LensError::Program {
+        program: Program::CountOnly.name(),
+        source,
+    })
+}
+
+fn attach_at(
+    uprobe: &mut UProbe,
+    path: &std::path::Path,
+    offset: u64,
+    id: ProbeId,
+) -> Result<UProbeLinkId> {
+    uprobe
+        .attach(
+            UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(offset),
+                cookie: Some(id as u64),
+            },
+            path,
+            UProbeScope::AllProcesses,
+        )
+        .map_err(|source| LensError::Program {
+            program: Program::CountOnly.name(),
+            source,
+        })
+}
+
+/// A launch probe under an overhead budget: remembered so that it can be taken out and
+/// put back, and put in now if the budget has the launch probes in.
+fn sample_spec(
+    ebpf: &mut Ebpf,
+    library: &MappedLibrary,
+    spec: &catalog::ProbeSpec,
+    offsets: &HashMap<String, u64>,
+    outcomes: &mut Vec<ProbeOutcome>,
+    sampled: &mut SampledLaunches,
+) {
+    let file = match std::fs::File::open(&library.open_path) {
+        Ok(file) => std::sync::Arc::new(file),
+        Err(error) => {
+            outcomes.push(ProbeOutcome::Failed {
+                symbol: spec.id.symbol().to_string(),
+                reason: error.to_string(),
+            });
+            return;
+        }
+    };
+    let mut seen = HashSet::new();
+    for symbol in std::iter::once(&spec.id.symbol()).chain(spec.optional_aliases) {
+        let Some(&offset) = offsets.get(*symbol) else {
+            if *symbol == spec.id.symbol() {
+                outcomes.push(ProbeOutcome::Failed {
+                    symbol: symbol.to_string(),
+                    reason: format!("{} defines no such symbol", library.kind.display_name()),
+                });
+            }
+            continue;
+        };
+        if !seen.insert(offset) {
+            continue;
+        }
+        let mut probe = SampledProbe {
+            file: library.file,
+            library: file.clone(),
+            offset,
+            id: spec.id,
+            link: None,
+        };
+        if sampled.probes_in {
+            let attached = uprobe_mut(ebpf, Program::CountOnly)
+                .and_then(|uprobe| attach_at(uprobe, &probe.path(), offset, spec.id));
+            match attached {
+                Ok(link) => probe.link = Some(link),
+                Err(error) => {
+                    outcomes.push(ProbeOutcome::Failed {
+                        symbol: symbol.to_string(),
+                        reason: error.to_string(),
+                    });
+                    continue;
+                }
+            }
+        }
+        outcomes.push(ProbeOutcome::Attached {
+            symbol: symbol.to_string(),
+            offset,
+        });
+        sampled.probes.push(probe);
     }
 }
 

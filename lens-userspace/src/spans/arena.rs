@@ -3,7 +3,10 @@
 //! on the nearest enabled ancestor instead.
 use std::collections::HashMap;
 
-use super::{AttrValue, Attributes, SpanEvent, SpanExporter, SpanId, SpanRecord, SpanStatus};
+use super::{
+    AttrValue, Attributes, SpanEvent, SpanExporter, SpanId, SpanRecord, SpanStatus,
+    launches::LaunchLedger,
+};
 use crate::{
     groups::{SpanGroup, SpanGroups},
     semconv,
@@ -47,6 +50,8 @@ pub struct SpanArena {
     open: HashMap<SpanId, OpenSpan>,
     /// A training phase or a call has been seen (not just the job and its start-up).
     training_seen: bool,
+    /// The process's launch totals at its phase marks: launches per span.
+    launches: LaunchLedger,
 }
 
 impl SpanArena {
@@ -56,7 +61,12 @@ impl SpanArena {
             groups,
             open: HashMap::new(),
             training_seen: false,
+            launches: LaunchLedger::default(),
         }
+    }
+
+    pub fn launches_mut(&mut self) -> &mut LaunchLedger {
+        &mut self.launches
     }
 
     /// Whether the process did anything a training job does (a step, an evaluation, a
@@ -153,6 +163,12 @@ impl SpanArena {
             return;
         };
         record.end_ns = end_ns.max(record.start_ns);
+        if let Some(launches) = self.launches.between(record.start_ns, record.end_ns) {
+            record.set_attr(semconv::CUDA_LAUNCH_COUNT, launches);
+            if self.launches.sampled() {
+                record.set_attr(semconv::CUDA_LAUNCH_SAMPLED, true);
+            }
+        }
         if truncated {
             record.set_attr(semconv::NEMO_SPAN_TRUNCATED, true);
         }

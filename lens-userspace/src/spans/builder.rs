@@ -168,6 +168,15 @@ impl<E: SpanExporter> SpanBuilder<E> {
         let Some(mut process) = self.processes.remove(&pid) else {
             return;
         };
+        // The kernel's final launch total closes the last phases' counts.
+        if calls.keys().any(|probe| probe.is_launch()) {
+            let launches = calls
+                .iter()
+                .filter(|(probe, _)| probe.is_launch())
+                .map(|(_, count)| count)
+                .sum();
+            process.arena.launches_mut().record_mark(end_ns, launches);
+        }
         let ProcessSpans {
             arena,
             job,
@@ -237,10 +246,18 @@ impl<E: SpanExporter> SpanBuilder<E> {
         }
     }
 
-    fn on_phase(&mut self, tgid: u32, tid: u32, at: u64, signal: &crate::events::PhaseSignal) {
+    fn on_phase(
+        &mut self,
+        tgid: u32,
+        tid: u32,
+        at: u64,
+        launches: u64,
+        signal: &crate::events::PhaseSignal,
+    ) {
         let Some(process) = self.processes.get_mut(&tgid) else {
             return;
         };
+        process.arena.launches_mut().record_mark(at, launches);
         let traced_from_start = process.traced_from_start;
         let thread = process
             .threads
@@ -332,8 +349,9 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 tgid,
                 tid,
                 at_ns,
+                launches,
                 signal,
-            } => self.on_phase(*tgid, *tid, *at_ns, signal),
+            } => self.on_phase(*tgid, *tid, *at_ns, *launches, signal),
             ProbeEvent::Collective {
                 timing,
                 op,
@@ -440,6 +458,18 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
     ) {
         if self.processes.get(&pid).is_some_and(|p| p.exporting) {
             self.exporter.process_calls(pid, calls);
+        }
+    }
+
+    fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
+        if sampled {
+            self.exporter.launches_sampled(pid);
+        }
+        if let Some(process) = self.processes.get_mut(&pid) {
+            process
+                .arena
+                .launches_mut()
+                .set_counting(counting, at_ns, sampled);
         }
     }
 

@@ -5,6 +5,7 @@
 mod arena;
 pub mod builder;
 pub mod console;
+mod launches;
 mod phases;
 #[cfg(test)]
 mod tests;
@@ -165,6 +166,8 @@ pub trait SpanExporter {
     fn export(&mut self, span: SpanRecord);
     /// The kernel's call counters of `pid` (launches...), read when it ended.
     fn process_calls(&mut self, _pid: u32, _calls: &BTreeMap<ProbeId, u64>) {}
+    /// `pid`'s launch counters are an overhead budget's estimates from sampled windows.
+    fn launches_sampled(&mut self, _pid: u32) {}
     /// Every span of `pid` has been exported.
     fn process_ended(&mut self, _pid: u32) {}
 }
@@ -178,6 +181,9 @@ impl<E: SpanExporter + ?Sized> SpanExporter for &mut E {
     }
     fn process_calls(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
         (**self).process_calls(pid, calls);
+    }
+    fn launches_sampled(&mut self, pid: u32) {
+        (**self).launches_sampled(pid);
     }
     fn process_ended(&mut self, pid: u32) {
         (**self).process_ended(pid);
@@ -193,6 +199,9 @@ impl<E: SpanExporter + ?Sized> SpanExporter for Box<E> {
     }
     fn process_calls(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
         (**self).process_calls(pid, calls);
+    }
+    fn launches_sampled(&mut self, pid: u32) {
+        (**self).launches_sampled(pid);
     }
     fn process_ended(&mut self, pid: u32) {
         (**self).process_ended(pid);

@@ -15,6 +15,8 @@ const FETCH: &str = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__
 struct Run {
     builder: SpanBuilder<SpanLog>,
     now: u64,
+    /// The process's kernel launches so far, as the kernel stamps them on phase marks.
+    launches: u64,
 }
 
 impl Run {
@@ -32,7 +34,11 @@ impl Run {
             },
             0,
         );
-        Run { builder, now: 0 }
+        Run {
+            builder,
+            now: 0,
+            launches: 0,
+        }
     }
 
     /// Advances the clock by `ms` and sends `signal` then.
@@ -42,8 +48,14 @@ impl Run {
             tgid: PID,
             tid: PID,
             at_ns: self.now,
+            launches: self.launches,
             signal,
         });
+        self
+    }
+
+    fn launch(&mut self, kernels: u64) -> &mut Self {
+        self.launches += kernels;
         self
     }
 
@@ -351,4 +363,77 @@ fn exec_before_training_starts_the_job_over_as_the_new_program() {
     assert_eq!(job.int_attr(semconv::DL_WORLD_SIZE), Some(2));
     assert_eq!(job.int_attr(semconv::DL_LOCAL_RANK), Some(1));
     assert_eq!(log.named(names::STEP).count(), 1);
+}
+
+#[test]
+fn phase_spans_count_the_launches_made_inside_them() {
+    let mut run = Run::new("per_step", true);
+    run.builder.on_launch_counting(PID, true, 0, false);
+    for _ in 0..2 {
+        run.scope(1, FETCH, 1)
+            .launch(10)
+            .at(2, PhaseSignal::BackwardStart)
+            .launch(5)
+            .at(3, PhaseSignal::BackwardEnd)
+            .at(1, scope_enter("Optimizer.step#SGD.step"))
+            .launch(4)
+            .grad(0, false)
+            .grad(1, true)
+            .at(0, PhaseSignal::ScopeExit)
+            .scope(0, "Optimizer.zero_grad#SGD.zero_grad", 1);
+    }
+    let log = run.end(3, Some(ExitStatus::Exited(0)));
+    let counts = |name: &str| -> Vec<Option<String>> {
+        log.named(name)
+            .map(|s| s.attr(semconv::CUDA_LAUNCH_COUNT).map(|v| v.to_string()))
+            .collect()
+    };
+    let some = |n: &str| Some(n.to_string());
+    assert_eq!(counts(names::FORWARD_BACKWARD), [some("15"), some("15")]);
+    assert_eq!(counts(names::OPTIMIZER), [some("4"), some("4")]);
+    assert_eq!(counts(names::STEP), [some("19"), some("19")]);
+    assert_eq!(counts(names::JOB), [some("38")]);
+    assert!(
+        log.spans
+            .iter()
+            .all(|s| s.attr(semconv::CUDA_LAUNCH_SAMPLED).is_none())
+    );
+}
+
+#[test]
+fn launches_are_counted_only_for_spans_inside_a_sampled_window() {
+    let mut run = Run::new("per_step", true);
+    // The budget takes the probes out during the first step and puts them back for the
+    // second.
+    run.step(1);
+    let first_step_end = run.now;
+    run.builder
+        .on_launch_counting(PID, false, first_step_end / 2, true);
+    run.builder
+        .on_launch_counting(PID, true, first_step_end + 1, true);
+    run.launch(0).scope(1, FETCH, 1).launch(7).backward(2, 3);
+    run.at(1, scope_enter("Optimizer.step#SGD.step"))
+        .at(0, PhaseSignal::ScopeExit)
+        .scope(0, "Optimizer.zero_grad#SGD.zero_grad", 1);
+    let log = run.end(3, Some(ExitStatus::Exited(0)));
+    let steps: Vec<_> = log.named(names::STEP).collect();
+    assert_eq!(steps[0].attr(semconv::CUDA_LAUNCH_COUNT), None);
+    assert_eq!(
+        steps[1]
+            .attr(semconv::CUDA_LAUNCH_COUNT)
+            .map(|v| v.to_string()),
+        Some("7".to_string())
+    );
+    assert_eq!(
+        steps[1]
+            .attr(semconv::CUDA_LAUNCH_SAMPLED)
+            .map(|v| v.to_string()),
+        Some("true".to_string())
+    );
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(
+        job.attr(semconv::CUDA_LAUNCH_COUNT),
+        None,
+        "job spans the pause"
+    );
 }
