@@ -158,6 +158,17 @@ fn unknown_flags_and_bad_values_are_one_line_exit_2() {
         2,
         "soon",
     );
+    assert_one_line_error(
+        &lens_probe(&["--pid", "1", "--overhead-budget", "150%"]),
+        2,
+        "invalid overhead budget '150%': a percentage of wall time above 0 and at most 100",
+    );
+    let output = Command::new(LENS_PROBE)
+        .args(["--pid", "1"])
+        .env("LENS_PROBE_OVERHEAD_BUDGET", "lots")
+        .output()
+        .unwrap();
+    assert_one_line_error(&output, 2, "invalid overhead budget 'lots'");
     let output = Command::new(LENS_PROBE)
         .args(["--pid", "1"])
         .env("NEMO_LENS_SPAN_GROUPS", "bogus")
