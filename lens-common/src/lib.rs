@@ -207,6 +207,9 @@ pub enum EventKind {
     ProcessForked = 7,
     /// A traced process replaced its program (`execve`).
     ProcessExec = 8,
+    /// A traced process exited; `count` is its wait status (exit code << 8, or the
+    /// signal that killed it).
+    ProcessExit = 9,
 }
 
 impl EventKind {
@@ -220,6 +223,7 @@ impl EventKind {
             6 => Some(EventKind::PhaseMark),
             7 => Some(EventKind::ProcessForked),
             8 => Some(EventKind::ProcessExec),
+            9 => Some(EventKind::ProcessExit),
             _ => None,
         }
     }
@@ -401,6 +405,11 @@ pub const fn comm_id_hash(words: &[u64; NCCL_UNIQUE_ID_WORDS]) -> u64 {
 /// keeps the fields the scheduler tracepoints read (from the running kernel's BTF).
 pub mod globals {
     pub const TASK_TGID_OFFSET: &str = "TASK_TGID_OFFSET";
+    pub const TASK_EXIT_CODE_OFFSET: &str = "TASK_EXIT_CODE_OFFSET";
+    pub const TASK_SIGNAL_OFFSET: &str = "TASK_SIGNAL_OFFSET";
+    pub const SIGNAL_NR_THREADS_OFFSET: &str = "SIGNAL_NR_THREADS_OFFSET";
+    /// Non-zero when `sched_process_exit` passes `group_dead` (Linux 6.16 and later).
+    pub const EXIT_HAS_GROUP_DEAD: &str = "EXIT_HAS_GROUP_DEAD";
 }
 
 /// Indexes of the `SETTINGS` array: run-wide switches the loader sets.

@@ -56,6 +56,37 @@ const SIGSTOP: u32 = 19;
 // volatile: the compiler must not fold the placeholder values).
 #[unsafe(no_mangle)]
 static TASK_TGID_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TASK_EXIT_CODE_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static EXIT_HAS_GROUP_DEAD: u32 = 0;
+#[unsafe(no_mangle)]
+static TASK_SIGNAL_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static SIGNAL_NR_THREADS_OFFSET: u32 = 0;
+
+/// Whether the current process has threads besides the current one (`task->signal->
+/// nr_threads`); false when the kernel's layout is unknown.
+#[inline(always)]
+fn has_other_threads() -> bool {
+    // SAFETY: reads of placeholders the loader set (volatile: not folded) and of kernel
+    // memory through the checked helper, at offsets from the running kernel's BTF.
+    unsafe {
+        let signal_offset = core::ptr::read_volatile(&TASK_SIGNAL_OFFSET) as u64;
+        let threads_offset = core::ptr::read_volatile(&SIGNAL_NR_THREADS_OFFSET) as u64;
+        if signal_offset == 0 || threads_offset == 0 {
+            return false;
+        }
+        let task = generated::bpf_get_current_task();
+        let Ok(signal) =
+            aya_ebpf::helpers::bpf_probe_read_kernel((task + signal_offset) as *const u64)
+        else {
+            return false;
+        };
+        aya_ebpf::helpers::bpf_probe_read_kernel((signal + threads_offset) as *const i32)
+            .is_ok_and(|threads| threads > 1)
+    }
+}
 
 #[inline(always)]
 fn count_loss(cause: LossCause) {
@@ -351,7 +382,12 @@ pub fn dl_debug_state(ctx: ProbeContext) -> u32 {
         ProbeId::DlDebugState as u32,
         pid_tgid,
     );
-    let stop = config.is_some_and(|c| c.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0);
+    // Job-control stops make some blocking calls of *other* threads fail with EINTR
+    // (epoll_wait, semtimedop...; see signal(7)), which libraries such as gloo treat as
+    // fatal: only a single-threaded process is stopped. A multi-threaded one runs on
+    // while its new libraries are attached (a few ms).
+    let stop = config.is_some_and(|c| c.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0)
+        && !has_other_threads();
     // `count`: 1 when the process was stopped and waits for the loader's SIGCONT;
     // `peer`: 1 when it is a target (else a candidate of node-wide discovery).
     event.count = stop as u64;
@@ -492,5 +528,36 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
             submit_flags()
         },
     );
+    0
+}
+
+/// `sched_process_exit(task[, group_dead])`: a thread of a traced process exits. The last
+/// one (or, on kernels without `group_dead`, the leader) reports the process's wait
+/// status, which only its parent could otherwise collect.
+#[raw_tracepoint(tracepoint = "sched_process_exit")]
+pub fn process_exit(ctx: RawTracePointContext) -> i32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let task: u64 = ctx.arg(0);
+    // SAFETY: reads of placeholders the loader set (volatile: not folded) and of kernel
+    // memory through the checked helper, at offsets from the running kernel's BTF.
+    let (last, code) = unsafe {
+        let last = if core::ptr::read_volatile(&EXIT_HAS_GROUP_DEAD) != 0 {
+            ctx.arg::<u64>(1) & 0xff != 0
+        } else {
+            pid_tgid as u32 == (pid_tgid >> 32) as u32
+        };
+        let offset = core::ptr::read_volatile(&TASK_EXIT_CODE_OFFSET) as u64;
+        let code =
+            aya_ebpf::helpers::bpf_probe_read_kernel((task + offset) as *const i32).unwrap_or(0);
+        (last, code)
+    };
+    if !last {
+        return 0;
+    }
+    let mut event = new_event(EventKind::ProcessExit, 0, pid_tgid);
+    event.count = code as u32 as u64;
+    emit(&event, BPF_RB_FORCE_WAKEUP as u64);
     0
 }

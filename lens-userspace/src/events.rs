@@ -261,6 +261,8 @@ pub enum ProbeEvent {
         /// A target (else a process seen by node-wide discovery).
         traced: bool,
     },
+    /// Traced process `tgid` exited with this wait status (as `waitpid` gives it).
+    ProcessExit { tgid: u32, wait_status: i32 },
 }
 
 impl ProbeEvent {
@@ -273,7 +275,8 @@ impl ProbeEvent {
             | ProbeEvent::GlooCall { timing, .. } => timing.tgid,
             ProbeEvent::Phase { tgid, .. }
             | ProbeEvent::LinkMapChanged { tgid, .. }
-            | ProbeEvent::ProcessExec { tgid, .. } => *tgid,
+            | ProbeEvent::ProcessExec { tgid, .. }
+            | ProbeEvent::ProcessExit { tgid, .. } => *tgid,
             ProbeEvent::ProcessForked { child, .. } => *child,
         }
     }
@@ -332,6 +335,12 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
                 traced: raw.peer == 1,
             });
         }
+        EventKind::ProcessExit => {
+            return Ok(ProbeEvent::ProcessExit {
+                tgid: raw.tgid,
+                wait_status: raw.count as i32,
+            });
+        }
         _ => {}
     }
     let probe = ProbeId::from_u32(raw.probe).ok_or(DecodeError::UnknownProbe(raw.probe))?;
@@ -385,7 +394,9 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
             stopped: raw.count == 1,
             traced: raw.peer == 1,
         },
-        EventKind::ProcessForked | EventKind::ProcessExec => unreachable!("decoded above"),
+        EventKind::ProcessForked | EventKind::ProcessExec | EventKind::ProcessExit => {
+            unreachable!("decoded above")
+        }
         EventKind::PhaseMark => ProbeEvent::Phase {
             tgid: raw.tgid,
             tid: raw.tid,

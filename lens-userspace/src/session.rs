@@ -91,6 +91,8 @@ struct Target {
     launches_counted: bool,
     /// ... at some time.
     launches_seen: bool,
+    /// How it ended, as the kernel's exit tracepoint said (its parent reaps it, not us).
+    exit: Option<ExitStatus>,
 }
 
 pub struct Session {
@@ -297,6 +299,7 @@ impl Session {
                 pidfd,
                 launches_counted: false,
                 launches_seen: false,
+                exit: None,
             },
         );
         Ok(())
@@ -343,6 +346,7 @@ impl Session {
                 pidfd: Some(pidfd),
                 launches_counted: false,
                 launches_seen: false,
+                exit: None,
             },
         );
         self.child = Some(pid);
@@ -389,6 +393,7 @@ impl Session {
                         pidfd: None,
                         launches_counted: false,
                         launches_seen: false,
+                        exit: None,
                     },
                 );
                 // It maps what its parent mapped.
@@ -601,6 +606,11 @@ impl Session {
                         traced: false,
                     }) => {
                         self.on_node_exec(tgid);
+                    }
+                    Ok(ProbeEvent::ProcessExit { tgid, wait_status }) => {
+                        if let Some(target) = self.targets.get_mut(&tgid) {
+                            target.exit = Some(ExitStatus::from_wait_status(wait_status));
+                        }
                     }
                     Ok(event) => sink.on_event(&event),
                     Err(error) => {
@@ -869,7 +879,8 @@ impl Session {
                     self.drain(ring.get_mut(), sink);
                     let exit = match self.targets.get(&pid) {
                         Some(t) if t.own_child => wait_child(pid).await,
-                        _ => Some(ExitStatus::Unknown),
+                        Some(t) => Some(t.exit.unwrap_or(ExitStatus::Unknown)),
+                        None => Some(ExitStatus::Unknown),
                     };
                     self.finish_target(pid, exit, sink);
                 }

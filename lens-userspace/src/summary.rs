@@ -180,7 +180,8 @@ impl EventSink for Summary {
             | ProbeEvent::Phase { .. }
             | ProbeEvent::LinkMapChanged { .. }
             | ProbeEvent::ProcessForked { .. }
-            | ProbeEvent::ProcessExec { .. } => {}
+            | ProbeEvent::ProcessExec { .. }
+            | ProbeEvent::ProcessExit { .. } => {}
         }
     }
 

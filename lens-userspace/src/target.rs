@@ -395,6 +395,17 @@ pub enum ExitStatus {
 }
 
 impl ExitStatus {
+    /// From a wait status as `waitpid` (or the kernel's `task_struct.exit_code`) has it.
+    pub fn from_wait_status(status: i32) -> ExitStatus {
+        if libc::WIFEXITED(status) {
+            ExitStatus::Exited(libc::WEXITSTATUS(status))
+        } else if libc::WIFSIGNALED(status) {
+            ExitStatus::Signaled(libc::WTERMSIG(status))
+        } else {
+            ExitStatus::Unknown
+        }
+    }
+
     /// The exit code a shell would report.
     pub fn shell_code(self) -> i32 {
         match self {
@@ -413,12 +424,9 @@ pub fn try_wait_child(pid: u32) -> Option<ExitStatus> {
     if waited != pid as libc::pid_t {
         return None;
     }
-    if libc::WIFEXITED(status) {
-        Some(ExitStatus::Exited(libc::WEXITSTATUS(status)))
-    } else if libc::WIFSIGNALED(status) {
-        Some(ExitStatus::Signaled(libc::WTERMSIG(status)))
-    } else {
-        None
+    match ExitStatus::from_wait_status(status) {
+        ExitStatus::Unknown => None,
+        status => Some(status),
     }
 }
 

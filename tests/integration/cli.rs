@@ -83,6 +83,27 @@ fn exec_passes_the_commands_exit_code_through() {
 }
 
 #[test]
+fn exit_codes_of_processes_it_did_not_start_are_reported() {
+    if !lens_tests::require_bpf("exit_codes_of_processes_it_did_not_start_are_reported") {
+        return;
+    }
+    // Two grandchildren of lens-probe (their parent, the shell, reaps them): one exits 7,
+    // one is killed by SIGKILL. Only the kernel's exit tracepoint sees how.
+    let output = lens_probe(&[
+        "--exec",
+        "--",
+        "sh",
+        "-c",
+        "sh -c 'exit 7'; sh -c 'kill -KILL $$'; exit 0",
+    ]);
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(0), "{err}");
+    assert!(err.contains("(sh), exited 7\n"), "{err}");
+    assert!(err.contains("(sh), killed by signal 9\n"), "{err}");
+    assert!(err.contains("(sh), exited 0\n"), "{err}");
+}
+
+#[test]
 fn a_missing_pid_is_one_line() {
     if !lens_tests::require_bpf("a_missing_pid_is_one_line") {
         return;
@@ -186,6 +207,8 @@ fn the_console_shows_each_processs_span_tree() {
         .args(["--span-groups", "per_step", "--exec", "--"])
         .arg(lens_tests::torch_trainer())
         .args(["2", "1", "2", "0"])
+        // 2 kernel launches in each forward pass and each optimizer step.
+        .env("TRAINER_LAUNCHES", "2")
         .output()
         .unwrap();
     let text = stderr(&output);
@@ -217,18 +240,48 @@ fn the_console_shows_each_processs_span_tree() {
     assert_eq!(
         tree,
         [
-            "train.model_init",
-            "train.step dl.iteration=0",
-            "  train.forward_backward dl.microbatch_count=1",
-            "  train.optimizer",
-            "train.step dl.iteration=1",
-            "  train.forward_backward dl.microbatch_count=1",
-            "  train.optimizer",
-            "train.evaluate",
+            "train.model_init cuda.launch.count=0",
+            "train.step dl.iteration=0 cuda.launch.count=4",
+            "  train.forward_backward dl.microbatch_count=1 cuda.launch.count=2",
+            "  train.optimizer cuda.launch.count=2",
+            "train.step dl.iteration=1 cuda.launch.count=4",
+            "  train.forward_backward dl.microbatch_count=1 cuda.launch.count=2",
+            "  train.optimizer cuda.launch.count=2",
+            "train.evaluate cuda.launch.count=0",
         ],
         "{text}"
     );
     let job_line = format!("lens-probe: [pid {pid}] train.job ");
     let job = text.lines().find(|l| l.starts_with(&job_line)).unwrap();
-    assert!(job.ends_with("process.exit.code=0"), "{job}");
+    assert!(
+        job.ends_with("process.exit.code=0  cuda.launch.count=8"),
+        "{job}"
+    );
+}
+
+#[test]
+fn a_multi_threaded_target_is_not_stopped_when_it_loads_a_library() {
+    if !lens_tests::require_bpf("a_multi_threaded_target_is_not_stopped") {
+        return;
+    }
+    // Stopping and continuing the process would make the other thread's epoll_wait fail
+    // with EINTR (exit 3); its library is still probed in time for the launch made
+    // 200 ms after the load.
+    let library = lens_tests::fake_lib_dir().join("libcudart.so.12");
+    let output = lens_probe(&[
+        "--span-groups",
+        "per_step",
+        "--exec",
+        "--",
+        lens_tests::threads_dlopen().to_str().unwrap(),
+        library.to_str().unwrap(),
+    ]);
+    let err = stderr(&output);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}{err}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    assert!(err.contains("launches: cudaLaunchKernel 1\n"), "{err}");
 }

@@ -410,6 +410,9 @@ fn torchrun_with_two_gloo_ranks_gives_one_tree_per_rank() {
     );
     for job in jobs {
         assert_eq!(job.int_attr(semconv::DL_WORLD_SIZE), Some(2));
+        // Each rank exited cleanly (torchrun reaps them; the kernel's exit tracepoint
+        // tells lens-probe): tracing must not disturb a rank.
+        assert_eq!(job.int_attr(semconv::PROCESS_EXIT_CODE), Some(0), "{job:?}");
         assert_eq!(job.status, SpanStatus::Unset);
         let phases: Vec<&SpanRecord> = log.children(job);
         let steps: Vec<&&SpanRecord> = phases.iter().filter(|s| s.name == names::STEP).collect();

@@ -30,6 +30,12 @@ pub fn hammer() -> PathBuf {
     fixtures_dir().join("hammer")
 }
 
+/// `threads_dlopen LIBRARY`: loads LIBRARY while another thread waits in epoll_wait;
+/// exits 3 if that wait was interrupted.
+pub fn threads_dlopen() -> PathBuf {
+    fixtures_dir().join("threads_dlopen")
+}
+
 /// The program that `dlopen`s the real `libcudart.so.12` and `libnccl.so.2` by path
 /// and calls each probed function once: `real_libs_caller <cudart> <nccl>`.
 pub fn real_libs_caller() -> PathBuf {

@@ -33,11 +33,11 @@ static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), 
 /// (aya-log) on; otherwise they are compiled in but switched off at load.
 pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
     let level: u8 = if kernel_logs { 0xff } else { 0 };
-    let tgid_offset = super::processes::tgid_offset_or_warn();
+    let layout = super::processes::kernel_layout_or_warn();
     let mut loader = EbpfLoader::new();
     loader.override_global("AYA_LOG_LEVEL", &level, false);
-    if let Some(offset) = &tgid_offset {
-        super::processes::configure(&mut loader, offset);
+    if let Some(layout) = &layout {
+        super::processes::configure(&mut loader, layout);
     }
     let mut ebpf = loader.load(BPF_OBJECT)?;
     for program in Program::ALL {
@@ -61,7 +61,7 @@ pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
                 },
             })?;
     }
-    if tgid_offset.is_some() {
+    if layout.is_some() {
         super::processes::attach(&mut ebpf)?;
     }
     Ok(ebpf)

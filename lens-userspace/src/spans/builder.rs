@@ -447,7 +447,8 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
             ProbeEvent::Group { .. }
             | ProbeEvent::LinkMapChanged { .. }
             | ProbeEvent::ProcessForked { .. }
-            | ProbeEvent::ProcessExec { .. } => {}
+            | ProbeEvent::ProcessExec { .. }
+            | ProbeEvent::ProcessExit { .. } => {}
         }
     }
 
