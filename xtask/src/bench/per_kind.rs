@@ -492,9 +492,15 @@ impl PerKindBlock {
              `uprobe:LIB:FUNC {{ @ = count(); }}` (and `uretprobe:LIB:FUNC {{ @ret = count(); }}` \
              for the entry + return rows), started first, the loop runs once its `BEGIN` has \
              fired. Kinds and variants are interleaved in every round. `collective` makes one \
-             `ncclCommInitRank` before its loop; `sync` is a `nanosleep(0)` of ~20 µs per call, \
-             so its rows are the noisiest.\n",
-            sizes.join(", ")
+             `ncclCommInitRank` before its loop; `sync` is a `nanosleep(0)` ({} per call \
+             here), whose jitter is of the order of the probes' cost: its rows are the \
+             noisiest.\n",
+            sizes.join(", "),
+            self.kinds
+                .iter()
+                .find(|k| k.kind == Kind::Sync)
+                .and_then(|k| median(&k.times(Variant::None)).map(|t| t / k.calls as f64))
+                .map_or("?".into(), fmt_duration),
         ));
         if let Some(why) = &self.bpftrace_skipped {
             n.push_str(&format!("- Per-kind bpftrace rows not measured: {why}.\n"));

@@ -309,10 +309,9 @@ impl ThroughputBlock {
              (`lens_probe::throughput`). Lost = not written (ring buffer full) + not received + \
              undecodable. A rate is held when nothing was lost and at least {:.0} % of it \
              arrived: producer, consumer and export thread share the two cores. Past 256 KiB \
-             waiting every event forces a wakeup, which makes the producer slower when the \
-             consumer lags (unpaced it spent {} ns of CPU per event{}, median): the \
-             generator, not the consumer, is what limits the unpaced rate while the consumer \
-             has CPU to spare.\n",
+             waiting every event forces a wakeup, which slows the producer down whenever the \
+             consumer lags: back-pressure, as on a probed thread, rather than loss (unpaced \
+             the producer spent {} ns of CPU per event{}, median).\n",
             self.duration_s,
             self.rounds,
             if self.rounds == 1 { "" } else { "s" },
