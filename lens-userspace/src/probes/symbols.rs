@@ -6,6 +6,11 @@
 //! section headers, notes) through a small read cache, and the symbol and string tables
 //! are streamed through bounded buffers with `pread`: the string table once, to find
 //! where the wanted names are, then the symbol table once, for the symbols naming them.
+//!
+//! A versioned library may define a name more than once (`ncclAllReduce@@NCCL_2.0`, the
+//! default, and an old `ncclAllReduce@NCCL_1.0`): the default definition is the one an
+//! unversioned `dlsym` and newly linked programs get, so it is the one chosen, whatever
+//! the order of the table; the others are named in the result.
 use std::{
     collections::HashMap,
     fs::File,
@@ -16,7 +21,7 @@ use std::{
 };
 
 use object::{
-    Endianness, FileKind, ReadCache, ReadRef, SectionIndex, elf,
+    Endian, Endianness, FileKind, ReadCache, ReadRef, SectionIndex, elf,
     read::elf::{FileHeader, ProgramHeader, SectionHeader, Sym},
 };
 
@@ -32,16 +37,56 @@ const NOTE_LIMIT: u64 = 64 << 10;
 /// How many (library, wanted names) results the build-id memo holds before it is cleared.
 const MEMO_CAPACITY: usize = 64;
 
+/// A wanted symbol the library defines.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Symbol {
+    /// Where it starts in the file: the offset uprobes attach at.
+    pub offset: u64,
+    /// The version of the definition chosen, in a library that versions its symbols
+    /// (`NCCL_2.0` for `ncclAllReduce@@NCCL_2.0`): the default one.
+    pub version: Option<String>,
+    /// The versions of the name's other definitions (`NCCL_1.0` for
+    /// `ncclAllReduce@NCCL_1.0`), kept for programs linked against them; not chosen.
+    pub other_versions: Vec<String>,
+}
+
+/// What a library defines of the wanted names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Symbols {
+    /// The wanted names the library defines; the others are missing.
+    pub found: HashMap<String, Symbol>,
+    /// Whether the library has a static symbol table (`.symtab`) to find local symbols
+    /// in: false for a stripped one, where only its exports (`.dynsym`) can be found.
+    pub has_static_symbols: bool,
+}
+
+impl Symbols {
+    /// The file offset of each symbol found.
+    pub fn offsets(&self) -> HashMap<String, u64> {
+        self.found
+            .iter()
+            .map(|(name, symbol)| (name.clone(), symbol.offset))
+            .collect()
+    }
+}
+
 /// Where each wanted symbol starts in the file, for the symbols the file defines.
 /// Looks at `.dynsym` first, then `.symtab` (local symbols of unstripped libraries) when
-/// a wanted name is still missing; the first definition of a name wins. Version suffixes
-/// (`@@libcudart.so.12`) are not part of the names matched.
+/// a wanted name is still missing. Version suffixes (`@@libcudart.so.12`) are not part
+/// of the names matched: of several definitions of a name in `.dynsym`, the default
+/// version's is chosen (the one that is not hidden; a hidden one only when it is all
+/// there is, as the dynamic loader does), otherwise the first definition of a name wins.
 ///
 /// The symbols' addresses are remembered per GNU build-id, so the same library seen
 /// through different files (containers, node mode) is scanned once.
-pub fn resolve_file_offsets(path: &Path, wanted: &[&str]) -> Result<HashMap<String, u64>> {
+pub fn resolve_symbols(path: &Path, wanted: &[&str]) -> Result<Symbols> {
     static MEMO: Memo = Mutex::new(None);
     resolve(path, wanted, CHUNK, Some(&MEMO))
+}
+
+/// [`resolve_symbols`], offsets only.
+pub fn resolve_file_offsets(path: &Path, wanted: &[&str]) -> Result<HashMap<String, u64>> {
+    Ok(resolve_symbols(path, wanted)?.offsets())
 }
 
 /// What the symbols' addresses depend on: the library's contents (its build-id, and the
@@ -55,17 +100,20 @@ struct MemoKey {
     names: Vec<String>,
 }
 
-/// Symbol addresses by build-id and names, up to [`MEMO_CAPACITY`] entries.
-type Memo = Mutex<Option<HashMap<MemoKey, HashMap<String, u64>>>>;
+/// A definition chosen for a wanted name: its address and versions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Definition {
+    address: u64,
+    version: Option<String>,
+    other_versions: Vec<String>,
+}
 
-/// [`resolve_file_offsets`], reading the tables `chunk` bytes at a time, with the memo
+/// Symbol definitions by build-id and names, up to [`MEMO_CAPACITY`] entries.
+type Memo = Mutex<Option<HashMap<MemoKey, HashMap<String, Definition>>>>;
+
+/// [`resolve_symbols`], reading the tables `chunk` bytes at a time, with the memo
 /// or without.
-fn resolve(
-    path: &Path,
-    wanted: &[&str],
-    chunk: usize,
-    memo: Option<&Memo>,
-) -> Result<HashMap<String, u64>> {
+fn resolve(path: &Path, wanted: &[&str], chunk: usize, memo: Option<&Memo>) -> Result<Symbols> {
     let elf_error = |reason: String| LensError::Elf {
         path: path.to_path_buf(),
         reason,
@@ -84,22 +132,27 @@ fn resolve(
         let memo = memo.lock().unwrap_or_else(PoisonError::into_inner);
         memo.as_ref()?.get(key).cloned()
     });
-    let addresses = match remembered {
-        Some(addresses) => addresses,
+    let definitions = match remembered {
+        Some(definitions) => definitions,
         None => {
-            let addresses = layout.addresses(&file, &names, chunk).map_err(elf_error)?;
+            let definitions = layout
+                .definitions(&file, &names, chunk)
+                .map_err(elf_error)?;
             if let Some((memo, key)) = memo.zip(key) {
                 let mut memo = memo.lock().unwrap_or_else(PoisonError::into_inner);
                 let memo = memo.get_or_insert_with(HashMap::new);
                 if memo.len() >= MEMO_CAPACITY {
                     memo.clear();
                 }
-                memo.insert(key, addresses.clone());
+                memo.insert(key, definitions.clone());
             }
-            addresses
+            definitions
         }
     };
-    layout.file_offsets(addresses).map_err(elf_error)
+    Ok(Symbols {
+        found: layout.file_offsets(definitions).map_err(elf_error)?,
+        has_static_symbols: layout.symtab.is_some(),
+    })
 }
 
 /// The wanted names, sorted and without duplicates. A name that is empty or holds a NUL
@@ -145,6 +198,11 @@ struct Layout {
     endian: Endianness,
     dynsym: Option<SymbolTable>,
     symtab: Option<SymbolTable>,
+    /// `.gnu.version`: the version index of each `.dynsym` entry (a `u16` each), as
+    /// (offset, size).
+    versym: Option<(u64, u64)>,
+    /// The names of the versions the library defines (`.gnu.version_d`), by index.
+    version_names: HashMap<u16, String>,
     loads: Vec<Load>,
     build_id: Option<Vec<u8>>,
 }
@@ -211,6 +269,16 @@ impl Layout {
         };
         let dynsym = table(elf::SHT_DYNSYM)?;
         let symtab = table(elf::SHT_SYMTAB)?;
+        let versym = sections
+            .iter()
+            .find(|section| section.sh_type(endian) == elf::SHT_GNU_VERSYM)
+            .and_then(|section| section.file_range(endian))
+            .filter(|(offset, size)| {
+                offset
+                    .checked_add(*size)
+                    .is_some_and(|end| end <= file_size)
+            });
+        let version_names = Layout::version_names::<Elf>(data, endian, &sections);
 
         let loads = segments
             .iter()
@@ -229,9 +297,52 @@ impl Layout {
             endian,
             dynsym,
             symtab,
+            versym,
+            version_names,
             loads,
             build_id,
         })
+    }
+
+    /// The names of the versions defined in `.gnu.version_d` (not the library's base
+    /// name), by version index. A section larger than [`NOTE_LIMIT`] (a few dozen bytes a
+    /// version) or one that does not parse yields none: the symbols are still resolved,
+    /// their versions just not named.
+    fn version_names<'data, 'file, Elf: FileHeader<Endian = Endianness>>(
+        data: &'data ReadCache<&'file File>,
+        endian: Endianness,
+        sections: &object::read::elf::SectionTable<'data, Elf, &'data ReadCache<&'file File>>,
+    ) -> HashMap<u16, String> {
+        let mut names = HashMap::new();
+        let Some(section) = sections
+            .iter()
+            .find(|section| section.sh_type(endian) == elf::SHT_GNU_VERDEF)
+        else {
+            return names;
+        };
+        if section.sh_size(endian).into() > NOTE_LIMIT {
+            return names;
+        }
+        let Ok(Some((mut verdefs, link))) = section.gnu_verdef(endian, data) else {
+            return names;
+        };
+        let Ok(strings) = sections.strings(endian, data, link) else {
+            return names;
+        };
+        while let Ok(Some((verdef, mut verdauxs))) = verdefs.next() {
+            if verdef.vd_flags.get(endian) & elf::VER_FLG_BASE != 0 {
+                continue;
+            }
+            if let Ok(Some(verdaux)) = verdauxs.next()
+                && let Ok(name) = verdaux.name(endian, strings)
+            {
+                names.insert(
+                    verdef.vd_ndx.get(endian),
+                    String::from_utf8_lossy(name).into_owned(),
+                );
+            }
+        }
+        names
     }
 
     /// The GNU build-id: from `.note.gnu.build-id`, else from any small note section, else
@@ -268,22 +379,26 @@ impl Layout {
             .find_map(|section| from(section.notes(endian, data)))
     }
 
-    /// The addresses of the symbols named `names` (sorted, unique) that the library
+    /// The definitions of the symbols named `names` (sorted, unique) that the library
     /// defines, reading the tables `chunk` bytes at a time.
-    fn addresses(
+    fn definitions(
         &self,
         file: &File,
         names: &[&str],
         chunk: usize,
-    ) -> std::result::Result<HashMap<String, u64>, String> {
-        let mut addresses: HashMap<&str, u64> = HashMap::with_capacity(names.len());
+    ) -> std::result::Result<HashMap<String, Definition>, String> {
+        let mut found: HashMap<&str, Candidate> = HashMap::with_capacity(names.len());
         // The static table is read only when the dynamic one lacks a wanted name: it is
-        // the large one.
-        for table in [self.dynsym, self.symtab].into_iter().flatten() {
+        // the large one. Only the dynamic one has versions.
+        let tables = [
+            self.dynsym.map(|table| (table, self.versym)),
+            self.symtab.map(|table| (table, None)),
+        ];
+        for (table, versym) in tables.into_iter().flatten() {
             let missing: Vec<&str> = names
                 .iter()
                 .copied()
-                .filter(|name| !addresses.contains_key(name))
+                .filter(|name| !found.contains_key(name))
                 .collect();
             if missing.is_empty() {
                 break;
@@ -296,30 +411,50 @@ impl Layout {
                 Class::Elf32 => scan_symbols::<elf::FileHeader32<Endianness>>,
                 Class::Elf64 => scan_symbols::<elf::FileHeader64<Endianness>>,
             };
+            let versions = Versions {
+                versym,
+                // Without version definitions a name is defined once: the scan may stop
+                // at the last name found.
+                defined: !self.version_names.is_empty(),
+            };
             scan(
                 file,
                 self.endian,
                 table.symbols,
+                versions,
                 &at,
                 &missing,
                 chunk,
-                &mut addresses,
+                &mut found,
             )?;
         }
 
-        Ok(addresses
+        let version_name = |index: u16| self.version_names.get(&index).cloned();
+        Ok(found
             .into_iter()
-            .map(|(name, address)| (name.to_string(), address))
+            .map(|(name, candidate)| {
+                let definition = Definition {
+                    address: candidate.address,
+                    version: candidate.version.and_then(version_name),
+                    other_versions: candidate
+                        .other_versions
+                        .into_iter()
+                        .filter_map(version_name)
+                        .collect(),
+                };
+                (name.to_string(), definition)
+            })
             .collect())
     }
 
-    /// Symbol addresses → file offsets, through the `PT_LOAD` segment holding each.
+    /// Symbol definitions → file offsets, through the `PT_LOAD` segment holding each.
     fn file_offsets(
         &self,
-        addresses: HashMap<String, u64>,
-    ) -> std::result::Result<HashMap<String, u64>, String> {
-        let mut offsets = HashMap::with_capacity(addresses.len());
-        for (name, address) in addresses {
+        definitions: HashMap<String, Definition>,
+    ) -> std::result::Result<HashMap<String, Symbol>, String> {
+        let mut offsets = HashMap::with_capacity(definitions.len());
+        for (name, definition) in definitions {
+            let address = definition.address;
             let offset = self
                 .loads
                 .iter()
@@ -330,7 +465,12 @@ impl Layout {
                 .ok_or_else(|| {
                     format!("symbol {name} at {address:#x} is in no loadable segment")
                 })?;
-            offsets.insert(name, offset);
+            let symbol = Symbol {
+                offset,
+                version: definition.version,
+                other_versions: definition.other_versions,
+            };
+            offsets.insert(name, symbol);
         }
         Ok(offsets)
     }
@@ -408,17 +548,57 @@ fn nul_positions(bytes: &[u8]) -> impl Iterator<Item = usize> + '_ {
         })
 }
 
-/// Adds to `addresses` the address of each symbol of the table at `(offset, size)` whose
-/// name is at one of the string table offsets `at` (the names' indexes in `names`), if it
-/// is a definition with a non-zero address and the first for its name.
+/// A definition found for a wanted name while scanning.
+#[derive(Debug)]
+struct Candidate {
+    address: u64,
+    /// Its version index (`.gnu.version`, without the hidden bit), when above 1: a
+    /// version the library defines.
+    version: Option<u16>,
+    /// Whether it is a hidden, non-default version (`name@V`, not `name@@V`).
+    hidden: bool,
+    /// The version indexes of the name's other definitions, not chosen.
+    other_versions: Vec<u16>,
+}
+
+/// What a symbol table's scan knows of versions.
+#[derive(Clone, Copy, Debug)]
+struct Versions {
+    /// The table's `.gnu.version`, as (offset, size): for `.dynsym` only.
+    versym: Option<(u64, u64)>,
+    /// Whether the library defines versions, so that a name may have several definitions.
+    defined: bool,
+}
+
+/// The version index of symbol `index` (`.gnu.version` at `versym`), with the hidden bit;
+/// 1 (global, unversioned) when there is none.
+fn version_of(file: &File, endian: Endianness, versym: Option<(u64, u64)>, index: u64) -> u16 {
+    let Some((offset, size)) = versym else {
+        return elf::VER_NDX_GLOBAL;
+    };
+    let mut entry = [0u8; 2];
+    if index.saturating_mul(2).saturating_add(2) > size
+        || file.read_exact_at(&mut entry, offset + index * 2).is_err()
+    {
+        return elf::VER_NDX_GLOBAL;
+    }
+    endian.read_u16(entry)
+}
+
+/// Adds to `found` each symbol of the table at `(offset, size)` whose name is at one of
+/// the string table offsets `at` (the names' indexes in `names`), if it is a definition
+/// with a non-zero address: of several, the default version's (not hidden), else the
+/// first.
+#[allow(clippy::too_many_arguments)]
 fn scan_symbols<'a, Elf: FileHeader<Endian = Endianness>>(
     file: &File,
     endian: Endianness,
     (offset, size): (u64, u64),
+    versions: Versions,
     at: &[(u64, usize)],
     names: &[&'a str],
     chunk: usize,
-    addresses: &mut HashMap<&'a str, u64>,
+    found: &mut HashMap<&'a str, Candidate>,
 ) -> std::result::Result<(), String> {
     let entry = mem::size_of::<Elf::Sym>();
     // As `object`: a trailing partial entry is ignored.
@@ -426,16 +606,17 @@ fn scan_symbols<'a, Elf: FileHeader<Endian = Endianness>>(
     let per_read = (chunk / entry).max(1);
     // u64 words: the entries read in place need their alignment.
     let mut words = vec![0u64; (per_read.min(count as usize) * entry).div_ceil(8)];
-    let mut found = 0;
+    // Names with a definition that no later one can replace.
+    let mut settled = 0;
     let mut done = 0u64;
-    while done < count && found < names.len() {
+    while done < count && (versions.defined || settled < names.len()) {
         let entries = (count - done).min(per_read as u64) as usize;
         let bytes = &mut object::pod::bytes_of_slice_mut(&mut words)[..entries * entry];
         file.read_exact_at(bytes, offset + done * entry as u64)
             .map_err(|e| format!("reading the symbol table: {e}"))?;
         let (symbols, _) = object::pod::slice_from_bytes::<Elf::Sym>(bytes, entries)
             .map_err(|()| "misaligned symbol table buffer".to_string())?;
-        for symbol in symbols {
+        for (symbol_index, symbol) in (done..).zip(symbols) {
             let st_name = u64::from(symbol.st_name(endian));
             let Ok(found_at) = at.binary_search_by_key(&st_name, |(offset, _)| *offset) else {
                 continue;
@@ -446,9 +627,33 @@ fn scan_symbols<'a, Elf: FileHeader<Endian = Endianness>>(
             if address == 0 || !is_definition::<Elf>(symbol, endian, name) {
                 continue;
             }
-            if let std::collections::hash_map::Entry::Vacant(entry) = addresses.entry(name) {
-                entry.insert(address);
-                found += 1;
+            let raw = version_of(file, endian, versions.versym, symbol_index);
+            let hidden = raw & elf::VERSYM_HIDDEN != 0;
+            let version = Some(raw & elf::VERSYM_VERSION).filter(|v| *v > elf::VER_NDX_GLOBAL);
+            match found.get_mut(name) {
+                None => {
+                    found.insert(
+                        name,
+                        Candidate {
+                            address,
+                            version,
+                            hidden,
+                            other_versions: Vec::new(),
+                        },
+                    );
+                    if !hidden {
+                        settled += 1;
+                    }
+                }
+                // The default version comes after a hidden one: it is chosen.
+                Some(chosen) if chosen.hidden && !hidden => {
+                    chosen.other_versions.extend(chosen.version);
+                    chosen.address = address;
+                    chosen.version = version;
+                    chosen.hidden = false;
+                    settled += 1;
+                }
+                Some(chosen) => chosen.other_versions.extend(version),
             }
         }
         done += entries as u64;
@@ -645,6 +850,128 @@ mod tests {
         Mutex::new(None)
     }
 
+    /// [`resolve`], offsets only.
+    fn resolve_offsets(
+        path: &Path,
+        wanted: &[&str],
+        chunk: usize,
+        memo: Option<&Memo>,
+    ) -> Result<HashMap<String, u64>> {
+        resolve(path, wanted, chunk, memo).map(|symbols| symbols.offsets())
+    }
+
+    /// A library with symbol versions: `lens_versioned@@LENS_2.0` (the default) and an
+    /// old `lens_versioned@LENS_1.0` of its own body, and an unversioned-looking
+    /// `lens_plain@@LENS_2.0`.
+    const VERSIONED: &str = r#"
+        int lens_versioned(int a) { return a + 1; }
+        int lens_old_versioned(int a) { return a + 2; }
+        __asm__(".symver lens_old_versioned, lens_versioned@LENS_1.0");
+        int lens_plain(int a) { return a + 3; }
+    "#;
+
+    const VERSION_SCRIPT: &str = "LENS_1.0 { };
+        LENS_2.0 { global: lens_versioned; lens_plain; local: *; } LENS_1.0;";
+
+    fn versioned_library(dir: &Dir) -> PathBuf {
+        let script = dir.0.join("versions.map");
+        fs::write(&script, VERSION_SCRIPT).unwrap();
+        let flag = format!("-Wl,--version-script={}", script.display());
+        dir.library("libversioned.so", VERSIONED, &[&flag])
+    }
+
+    /// A copy of `library` with `.dynsym` entries `a` and `b` swapped, and their
+    /// `.gnu.version` entries with them (a 64-bit library).
+    fn swap_dynamic_symbols(library: &Path, copy: &Path, a: usize, b: usize) {
+        let mut bytes = fs::read(library).unwrap();
+        let (dynsym, versym) = {
+            let elf = object::File::parse(&*bytes).unwrap();
+            let range = |name| elf.section_by_name(name).unwrap().file_range().unwrap();
+            (range(".dynsym"), range(".gnu.version"))
+        };
+        for ((start, _), size) in [(dynsym, 24), (versym, 2)] {
+            let (x, y) = (start as usize + a * size, start as usize + b * size);
+            let first = bytes[x..x + size].to_vec();
+            bytes.copy_within(y..y + size, x);
+            bytes[y..y + size].copy_from_slice(&first);
+        }
+        fs::write(copy, bytes).unwrap();
+    }
+
+    /// The `.dynsym` indexes of the definitions named `name` (any version).
+    fn dynamic_indexes(library: &Path, name: &str) -> Vec<usize> {
+        let bytes = fs::read(library).unwrap();
+        let elf = object::File::parse(&*bytes).unwrap();
+        elf.dynamic_symbols()
+            .filter(|symbol| symbol.name() == Ok(name) && symbol.is_definition())
+            .map(|symbol| symbol.index().0)
+            .collect()
+    }
+
+    #[test]
+    fn the_default_version_is_chosen_in_any_order_and_the_others_named() {
+        let dir = Dir::new("versions");
+        let library = versioned_library(&dir);
+        // The old body, by its own (local) name.
+        let old = resolve_offsets(&library, &["lens_old_versioned"], 7, None).unwrap();
+        let old = old["lens_old_versioned"];
+        let indexes = dynamic_indexes(&library, "lens_versioned");
+        assert_eq!(indexes.len(), 2, "two definitions of lens_versioned");
+        let swapped = dir.0.join("libswapped.so");
+        swap_dynamic_symbols(&library, &swapped, indexes[0], indexes[1]);
+        for path in [&library, &swapped] {
+            for chunk in [7, CHUNK] {
+                let symbols =
+                    resolve(path, &["lens_versioned", "lens_plain"], chunk, None).unwrap();
+                let versioned = &symbols.found["lens_versioned"];
+                assert_ne!(versioned.offset, old, "{}: the old version", path.display());
+                assert_eq!(versioned.version.as_deref(), Some("LENS_2.0"));
+                assert_eq!(versioned.other_versions, ["LENS_1.0"]);
+                let plain = &symbols.found["lens_plain"];
+                assert_eq!(plain.version.as_deref(), Some("LENS_2.0"));
+                assert!(plain.other_versions.is_empty());
+            }
+        }
+        let a = resolve_offsets(&library, &["lens_versioned"], 7, None).unwrap();
+        let b = resolve_offsets(&swapped, &["lens_versioned"], 7, None).unwrap();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn a_hidden_version_alone_is_chosen() {
+        let dir = Dir::new("hidden-only");
+        let script = dir.0.join("versions.map");
+        fs::write(
+            &script,
+            "LENS_1.0 { }; LENS_2.0 { global: lens_plain; local: *; } LENS_1.0;",
+        )
+        .unwrap();
+        let flag = format!("-Wl,--version-script={}", script.display());
+        let source = r#"
+            int lens_old_versioned(int a) { return a + 2; }
+            __asm__(".symver lens_old_versioned, lens_versioned@LENS_1.0");
+            int lens_plain(int a) { return a + 3; }
+        "#;
+        let library = dir.library("libhidden.so", source, &["-s", &flag]);
+        let symbols = resolve(&library, &["lens_versioned"], CHUNK, None).unwrap();
+        let symbol = &symbols.found["lens_versioned"];
+        assert_eq!(symbol.version.as_deref(), Some("LENS_1.0"));
+        assert!(symbol.other_versions.is_empty());
+    }
+
+    #[test]
+    fn unversioned_symbols_have_no_version_and_stripped_libraries_say_so() {
+        let dir = Dir::new("unversioned");
+        let library = dir.library("libboth.so", SOURCE, &[]);
+        let symbols = resolve(&library, &["lens_dynamic"], CHUNK, None).unwrap();
+        assert_eq!(symbols.found["lens_dynamic"].version, None);
+        assert!(symbols.has_static_symbols);
+        let stripped = dir.library("libstripped.so", SOURCE, &["-s"]);
+        let symbols = resolve(&stripped, &["lens_dynamic"], CHUNK, None).unwrap();
+        assert!(!symbols.has_static_symbols);
+        assert!(symbols.found.contains_key("lens_dynamic"));
+    }
+
     #[test]
     fn offsets_are_the_ones_object_finds_for_any_chunk_size() {
         let dir = Dir::new("chunks");
@@ -652,7 +979,7 @@ mod tests {
         let expected = with_object(&library, WANTED);
         // 7 bytes: every name here straddles reads; 1: the extreme.
         for chunk in [1, 2, 3, 7, 13, 64, 4096, CHUNK] {
-            let offsets = resolve(&library, WANTED, chunk, None).unwrap();
+            let offsets = resolve_offsets(&library, WANTED, chunk, None).unwrap();
             assert_eq!(offsets, expected, "chunk of {chunk} bytes");
         }
     }
@@ -661,7 +988,7 @@ mod tests {
     fn a_dynamic_symbol_resolves() {
         let dir = Dir::new("dynamic");
         let library = dir.library("libboth.so", SOURCE, &[]);
-        let offsets = resolve(&library, &["lens_dynamic"], 7, None).unwrap();
+        let offsets = resolve_offsets(&library, &["lens_dynamic"], 7, None).unwrap();
         let expected = with_object(&library, &["lens_dynamic"]);
         assert!(expected.contains_key("lens_dynamic"));
         assert_eq!(offsets, expected);
@@ -671,13 +998,15 @@ mod tests {
     fn a_static_only_symbol_resolves_from_symtab() {
         let dir = Dir::new("static");
         let library = dir.library("libboth.so", SOURCE, &[]);
-        let offsets = resolve(&library, &["lens_static_only", "lens_dynamic"], 7, None).unwrap();
+        let offsets =
+            resolve_offsets(&library, &["lens_static_only", "lens_dynamic"], 7, None).unwrap();
         let expected = with_object(&library, &["lens_static_only", "lens_dynamic"]);
         assert!(expected.contains_key("lens_static_only"));
         assert_eq!(offsets, expected);
         // Stripped of .symtab, only the exported one is left.
         let stripped = dir.library("libstripped.so", SOURCE, &["-s"]);
-        let offsets = resolve(&stripped, &["lens_static_only", "lens_dynamic"], 7, None).unwrap();
+        let offsets =
+            resolve_offsets(&stripped, &["lens_static_only", "lens_dynamic"], 7, None).unwrap();
         assert_eq!(offsets.keys().collect::<Vec<_>>(), ["lens_dynamic"]);
     }
 
@@ -685,7 +1014,7 @@ mod tests {
     fn a_missing_name_is_left_out() {
         let dir = Dir::new("missing");
         let library = dir.library("libboth.so", SOURCE, &[]);
-        let offsets = resolve(&library, &["lens_missing", ""], 7, None).unwrap();
+        let offsets = resolve_offsets(&library, &["lens_missing", ""], 7, None).unwrap();
         assert!(offsets.is_empty(), "{offsets:?}");
     }
 
@@ -699,7 +1028,7 @@ mod tests {
             "lens_shared",
             "xlens_shared",
         ];
-        let offsets = resolve(&library, &wanted, 7, None).unwrap();
+        let offsets = resolve_offsets(&library, &wanted, 7, None).unwrap();
         assert_eq!(offsets, with_object(&library, &wanted));
         assert!(!offsets.contains_key("lens_tail"));
         assert!(!offsets.contains_key("lens_static_tail"));
@@ -714,9 +1043,13 @@ mod tests {
         let copy = dir.0.join("libcopy.so");
         copy_without_names(&library, &copy, 0x1000);
         let memo = new_memo();
-        let offsets = resolve(&library, WANTED, CHUNK, Some(&memo)).unwrap();
+        let offsets = resolve_offsets(&library, WANTED, CHUNK, Some(&memo)).unwrap();
         assert!(!offsets.is_empty());
-        assert!(resolve(&copy, WANTED, CHUNK, None).unwrap().is_empty());
+        assert!(
+            resolve_offsets(&copy, WANTED, CHUNK, None)
+                .unwrap()
+                .is_empty()
+        );
         // Same build-id and table sizes, same names (in any order): not scanned again, and
         // the offsets are the copy's own.
         let mut reordered = WANTED.to_vec();
@@ -726,12 +1059,12 @@ mod tests {
             .map(|(name, offset)| (name.clone(), offset + 0x1000))
             .collect();
         assert_eq!(
-            resolve(&copy, &reordered, CHUNK, Some(&memo)).unwrap(),
+            resolve_offsets(&copy, &reordered, CHUNK, Some(&memo)).unwrap(),
             shifted
         );
         // Other names are another question.
         assert!(
-            resolve(&copy, &["lens_dynamic"], CHUNK, Some(&memo))
+            resolve_offsets(&copy, &["lens_dynamic"], CHUNK, Some(&memo))
                 .unwrap()
                 .is_empty()
         );
@@ -745,12 +1078,12 @@ mod tests {
         copy_without_names(&library, &copy, 0);
         let memo = new_memo();
         assert!(
-            !resolve(&library, WANTED, CHUNK, Some(&memo))
+            !resolve_offsets(&library, WANTED, CHUNK, Some(&memo))
                 .unwrap()
                 .is_empty()
         );
         assert!(
-            resolve(&copy, WANTED, CHUNK, Some(&memo))
+            resolve_offsets(&copy, WANTED, CHUNK, Some(&memo))
                 .unwrap()
                 .is_empty()
         );
@@ -764,7 +1097,7 @@ mod tests {
         let memo = new_memo();
         for i in 0..MEMO_CAPACITY * 2 + 1 {
             let name = format!("lens_name_{i}");
-            resolve(&library, &[&name], CHUNK, Some(&memo)).unwrap();
+            resolve_offsets(&library, &[&name], CHUNK, Some(&memo)).unwrap();
             let held = memo.lock().unwrap().as_ref().map_or(0, HashMap::len);
             assert!(held <= MEMO_CAPACITY, "{held} results held");
         }
@@ -845,12 +1178,12 @@ mod tests {
         };
         // The bounded reads first: VmHWM only grows.
         let streamed = measure("pread, bounded buffers", &|| {
-            resolve(&library, &wanted, CHUNK, None).unwrap()
+            resolve_offsets(&library, &wanted, CHUNK, None).unwrap()
         });
         let memo = new_memo();
-        resolve(&library, &wanted, CHUNK, Some(&memo)).unwrap();
+        resolve_offsets(&library, &wanted, CHUNK, Some(&memo)).unwrap();
         let remembered = measure("build-id memo hit", &|| {
-            resolve(&library, &wanted, CHUNK, Some(&memo)).unwrap()
+            resolve_offsets(&library, &wanted, CHUNK, Some(&memo)).unwrap()
         });
         let mapped = measure("mmap + object", &|| with_object(&library, &wanted));
         assert_eq!(streamed, mapped);
