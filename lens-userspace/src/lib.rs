@@ -10,6 +10,7 @@ pub mod error;
 pub mod events;
 pub mod export;
 pub mod groups;
+pub mod guardian;
 pub mod nccl;
 pub mod privileges;
 pub mod probes;

@@ -107,6 +107,16 @@ fn init_logging(verbose: u8) {
 fn run(cli: Cli) -> Result<i32, LensError> {
     // Settings first: a bad value is reported before anything is loaded or started.
     let export = ExportSettings::from_cli(&cli)?;
+    // Forked while lens-probe is single-threaded (the exporter starts threads).
+    let guardian = match lens_probe::guardian::Guardian::start() {
+        Ok(guardian) => Some(guardian),
+        Err(error) => {
+            log::warn!(
+                "no guardian process ({error}): if lens-probe is killed, a target stopped at a library load stays stopped"
+            );
+            None
+        }
+    };
     let mut pipeline = match export.exporter {
         ExporterKind::Console => None,
         ExporterKind::Otlp => Some(OtelPipeline::start(
@@ -125,6 +135,9 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         overhead_budget: cli.overhead_budget,
     })?));
     session.set_export_strategy(export.strategy);
+    if let Some(guardian) = guardian {
+        session.set_guardian(guardian);
+    }
     // Fork before any runtime thread exists.
     if let Some(path) = &cli.pid_file {
         std::fs::write(path, format!("{}\n", std::process::id()))?;
@@ -203,12 +216,9 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     }
 
     let Some(child) = child else {
-        return Ok(match report.stop {
-            // Node mode ends when told to: that is success.
-            StopReason::Signal(_) if cli.node => 0,
-            StopReason::Signal(signal) => 128 + signal,
-            _ => 0,
-        });
+        // Without a command of its own (--pid, --node), lens-probe ends when told to:
+        // SIGINT/SIGTERM after the flush is success.
+        return Ok(0);
     };
     let exit = match report.child_exit {
         Some(exit) => exit,

@@ -17,7 +17,8 @@ use aya::{
 };
 use aya_log::EbpfLogger;
 use lens_common::{
-    CallKey, LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps, settings,
+    CallKey, Event, InflightKey, LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig,
+    maps, settings,
 };
 use log::{info, warn};
 use tokio::{
@@ -33,6 +34,7 @@ use crate::{
     events::{self, ProbeEvent},
     export::strategy::ExportStrategy,
     groups::SpanGroups,
+    guardian::Guardian,
     privileges,
     probes::{
         attach::{self, Attacher},
@@ -68,6 +70,15 @@ pub enum StopReason {
     Signal(i32),
     /// `--duration` elapsed.
     Duration,
+}
+
+/// Entries in the kernel's per-process maps ([`Session::kernel_state`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelState {
+    pub targets: usize,
+    pub inflight: usize,
+    pub call_counters: usize,
+    pub launch_totals: usize,
 }
 
 /// What a finished run reports besides what went to the sink.
@@ -117,6 +128,8 @@ pub struct Session {
     /// Launches per process as reported to the sinks: under a budget, counted launches
     /// plus an estimate for the pauses between windows.
     launch_estimates: HashMap<u32, LaunchEstimate>,
+    /// Continues stopped targets should lens-probe die (the CLI starts one).
+    guardian: Option<Guardian>,
 }
 
 /// A process's launches under an overhead budget: counted in windows, extrapolated at the
@@ -186,7 +199,19 @@ impl Session {
             node: None,
             budget,
             launch_estimates: HashMap::new(),
+            guardian: None,
         })
+    }
+
+    /// Tells `guardian` about every target from now on.
+    pub fn set_guardian(&mut self, guardian: Guardian) {
+        self.guardian = Some(guardian);
+    }
+
+    fn guard(&mut self, pid: u32) {
+        if let Some(guardian) = self.guardian.as_mut() {
+            guardian.watch(pid);
+        }
     }
 
     pub fn attacher(&self) -> &Attacher {
@@ -275,6 +300,7 @@ impl Session {
     fn add_running_target(&mut self, info: ProcessInfo, libraries: &[MappedLibrary]) -> Result<()> {
         let pid = info.pid;
         let pidfd = target::pidfd_open(pid)?;
+        self.guard(pid);
         self.attacher
             .use_libraries(pid, libraries.iter().map(|l| l.file));
         for library in libraries {
@@ -316,6 +342,7 @@ impl Session {
         }
         let gated = target::spawn_gated(argv)?;
         let pid = gated.pid;
+        self.guard(pid);
         let config = TargetConfig {
             flags: TARGET_STOP_ON_LINK_MAP_CHANGE,
         };
@@ -369,6 +396,7 @@ impl Session {
     /// A traced process forked: the kernel already traces the child; give it a target of
     /// its own (its exit watched, its settings inherited).
     fn on_fork(&mut self, parent: u32, child: u32, sink: &mut dyn EventSink) {
+        self.guard(child);
         let config = self
             .targets
             .get(&parent)
@@ -410,12 +438,19 @@ impl Session {
 
     /// A traced process runs a new program: tell the sinks what it is now.
     fn on_exec(&mut self, pid: u32, sink: &mut dyn EventSink) {
+        // The new program's launches count from 0.
+        if let Ok(mut totals) = self.launch_totals_map() {
+            let _ = totals.remove(&pid);
+        }
         let Some(target) = self.targets.get_mut(&pid) else {
             return;
         };
         if let Ok(mut info) = ProcessInfo::read(pid) {
             info.traced_from_start = true;
             target.info = info;
+            // A new job in the sinks: tell it afresh whether launches are counted.
+            target.launches_counted = false;
+            target.launches_seen = false;
             sink.on_process_exec(&target.info);
             let info = target.info.clone();
             if !self.exports(&info) {
@@ -631,9 +666,7 @@ impl Session {
             let _ = targets.remove(&pid);
         }
         let mut calls = self.take_call_counts(pid);
-        if let Ok(mut totals) = self.launch_totals_map() {
-            let _ = totals.remove(&pid);
-        }
+        self.forget_kernel_state(pid);
         if let Some(estimate) = self.launch_estimates.remove(&pid) {
             let new = launch_total(&calls).saturating_sub(estimate.counted);
             scale_launches(&mut calls, estimate.estimated + new as f64);
@@ -647,6 +680,49 @@ impl Session {
             self.child_exit = exit;
         }
         sink.on_process_end(&ProcessEnd { pid, calls, exit });
+    }
+
+    /// Drops what the kernel keeps for `pid` besides its call counters (taken by the
+    /// caller): its launch total and the entries of calls it never returned from (a thread
+    /// killed in a sync wait).
+    fn forget_kernel_state(&mut self, pid: u32) {
+        if let Ok(mut totals) = self.launch_totals_map() {
+            let _ = totals.remove(&pid);
+        }
+        if let Some(map) = self.ebpf.map_mut(maps::INFLIGHT)
+            && let Ok(mut inflight) = BpfHashMap::<_, InflightKey, Event>::try_from(map)
+        {
+            let stale: Vec<InflightKey> = inflight
+                .keys()
+                .filter_map(|k| k.ok())
+                .filter(|k| (k.pid_tgid >> 32) as u32 == pid)
+                .collect();
+            for key in stale {
+                let _ = inflight.remove(&key);
+            }
+        }
+    }
+
+    /// Entries in the kernel's per-process maps now: targets, calls in flight, call
+    /// counters and launch totals. Bounded by the maps' sizes; all 0 once every target
+    /// has ended.
+    pub fn kernel_state(&self) -> KernelState {
+        fn entries<K: aya::Pod, V: aya::Pod>(ebpf: &Ebpf, name: &str) -> usize {
+            ebpf.map(name)
+                .and_then(|map| BpfHashMap::<_, K, V>::try_from(map).ok())
+                .map_or(0, |map| map.keys().count())
+        }
+        let call_counters = self
+            .ebpf
+            .map(maps::CALL_COUNTS)
+            .and_then(|map| PerCpuHashMap::<_, CallKey, u64>::try_from(map).ok())
+            .map_or(0, |map| map.keys().count());
+        KernelState {
+            targets: entries::<u32, TargetConfig>(&self.ebpf, maps::TARGETS),
+            inflight: entries::<InflightKey, Event>(&self.ebpf, maps::INFLIGHT),
+            call_counters,
+            launch_totals: entries::<u32, u64>(&self.ebpf, maps::LAUNCH_TOTALS),
+        }
     }
 
     /// Every target's call counters so far (kept in the kernel).

@@ -239,11 +239,18 @@ impl<E: SpanExporter> SpanBuilder<E> {
 
     /// `pid` runs a new program: a job that has not trained yet starts over as that
     /// program (a launcher that execs the trainer, a worker forked by a launcher).
+    /// `info.pid` replaced its program at `at_ns`. The old program's job ends there (what
+    /// was open is truncated: it will never close) and the new program's begins.
     pub fn exec_process(&mut self, info: &ProcessInfo, at_ns: u64) {
-        match self.processes.get_mut(&info.pid) {
-            Some(process) if process.exporting => process.info = info.clone(),
-            _ => self.start_process(info, at_ns),
+        if self.processes.get(&info.pid).is_some_and(|p| p.exporting) {
+            self.end_process(info.pid, None, at_ns);
         }
+        self.start_process(info, at_ns);
+    }
+
+    /// Phase state kept for `pid`'s threads (bounded by the threads with open phases).
+    pub fn thread_states(&self, pid: u32) -> usize {
+        self.processes.get(&pid).map_or(0, |p| p.threads.len())
     }
 
     fn on_phase(
@@ -278,6 +285,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
         thread.on_signal(&mut ctx, at, signal);
         if process.loop_thread.is_none() && thread.is_active() {
             process.loop_thread = Some(tid);
+        }
+        // Threads come and go (workers, per-step helpers): keep state only for those
+        // with something open.
+        if thread.is_idle() && process.loop_thread != Some(tid) {
+            process.threads.remove(&tid);
         }
         process.export_if_training(&mut self.exporter, &self.groups);
     }

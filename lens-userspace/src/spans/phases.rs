@@ -125,6 +125,20 @@ impl ThreadPhases {
             || self.boundary.is_some()
     }
 
+    /// Nothing open, nothing pending, nothing counted: the thread's state can go (a
+    /// short-lived worker that toggled grad mode or entered a scope). Its next signal
+    /// starts it afresh.
+    pub fn is_idle(&self) -> bool {
+        !self.is_active()
+            && self.scopes.is_empty()
+            && self.grad_enabled
+            && self.pending_fetch.is_none()
+            && self.eval_candidate.is_none()
+            && self.checkpoint.is_none()
+            && self.load_checkpoint.is_none()
+            && self.backward_depth == 0
+    }
+
     fn in_optimizer_scope(&self) -> bool {
         self.scopes
             .iter()
