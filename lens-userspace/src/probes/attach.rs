@@ -19,7 +19,7 @@ use log::{debug, warn};
 use super::{
     catalog::{self, Program},
     library::{FileId, LibraryKind, MappedLibrary},
-    symbols::resolve_file_offsets,
+    symbols::{Symbol, Symbols, resolve_symbols},
 };
 use crate::{
     error::{LensError, Result},
@@ -84,8 +84,18 @@ fn uprobe_mut(ebpf: &mut Ebpf, program: Program) -> Result<&mut UProbe> {
 /// What happened to one probe on one library.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ProbeOutcome {
-    Attached { symbol: String, offset: u64 },
-    Failed { symbol: String, reason: String },
+    /// Attached at `offset` in the file. `version`: the symbol's version in a library
+    /// that versions its symbols (`NCCL_2.0` for `ncclAllReduce@@NCCL_2.0`), always the
+    /// default one.
+    Attached {
+        symbol: String,
+        offset: u64,
+        version: Option<String>,
+    },
+    Failed {
+        symbol: String,
+        reason: String,
+    },
 }
 
 /// The result of attaching to one library file.
@@ -302,26 +312,37 @@ impl Attacher {
         }
         let specs: Vec<_> = catalog::enabled_for(library.kind, groups).collect();
         let mut outcomes = Vec::new();
+        // Notes on what was chosen (older symbol versions left out), for after the outcomes.
+        let mut notes = Vec::new();
         if !specs.is_empty() {
             let mut wanted: Vec<&str> = Vec::new();
             for spec in &specs {
                 wanted.push(spec.id.symbol());
                 wanted.extend(spec.optional_aliases);
             }
-            match resolve_file_offsets(&library.open_path, &wanted) {
-                Ok(offsets) => {
+            match resolve_symbols(&library.open_path, &wanted) {
+                Ok(symbols) => {
+                    let mut claimed = HashMap::new();
                     for spec in &specs {
+                        let places = places(
+                            library,
+                            spec,
+                            &symbols,
+                            &mut claimed,
+                            &mut outcomes,
+                            &mut notes,
+                        );
                         if spec.id.is_launch()
                             && let Some(sampled) = self.sampled.as_mut()
                         {
-                            sample_spec(ebpf, library, spec, &offsets, &mut outcomes, sampled);
+                            sample_spec(ebpf, library, spec, &places, &mut outcomes, sampled);
                             continue;
                         }
                         attach_spec(
                             ebpf,
                             library,
                             spec,
-                            &offsets,
+                            &places,
                             &mut outcomes,
                             self.links.entry(library.file).or_default(),
                         );
@@ -348,8 +369,13 @@ impl Attacher {
         }
         for outcome in &outcomes {
             match outcome {
-                ProbeOutcome::Attached { symbol, offset } => debug!(
-                    "attached {symbol} at {offset:#x} in {}",
+                ProbeOutcome::Attached {
+                    symbol,
+                    offset,
+                    version,
+                } => debug!(
+                    "attached {symbol}{} at {offset:#x} in {}",
+                    version.as_ref().map_or(String::new(), |v| format!("@@{v}")),
                     library.shown_path.display()
                 ),
                 ProbeOutcome::Failed { symbol, reason } => warn!(
@@ -357,6 +383,9 @@ impl Attacher {
                     library.shown_path.display()
                 ),
             }
+        }
+        for note in notes {
+            warn!("{}: {note}", library.shown_path.display());
         }
         self.attachments.push(LibraryAttachment {
             library: library.clone(),
@@ -426,10 +455,13 @@ fn sample_spec(
     ebpf: &mut Ebpf,
     library: &MappedLibrary,
     spec: &catalog::ProbeSpec,
-    offsets: &HashMap<String, u64>,
+    places: &[(&str, Symbol)],
     outcomes: &mut Vec<ProbeOutcome>,
     sampled: &mut SampledLaunches,
 ) {
+    if places.is_empty() {
+        return;
+    }
     let file = match std::fs::File::open(&library.open_path) {
         Ok(file) => std::sync::Arc::new(file),
         Err(error) => {
@@ -440,20 +472,8 @@ fn sample_spec(
             return;
         }
     };
-    let mut seen = HashSet::new();
-    for symbol in std::iter::once(&spec.id.symbol()).chain(spec.optional_aliases) {
-        let Some(&offset) = offsets.get(*symbol) else {
-            if *symbol == spec.id.symbol() {
-                outcomes.push(ProbeOutcome::Failed {
-                    symbol: symbol.to_string(),
-                    reason: format!("{} defines no such symbol", library.kind.display_name()),
-                });
-            }
-            continue;
-        };
-        if !seen.insert(offset) {
-            continue;
-        }
+    for (symbol, place) in places {
+        let offset = place.offset;
         let mut probe = SampledProbe {
             file: library.file,
             library: file.clone(),
@@ -478,8 +498,81 @@ fn sample_spec(
         outcomes.push(ProbeOutcome::Attached {
             symbol: symbol.to_string(),
             offset,
+            version: place.version.clone(),
         });
         sampled.probes.push(probe);
+    }
+}
+
+/// Where the probe of `spec` goes in `library`: its symbol and the optional aliases the
+/// library defines, once per address. A missing symbol, or one at an address another
+/// probe took already (`claimed`: two probed names for one function, as aliases or folded
+/// identical code), is reported in `outcomes` and left out: a call there is counted once,
+/// under the first name. Older versions of a symbol, not probed, are said in `notes`.
+fn places<'a>(
+    library: &MappedLibrary,
+    spec: &'a catalog::ProbeSpec,
+    symbols: &Symbols,
+    claimed: &mut HashMap<u64, &'a str>,
+    outcomes: &mut Vec<ProbeOutcome>,
+    notes: &mut Vec<String>,
+) -> Vec<(&'a str, Symbol)> {
+    let primary = spec.id.symbol();
+    let mut places: Vec<(&str, Symbol)> = Vec::new();
+    for &symbol in std::iter::once(&primary).chain(spec.optional_aliases) {
+        let Some(place) = symbols.found.get(symbol) else {
+            if symbol == primary {
+                outcomes.push(ProbeOutcome::Failed {
+                    symbol: primary.to_string(),
+                    reason: missing_reason(library, symbols),
+                });
+            }
+            continue;
+        };
+        // Aliases of one API at one address (`cudaLaunchKernel_ptsz`, if it were) fire once.
+        if places.iter().any(|(_, p)| p.offset == place.offset) {
+            continue;
+        }
+        if let Some(&first) = claimed.get(&place.offset) {
+            outcomes.push(ProbeOutcome::Failed {
+                symbol: symbol.to_string(),
+                reason: format!(
+                    "at the same address as {first} (one function under two names): \
+                     its calls are counted as {first}"
+                ),
+            });
+            continue;
+        }
+        claimed.insert(place.offset, symbol);
+        if let Some(version) = &place.version
+            && !place.other_versions.is_empty()
+        {
+            let older: Vec<String> = place
+                .other_versions
+                .iter()
+                .map(|old| format!("{symbol}@{old}"))
+                .collect();
+            notes.push(format!(
+                "probed {symbol}@@{version}, the default version, not {}: calls from \
+                 programs linked against an older version are not seen",
+                older.join(", ")
+            ));
+        }
+        places.push((symbol, place.clone()));
+    }
+    places
+}
+
+/// Why a probed symbol is not found in `library`.
+fn missing_reason(library: &MappedLibrary, symbols: &Symbols) -> String {
+    let kind = library.kind.display_name();
+    if symbols.has_static_symbols {
+        format!("{kind} defines no such symbol")
+    } else {
+        format!(
+            "{kind} does not export it, and the library is stripped (no .symtab): \
+             a local symbol cannot be found"
+        )
     }
 }
 
@@ -487,26 +580,12 @@ fn attach_spec(
     ebpf: &mut Ebpf,
     library: &MappedLibrary,
     spec: &catalog::ProbeSpec,
-    offsets: &HashMap<String, u64>,
+    places: &[(&str, Symbol)],
     outcomes: &mut Vec<ProbeOutcome>,
     links: &mut Vec<(Program, UProbeLinkId)>,
 ) {
-    let primary = spec.id.symbol();
-    let mut attached_offsets = HashSet::new();
-    for symbol in std::iter::once(&primary).chain(spec.optional_aliases) {
-        let Some(&offset) = offsets.get(*symbol) else {
-            if *symbol == primary {
-                outcomes.push(ProbeOutcome::Failed {
-                    symbol: primary.to_string(),
-                    reason: format!("{} defines no such symbol", library.kind.display_name()),
-                });
-            }
-            continue;
-        };
-        // Aliases at the same address (e.g. ncclX and pncclX) must fire once.
-        if !attached_offsets.insert(offset) {
-            continue;
-        }
+    for (symbol, place) in places {
+        let offset = place.offset;
         for program in spec.entry.into_iter().chain(spec.exit) {
             let result = uprobe_mut(ebpf, program).and_then(|uprobe| {
                 uprobe
@@ -529,6 +608,7 @@ fn attach_spec(
                     ProbeOutcome::Attached {
                         symbol: symbol.to_string(),
                         offset,
+                        version: place.version.clone(),
                     }
                 }
                 Err(error) => ProbeOutcome::Failed {
