@@ -15,6 +15,8 @@ const FIXTURE_FILES: &[&str] = &[
     "fixtures/fake_c10.c",
     "fixtures/fake_torch_symbols.h",
     "fixtures/trainer_torch.c",
+    "fixtures/variety_caller.c",
+    "fixtures/fake_nccl.map",
 ];
 
 fn main() {
