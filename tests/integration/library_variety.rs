@@ -1,2 +1,651 @@
 //! Kernel and library variety (issue 7, item 6): libraries without the symbol, stripped,
 //! with versioned symbols, aliases, mapped twice; a kernel without uprobes.
+//!
+//! Each case is a variant of the fake libraries (`tests/fixtures/build.sh`, under
+//! `variants/`) driven by `variety_caller`, which opens libraries by path and calls what
+//! each defines a known number of times (see tests/README.md). What is asserted is what a
+//! user checks: the per-probe report (which probes attached, which did not and why, in
+//! the attacher's outcomes or as the one warning line the CLI prints) and exact counts.
+use std::{
+    collections::BTreeMap,
+    ffi::{CString, OsString},
+    io::{BufRead, BufReader, Write},
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    time::Duration,
+};
+
+use lens_common::ProbeId;
+use lens_probe::{
+    events::{PhaseSignal, ProbeEvent},
+    probes::{attach::ProbeOutcome, library::LibraryKind},
+    session::{RunReport, Session, TraceOptions},
+    sink::EventLog,
+    target::ExitStatus,
+};
+
+const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
+
+/// How many times `variety_caller` calls each function.
+const CALLS: u64 = 3;
+
+fn variety_caller() -> PathBuf {
+    lens_tests::fixtures_dir().join("variety_caller")
+}
+
+/// A library variant: `variants/NAME` under the fixtures.
+fn variant(name: &str) -> PathBuf {
+    lens_tests::fixtures_dir().join("variants").join(name)
+}
+
+fn options() -> TraceOptions {
+    TraceOptions {
+        span_groups: "per_step".parse().unwrap(),
+        kernel_logs: false,
+        overhead_budget: None,
+    }
+}
+
+/// `env VARS… variety_caller CALLS SPECS…`, with 1 ms fake syncs.
+fn caller_argv(vars: &[&str], specs: &[&Path]) -> Vec<OsString> {
+    let mut argv: Vec<OsString> = vec!["env".into(), "LENS_FAKE_SYNC_MS=1".into()];
+    argv.extend(vars.iter().map(OsString::from));
+    argv.push(variety_caller().into());
+    argv.push(CALLS.to_string().into());
+    argv.extend(specs.iter().map(|spec| spec.as_os_str().to_owned()));
+    argv
+}
+
+/// Runs `argv` under a session of its own (`per_step`) to its end.
+fn trace_exec(argv: &[OsString]) -> (Session, EventLog, RunReport) {
+    let mut session = Session::new(options()).unwrap();
+    session.exec(argv).unwrap();
+    let mut log = EventLog::default();
+    let report = session
+        .run_blocking(&mut log, Some(Duration::from_secs(60)))
+        .unwrap();
+    assert_eq!(report.child_exit, Some(ExitStatus::Exited(0)), "{argv:?}");
+    assert_eq!(report.losses.total(), 0, "{:?}", report.losses);
+    (session, log, report)
+}
+
+/// The outcomes of the one library of `kind` the session attached to.
+fn outcomes(session: &Session, kind: LibraryKind) -> Vec<ProbeOutcome> {
+    let attachments: Vec<_> = session
+        .attacher()
+        .attachments()
+        .iter()
+        .filter(|a| a.library.kind == kind)
+        .collect();
+    assert_eq!(
+        attachments.len(),
+        1,
+        "one {kind:?} file attached: {attachments:?}"
+    );
+    attachments[0].outcomes.clone()
+}
+
+/// Symbol → reason of each probe that failed.
+fn failures(outcomes: &[ProbeOutcome]) -> BTreeMap<String, String> {
+    outcomes
+        .iter()
+        .filter_map(|o| match o {
+            ProbeOutcome::Failed { symbol, reason } => Some((symbol.clone(), reason.clone())),
+            ProbeOutcome::Attached { .. } => None,
+        })
+        .collect()
+}
+
+/// Symbol → how many uprobes (entry, return) went in for it.
+fn attached(outcomes: &[ProbeOutcome]) -> BTreeMap<String, usize> {
+    let mut attached = BTreeMap::new();
+    for outcome in outcomes {
+        if let ProbeOutcome::Attached { symbol, .. } = outcome {
+            *attached.entry(symbol.clone()).or_default() += 1;
+        }
+    }
+    attached
+}
+
+/// The calls counted for the one process that ended.
+fn calls(log: &EventLog) -> &BTreeMap<ProbeId, u64> {
+    assert_eq!(log.ended.len(), 1, "{:?}", log.ended);
+    &log.ended[0].calls
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// The `lens-probe: warning:` lines of a run.
+fn warnings(text: &str) -> Vec<&str> {
+    text.lines()
+        .filter(|line| line.starts_with("lens-probe: warning:"))
+        .collect()
+}
+
+/// `lens-probe --span-groups per_step --summary-json FILE --exec -- ARGV`: its output and
+/// the summary's call counts of its one process.
+fn lens_probe_exec(name: &str, argv: &[OsString]) -> (Output, serde_json::Value) {
+    let json =
+        std::env::temp_dir().join(format!("lens-variety-{name}-{}.json", std::process::id()));
+    let output = Command::new(LENS_PROBE)
+        .args(["--span-groups", "per_step", "--summary-json"])
+        .arg(&json)
+        .args(["--exec", "--"])
+        .args(argv)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let processes = summary["processes"].as_array().unwrap();
+    assert_eq!(processes.len(), 1, "{summary}");
+    (output, processes[0]["calls"].clone())
+}
+
+const CUDART_PROBES: [ProbeId; 6] = [
+    ProbeId::CudaLaunchKernel,
+    ProbeId::CudaLaunchKernelExC,
+    ProbeId::CudaGraphLaunch,
+    ProbeId::CudaStreamSynchronize,
+    ProbeId::CudaEventSynchronize,
+    ProbeId::CudaDeviceSynchronize,
+];
+
+/// The address of each definition named `name` in `library`'s dynamic symbols.
+fn dynamic_definitions(library: &Path, name: &str) -> Vec<u64> {
+    use object::{Object, ObjectSymbol};
+    let bytes = std::fs::read(library).unwrap();
+    let elf = object::File::parse(&*bytes).unwrap();
+    elf.dynamic_symbols()
+        .filter(|symbol| symbol.is_definition() && symbol.name() == Ok(name))
+        .map(|symbol| symbol.address())
+        .collect()
+}
+
+fn has_static_symbols(library: &Path) -> bool {
+    use object::Object;
+    let bytes = std::fs::read(library).unwrap();
+    object::File::parse(&*bytes)
+        .unwrap()
+        .section_by_name(".symtab")
+        .is_some()
+}
+
+/// The variants are what the tests below take them for (no privileges needed).
+#[test]
+fn the_variants_are_built_as_described() {
+    use std::os::unix::fs::MetadataExt;
+    let missing = variant("missing/libcudart.so.12");
+    assert!(dynamic_definitions(&missing, "cudaGraphLaunch").is_empty());
+    assert_eq!(dynamic_definitions(&missing, "cudaLaunchKernel").len(), 1);
+
+    for stripped in ["stripped/libcudart.so.12", "stripped/libtorch_cpu.so"] {
+        assert!(!has_static_symbols(&variant(stripped)), "{stripped}");
+    }
+    assert!(has_static_symbols(
+        &lens_tests::fake_torch_dir().join("libtorch_cpu.so")
+    ));
+    assert_eq!(
+        dynamic_definitions(&variant("stripped/libcudart.so.12"), "cudaGraphLaunch").len(),
+        1
+    );
+
+    // Two definitions of ncclAllReduce, at two addresses (the versions: see the
+    // symbols unit tests).
+    let versioned = dynamic_definitions(&variant("versioned/libnccl.so.2"), "ncclAllReduce");
+    assert_eq!(versioned.len(), 2);
+    assert_ne!(versioned[0], versioned[1]);
+
+    let alias = variant("alias/libnccl.so.2");
+    let at = |name| dynamic_definitions(&alias, name);
+    assert_eq!(at("pncclAllReduce"), at("ncclAllReduce"));
+    assert_eq!(at("ncclGroupEnd"), at("ncclGroupStart"));
+    assert_ne!(at("ncclAllReduce"), at("ncclGroupStart"));
+
+    let inode = |path: PathBuf| {
+        let meta = std::fs::metadata(path).unwrap();
+        (meta.dev(), meta.ino())
+    };
+    let file = inode(variant("twice/libcudart.so.12"));
+    assert_eq!(inode(variant("twice/hardlink/libcudart.so.12")), file);
+    assert_eq!(inode(variant("twice/symlink/libcudart.so.12")), file);
+    assert!(
+        std::fs::symlink_metadata(variant("twice/symlink/libcudart.so.12"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+
+    let usage = Command::new(variety_caller()).output().unwrap();
+    assert_eq!(usage.status.code(), Some(2));
+    let absent = Command::new(variety_caller())
+        .args(["1", "/nonexistent/libcudart.so.12"])
+        .output()
+        .unwrap();
+    assert_eq!(absent.status.code(), Some(2));
+}
+
+#[test]
+fn a_missing_symbol_fails_alone_and_the_other_probes_count_exactly() {
+    if !lens_tests::require_bpf("a_missing_symbol_fails_alone_and_the_other_probes_count_exactly") {
+        return;
+    }
+    let library = variant("missing/libcudart.so.12");
+    let (session, log, _) = trace_exec(&caller_argv(&[], &[&library]));
+
+    let outcomes = outcomes(&session, LibraryKind::CudaRuntime);
+    assert_eq!(
+        failures(&outcomes),
+        BTreeMap::from([(
+            "cudaGraphLaunch".to_string(),
+            "libcudart defines no such symbol".to_string()
+        )])
+    );
+    // The five others: launches at entry, syncs at entry and return.
+    assert_eq!(
+        attached(&outcomes),
+        BTreeMap::from([
+            ("cudaLaunchKernel".to_string(), 1),
+            ("cudaLaunchKernelExC".to_string(), 1),
+            ("cudaStreamSynchronize".to_string(), 2),
+            ("cudaEventSynchronize".to_string(), 2),
+            ("cudaDeviceSynchronize".to_string(), 2),
+        ])
+    );
+    let expected: BTreeMap<ProbeId, u64> = CUDART_PROBES
+        .into_iter()
+        .filter(|p| *p != ProbeId::CudaGraphLaunch)
+        .map(|p| (p, CALLS))
+        .collect();
+    assert_eq!(calls(&log), &expected);
+}
+
+#[test]
+fn a_missing_symbol_is_one_warning_naming_it_and_the_library() {
+    if !lens_tests::require_bpf("a_missing_symbol_is_one_warning_naming_it_and_the_library") {
+        return;
+    }
+    let library = variant("missing/libcudart.so.12");
+    let (output, calls) = lens_probe_exec("missing", &caller_argv(&[], &[library.as_path()]));
+    let text = stderr(&output);
+    assert_eq!(
+        warnings(&text),
+        [format!(
+            "lens-probe: warning: cannot probe cudaGraphLaunch in {}: libcudart defines no such symbol",
+            library.display()
+        )],
+        "{text}"
+    );
+    assert_eq!(
+        calls,
+        serde_json::json!({
+            "cudaLaunchKernel": CALLS,
+            "cudaLaunchKernelExC": CALLS,
+            "cudaStreamSynchronize": CALLS,
+            "cudaEventSynchronize": CALLS,
+            "cudaDeviceSynchronize": CALLS,
+        }),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_stripped_runtime_is_probed_whole_from_its_dynamic_symbols() {
+    if !lens_tests::require_bpf("a_stripped_runtime_is_probed_whole_from_its_dynamic_symbols") {
+        return;
+    }
+    let library = variant("stripped/libcudart.so.12");
+    let (session, log, _) = trace_exec(&caller_argv(&[], &[&library]));
+
+    let outcomes = outcomes(&session, LibraryKind::CudaRuntime);
+    assert!(failures(&outcomes).is_empty(), "{outcomes:?}");
+    assert_eq!(attached(&outcomes).len(), 6, "{outcomes:?}");
+    let expected: BTreeMap<ProbeId, u64> = CUDART_PROBES.into_iter().map(|p| (p, CALLS)).collect();
+    assert_eq!(calls(&log), &expected);
+}
+
+#[test]
+fn a_stripped_libtorch_says_the_local_symbol_cannot_be_found() {
+    if !lens_tests::require_bpf("a_stripped_libtorch_says_the_local_symbol_cannot_be_found") {
+        return;
+    }
+    // The stripped libtorch_cpu.so comes first on the library path; the rest as usual.
+    let stripped = variant("stripped");
+    let argv: Vec<OsString> = vec![
+        "env".into(),
+        format!("LD_LIBRARY_PATH={}", stripped.display()).into(),
+        lens_tests::torch_trainer().into(),
+        // 2 steps of 1 microbatch, no evaluation, no checkpoint.
+        "2".into(),
+        "1".into(),
+        "0".into(),
+        "0".into(),
+    ];
+    let (session, log, _) = trace_exec(&argv);
+
+    let attachment = session
+        .attacher()
+        .attachments()
+        .iter()
+        .find(|a| a.library.kind == LibraryKind::TorchCpu)
+        .expect("libtorch_cpu attached");
+    assert_eq!(
+        attachment.library.shown_path,
+        stripped.join("libtorch_cpu.so"),
+        "the stripped copy was the one loaded"
+    );
+    let scope_exit = ProbeId::TorchScopeExit.symbol().to_string();
+    assert_eq!(
+        failures(&attachment.outcomes),
+        BTreeMap::from([(
+            scope_exit.clone(),
+            "libtorch_cpu does not export it, and the library is stripped (no .symtab): \
+             a local symbol cannot be found"
+                .to_string()
+        )])
+    );
+    // Everything it exports is probed: scope entries are still seen, one per scope.
+    assert!(!attached(&attachment.outcomes).contains_key(&scope_exit));
+    let signals = |wanted: fn(&PhaseSignal) -> bool| {
+        log.events
+            .iter()
+            .filter(|e| matches!(e, ProbeEvent::Phase { signal, .. } if wanted(signal)))
+            .count()
+    };
+    // Per step: the DataLoader fetch, Optimizer.step, Optimizer.zero_grad.
+    assert_eq!(
+        signals(|s| matches!(s, PhaseSignal::ScopeEnter { .. })),
+        2 * 3,
+        "{:?}",
+        log.events
+    );
+    assert_eq!(signals(|s| matches!(s, PhaseSignal::ScopeExit)), 0);
+}
+
+#[test]
+fn the_default_version_of_a_versioned_symbol_is_probed_and_named() {
+    if !lens_tests::require_bpf("the_default_version_of_a_versioned_symbol_is_probed_and_named") {
+        return;
+    }
+    // ncclAllReduce@@NCCL_2.0 called CALLS times, the old ncclAllReduce@NCCL_1.0 5 times.
+    let library = variant("versioned/libnccl.so.2");
+    let vars = ["CALLER_VERSION=NCCL_1.0", "CALLER_VERSION_CALLS=5"];
+    let (session, log, _) = trace_exec(&caller_argv(&vars, &[&library]));
+
+    let outcomes = outcomes(&session, LibraryKind::Nccl);
+    assert!(failures(&outcomes).is_empty(), "{outcomes:?}");
+    for outcome in &outcomes {
+        let ProbeOutcome::Attached { version, .. } = outcome else {
+            unreachable!()
+        };
+        assert_eq!(version.as_deref(), Some("NCCL_2.0"), "{outcome:?}");
+    }
+    // Only the default version's calls: not 5, not 8.
+    let calls = calls(&log);
+    assert_eq!(
+        calls.get(&ProbeId::NcclAllReduce),
+        Some(&CALLS),
+        "{calls:?}"
+    );
+    assert_eq!(calls.get(&ProbeId::NcclGroupStart), Some(&CALLS));
+    assert_eq!(calls.get(&ProbeId::NcclGroupEnd), Some(&CALLS));
+    let collectives = log
+        .events
+        .iter()
+        .filter(|e| matches!(e, ProbeEvent::Collective { .. }))
+        .count() as u64;
+    assert_eq!(collectives, CALLS);
+}
+
+#[test]
+fn the_cli_says_which_version_it_probed_and_which_it_did_not() {
+    if !lens_tests::require_bpf("the_cli_says_which_version_it_probed_and_which_it_did_not") {
+        return;
+    }
+    let library = variant("versioned/libnccl.so.2");
+    let vars = ["CALLER_VERSION=NCCL_1.0", "CALLER_VERSION_CALLS=5"];
+    let (output, calls) = lens_probe_exec("versioned", &caller_argv(&vars, &[&library]));
+    let text = stderr(&output);
+    assert_eq!(
+        warnings(&text),
+        [format!(
+            "lens-probe: warning: {}: probed ncclAllReduce@@NCCL_2.0, the default version, \
+             not ncclAllReduce@NCCL_1.0: calls from programs linked against an older \
+             version are not seen",
+            library.display()
+        )],
+        "{text}"
+    );
+    assert_eq!(
+        calls,
+        serde_json::json!({
+            "ncclAllReduce": CALLS,
+            "ncclGroupStart": CALLS,
+            "ncclGroupEnd": CALLS,
+        }),
+        "{text}"
+    );
+}
+
+#[test]
+fn aliases_are_probed_once_and_a_shared_address_is_reported() {
+    if !lens_tests::require_bpf("aliases_are_probed_once_and_a_shared_address_is_reported") {
+        return;
+    }
+    // ncclAllReduce and pncclAllReduce: one function, both names called CALLS times; so
+    // are ncclGroupStart and ncclGroupEnd (an alias of it here).
+    let library = variant("alias/libnccl.so.2");
+    let (session, log, _) = trace_exec(&caller_argv(&[], &[&library]));
+
+    let outcomes = outcomes(&session, LibraryKind::Nccl);
+    assert_eq!(
+        failures(&outcomes),
+        BTreeMap::from([(
+            "ncclGroupEnd".to_string(),
+            "at the same address as ncclGroupStart (one function under two names): \
+             its calls are counted as ncclGroupStart"
+                .to_string()
+        )])
+    );
+    let attached = attached(&outcomes);
+    // Entry and return, once: pncclAllReduce is not probed again.
+    assert_eq!(attached.get("ncclAllReduce"), Some(&2), "{attached:?}");
+    assert_eq!(attached.get("ncclGroupStart"), Some(&1), "{attached:?}");
+    assert!(!attached.contains_key("ncclGroupEnd"));
+
+    // Every call counted once, under the probed name.
+    let calls = calls(&log);
+    let expected: BTreeMap<ProbeId, u64> = [
+        (ProbeId::NcclAllReduce, 2 * CALLS),
+        (ProbeId::NcclGroupStart, 2 * CALLS),
+    ]
+    .into();
+    assert_eq!(calls, &expected);
+    let collectives = log
+        .events
+        .iter()
+        .filter(|e| matches!(e, ProbeEvent::Collective { .. }))
+        .count() as u64;
+    assert_eq!(collectives, 2 * CALLS);
+}
+
+#[test]
+fn a_library_mapped_twice_in_one_process_is_probed_once_and_counts_each_call_once() {
+    if !lens_tests::require_bpf("a_library_mapped_twice_in_one_process_is_probed_once") {
+        return;
+    }
+    // Through a symlink (dlopen: mapped at the real path), then through a hard link into
+    // a namespace of its own (dlmopen: mapped again, at the hard link's path).
+    let symlink = variant("twice/symlink/libcudart.so.12");
+    let hardlink = variant("twice/hardlink/libcudart.so.12");
+    let mut new_namespace = OsString::from("new:");
+    new_namespace.push(&hardlink);
+    let mut argv = caller_argv(&[], &[&symlink]);
+    argv.push(new_namespace);
+    let (session, log, _) = trace_exec(&argv);
+
+    let outcomes = outcomes(&session, LibraryKind::CudaRuntime);
+    assert!(failures(&outcomes).is_empty(), "{outcomes:?}");
+    assert_eq!(attached(&outcomes).len(), 6);
+    let expected: BTreeMap<ProbeId, u64> =
+        CUDART_PROBES.into_iter().map(|p| (p, 2 * CALLS)).collect();
+    assert_eq!(calls(&log), &expected);
+}
+
+/// Makes `command` run in a mount namespace of its own (private: nothing propagates back)
+/// where `source` is mounted on `target` first: bind-mounted, or as a file system of type
+/// `fstype`.
+fn in_mount_namespace(command: &mut Command, source: &Path, target: &Path, fstype: Option<&str>) {
+    let cstring = |bytes: &[u8]| CString::new(bytes).unwrap();
+    let root = cstring(b"/");
+    let source = cstring(source.as_os_str().as_encoded_bytes());
+    let target = cstring(target.as_os_str().as_encoded_bytes());
+    let fstype = fstype.map(|fstype| cstring(fstype.as_bytes()));
+    let flags = if fstype.is_some() { 0 } else { libc::MS_BIND };
+    // SAFETY: only system calls between fork and exec, on strings made before.
+    unsafe {
+        command.pre_exec(move || {
+            let private = libc::MS_REC | libc::MS_PRIVATE;
+            let null = std::ptr::null();
+            let fstype = fstype.as_ref().map_or(null, |f| f.as_ptr());
+            if libc::unshare(libc::CLONE_NEWNS) != 0
+                || libc::mount(null, root.as_ptr(), null, private, std::ptr::null()) != 0
+                || libc::mount(
+                    source.as_ptr(),
+                    target.as_ptr(),
+                    fstype,
+                    flags,
+                    std::ptr::null(),
+                ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// `variety_caller` opening `library`, waiting for a line on stdin before its calls;
+/// `bind`: first, in a mount namespace of its own, `(source, target)` bind-mounted (a
+/// container's view of the same file).
+fn waiting_caller(library: &Path, bind: Option<(&Path, &Path)>) -> Child {
+    let mut command = Command::new(variety_caller());
+    command
+        .arg(CALLS.to_string())
+        .arg(library)
+        .env("CALLER_WAIT", "1")
+        .env("LENS_FAKE_SYNC_MS", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    if let Some((source, target)) = bind {
+        in_mount_namespace(&mut command, source, target, None);
+    }
+    command.spawn().unwrap()
+}
+
+/// Reads the caller's "ready" (its library is open).
+fn wait_ready(child: &mut Child) -> BufReader<std::process::ChildStdout> {
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    stdout
+}
+
+#[test]
+fn one_file_under_two_paths_in_two_mount_namespaces_is_probed_once() {
+    if !lens_tests::require_bpf("one_file_under_two_paths_in_two_mount_namespaces") {
+        return;
+    }
+    // One process opens the library at its own path; the other sees the same directory
+    // bind-mounted elsewhere, in a mount namespace of its own (a container would).
+    let dir = variant("twice");
+    let elsewhere = std::env::temp_dir().join(format!("lens-variety-ns-{}", std::process::id()));
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let mut host = waiting_caller(&dir.join("libcudart.so.12"), None);
+    let mut contained = waiting_caller(
+        &elsewhere.join("libcudart.so.12"),
+        Some((dir.as_path(), elsewhere.as_path())),
+    );
+    let mut outputs = [wait_ready(&mut host), wait_ready(&mut contained)];
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", contained.id())).unwrap();
+    assert!(
+        maps.contains(&format!("{}/libcudart.so.12", elsewhere.display())),
+        "mapped under the other path: {maps}"
+    );
+
+    let mut session = Session::new(options()).unwrap();
+    session.attach_pid(host.id()).unwrap();
+    session.attach_pid(contained.id()).unwrap();
+    for child in [&mut host, &mut contained] {
+        writeln!(child.stdin.take().unwrap(), "go").unwrap();
+    }
+    let mut log = EventLog::default();
+    let report = session
+        .run_blocking(&mut log, Some(Duration::from_secs(60)))
+        .unwrap();
+    for child in [&mut host, &mut contained] {
+        assert!(child.wait().unwrap().success());
+    }
+    for output in &mut outputs {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(output, &mut rest).unwrap();
+        assert!(
+            rest.contains(&format!("cudaLaunchKernel {CALLS}")),
+            "{rest}"
+        );
+    }
+    let _ = std::fs::remove_dir(&elsewhere);
+    assert_eq!(report.losses.total(), 0, "{:?}", report.losses);
+
+    // One set of probes on the one inode...
+    let outcomes = outcomes(&session, LibraryKind::CudaRuntime);
+    assert!(failures(&outcomes).is_empty(), "{outcomes:?}");
+    // ...counting each process's own calls, once.
+    assert_eq!(log.ended.len(), 2, "{:?}", log.ended);
+    let expected: BTreeMap<ProbeId, u64> = CUDART_PROBES.into_iter().map(|p| (p, CALLS)).collect();
+    for ended in &log.ended {
+        assert_eq!(ended.calls, expected, "pid {}", ended.pid);
+    }
+}
+
+#[test]
+fn a_kernel_without_the_uprobe_pmu_is_one_line_and_nothing_runs() {
+    if !lens_tests::require_bpf("a_kernel_without_the_uprobe_pmu_is_one_line_and_nothing_runs") {
+        return;
+    }
+    // Simulated with a mount namespace in which the uprobe PMU's sysfs directory is an
+    // empty tmpfs: lens-probe sees exactly what a kernel without CONFIG_UPROBE_EVENTS
+    // shows (no /sys/bus/event_source/devices/uprobe/type), and so does its BPF loader.
+    let marker = std::env::temp_dir().join(format!("lens-variety-ran-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    for mode in [
+        &["--exec", "--", "touch"][..],
+        &["--node", "--duration", "1s"][..],
+    ] {
+        let mut command = Command::new(LENS_PROBE);
+        command.args(mode);
+        if mode[0] == "--exec" {
+            command.arg(&marker);
+        }
+        let pmu = Path::new("/sys/bus/event_source/devices/uprobe");
+        in_mount_namespace(&mut command, Path::new("tmpfs"), pmu, Some("tmpfs"));
+        let output = command.output().unwrap();
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{mode:?}: {text}");
+        assert_eq!(
+            text,
+            "lens-probe: this kernel has no uprobe support \
+             (/sys/bus/event_source/devices/uprobe/type is missing): \
+             CONFIG_UPROBE_EVENTS is required\n",
+            "{mode:?}"
+        );
+    }
+    assert!(!marker.exists(), "the command must not run");
+    // Outside the namespace, nothing changed.
+    assert!(Path::new("/sys/bus/event_source/devices/uprobe/type").exists());
+}
