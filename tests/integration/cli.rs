@@ -2,23 +2,12 @@
 //! line for each kind of bad input.
 use std::process::{Command, Output};
 
+use lens_tests::{assert_one_line_error, stderr_text as stderr};
+
 const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
 
 fn lens_probe(args: &[&str]) -> Output {
     Command::new(LENS_PROBE).args(args).output().unwrap()
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-/// A failure is exactly one line on stderr, starting with the program name.
-fn assert_one_line_error(output: &Output, code: i32, needle: &str) {
-    let text = stderr(output);
-    assert_eq!(output.status.code(), Some(code), "{text}");
-    assert_eq!(text.lines().count(), 1, "not one line: {text:?}");
-    assert!(text.starts_with("lens-probe: "), "{text}");
-    assert!(text.contains(needle), "{needle:?} not in {text:?}");
 }
 
 #[test]

@@ -119,6 +119,21 @@ pub fn require_bpf(test_name: &str) -> bool {
     }
 }
 
+/// The standard error of a finished command, as text.
+pub fn stderr_text(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// lens-probe's contract for a failure it reports: exit status `code` and exactly one
+/// line on stderr, starting with the program name, containing `needle`.
+pub fn assert_one_line_error(output: &std::process::Output, code: i32, needle: &str) {
+    let text = stderr_text(output);
+    assert_eq!(output.status.code(), Some(code), "{text}");
+    assert_eq!(text.lines().count(), 1, "not one line: {text:?}");
+    assert!(text.starts_with("lens-probe: "), "{text}");
+    assert!(text.contains(needle), "{needle:?} not in {text:?}");
+}
+
 /// Paths to the real NVIDIA runtime libraries (from the PyPI wheels
 /// `nvidia-cuda-runtime-cu12` and `nvidia-nccl-cu12`).
 #[derive(Clone, Debug, PartialEq, Eq)]
