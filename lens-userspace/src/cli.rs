@@ -1,7 +1,22 @@
 //! Command line: what to trace, which span groups, how to report.
-use std::{ffi::OsString, path::PathBuf, time::Duration};
+//!
+//! [`parse`] reads it (and the variables some flags have), so that every bad value is
+//! one line naming the flag, or the variable when the value came from there, and the
+//! values it takes: exit status 2, before anything is loaded. As in NeMo Lens, a variable
+//! that is empty or blank counts as unset.
+use std::{
+    ffi::OsString,
+    io,
+    os::unix::ffi::OsStrExt,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
-use clap::{ArgAction, Parser};
+use clap::{
+    ArgAction, CommandFactory, FromArgMatches, Parser,
+    builder::{PathBufValueParser, Resettable, TypedValueParser, ValueParser},
+    error::{ContextKind, ContextValue, ErrorKind},
+};
 
 use crate::{budget::OverheadBudget, groups::SpanGroups};
 
@@ -12,7 +27,8 @@ use crate::{budget::OverheadBudget, groups::SpanGroups};
 #[command(group = clap::ArgGroup::new("what").required(true).args(["pid", "exec", "node"]))]
 pub struct Cli {
     /// Trace this running process (repeatable).
-    #[arg(short, long, value_name = "PID", action = ArgAction::Append)]
+    #[arg(short, long, value_name = "PID", action = ArgAction::Append,
+          allow_negative_numbers = true, value_parser = parse_pid)]
     pub pid: Vec<u32>,
 
     /// Start the command given after `--` and trace it from its first instruction; exit
@@ -30,12 +46,13 @@ pub struct Cli {
     pub node: bool,
 
     /// With --node: only processes whose command line contains this text.
-    #[arg(long = "match", value_name = "TEXT", requires = "node")]
+    #[arg(long = "match", value_name = "TEXT", requires = "node",
+          value_parser = parse_match_text)]
     pub match_command_line: Option<String>,
 
     /// With --node: only processes whose cgroup path contains this text (a SLURM job's
     /// `job_1234`, a pod UID).
-    #[arg(long, value_name = "TEXT", requires = "node")]
+    #[arg(long, value_name = "TEXT", requires = "node", value_parser = parse_match_text)]
     pub match_cgroup: Option<String>,
 
     /// With --node: only processes with this variable set to this value in their
@@ -45,7 +62,7 @@ pub struct Cli {
     pub match_env: Vec<(String, String)>,
 
     /// Write lens-probe's pid to this file (for scripts that stop it with SIGTERM).
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", value_parser = output_file())]
     pub pid_file: Option<PathBuf>,
 
     /// Span groups to enable: comma-separated groups and presets (default, per_step, all),
@@ -95,23 +112,221 @@ pub struct Cli {
     pub export_sample_rate: Option<String>,
 
     /// Stop tracing after this long (e.g. 30s, 5m).
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", allow_hyphen_values = true,
+          value_parser = parse_duration)]
     pub duration: Option<Duration>,
 
     /// Keep the kernel-launch probes within this share of the job's time (e.g. 1%): above
     /// it they are in only for sampled windows; spans inside one carry exact launch counts
     /// (`cuda.launch.sampled`), metrics scale the counts up.
-    #[arg(long, value_name = "PERCENT", env = "LENS_PROBE_OVERHEAD_BUDGET")]
+    #[arg(
+        long,
+        value_name = "PERCENT",
+        env = "LENS_PROBE_OVERHEAD_BUDGET",
+        allow_hyphen_values = true
+    )]
     pub overhead_budget: Option<OverheadBudget>,
 
     /// Also write the exit summary as JSON to this file.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = output_file())]
     pub summary_json: Option<PathBuf>,
 
     /// -v: print events as they come and each attached probe; -vv: debug logs and the
     /// kernel-side diagnostics.
     #[arg(short, long, action = ArgAction::Count)]
     pub verbose: u8,
+}
+
+/// Why the command line gave no [`Cli`].
+#[derive(Debug)]
+pub enum Rejected {
+    /// `--help` or `--version`: print clap's text, exit status 0.
+    Info(clap::Error),
+    /// Bad arguments or a bad value: this one line (without the program name), exit
+    /// status 2.
+    Invalid(String),
+}
+
+/// The command line of this process, with the variables its flags read.
+pub fn parse() -> Result<Cli, Rejected> {
+    parse_from(std::env::args_os())
+}
+
+/// [`parse`] with these arguments (the first is the program name).
+pub fn parse_from<I, T>(args: I) -> Result<Cli, Rejected>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString>,
+{
+    let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
+    // Lens' rule: a blank variable is unset (clap would parse the empty value).
+    let mut command = Cli::command().mut_args(|arg| {
+        let blank = arg
+            .get_env()
+            .and_then(std::env::var_os)
+            .is_some_and(|value| value.as_bytes().trim_ascii().is_empty());
+        if blank {
+            arg.env(Resettable::Reset)
+        } else {
+            arg
+        }
+    });
+    // clap says only "invalid UTF-8 was detected" for a variable's bytes: name it.
+    for arg in command.get_arguments() {
+        let Some(variable) = arg.get_env() else {
+            continue;
+        };
+        let takes_text = arg.get_value_parser().type_id() != ValueParser::path_buf().type_id();
+        if let Some(value) = std::env::var_os(variable)
+            && value.to_str().is_none()
+            && takes_text
+            && !given(arg, &args)
+        {
+            return Err(Rejected::Invalid(format!(
+                "invalid value {:?} for {}: not valid UTF-8",
+                value.to_string_lossy(),
+                variable.to_string_lossy()
+            )));
+        }
+    }
+    let matches = command
+        .try_get_matches_from_mut(&args)
+        .map_err(|error| rejected(&command, &args, error))?;
+    Cli::from_arg_matches(&matches).map_err(|error| rejected(&command, &args, error))
+}
+
+fn rejected(command: &clap::Command, args: &[OsString], error: clap::Error) -> Rejected {
+    match error.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => Rejected::Info(error),
+        _ => Rejected::Invalid(error_line(command, args, &error)),
+    }
+}
+
+/// One line for a clap error. A rejected value reads as lens-probe's other bad settings
+/// do, `invalid value "V" for KEY: what it takes`, where KEY is the variable when the
+/// value came from there (the flag is not on the command line); anything else is clap's
+/// first line.
+fn error_line(command: &clap::Command, args: &[OsString], error: &clap::Error) -> String {
+    let context = |kind| match error.get(kind) {
+        Some(ContextValue::String(text)) => Some(text.as_str()),
+        _ => None,
+    };
+    let reason = std::error::Error::source(error).map(|source| source.to_string());
+    if error.kind() == ErrorKind::ValueValidation
+        && let (Some(shown), Some(value), Some(reason)) = (
+            context(ContextKind::InvalidArg),
+            context(ContextKind::InvalidValue),
+            reason,
+        )
+        && let Some(arg) = command.get_arguments().find(|arg| {
+            arg.get_long()
+                .is_some_and(|long| shown.split(' ').next() == Some(&format!("--{long}")))
+        })
+    {
+        let key = match arg.get_env() {
+            Some(variable) if !given(arg, args) => variable.to_string_lossy().into_owned(),
+            _ => format!("--{}", arg.get_long().unwrap_or_default()),
+        };
+        return format!("invalid value {value:?} for {key}: {reason}");
+    }
+    let rendered = error.render().to_string();
+    let first = rendered.lines().next().unwrap_or("invalid arguments");
+    first.trim_start_matches("error: ").to_string()
+}
+
+/// Whether the flag of `arg` is on the command line (before a `--`).
+fn given(arg: &clap::Arg, args: &[OsString]) -> bool {
+    let long = arg.get_long().map(|long| format!("--{long}"));
+    let short = arg.get_short().map(|short| format!("-{short}"));
+    args.iter()
+        .skip(1)
+        .map(|arg| arg.as_bytes())
+        .take_while(|arg| *arg != b"--")
+        .any(|text| {
+            let is = |flag: &Option<String>| {
+                flag.as_deref().is_some_and(|flag| {
+                    text.strip_prefix(flag.as_bytes()).is_some_and(|rest| {
+                        rest.is_empty() || rest.starts_with(b"=") || !flag.starts_with("--")
+                    })
+                })
+            };
+            is(&long) || is(&short)
+        })
+}
+
+fn parse_pid(text: &str) -> Result<u32, String> {
+    match text.trim().parse::<u32>() {
+        Ok(pid) if pid > 0 && pid <= i32::MAX as u32 => Ok(pid),
+        _ => Err("expected a process id, a positive integer such as 4242".into()),
+    }
+}
+
+fn parse_match_text(text: &str) -> Result<String, String> {
+    if text.is_empty() {
+        Err("expected some text: an empty one would match every process".into())
+    } else {
+        Ok(text.to_string())
+    }
+}
+
+/// A path (any bytes) that [`check_output_file`] accepts.
+fn output_file() -> impl TypedValueParser<Value = PathBuf> {
+    PathBufValueParser::new().try_map(|path| check_output_file(&path).map(|()| path))
+}
+
+/// Whether lens-probe can create or overwrite `path` (checked before anything runs, so
+/// that a file written at the end does not fail after the whole trace). Says what is
+/// wrong and what is expected.
+pub fn check_output_file(path: &Path) -> Result<(), String> {
+    const EXPECTED: &str = "expected a file lens-probe can create or overwrite";
+    if path.as_os_str().is_empty() {
+        return Err(format!("empty path; {EXPECTED}"));
+    }
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_dir() => Err(format!("is a directory; {EXPECTED}")),
+        Ok(_) => writable(path).map_err(|error| format!("cannot be written ({error}); {EXPECTED}")),
+        Err(error)
+            if matches!(
+                error.kind(),
+                io::ErrorKind::NotFound | io::ErrorKind::NotADirectory
+            ) =>
+        {
+            let parent = path
+                .parent()
+                .filter(|parent| !parent.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            match std::fs::metadata(parent) {
+                Ok(meta) if meta.is_dir() => writable(parent).map_err(|error| {
+                    format!(
+                        "cannot create a file in {} ({error}); {EXPECTED}",
+                        parent.display()
+                    )
+                }),
+                Ok(_) => Err(format!(
+                    "{} is not a directory; {EXPECTED}",
+                    parent.display()
+                )),
+                Err(error) if error.kind() == io::ErrorKind::NotFound => Err(format!(
+                    "directory {} does not exist; {EXPECTED}",
+                    parent.display()
+                )),
+                Err(error) => Err(format!("{}: {error}; {EXPECTED}", parent.display())),
+            }
+        }
+        Err(error) => Err(format!("{error}; {EXPECTED}")),
+    }
+}
+
+/// `access(path, W_OK)`: the kernel's answer for this process's credentials (root
+/// included, read-only mounts too), without creating anything.
+fn writable(path: &Path) -> io::Result<()> {
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    // SAFETY: a NUL-terminated path that outlives the call.
+    if unsafe { libc::access(path.as_ptr(), libc::W_OK) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 fn parse_span_groups(spec: &str) -> Result<SpanGroups, String> {
@@ -121,20 +336,23 @@ fn parse_span_groups(spec: &str) -> Result<SpanGroups, String> {
     })
 }
 
-fn parse_duration(text: &str) -> Result<Duration, String> {
+/// `--duration`: a positive duration with a unit (`30s`, `5m`, `1h 30m`), or a number of
+/// seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    const EXPECTED: &str = "expected a positive duration such as 30s, 5m or 1h";
     let text = text.trim();
     // A bare number means seconds.
     if let Ok(seconds) = text.parse::<f64>() {
-        return if seconds.is_finite() && seconds > 0.0 {
-            Ok(Duration::from_secs_f64(seconds))
-        } else {
-            Err("must be a positive duration such as 30s or 5m".into())
+        return match Duration::try_from_secs_f64(seconds) {
+            Ok(duration) if !duration.is_zero() => Ok(duration),
+            Err(_) if seconds > 0.0 => Err(format!("too long; {EXPECTED}")),
+            _ => Err(EXPECTED.into()),
         };
     }
     match humantime::parse_duration(text) {
         Ok(duration) if !duration.is_zero() => Ok(duration),
-        Ok(_) => Err("must be a positive duration such as 30s or 5m".into()),
-        Err(error) => Err(format!("{error} (expected e.g. 30s, 5m, 1h)")),
+        Ok(_) => Err(EXPECTED.into()),
+        Err(error) => Err(format!("{error}; {EXPECTED}")),
     }
 }
 
@@ -209,6 +427,137 @@ mod tests {
         assert_eq!(cli.export_sample_rate.as_deref(), Some("2"));
         assert_eq!(cli.export_strategy.as_deref(), Some("sampled"));
         assert_eq!(cli.export_file, Some(PathBuf::from("/tmp/spans.jsonl")));
+    }
+
+    /// The line [`parse_from`] gives for these arguments (flags only: the variables are
+    /// the binary's tests, `tests/integration/bad_input.rs`).
+    fn rejected(args: &[&str]) -> String {
+        match parse_from(std::iter::once("lens-probe").chain(args.iter().copied())) {
+            Err(Rejected::Invalid(line)) => line,
+            Err(Rejected::Info(info)) => panic!("{args:?}: help, not an error: {info}"),
+            Ok(cli) => panic!("{args:?} accepted: {cli:?}"),
+        }
+    }
+
+    #[test]
+    fn a_bad_value_is_one_line_naming_the_flag_and_what_it_takes() {
+        assert_eq!(
+            rejected(&["--pid", "x"]),
+            "invalid value \"x\" for --pid: expected a process id, a positive integer such as 4242"
+        );
+        assert_eq!(
+            rejected(&["--pid", "-3"]),
+            "invalid value \"-3\" for --pid: expected a process id, a positive integer such as 4242"
+        );
+        assert_eq!(
+            rejected(&["--pid", "1", "--duration", "-5"]),
+            "invalid value \"-5\" for --duration: expected a positive duration such as 30s, 5m or 1h"
+        );
+        assert!(
+            rejected(&["--pid", "1", "--span-groups", "steps"]).starts_with(
+                "invalid value \"steps\" for --span-groups: unknown span group \"steps\"; valid: "
+            )
+        );
+        assert_eq!(
+            rejected(&["--node", "--match", ""]),
+            "invalid value \"\" for --match: expected some text: an empty one would match every \
+             process"
+        );
+        // Errors that are not about one value keep clap's line.
+        assert_eq!(
+            rejected(&["--pid"]),
+            "a value is required for '--pid <PID>' but none was supplied"
+        );
+        assert!(rejected(&["--frobnicate"]).contains("'--frobnicate'"));
+    }
+
+    #[test]
+    fn help_and_version_are_not_errors() {
+        for flag in ["--help", "--version"] {
+            let parsed = parse_from(["lens-probe", flag]);
+            assert!(matches!(parsed, Err(Rejected::Info(_))), "{flag}");
+        }
+    }
+
+    #[test]
+    fn a_flag_is_given_when_it_is_before_the_double_dash() {
+        let command = Cli::command();
+        let arg = |id: &str| command.get_arguments().find(|a| a.get_id() == id).unwrap();
+        let args = |list: &[&str]| -> Vec<OsString> { list.iter().map(Into::into).collect() };
+        let groups = arg("span_groups");
+        assert!(given(
+            groups,
+            &args(&["lens-probe", "--span-groups", "all"])
+        ));
+        assert!(given(groups, &args(&["lens-probe", "--span-groups=all"])));
+        assert!(!given(groups, &args(&["lens-probe", "--span-groupsx"])));
+        assert!(!given(
+            groups,
+            &args(&["lens-probe", "--exec", "--", "x", "--span-groups", "all"])
+        ));
+        // The program name is not an argument.
+        assert!(!given(groups, &args(&["--span-groups"])));
+        let pid = arg("pid");
+        assert!(given(pid, &args(&["lens-probe", "-p", "1"])));
+        assert!(given(pid, &args(&["lens-probe", "-p1"])));
+    }
+
+    #[test]
+    fn output_files_must_be_writable_files() {
+        let dir = std::env::temp_dir().join(format!("lens-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("summary.json");
+        assert_eq!(
+            check_output_file(&file),
+            Ok(()),
+            "a new file in a directory"
+        );
+        std::fs::write(&file, "{}").unwrap();
+        assert_eq!(check_output_file(&file), Ok(()), "an existing file");
+        assert!(
+            check_output_file(&dir)
+                .unwrap_err()
+                .starts_with("is a directory")
+        );
+        let under_file = file.join("x");
+        assert!(
+            check_output_file(&under_file)
+                .unwrap_err()
+                .contains("summary.json is not a directory")
+        );
+        let missing = dir.join("missing").join("x");
+        assert!(
+            check_output_file(&missing)
+                .unwrap_err()
+                .starts_with("directory ")
+        );
+        assert!(check_output_file(Path::new("")).is_err());
+        // Nothing was created by the checks.
+        assert!(!dir.join("missing").exists() && !under_file.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+        let cli = parse(&["--pid", "1", "--summary-json", "/"]);
+        assert!(cli.is_err());
+    }
+
+    #[test]
+    fn pids_are_positive_process_ids() {
+        assert_eq!(parse_pid("4242"), Ok(4242));
+        assert_eq!(parse_pid(" 7 "), Ok(7));
+        for bad in ["0", "-1", "x", "", "2147483648", "99999999999"] {
+            assert!(parse_pid(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn durations_are_positive_and_fit() {
+        for bad in ["0", "-5", "0s", "1e30", "inf", "NaN", "1e-12", "", "soon"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            parse_duration("1e30"),
+            Err("too long; expected a positive duration such as 30s, 5m or 1h".into())
+        );
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
     }
 
     #[test]

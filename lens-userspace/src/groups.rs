@@ -98,7 +98,10 @@ impl FromStr for SpanGroups {
         let mut groups = BTreeSet::new();
         for name in spec.split(',').map(str::trim) {
             if name.is_empty() {
-                return Err(invalid("empty group name".into()));
+                return Err(invalid(format!(
+                    "empty group name; valid: {}",
+                    SpanGroups::valid_names().join(", ")
+                )));
             }
             let lower = name.to_ascii_lowercase();
             match lower.as_str() {

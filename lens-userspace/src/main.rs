@@ -1,9 +1,8 @@
 use std::{io::Write, process::ExitCode};
 
-use clap::Parser;
 use lens_probe::{
     LensError,
-    cli::Cli,
+    cli::{Cli, Rejected},
     discovery::NodeFilter,
     export::{
         config::{ExportSettings, ExporterKind},
@@ -17,21 +16,14 @@ use lens_probe::{
 };
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match lens_probe::cli::parse() {
         Ok(cli) => cli,
-        Err(error) => {
-            use clap::error::ErrorKind;
-            if matches!(
-                error.kind(),
-                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
-            ) {
-                let _ = error.print();
-                return ExitCode::SUCCESS;
-            }
-            // One line: clap's first line, without its "error: " prefix.
-            let rendered = error.render().to_string();
-            let first = rendered.lines().next().unwrap_or("invalid arguments");
-            eprintln!("lens-probe: {}", first.trim_start_matches("error: "));
+        Err(Rejected::Info(help)) => {
+            let _ = help.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(Rejected::Invalid(line)) => {
+            eprintln!("lens-probe: {line}");
             return ExitCode::from(2);
         }
     };
