@@ -50,6 +50,10 @@ pub enum LensError {
         reason: String,
     },
 
+    /// A bad value that may hold credentials (OTLP headers): not shown.
+    #[error("invalid value for {key} (not shown: it may hold credentials): {reason}")]
+    InvalidSecretSetting { key: String, reason: String },
+
     #[error("cannot load the BPF programs: {0}")]
     Load(#[from] aya::EbpfError),
 
@@ -97,7 +101,7 @@ impl LensError {
     /// Exit status for this error: 2 for bad input (as clap does), 1 for everything else.
     pub fn exit_code(&self) -> i32 {
         match self {
-            LensError::InvalidSetting { .. } => 2,
+            LensError::InvalidSetting { .. } | LensError::InvalidSecretSetting { .. } => 2,
             _ => 1,
         }
     }

@@ -18,11 +18,22 @@
 //! As in Lens, a variable that is empty or blank counts as unset. Every bad value is one
 //! [`LensError::InvalidSetting`] line naming the flag or variable it came from, exit
 //! status 2.
+//!
+//! The exporter in use also has its files and variables checked here, before anything
+//! starts: `--export-file` must be a file lens-probe can write; for `otlp`, the standard
+//! `OTEL_EXPORTER_OTLP_*` variables opentelemetry-otlp reads (endpoint, protocol,
+//! timeout, headers, compression; generic and per signal), which it would otherwise
+//! ignore when malformed (a bad timeout or header is dropped, a bad HTTP endpoint falls
+//! back to localhost) or fail on with a message that does not name them; for `otlp` and
+//! `file`, `OTEL_METRIC_EXPORT_INTERVAL`. A bad header list is reported without its value
+//! (it usually holds a token).
 use std::{fmt, path::PathBuf};
+
+use opentelemetry_otlp::Protocol;
 
 use super::strategy::ExportStrategy;
 use crate::{
-    cli::Cli,
+    cli::{self, Cli},
     error::{LensError, Result},
 };
 
@@ -79,6 +90,15 @@ pub const ENV_ENABLED: &str = "NEMO_LENS_ENABLED";
 pub const ENV_OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
 pub const ENV_OTLP_TRACES_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
 pub const ENV_SERVICE_NAME: &str = "OTEL_SERVICE_NAME";
+pub const ENV_OTLP_PROTOCOL: &str = "OTEL_EXPORTER_OTLP_PROTOCOL";
+pub const ENV_OTLP_TRACES_PROTOCOL: &str = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL";
+pub const ENV_METRIC_EXPORT_INTERVAL: &str = "OTEL_METRIC_EXPORT_INTERVAL";
+
+/// The OTLP variables opentelemetry-otlp reads for traces and metrics, generic first.
+const OTLP_SIGNALS: [&str; 3] = ["", "TRACES_", "METRICS_"];
+fn otlp_variable(signal: &str, name: &str) -> String {
+    format!("OTEL_EXPORTER_OTLP_{signal}{name}")
+}
 
 /// One setting with a flag and a variable.
 struct Setting {
@@ -101,6 +121,10 @@ const EXPORT_RANK: Setting = Setting {
 const EXPORT_SAMPLE_RATE: Setting = Setting {
     flag: "--export-sample-rate",
     variable: ENV_EXPORT_SAMPLE_RATE,
+};
+const EXPORT_FILE: Setting = Setting {
+    flag: "--export-file",
+    variable: ENV_EXPORT_FILE,
 };
 
 /// A value and the name it is reported under: the variable when it came from there, else
@@ -153,7 +177,10 @@ impl ExportSettings {
     /// The settings of this run: the command line, and lens-probe's environment for what
     /// has no flag.
     pub fn from_cli(cli: &Cli) -> Result<ExportSettings> {
-        ExportSettings::from_cli_and_env(cli, |key| std::env::var(key).ok())
+        // Bytes that are not UTF-8 are kept (replaced), so that they are reported.
+        ExportSettings::from_cli_and_env(cli, |key| {
+            std::env::var_os(key).map(|value| value.to_string_lossy().into_owned())
+        })
     }
 
     /// [`ExportSettings::from_cli`] with the environment given as a lookup, for tests.
@@ -179,6 +206,28 @@ impl ExportSettings {
             && exporter == ExporterKind::File
         {
             return Err(given.invalid(format!("needs --export-file PATH (or {ENV_EXPORT_FILE})")));
+        }
+        if exporter == ExporterKind::File
+            && let Some(path) = &export_file
+        {
+            let flag = cli.export_file.as_ref().map(|p| p.to_string_lossy());
+            let given = EXPORT_FILE.get(flag.as_deref(), env).unwrap_or(Given {
+                value: path.to_string_lossy().into_owned(),
+                key: EXPORT_FILE.flag,
+            });
+            cli::check_output_file(path).map_err(|reason| given.invalid(reason))?;
+        }
+        if exporter == ExporterKind::Otlp {
+            check_otlp_env(env)?;
+        }
+        if exporter != ExporterKind::Console
+            && let Some(value) = non_empty(env(ENV_METRIC_EXPORT_INTERVAL))
+        {
+            parse_metric_interval(&value).map_err(|reason| LensError::InvalidSetting {
+                key: ENV_METRIC_EXPORT_INTERVAL.into(),
+                value,
+                reason,
+            })?;
         }
 
         // As Lens, the rank and the rate are checked whichever the strategy.
@@ -254,6 +303,230 @@ fn default_exporter(env: &dyn Fn(&str) -> Option<String>) -> ExporterKind {
         ExporterKind::Otlp
     } else {
         ExporterKind::Console
+    }
+}
+
+/// The OTLP protocol: `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else
+/// `OTEL_EXPORTER_OTLP_PROTOCOL`, else `grpc` (as the OpenTelemetry SDKs default); one
+/// protocol for spans and metrics.
+pub fn otlp_protocol(env: &dyn Fn(&str) -> Option<String>) -> Result<Protocol> {
+    let Some((key, value)) = [ENV_OTLP_TRACES_PROTOCOL, ENV_OTLP_PROTOCOL]
+        .into_iter()
+        .find_map(|key| non_empty(env(key)).map(|value| (key, value)))
+    else {
+        return Ok(Protocol::Grpc);
+    };
+    match value.as_str() {
+        "grpc" => Ok(Protocol::Grpc),
+        "http/protobuf" => Ok(Protocol::HttpBinary),
+        "http/json" => Ok(Protocol::HttpJson),
+        _ => Err(LensError::InvalidSetting {
+            key: key.into(),
+            value,
+            reason: "expected grpc, http/protobuf or http/json".into(),
+        }),
+    }
+}
+
+/// The variables opentelemetry-otlp reads when it builds the exporters (see the module
+/// doc); a blank one counts as unset where opentelemetry-otlp also ignores it (timeout,
+/// headers), and is an error where it would fail on it (endpoint, compression).
+fn check_otlp_env(env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
+    otlp_protocol(env)?;
+    for signal in OTLP_SIGNALS {
+        let endpoint = otlp_variable(signal, "ENDPOINT");
+        if let Some(value) = env(&endpoint) {
+            check_otlp_endpoint(&value).map_err(|reason| LensError::InvalidSetting {
+                key: endpoint,
+                value: redact_userinfo(&value),
+                reason,
+            })?;
+        }
+        // opentelemetry-otlp parses it untrimmed; a blank one it ignores, as we do.
+        let timeout = otlp_variable(signal, "TIMEOUT");
+        if let Some(value) = env(&timeout)
+            && !value.trim().is_empty()
+            && value.parse::<u64>().is_err()
+        {
+            return Err(LensError::InvalidSetting {
+                key: timeout,
+                value,
+                reason: "expected a whole number of milliseconds, such as 10000".into(),
+            });
+        }
+        let headers = otlp_variable(signal, "HEADERS");
+        if let Some(value) = env(&headers) {
+            check_otlp_headers(&value).map_err(|reason| LensError::InvalidSecretSetting {
+                key: headers,
+                reason,
+            })?;
+        }
+        let compression = otlp_variable(signal, "COMPRESSION");
+        if let Some(value) = env(&compression) {
+            return Err(LensError::InvalidSetting {
+                key: compression,
+                value,
+                reason: "this lens-probe sends OTLP uncompressed (its exporter has no gzip or \
+                         zstd, and takes no \"none\"): unset it"
+                    .into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// An OTLP endpoint as the OTLP exporter specification has it, and as both of
+/// opentelemetry-otlp's transports can use it: `http` or `https`, a host, an optional
+/// port, an optional path.
+pub fn check_otlp_endpoint(value: &str) -> std::result::Result<(), String> {
+    const EXPECTED: &str = "expected a URL such as http://collector:4317 (http or https)";
+    if value.trim().is_empty() {
+        return Err(format!("empty; {EXPECTED}, or unset it"));
+    }
+    if value.trim() != value {
+        return Err(format!("blanks around it; {EXPECTED}"));
+    }
+    let Some((scheme, rest)) = value.split_once("://") else {
+        return Err(format!("no scheme; {EXPECTED}"));
+    };
+    if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
+        return Err(format!(
+            "scheme {scheme:?} is not http or https; {EXPECTED}"
+        ));
+    }
+    let (authority, path) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
+    let (userinfo, host_port) = match authority.rsplit_once('@') {
+        Some((userinfo, host_port)) => (userinfo, host_port),
+        None => ("", authority),
+    };
+    let port = if let Some(bracketed) = host_port.strip_prefix('[') {
+        // An IPv6 literal.
+        let Some((address, after)) = bracketed.split_once(']') else {
+            return Err(format!("unclosed [ in the host; {EXPECTED}"));
+        };
+        let ipv6_char = |c: char| c.is_ascii_hexdigit() || c == ':' || c == '.';
+        if !address.contains(':') || !address.chars().all(ipv6_char) {
+            return Err(format!("bad IPv6 address; {EXPECTED}"));
+        }
+        match after.strip_prefix(':') {
+            Some(port) => Some(port),
+            None if after.is_empty() => None,
+            None => return Err(format!("text after the IPv6 address; {EXPECTED}")),
+        }
+    } else {
+        let (host, port) = match host_port.split_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (host_port, None),
+        };
+        let host_char = |c: char| c.is_ascii_alphanumeric() || "-._~%!$&'()*+,;=".contains(c);
+        if host.is_empty() {
+            return Err(format!("no host; {EXPECTED}"));
+        }
+        if !host.chars().all(host_char) {
+            return Err(format!("bad character in the host; {EXPECTED}"));
+        }
+        port
+    };
+    if let Some(port) = port
+        && !(port.bytes().all(|b| b.is_ascii_digit())
+            && port.parse::<u16>().is_ok_and(|port| port > 0))
+    {
+        return Err(format!(
+            "the port must be a number from 1 to 65535; {EXPECTED}"
+        ));
+    }
+    let url_char = |c: char| c.is_ascii_graphic() && !"\"<>\\^`{|}".contains(c);
+    if !userinfo.chars().all(url_char) || !path.chars().all(url_char) {
+        return Err(format!(
+            "a blank or a character URLs do not take; {EXPECTED}"
+        ));
+    }
+    Ok(())
+}
+
+/// `https://user:secret@host` → `https://…@host`, for error messages.
+fn redact_userinfo(value: &str) -> String {
+    let Some((scheme, rest)) = value.split_once("://") else {
+        return value.to_string();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{scheme}://…{}", &rest[at..]),
+        None => value.to_string(),
+    }
+}
+
+/// `OTEL_EXPORTER_OTLP_HEADERS`: comma-separated `key=value` pairs (values
+/// percent-encoded), as opentelemetry-otlp parses them; it drops a pair it cannot use
+/// without a word, so here each must be usable: an HTTP header name, a non-empty value of
+/// visible ASCII once decoded. Empty items (a trailing comma) are allowed. The reason
+/// never quotes a value.
+pub fn check_otlp_headers(value: &str) -> std::result::Result<(), String> {
+    const EXPECTED: &str = "expected comma-separated key=value pairs, values percent-encoded, such as \
+         api-key=abc,tenant=t1";
+    let tchar = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    for (index, item) in value.split(',').map(str::trim).enumerate() {
+        let n = index + 1;
+        if item.is_empty() {
+            continue;
+        }
+        let Some((key, raw)) = item.split_once('=') else {
+            return Err(format!("item {n} has no '='; {EXPECTED}"));
+        };
+        let key = key.trim();
+        if key.is_empty() {
+            return Err(format!("item {n} has no key; {EXPECTED}"));
+        }
+        if !key.chars().all(tchar) {
+            // Not quoted: a malformed item may be a token.
+            return Err(format!(
+                "item {n}: the key is not an HTTP header name; {EXPECTED}"
+            ));
+        }
+        let decoded = percent_decode(raw.trim())
+            .ok_or_else(|| format!("item {n} ({key}): bad percent-encoding; {EXPECTED}"))?;
+        if decoded.is_empty() {
+            return Err(format!("item {n} ({key}) has an empty value; {EXPECTED}"));
+        }
+        if !decoded
+            .iter()
+            .all(|&b| b == b' ' || b == b'\t' || b.is_ascii_graphic())
+        {
+            return Err(format!(
+                "item {n} ({key}): the value is not visible ASCII once decoded; {EXPECTED}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `%XX` escapes decoded; `None` for a `%` not followed by two hex digits.
+fn percent_decode(text: &str) -> Option<Vec<u8>> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3)?;
+            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                return None;
+            }
+            out.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    Some(out)
+}
+
+/// `OTEL_METRIC_EXPORT_INTERVAL`: a positive whole number of milliseconds (as
+/// [`super::metrics::export_interval`] reads it).
+pub fn parse_metric_interval(value: &str) -> std::result::Result<std::time::Duration, String> {
+    match value.trim().parse::<u64>() {
+        Ok(ms) if ms > 0 => Ok(std::time::Duration::from_millis(ms)),
+        _ => Err("expected a positive whole number of milliseconds, such as 60000".into()),
     }
 }
 
@@ -472,6 +745,152 @@ mod tests {
             "invalid value \"maybe\" for NEMO_LENS_ENABLED: \
              expected 1/0, true/false, yes/no or on/off"
         );
+    }
+
+    const ENDPOINT: (&str, &str) = (ENV_OTLP_ENDPOINT, "http://collector:4317");
+
+    #[test]
+    fn the_export_file_must_be_writable() {
+        assert_eq!(
+            error(&["--exporter", "file", "--export-file", "/"], &[]),
+            "invalid value \"/\" for --export-file: is a directory; expected a file lens-probe \
+             can create or overwrite"
+        );
+        assert!(
+            error(
+                &[],
+                &[(ENV_EXPORTER, "file"), (ENV_EXPORT_FILE, "/nonexistent/x")]
+            )
+            .starts_with("invalid value \"/nonexistent/x\" for LENS_PROBE_EXPORT_FILE: directory")
+        );
+        // Only the file exporter writes it.
+        assert!(settings(&["--export-file", "/"], &[]).is_ok());
+    }
+
+    #[test]
+    fn otlp_variables_are_checked_for_the_otlp_exporter_only() {
+        let bad = [
+            (ENV_OTLP_ENDPOINT, "collector:4317"),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "10s"),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "token"),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
+            (ENV_OTLP_PROTOCOL, "thrift"),
+        ];
+        for (key, value) in bad {
+            assert!(
+                settings(&["--exporter", "console"], &[(key, value)]).is_ok(),
+                "{key}"
+            );
+            let message = error(&["--exporter", "otlp"], &[(key, value)]);
+            assert!(message.contains(&format!("for {key}")), "{message}");
+        }
+        let good = [
+            ENDPOINT,
+            (ENV_OTLP_TRACES_ENDPOINT, "https://[::1]:4318/v1/traces"),
+            ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "2500"),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", " "),
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "api-key=abc%20def, tenant=t1,",
+            ),
+            (ENV_OTLP_TRACES_PROTOCOL, "http/json"),
+            (ENV_METRIC_EXPORT_INTERVAL, "15000"),
+        ];
+        assert!(settings(&[], &good).is_ok());
+    }
+
+    #[test]
+    fn bad_otlp_values_say_what_is_expected() {
+        assert_eq!(
+            error(&[], &[(ENV_OTLP_ENDPOINT, "collector:4317")]),
+            "invalid value \"collector:4317\" for OTEL_EXPORTER_OTLP_ENDPOINT: no scheme; \
+             expected a URL such as http://collector:4317 (http or https)"
+        );
+        assert_eq!(
+            error(
+                &[],
+                &[ENDPOINT, ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1.5")]
+            ),
+            "invalid value \"1.5\" for OTEL_EXPORTER_OTLP_TRACES_TIMEOUT: expected a whole \
+             number of milliseconds, such as 10000"
+        );
+        assert_eq!(
+            error(
+                &[],
+                &[
+                    ENDPOINT,
+                    ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "a=1,Bearer xyz")
+                ]
+            ),
+            "invalid value for OTEL_EXPORTER_OTLP_METRICS_HEADERS (not shown: it may hold \
+             credentials): item 2 has no '='; expected comma-separated key=value pairs, values \
+             percent-encoded, such as api-key=abc,tenant=t1"
+        );
+        assert_eq!(
+            error(&[], &[ENDPOINT, (ENV_METRIC_EXPORT_INTERVAL, "0")]),
+            "invalid value \"0\" for OTEL_METRIC_EXPORT_INTERVAL: expected a positive whole \
+             number of milliseconds, such as 60000"
+        );
+        // The file exporter writes metrics at that interval too.
+        assert!(
+            error(
+                &["--exporter", "file", "--export-file", "/dev/null"],
+                &[(ENV_METRIC_EXPORT_INTERVAL, "1m")]
+            )
+            .contains("for OTEL_METRIC_EXPORT_INTERVAL")
+        );
+        // A password in the URL is not printed.
+        let message = error(&[], &[(ENV_OTLP_ENDPOINT, "https://me:pw@collector:0")]);
+        assert!(
+            message.starts_with("invalid value \"https://…@collector:0\""),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn endpoints_follow_the_otlp_exporter_specification() {
+        for good in [
+            "http://collector:4317",
+            "https://otlp.example.com",
+            "HTTPS://otlp.example.com:443/v1/traces",
+            "http://10.0.0.1:4318/",
+            "http://[fe80::1]:4317",
+            "http://user:pass@collector:4317",
+        ] {
+            assert_eq!(check_otlp_endpoint(good), Ok(()), "{good}");
+        }
+        for bad in [
+            "",
+            " ",
+            "collector:4317",
+            "grpc://collector:4317",
+            "http://",
+            "http://:4317",
+            "http://collector:",
+            "http://collector:65536",
+            "http://collector:4317/a b",
+            "http://[::1",
+            "http://[]:4317",
+            "http://col lector",
+        ] {
+            assert!(check_otlp_endpoint(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn headers_are_key_value_pairs_opentelemetry_can_send() {
+        for good in [
+            "",
+            "a=b",
+            "a=b,c=d",
+            " a = b , c=d%2C%20e ,",
+            "X-Scope-OrgID=tenant-1",
+        ] {
+            assert_eq!(check_otlp_headers(good), Ok(()), "{good:?}");
+        }
+        for bad in ["a", "=b", "a=", "a b=c", "a=%2", "a=%zz", "a=%0A", "a=é"] {
+            assert!(check_otlp_headers(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

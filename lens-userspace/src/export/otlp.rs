@@ -67,31 +67,7 @@ impl Destination {
     /// OTLP with the protocol from the standard variables of lens-probe's environment
     /// (`grpc` when unset, as the OpenTelemetry SDKs default).
     pub fn otlp_from_env() -> Result<Destination> {
-        let (key, value) = [
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-            "OTEL_EXPORTER_OTLP_PROTOCOL",
-        ]
-        .into_iter()
-        .find_map(|key| {
-            std::env::var(key)
-                .ok()
-                .filter(|v| !v.trim().is_empty())
-                .map(|v| (key, v))
-        })
-        .unwrap_or(("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".into()));
-        let protocol = match value.trim() {
-            "grpc" => Protocol::Grpc,
-            "http/protobuf" => Protocol::HttpBinary,
-            "http/json" => Protocol::HttpJson,
-            other => {
-                return Err(LensError::InvalidSetting {
-                    key: key.into(),
-                    value: other.into(),
-                    reason: "expected grpc, http/protobuf or http/json".into(),
-                });
-            }
-        };
-        Ok(Destination::Otlp(protocol))
+        super::config::otlp_protocol(&|key| std::env::var(key).ok()).map(Destination::Otlp)
     }
 }
 
