@@ -1,3 +1,860 @@
 //! Bad input (issue 7, item 4): every flag and environment value lens-probe reads gives
 //! one clear line naming the key and the valid values, exit 2; the event decoder and the
 //! spec parsers are fuzzed (proptest) in the suite.
+//!
+//! The first half runs the binary on one table of bad values; every run would trace pid 1
+//! if the value were accepted, so a row that passes has failed on its value before
+//! anything was loaded (and none of these tests needs root). The second half is property
+//! tests over the parsers and the decoder, with a fixed seed and no failure files so that
+//! CI runs the same cases every time.
+use std::{
+    collections::BTreeSet,
+    ffi::{OsStr, OsString},
+    os::unix::ffi::OsStrExt,
+    process::{Command, Output},
+};
+
+use lens_common::{Event, EventKind, NONE_I32, ProbeId, SCOPE_NAME_BYTES};
+use lens_probe::{
+    budget::OverheadBudget,
+    cli::{self, Cli, Rejected},
+    discovery::NodeFilter,
+    events::{self, DecodeError, PhaseSignal, ProbeEvent},
+    export::{
+        config::{self, ExportSettings},
+        strategy::ExportStrategy,
+    },
+    groups::{SpanGroup, SpanGroups},
+};
+use lens_tests::{assert_one_line_error, stderr_text};
+use proptest::{
+    prelude::*,
+    sample::select,
+    test_runner::{Config as ProptestConfig, RngSeed},
+};
+
+const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
+
+/// Prefixes of the variables lens-probe reads: the test's own are not passed on.
+const SETTING_PREFIXES: [&str; 3] = ["NEMO_LENS_", "LENS_PROBE_", "OTEL_"];
+
+/// lens-probe with these arguments and exactly these of its settings variables.
+fn lens_probe<V: AsRef<OsStr>>(args: &[&str], env: &[(&str, V)]) -> Output {
+    let mut command = Command::new(LENS_PROBE);
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        if SETTING_PREFIXES.iter().any(|p| key.starts_with(p)) {
+            command.env_remove(key.as_ref());
+        }
+    }
+    command.args(args);
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command.output().unwrap()
+}
+
+const VALID_GROUPS: &str = "valid: all, checkpoint, default, evaluate, forward_backward, job, \
+                            load_checkpoint, model_init, optimizer, per_step, step";
+const STRATEGIES: &str = "expected one of single_rank, all_ranks, sampled, first_rank_per_node";
+const URL: &str = "expected a URL such as http://collector:4317 (http or https)";
+const MILLISECONDS: &str = "expected a whole number of milliseconds, such as 10000";
+const HEADERS: &str = "expected comma-separated key=value pairs, values percent-encoded";
+const WRITABLE: &str = "expected a file lens-probe can create or overwrite";
+const OTLP: (&str, &str) = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317");
+
+/// One bad input: arguments (after the program name), variables, and what the line must
+/// say: the key, then what it takes.
+type Row = (
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+    &'static [&'static str],
+);
+
+#[rustfmt::skip]
+const TABLE: &[Row] = &[
+    // Flags.
+    (&["--pid", "abc"], &[], &["for --pid:", "a positive integer"]),
+    (&["--pid", "0"], &[], &["for --pid:", "a positive integer"]),
+    (&["--pid", "-7"], &[], &["for --pid:", "a positive integer"]),
+    (&["-p", "99999999999"], &[], &["for --pid:", "a positive integer"]),
+    (&["--pid"], &[], &["'--pid <PID>'", "a value is required"]),
+    (&["--pid", "1", "--span-groups", "steps"], &[], &["for --span-groups:", "unknown span group \"steps\"", VALID_GROUPS]),
+    (&["--pid", "1", "--span-groups", ""], &[], &["for --span-groups:", "empty group name", VALID_GROUPS]),
+    (&["--pid", "1", "--span-groups", "job,,step"], &[], &["for --span-groups:", VALID_GROUPS]),
+    (&["--pid", "1", "--exporter", "jaeger"], &[], &["for --exporter:", "expected one of otlp, console, file"]),
+    (&["--pid", "1", "--exporter", "file"], &[], &["for --exporter:", "needs --export-file PATH (or LENS_PROBE_EXPORT_FILE)"]),
+    (&["--pid", "1", "--exporter", "file", "--export-file", "/"], &[], &["for --export-file:", "is a directory", WRITABLE]),
+    (&["--pid", "1", "--exporter", "file", "--export-file", "/nonexistent/spans.jsonl"], &[], &["for --export-file:", "directory /nonexistent does not exist", WRITABLE]),
+    (&["--pid", "1", "--export-strategy", "round_robin"], &[], &["for --export-strategy:", STRATEGIES]),
+    (&["--pid", "1", "--export-rank", "last"], &[], &["for --export-rank:", "must be an integer (-1: the last rank)"]),
+    (&["--pid", "1", "--export-rank", "1.5"], &[], &["for --export-rank:", "must be an integer"]),
+    (&["--pid", "1", "--export-sample-rate", "2"], &[], &["for --export-sample-rate:", "must be between 0 and 1"]),
+    (&["--pid", "1", "--export-sample-rate", "half"], &[], &["for --export-sample-rate:", "a number between 0 and 1"]),
+    (&["--pid", "1", "--duration", "soon"], &[], &["for --duration:", "expected a positive duration such as 30s, 5m or 1h"]),
+    (&["--pid", "1", "--duration", "0"], &[], &["for --duration:", "expected a positive duration"]),
+    (&["--pid", "1", "--duration", "-5"], &[], &["for --duration:", "expected a positive duration"]),
+    (&["--pid", "1", "--duration", "1e30"], &[], &["for --duration:", "too long"]),
+    (&["--pid", "1", "--duration", ""], &[], &["for --duration:", "expected a positive duration"]),
+    (&["--pid", "1", "--overhead-budget", "150%"], &[], &["for --overhead-budget:", "above 0 and at most 100, e.g. 1% or 0.5%"]),
+    (&["--pid", "1", "--overhead-budget", "0"], &[], &["for --overhead-budget:", "above 0 and at most 100"]),
+    (&["--pid", "1", "--overhead-budget", "-1%"], &[], &["for --overhead-budget:", "above 0 and at most 100"]),
+    (&["--pid", "1", "--summary-json", "/"], &[], &["for --summary-json:", "is a directory", WRITABLE]),
+    (&["--pid", "1", "--summary-json", "/nonexistent/summary.json"], &[], &["for --summary-json:", "does not exist", WRITABLE]),
+    (&["--pid", "1", "--pid-file", "/nonexistent/dir/lens.pid"], &[], &["for --pid-file:", "directory /nonexistent/dir does not exist", WRITABLE]),
+    (&["--pid", "1", "--pid-file", "/proc/version/lens.pid"], &[], &["for --pid-file:", "/proc/version is not a directory", WRITABLE]),
+    (&["--node", "--match-env", "novalue"], &[], &["for --match-env:", "expected KEY=VALUE"]),
+    (&["--node", "--match-env", "=x"], &[], &["for --match-env:", "expected KEY=VALUE"]),
+    (&["--node", "--match", ""], &[], &["for --match:", "expected some text"]),
+    (&["--node", "--match-cgroup", ""], &[], &["for --match-cgroup:", "expected some text"]),
+    // The variables of the flags: the line names the variable.
+    (&["--pid", "1"], &[("NEMO_LENS_SPAN_GROUPS", "bogus")], &["for NEMO_LENS_SPAN_GROUPS:", "unknown span group \"bogus\"", VALID_GROUPS]),
+    (&["--pid", "1"], &[("NEMO_LENS_EXPORTER", "jaeger")], &["for NEMO_LENS_EXPORTER:", "expected one of otlp, console, file"]),
+    (&["--pid", "1"], &[("NEMO_LENS_EXPORTER", "file")], &["for NEMO_LENS_EXPORTER:", "needs --export-file PATH (or LENS_PROBE_EXPORT_FILE)"]),
+    (&["--pid", "1"], &[("NEMO_LENS_EXPORTER", "file"), ("LENS_PROBE_EXPORT_FILE", "/")], &["for LENS_PROBE_EXPORT_FILE:", "is a directory", WRITABLE]),
+    (&["--pid", "1"], &[("NEMO_LENS_EXPORT_STRATEGY", "round_robin")], &["for NEMO_LENS_EXPORT_STRATEGY:", STRATEGIES]),
+    (&["--pid", "1"], &[("NEMO_LENS_EXPORT_RANK", "x")], &["for NEMO_LENS_EXPORT_RANK:", "must be an integer"]),
+    (&["--pid", "1"], &[("NEMO_LENS_EXPORT_SAMPLE_RATE", "1.5")], &["for NEMO_LENS_EXPORT_SAMPLE_RATE:", "must be between 0 and 1"]),
+    (&["--pid", "1"], &[("NEMO_LENS_EXPORT_SAMPLE_RATE", "NaN")], &["for NEMO_LENS_EXPORT_SAMPLE_RATE:", "must be between 0 and 1"]),
+    (&["--pid", "1"], &[("NEMO_LENS_ENABLED", "maybe")], &["for NEMO_LENS_ENABLED:", "expected 1/0, true/false, yes/no or on/off"]),
+    (&["--pid", "1"], &[("LENS_PROBE_OVERHEAD_BUDGET", "lots")], &["for LENS_PROBE_OVERHEAD_BUDGET:", "above 0 and at most 100"]),
+    // The flag wins over its variable, and is named.
+    (&["--pid", "1", "--span-groups", "steps"], &[("NEMO_LENS_SPAN_GROUPS", "bogus")], &["for --span-groups:"]),
+    (&["--pid", "1", "--exporter", "jaeger"], &[("NEMO_LENS_EXPORTER", "zipkin")], &["for --exporter:"]),
+    // A blank variable is unset: the next bad value is the one reported.
+    (&["--pid", "1", "--exporter", "foo"], &[("NEMO_LENS_SPAN_GROUPS", "")], &["for --exporter:"]),
+    (&["--pid", "1", "--exporter", "foo"], &[("LENS_PROBE_OVERHEAD_BUDGET", " ")], &["for --exporter:"]),
+    (&["--pid", "1", "--export-strategy", "x"], &[("NEMO_LENS_EXPORTER", ""), ("NEMO_LENS_EXPORT_RANK", " ")], &["for --export-strategy:"]),
+    // OpenTelemetry's variables, for the exporter that reads them.
+    (&["--pid", "1", "--exporter", "otlp"], &[("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift")], &["for OTEL_EXPORTER_OTLP_PROTOCOL:", "expected grpc, http/protobuf or http/json"]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "HTTP")], &["for OTEL_EXPORTER_OTLP_TRACES_PROTOCOL:", "expected grpc, http/protobuf or http/json"]),
+    (&["--pid", "1"], &[("OTEL_EXPORTER_OTLP_ENDPOINT", "not a url")], &["for OTEL_EXPORTER_OTLP_ENDPOINT:", "no scheme", URL]),
+    (&["--pid", "1"], &[("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost:4317")], &["for OTEL_EXPORTER_OTLP_ENDPOINT:", "no scheme", URL]),
+    (&["--pid", "1"], &[("OTEL_EXPORTER_OTLP_ENDPOINT", "ftp://collector:4317")], &["for OTEL_EXPORTER_OTLP_ENDPOINT:", "scheme \"ftp\" is not http or https", URL]),
+    (&["--pid", "1"], &[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:99999")], &["for OTEL_EXPORTER_OTLP_ENDPOINT:", "port must be a number from 1 to 65535", URL]),
+    (&["--pid", "1"], &[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://")], &["for OTEL_EXPORTER_OTLP_ENDPOINT:", "no host", URL]),
+    (&["--pid", "1"], &[("OTEL_EXPORTER_OTLP_ENDPOINT", " http://collector:4317")], &["for OTEL_EXPORTER_OTLP_ENDPOINT:", "blanks around it", URL]),
+    (&["--pid", "1", "--exporter", "otlp"], &[("OTEL_EXPORTER_OTLP_ENDPOINT", "")], &["for OTEL_EXPORTER_OTLP_ENDPOINT:", "empty", URL]),
+    (&["--pid", "1"], &[("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://collector:4318/v1 traces")], &["for OTEL_EXPORTER_OTLP_TRACES_ENDPOINT:", URL]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "")], &["for OTEL_EXPORTER_OTLP_METRICS_ENDPOINT:", "empty", URL]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc")], &["for OTEL_EXPORTER_OTLP_TIMEOUT:", MILLISECONDS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_TIMEOUT", "10s")], &["for OTEL_EXPORTER_OTLP_TIMEOUT:", MILLISECONDS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_TIMEOUT", "-1")], &["for OTEL_EXPORTER_OTLP_TIMEOUT:", MILLISECONDS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1.5")], &["for OTEL_EXPORTER_OTLP_TRACES_TIMEOUT:", MILLISECONDS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", " 500")], &["for OTEL_EXPORTER_OTLP_METRICS_TIMEOUT:", MILLISECONDS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_HEADERS", "abc")], &["for OTEL_EXPORTER_OTLP_HEADERS", "item 1 has no '='", HEADERS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_HEADERS", "a=1,=x")], &["for OTEL_EXPORTER_OTLP_HEADERS", "item 2 has no key", HEADERS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_HEADERS", "api-key=")], &["for OTEL_EXPORTER_OTLP_HEADERS", "(api-key) has an empty value", HEADERS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_HEADERS", "bad key=v")], &["for OTEL_EXPORTER_OTLP_HEADERS", "is not an HTTP header name", HEADERS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_HEADERS", "k=%zz")], &["for OTEL_EXPORTER_OTLP_HEADERS", "bad percent-encoding", HEADERS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "k=caf%C3%A9")], &["for OTEL_EXPORTER_OTLP_TRACES_HEADERS", "not visible ASCII", HEADERS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "k")], &["for OTEL_EXPORTER_OTLP_METRICS_HEADERS", HEADERS]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")], &["for OTEL_EXPORTER_OTLP_COMPRESSION:", "uncompressed", "unset it"]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "none")], &["for OTEL_EXPORTER_OTLP_TRACES_COMPRESSION:", "unset it"]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "")], &["for OTEL_EXPORTER_OTLP_METRICS_COMPRESSION:", "unset it"]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_METRIC_EXPORT_INTERVAL", "abc")], &["for OTEL_METRIC_EXPORT_INTERVAL:", "a positive whole number of milliseconds, such as 60000"]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_METRIC_EXPORT_INTERVAL", "0")], &["for OTEL_METRIC_EXPORT_INTERVAL:", "a positive whole number of milliseconds"]),
+    (&["--pid", "1", "--exporter", "file", "--export-file", "/dev/null"], &[("OTEL_METRIC_EXPORT_INTERVAL", "1s")], &["for OTEL_METRIC_EXPORT_INTERVAL:", "milliseconds"]),
+    // The console exporter reads no OTLP variable: the next bad value is the one reported.
+    (&["--pid", "1", "--exporter", "console", "--export-rank", "x"], &[("OTEL_EXPORTER_OTLP_TIMEOUT", "abc"), ("OTEL_METRIC_EXPORT_INTERVAL", "x")], &["for --export-rank:"]),
+];
+
+#[test]
+fn every_bad_value_is_one_line_naming_the_key_and_what_it_takes_exit_2() {
+    let mut failures = Vec::new();
+    for (args, env, needles) in TABLE {
+        let output = lens_probe(args, env);
+        let text = stderr_text(&output);
+        let line = text.strip_prefix("lens-probe: ").unwrap_or(&text);
+        let ok = output.status.code() == Some(2)
+            && text.starts_with("lens-probe: ")
+            && text.lines().count() == 1
+            && needles.iter().all(|needle| line.contains(needle));
+        if !ok {
+            failures.push(format!(
+                "{args:?} {env:?}: exit {:?}, stderr {text:?}, wanted {needles:?}",
+                output.status.code()
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} rows failed:\n{}",
+        failures.len(),
+        TABLE.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn bytes_that_are_not_utf8_are_named_too() {
+    let bytes = |b: &[u8]| OsStr::from_bytes(b).to_os_string();
+    let cases: [(&str, OsString, &str); 4] = [
+        (
+            "NEMO_LENS_EXPORTER",
+            bytes(b"otl\xff"),
+            "for NEMO_LENS_EXPORTER: not valid UTF-8",
+        ),
+        (
+            "NEMO_LENS_SPAN_GROUPS",
+            bytes(b"\xffjob"),
+            "for NEMO_LENS_SPAN_GROUPS: not valid UTF-8",
+        ),
+        (
+            "NEMO_LENS_ENABLED",
+            bytes(b"\xff"),
+            "for NEMO_LENS_ENABLED:",
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            bytes(b"http://c\xff:4317"),
+            "bad character in the host",
+        ),
+    ];
+    for (key, value, needle) in cases {
+        assert_one_line_error(&lens_probe(&["--pid", "1"], &[(key, value)]), 2, needle);
+    }
+}
+
+#[test]
+fn credentials_in_bad_otlp_values_are_not_printed() {
+    let output = lens_probe(
+        &["--pid", "1"],
+        &[
+            OTLP,
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "authorization=Bearer%20s3cret,s3cret",
+            ),
+        ],
+    );
+    assert_one_line_error(
+        &output,
+        2,
+        "(not shown: it may hold credentials): item 2 has no '='",
+    );
+    assert!(
+        !stderr_text(&output).contains("s3cret"),
+        "{}",
+        stderr_text(&output)
+    );
+    let output = lens_probe(
+        &["--pid", "1"],
+        &[(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "https://user:s3cret@collector:99999",
+        )],
+    );
+    assert_one_line_error(&output, 2, "\"https://…@collector:99999\"");
+    assert!(
+        !stderr_text(&output).contains("s3cret"),
+        "{}",
+        stderr_text(&output)
+    );
+}
+
+// Property tests.
+
+/// A fixed seed and no failure files: the same cases on every run.
+fn cases(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases,
+        failure_persistence: None,
+        rng_seed: RngSeed::Fixed(0x6c65_6e73),
+        ..ProptestConfig::default()
+    }
+}
+
+fn event_from(bytes: &[u8]) -> Event {
+    assert!(bytes.len() >= size_of::<Event>());
+    // SAFETY: long enough; Event is plain integers, valid for any bit pattern.
+    unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) }
+}
+
+fn bytes_of(event: &Event) -> Vec<u8> {
+    // SAFETY: Event is plain data without padding.
+    unsafe { std::slice::from_raw_parts((event as *const Event).cast::<u8>(), size_of::<Event>()) }
+        .to_vec()
+}
+
+/// Every field of `raw` that the decoded `event` carries, and the variant for its kind.
+fn assert_key_fields(raw: &Event, event: &ProbeEvent) -> Result<(), TestCaseError> {
+    prop_assert_eq!(event.tgid(), raw.tgid);
+    let timing_matches = |timing: &events::CallTiming| {
+        timing.tgid == raw.tgid
+            && timing.tid == raw.tid
+            && timing.start_ns == raw.start_ns
+            && timing.end_ns == raw.end_ns
+    };
+    let kind = EventKind::from_u32(raw.kind);
+    let result = raw.ret as i32;
+    match event {
+        ProbeEvent::Collective {
+            timing,
+            count,
+            raw_datatype,
+            peer,
+            comm,
+            stream,
+            result: r,
+            ..
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::Collective));
+            prop_assert!(timing_matches(timing));
+            prop_assert_eq!(
+                (*count, *raw_datatype, *comm, *stream, *r),
+                (raw.count, raw.datatype, raw.comm, raw.handle, result)
+            );
+            prop_assert_eq!(*peer, (raw.peer != NONE_I32).then_some(raw.peer));
+        }
+        ProbeEvent::GlooCall { timing, .. } => {
+            prop_assert_eq!(kind, Some(EventKind::Collective));
+            prop_assert!(timing_matches(timing));
+        }
+        ProbeEvent::SyncWait {
+            timing,
+            handle,
+            result: r,
+            ..
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::SyncWait));
+            prop_assert!(timing_matches(timing));
+            prop_assert_eq!((*handle, *r), (raw.handle, result));
+        }
+        ProbeEvent::CommInit {
+            timing,
+            comm,
+            rank,
+            nranks,
+            comm_id_hash,
+            result: r,
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::CommInit));
+            prop_assert!(timing_matches(timing));
+            prop_assert_eq!(
+                (*comm, *rank, *nranks, *comm_id_hash, *r),
+                (raw.comm, raw.rank, raw.nranks, raw.comm_id_hash, result)
+            );
+        }
+        ProbeEvent::Group { timing, open } => {
+            prop_assert_eq!(kind, Some(EventKind::Group));
+            prop_assert!(timing_matches(timing));
+            prop_assert_eq!(*open, raw.group_open != 0);
+        }
+        ProbeEvent::Phase {
+            tid,
+            at_ns,
+            launches,
+            signal,
+            ..
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::PhaseMark));
+            prop_assert_eq!(
+                (*tid, *at_ns, *launches),
+                (raw.tid, raw.start_ns, raw.launches)
+            );
+            if let PhaseSignal::ScopeEnter { name, .. } = signal {
+                let len = (raw.name_len as usize).min(SCOPE_NAME_BYTES);
+                prop_assert_eq!(name, &String::from_utf8_lossy(&raw.name[..len]));
+            }
+        }
+        ProbeEvent::LinkMapChanged {
+            stopped, traced, ..
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::LinkMapChanged));
+            prop_assert_eq!((*stopped, *traced), (raw.count == 1, raw.peer == 1));
+        }
+        ProbeEvent::ProcessForked { parent, child } => {
+            prop_assert_eq!(kind, Some(EventKind::ProcessForked));
+            prop_assert_eq!((*parent, *child), (raw.count as u32, raw.tgid));
+        }
+        ProbeEvent::ProcessExec { traced, .. } => {
+            prop_assert_eq!(kind, Some(EventKind::ProcessExec));
+            prop_assert_eq!(*traced, raw.peer == 1);
+        }
+        ProbeEvent::ProcessExit { wait_status, .. } => {
+            prop_assert_eq!(kind, Some(EventKind::ProcessExit));
+            prop_assert_eq!(*wait_status, raw.count as i32);
+        }
+    }
+    Ok(())
+}
+
+/// (kind, probe, at_return) triples the kernel side sends.
+fn valid_kind_probe() -> impl Strategy<Value = (u32, u32, u32)> {
+    use ProbeId::*;
+    let probe = |p: ProbeId| p as u32;
+    let any_probe = 0..ProbeId::COUNT as u32;
+    let collectives: Vec<u32> = [
+        NcclAllReduce,
+        NcclBroadcast,
+        NcclReduce,
+        NcclAllGather,
+        NcclReduceScatter,
+        NcclSend,
+        NcclRecv,
+        GlooAllReduce,
+        GlooBroadcast,
+        GlooReduce,
+        GlooAllGather,
+        GlooReduceScatter,
+        GlooSend,
+        GlooRecv,
+        GlooBarrier,
+    ]
+    .map(probe)
+    .to_vec();
+    let syncs = [
+        CudaStreamSynchronize,
+        CudaEventSynchronize,
+        CudaDeviceSynchronize,
+    ]
+    .map(probe)
+    .to_vec();
+    let phases: Vec<(u32, u32)> = [
+        (TorchScopeEnter, 0),
+        (TorchScopeExit, 0),
+        (TorchBackward, 0),
+        (TorchBackward, 1),
+        (TorchGradMode, 0),
+        (CheckpointWriterOpen, 0),
+        (CheckpointWriterClose, 1),
+        (CheckpointReaderOpen, 0),
+        (CheckpointReaderClose, 1),
+    ]
+    .map(|(p, at_return)| (probe(p), at_return))
+    .to_vec();
+    let kind = |k: EventKind| Just(k as u32);
+    prop_oneof![
+        (
+            kind(EventKind::Collective),
+            select(collectives),
+            any::<u32>()
+        ),
+        (kind(EventKind::SyncWait), select(syncs), any::<u32>()),
+        (
+            prop_oneof![
+                kind(EventKind::CommInit),
+                kind(EventKind::Group),
+                kind(EventKind::LinkMapChanged)
+            ],
+            any_probe,
+            any::<u32>()
+        ),
+        (kind(EventKind::PhaseMark), select(phases)).prop_map(|(k, (p, r))| (k, p, r)),
+        (
+            prop_oneof![
+                kind(EventKind::ProcessForked),
+                kind(EventKind::ProcessExec),
+                kind(EventKind::ProcessExit)
+            ],
+            any::<u32>(),
+            any::<u32>()
+        ),
+    ]
+}
+
+proptest! {
+    #![proptest_config(cases(3000))]
+
+    /// Any record from the ring buffer decodes or is refused, never a panic; short ones
+    /// are refused as such.
+    #[test]
+    fn the_decoder_takes_any_bytes(bytes in prop::collection::vec(any::<u8>(), 0..2 * size_of::<Event>())) {
+        match events::decode(&bytes) {
+            Err(DecodeError::TooShort(n)) => {
+                prop_assert_eq!(n, bytes.len());
+                prop_assert!(n < size_of::<Event>());
+            }
+            other => {
+                prop_assert!(bytes.len() >= size_of::<Event>());
+                prop_assert_eq!(&other, &events::decode_event(&event_from(&bytes)));
+                if let Ok(event) = other {
+                    assert_key_fields(&event_from(&bytes), &event)?;
+                }
+            }
+        }
+    }
+
+    /// Any kind, probe and field values: decoded with every field where it belongs, or
+    /// refused for the kind or the probe.
+    #[test]
+    fn the_decoder_takes_any_event(
+        bytes in prop::collection::vec(any::<u8>(), size_of::<Event>()),
+        kind in 0u32..12,
+        probe in 0u32..ProbeId::COUNT as u32 + 4,
+    ) {
+        let mut raw = event_from(&bytes);
+        raw.kind = kind;
+        raw.probe = probe;
+        match events::decode(&bytes_of(&raw)) {
+            Ok(event) => assert_key_fields(&raw, &event)?,
+            Err(DecodeError::UnknownKind(k)) => {
+                prop_assert_eq!(k, kind);
+                prop_assert!(EventKind::from_u32(kind).is_none());
+            }
+            Err(DecodeError::UnknownProbe(p)) => {
+                prop_assert!(EventKind::from_u32(kind).is_some());
+                prop_assert_eq!(p, probe);
+            }
+            Err(DecodeError::TooShort(_)) => prop_assert!(false, "a whole event is not short"),
+        }
+    }
+
+    /// What the kernel side sends always decodes, with its fields.
+    #[test]
+    fn valid_events_round_trip(
+        bytes in prop::collection::vec(any::<u8>(), size_of::<Event>()),
+        (kind, probe, at_return) in valid_kind_probe(),
+    ) {
+        let mut raw = event_from(&bytes);
+        (raw.kind, raw.probe, raw.at_return) = (kind, probe, at_return);
+        let event = events::decode(&bytes_of(&raw));
+        prop_assert!(event.is_ok(), "{:?} for kind {} probe {} at_return {}", event, kind, probe, at_return);
+        assert_key_fields(&raw, &event.unwrap())?;
+    }
+}
+
+/// A span group spec word: a valid name in any case, with blanks around it.
+fn spec_word(names: Vec<&'static str>) -> impl Strategy<Value = (String, &'static str)> {
+    (select(names), any::<u64>(), "[ \t]{0,2}", "[ \t]{0,2}").prop_map(|(name, case, pre, post)| {
+        let cased: String = name
+            .chars()
+            .enumerate()
+            .map(|(i, c)| {
+                if (case >> (i % 64)) & 1 == 1 {
+                    c.to_ascii_uppercase()
+                } else {
+                    c
+                }
+            })
+            .collect();
+        (format!("{pre}{cased}{post}"), name)
+    })
+}
+
+fn groups_of(name: &str) -> Vec<SpanGroup> {
+    match name {
+        "default" => SpanGroups::default().iter().collect(),
+        "per_step" | "all" => SpanGroup::ALL.to_vec(),
+        other => SpanGroup::ALL
+            .into_iter()
+            .filter(|g| g.name() == other)
+            .collect(),
+    }
+}
+
+proptest! {
+    #![proptest_config(cases(2000))]
+
+    #[test]
+    fn span_group_specs_never_panic(spec in any::<String>()) {
+        if let Err(error) = spec.parse::<SpanGroups>() {
+            let text = error.to_string();
+            prop_assert_eq!(text.lines().count(), 1, "{}", text);
+            prop_assert!(text.contains(VALID_GROUPS), "{}", text);
+        }
+    }
+
+    #[test]
+    fn any_list_of_valid_names_in_any_case_parses(
+        words in prop::collection::vec(spec_word(SpanGroups::valid_names()), 1..8),
+    ) {
+        let spec = words.iter().map(|(word, _)| word.as_str()).collect::<Vec<_>>().join(",");
+        let groups: SpanGroups = spec.parse().map_err(|e| TestCaseError::fail(format!("{spec:?}: {e}")))?;
+        let expected: BTreeSet<SpanGroup> =
+            words.iter().flat_map(|(_, name)| groups_of(name)).collect();
+        prop_assert_eq!(groups.iter().collect::<BTreeSet<_>>(), expected);
+    }
+
+    #[test]
+    fn an_unknown_name_is_rejected_with_the_valid_list(
+        words in prop::collection::vec(spec_word(SpanGroups::valid_names()), 0..4),
+        unknown in "[a-zA-Z_]{1,16}",
+        at in any::<prop::sample::Index>(),
+    ) {
+        prop_assume!(!SpanGroups::valid_names().contains(&unknown.to_ascii_lowercase().as_str()));
+        let mut words: Vec<String> = words.into_iter().map(|(word, _)| word).collect();
+        words.insert(at.index(words.len() + 1), unknown.clone());
+        let error = words.join(",").parse::<SpanGroups>().unwrap_err().to_string();
+        let unknown_span_group = format!("unknown span group {unknown:?}; {VALID_GROUPS}");
+        prop_assert!(error.contains(&unknown_span_group), "{}", error);
+    }
+}
+
+/// A value for a setting: anything, something short and plausible, or a valid one.
+fn setting_value() -> impl Strategy<Value = String> {
+    prop_oneof![
+        any::<String>(),
+        "[ a-zA-Z0-9_./:%=,@-]{0,16}",
+        select(vec![
+            "otlp",
+            "file",
+            "console",
+            "OTLP",
+            "single_rank",
+            "sampled",
+            "all_ranks",
+            "first_rank_per_node",
+            "-1",
+            "0",
+            "3",
+            "0.5",
+            "1",
+            "1e0",
+            "NaN",
+            "inf",
+            "",
+            " ",
+            "true",
+            "off",
+            "grpc",
+            "http/json",
+            "http://collector:4317",
+            "60000",
+            "a=b,c=d",
+            "/dev/null",
+        ])
+        .prop_map(str::to_string),
+    ]
+}
+
+/// The variables the export settings read, and the keys an error may name.
+const EXPORT_VARIABLES: [&str; 12] = [
+    "NEMO_LENS_EXPORTER",
+    "LENS_PROBE_EXPORT_FILE",
+    "NEMO_LENS_EXPORT_STRATEGY",
+    "NEMO_LENS_EXPORT_RANK",
+    "NEMO_LENS_EXPORT_SAMPLE_RATE",
+    "NEMO_LENS_ENABLED",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_METRIC_EXPORT_INTERVAL",
+];
+const EXPORT_FLAGS: [&str; 5] = [
+    "--exporter",
+    "--export-file",
+    "--export-strategy",
+    "--export-rank",
+    "--export-sample-rate",
+];
+
+/// `--pid 1`, with none of the export settings.
+fn base_cli() -> Cli {
+    let mut cli = <Cli as clap::Parser>::try_parse_from(["lens-probe", "--pid", "1"])
+        .expect("a plain command line parses");
+    cli.exporter = None;
+    cli.export_file = None;
+    cli.export_strategy = None;
+    cli.export_rank = None;
+    cli.export_sample_rate = None;
+    cli
+}
+
+proptest! {
+    #![proptest_config(cases(800))]
+
+    /// Any flags and variables: settings, or one line naming a flag or variable, exit 2.
+    #[test]
+    fn export_settings_take_any_values(
+        flags in prop::collection::vec(prop::option::of(setting_value()), 5),
+        env in prop::collection::vec(prop::option::of(setting_value()), EXPORT_VARIABLES.len()),
+    ) {
+        let mut cli = base_cli();
+        cli.exporter = flags[0].clone();
+        cli.export_file = flags[1].clone().map(Into::into);
+        cli.export_strategy = flags[2].clone();
+        cli.export_rank = flags[3].clone();
+        cli.export_sample_rate = flags[4].clone();
+        let lookup = |key: &str| {
+            EXPORT_VARIABLES.iter().position(|k| *k == key).and_then(|i| env[i].clone())
+        };
+        match ExportSettings::from_cli_and_env(&cli, lookup) {
+            Ok(settings) => {
+                if let ExportStrategy::Sampled { rate } = settings.strategy {
+                    prop_assert!((0.0..=1.0).contains(&rate));
+                }
+            }
+            Err(error) => {
+                let text = error.to_string();
+                prop_assert_eq!(error.exit_code(), 2, "{}", text);
+                prop_assert_eq!(text.lines().count(), 1, "{}", text);
+                prop_assert!(
+                    EXPORT_VARIABLES.iter().chain(&EXPORT_FLAGS).any(|key| text.contains(&format!("for {key}"))),
+                    "names no key: {}", text
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn export_strategies_are_the_four_names_in_any_case(text in setting_value()) {
+        let parsed = text.parse::<ExportStrategy>();
+        let known = ExportStrategy::NAMES.contains(&text.trim().to_ascii_lowercase().as_str());
+        prop_assert_eq!(parsed.is_ok(), known);
+        if let Err(error) = parsed {
+            prop_assert!(error.to_string().contains(STRATEGIES));
+        }
+    }
+
+    #[test]
+    fn sample_rates_are_numbers_from_0_to_1(rate in prop_oneof![any::<f64>(), -0.5f64..1.5]) {
+        let mut cli = base_cli();
+        cli.export_strategy = Some("sampled".into());
+        cli.export_sample_rate = Some(rate.to_string());
+        match ExportSettings::from_cli_and_env(&cli, |_| None) {
+            Ok(settings) => {
+                prop_assert!((0.0..=1.0).contains(&rate));
+                prop_assert_eq!(settings.strategy, ExportStrategy::Sampled { rate });
+            }
+            Err(error) => {
+                prop_assert!(!(0.0..=1.0).contains(&rate));
+                prop_assert!(error.to_string().contains("for --export-sample-rate: must be"));
+            }
+        }
+    }
+
+    #[test]
+    fn durations_never_panic(text in prop_oneof![any::<String>(), "[-+0-9.e]{1,12}[a-z]{0,3}"]) {
+        if let Ok(duration) = cli::parse_duration(&text) {
+            prop_assert!(!duration.is_zero());
+        }
+    }
+
+    #[test]
+    fn bare_seconds_are_positive_and_representable(seconds in any::<f64>()) {
+        match cli::parse_duration(&seconds.to_string()) {
+            Ok(duration) => {
+                prop_assert!(seconds > 0.0);
+                prop_assert!((duration.as_secs_f64() - seconds).abs() <= seconds * 1e-9 + 1e-9);
+            }
+            Err(reason) => prop_assert!(
+                !(1e-9..=1e18).contains(&seconds),
+                "{} rejected: {}", seconds, reason
+            ),
+        }
+    }
+
+    #[test]
+    fn durations_with_units_round_trip(n in 1u64..1_000_000, unit in select(vec![("s", 1u64), ("m", 60), ("h", 3600)])) {
+        let duration = cli::parse_duration(&format!("{n}{}", unit.0)).unwrap();
+        prop_assert_eq!(duration.as_secs(), n * unit.1);
+    }
+
+    #[test]
+    fn overhead_budgets_are_percentages(text in prop_oneof![any::<String>(), "[-+ 0-9.e%]{1,10}"]) {
+        match text.parse::<OverheadBudget>() {
+            Ok(budget) => {
+                prop_assert!(budget.fraction() > 0.0 && budget.fraction() <= 1.0);
+                let again: OverheadBudget = budget.to_string().parse().unwrap();
+                prop_assert!((again.fraction() - budget.fraction()).abs() < 1e-12);
+            }
+            Err(reason) => prop_assert!(reason.contains("above 0 and at most 100")),
+        }
+    }
+
+    #[test]
+    fn percent_budgets_within_0_and_100_parse(percent in any::<f64>()) {
+        let parsed = format!("{percent}%").parse::<OverheadBudget>();
+        prop_assert_eq!(parsed.is_ok(), percent > 0.0 && percent <= 100.0);
+    }
+
+    #[test]
+    fn match_env_filters_are_key_equals_value(text in any::<String>()) {
+        match NodeFilter::parse_env(&text) {
+            Ok((key, value)) => {
+                prop_assert!(!key.is_empty() && !key.contains('='));
+                prop_assert_eq!(format!("{key}={value}"), text);
+            }
+            Err(reason) => {
+                prop_assert!(reason.contains("expected KEY=VALUE"));
+                prop_assert!(text.split_once('=').is_none_or(|(key, _)| key.is_empty()));
+            }
+        }
+    }
+
+    #[test]
+    fn otlp_endpoints_and_headers_never_panic(text in setting_value()) {
+        let _ = config::check_otlp_endpoint(&text);
+        if let Err(reason) = config::check_otlp_headers(&text) {
+            prop_assert!(reason.contains(HEADERS));
+        }
+    }
+
+    #[test]
+    fn well_formed_endpoints_are_accepted(
+        scheme in select(vec!["http", "https", "HTTP"]),
+        host in prop_oneof!["[a-z][a-z0-9-]{0,10}(\\.[a-z0-9]{1,6}){0,3}", "[0-9]{1,3}(\\.[0-9]{1,3}){3}", Just("[::1]".to_string())],
+        port in prop::option::of(1u16..),
+        path in "(/[a-zA-Z0-9_.-]{0,8}){0,3}",
+    ) {
+        let port = port.map(|p| format!(":{p}")).unwrap_or_default();
+        let url = format!("{scheme}://{host}{port}{path}");
+        prop_assert_eq!(config::check_otlp_endpoint(&url), Ok(()), "{}", url);
+    }
+
+    #[test]
+    fn well_formed_headers_are_accepted_and_bad_ones_never_quote_a_value(
+        pairs in prop::collection::vec(("[a-zA-Z][a-zA-Z0-9_-]{0,10}", "[a-zA-Z0-9._~-]{1,12}|[a-z]{1,4}%20[a-z]{1,4}"), 1..5),
+        secret in "S3CRET[A-Z]{8}",
+    ) {
+        let list = pairs.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",");
+        prop_assert_eq!(config::check_otlp_headers(&list), Ok(()), "{}", list);
+        for bad in [format!("{list},{secret}"), format!("{list},k={secret}%G0"), format!("{secret} x={secret}")] {
+            let reason = config::check_otlp_headers(&bad).unwrap_err();
+            prop_assert!(!reason.contains(&secret), "{}", reason);
+        }
+    }
+}
+
+/// The flags that take a value, and what else a command line with them needs.
+const VALUE_FLAGS: [(&str, &[&str]); 15] = [
+    ("--pid", &[]),
+    ("--span-groups", &["--pid", "1"]),
+    ("--exporter", &["--pid", "1"]),
+    ("--export-file", &["--pid", "1"]),
+    ("--export-strategy", &["--pid", "1"]),
+    ("--export-rank", &["--pid", "1"]),
+    ("--export-sample-rate", &["--pid", "1"]),
+    ("--duration", &["--pid", "1"]),
+    ("--overhead-budget", &["--pid", "1"]),
+    ("--summary-json", &["--pid", "1"]),
+    ("--pid-file", &["--pid", "1"]),
+    ("--match", &["--node"]),
+    ("--match-cgroup", &["--node"]),
+    ("--match-env", &["--node"]),
+    ("--span-groups", &["--exec", "--", "true"]),
+];
+
+proptest! {
+    #![proptest_config(cases(1500))]
+
+    /// Any value of any flag: parsed, or one line that names the flag.
+    #[test]
+    fn command_lines_take_any_value(flag in 0..VALUE_FLAGS.len(), value in setting_value()) {
+        let (flag, rest) = VALUE_FLAGS[flag];
+        let (before, after) = match rest.iter().position(|a| *a == "--") {
+            Some(at) => rest.split_at(at),
+            None => (rest, &[][..]),
+        };
+        let args: Vec<&str> = ["lens-probe"]
+            .into_iter()
+            .chain(before.iter().copied())
+            .chain([flag, value.as_str()])
+            .chain(after.iter().copied())
+            .collect();
+        match cli::parse_from(args.iter().copied()) {
+            Ok(_) => {}
+            Err(Rejected::Info(_)) => prop_assert!(value.starts_with('-'), "{:?}", args),
+            Err(Rejected::Invalid(line)) => {
+                prop_assert!(!line.is_empty() && !line.contains('\n'), "{:?}: {:?}", args, line);
+                if !value.starts_with('-') {
+                    prop_assert!(line.contains(flag), "{:?}: {:?}", args, line);
+                }
+            }
+        }
+    }
+}
