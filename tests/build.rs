@@ -16,6 +16,8 @@ const FIXTURE_FILES: &[&str] = &[
     "fixtures/fake_torch_symbols.h",
     "fixtures/trainer_torch.c",
     "fixtures/variety_caller.c",
+    "fixtures/hammer.c",
+    "fixtures/threads_dlopen.c",
     "fixtures/fake_nccl.map",
 ];
 
