@@ -20,7 +20,7 @@ commands:
                         interleaved, N rounds (default 5), medians; prints one markdown table
                         and writes it into docs/performance.md. Needs root. --quick: 1 round,
                         smaller loops, docs left as they are. --only: these blocks only
-                        (trainer, per-kind, torch, attach, throughput), docs left as they are
+                        (trainer, per-kind, torch, attach, throughput, budget), docs left as they are
   help                  print this help";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,7 +249,7 @@ mod tests {
         assert_eq!(
             parse(&["bench", "--only", "trainer,gpu"]),
             Err(
-                "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput)"
+                "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput, budget)"
                     .to_owned()
             )
         );

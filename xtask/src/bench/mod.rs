@@ -20,6 +20,7 @@
 //! `--only` runs some of them (then docs/performance.md is left as it is).
 
 mod json;
+mod budget;
 mod per_kind;
 mod proc;
 mod report;
@@ -61,15 +62,18 @@ pub enum Block {
     Attach,
     /// The user side's event throughput from the kernel-side generator (5b).
     Throughput,
+    /// `--overhead-budget` on a launch-heavy loop (2c).
+    Budget,
 }
 
 impl Block {
-    pub const ALL: [Block; 5] = [
+    pub const ALL: [Block; 6] = [
         Block::Trainer,
         Block::PerKind,
         Block::Torch,
         Block::Attach,
         Block::Throughput,
+        Block::Budget,
     ];
 
     pub fn name(self) -> &'static str {
@@ -79,6 +83,7 @@ impl Block {
             Block::Torch => "torch",
             Block::Attach => "attach",
             Block::Throughput => "throughput",
+            Block::Budget => "budget",
         }
     }
 }
@@ -363,6 +368,10 @@ pub fn run(opts: Options) -> Result<(), String> {
         true => Some(throughput::block(&ctx, &mut watch, opts.quick)?),
         false => None,
     };
+    let budget = match wanted(Block::Budget) {
+        true => Some(budget::block(&ctx, &mut watch, opts.quick)?),
+        false => None,
+    };
     watch.check();
     let load_end = loadavg();
 
@@ -373,6 +382,7 @@ pub fn run(opts: Options) -> Result<(), String> {
         torch,
         attach,
         throughput,
+        budget,
     };
     let table = report::table(&sections(&ctx, &results));
     let notes = notes(&ctx, &results, &watch, slack);
@@ -1250,6 +1260,7 @@ struct Results {
     torch: Option<TorchBlock>,
     attach: Option<Vec<AttachRun>>,
     throughput: Option<throughput::ThroughputBlock>,
+    budget: Option<budget::BudgetBlock>,
 }
 
 /// The table's sections, in order, for the blocks that ran.
@@ -1265,6 +1276,9 @@ fn sections(ctx: &Ctx, r: &Results) -> Vec<Section> {
     let torch_wanted = r.blocks.contains(Block::Torch);
     if r.fake.is_some() || torch_wanted {
         out.push(slowdown_section(ctx, r.fake.as_ref(), torch, torch_wanted));
+    }
+    if let Some(budget) = &r.budget {
+        out.push(budget.section());
     }
     if r.blocks.contains(Block::Attach) {
         out.push(attach_section(ctx, attach));
@@ -1663,6 +1677,9 @@ fn notes(ctx: &Ctx, r: &Results, watch: &Watch, slack: bool) -> String {
     let mut n = String::from("How each row was measured:\n\n");
     if let Some(fake) = &r.fake {
         fake_notes(&mut n, fake);
+    }
+    if let Some(budget) = &r.budget {
+        n.push_str(&budget.notes());
     }
     if let Some(per_kind) = &r.per_kind {
         n.push_str(&per_kind.notes());
