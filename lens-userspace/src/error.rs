@@ -19,9 +19,23 @@ pub enum LensError {
     },
 
     #[error(
-        "lens-probe needs root, or the capabilities {missing} (CAP_BPF, CAP_PERFMON and CAP_SYS_ADMIN)"
+        "missing {missing}: lens-probe needs root, or the capabilities CAP_BPF, CAP_PERFMON, \
+         CAP_SYS_ADMIN (see docs/security.md)"
     )]
     MissingPrivileges { missing: String },
+
+    #[error(
+        "cannot read {path} ({missing}): tracing pid {pid}, a process of another user or with \
+         capabilities lens-probe lacks, needs CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH"
+    )]
+    TargetNotReadable {
+        pid: u32,
+        path: PathBuf,
+        missing: String,
+    },
+
+    #[error("cannot drop the capabilities lens-probe no longer needs: {reason}")]
+    CapabilityDrop { reason: String },
 
     #[error("this kernel has no uprobe support ({0} is missing): CONFIG_UPROBE_EVENTS is required")]
     NoUprobeSupport(PathBuf),

@@ -53,6 +53,8 @@ fn guard(mut pids: File) -> ! {
         libc::signal(libc::SIGTERM, libc::SIG_IGN);
         libc::signal(libc::SIGHUP, libc::SIG_IGN);
     }
+    // All it does is SIGCONT, to processes of other users too: CAP_KILL, nothing else.
+    let _ = crate::privileges::keep_only_in_this_thread(crate::privileges::CAP_KILL.mask());
     let mut known = HashSet::new();
     let mut buffer = [0u8; 4];
     // EOF (or an error): every write end is closed, lens-probe is gone.

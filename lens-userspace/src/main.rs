@@ -8,6 +8,7 @@ use lens_probe::{
         config::{ExportSettings, ExporterKind},
         otlp::{Destination, ExportStats, OtelPipeline},
     },
+    privileges,
     session::{Session, StopReason, TraceOptions},
     sink::EventPrinter,
     spans::{SpanBuilder, SpanExporter, console::ConsoleTree},
@@ -148,10 +149,13 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         Some(session.exec(&cli.command)?)
     } else {
         for pid in &cli.pid {
+            privileges::check_target(*pid)?;
             session.attach_pid(*pid)?;
         }
         None
     };
+    // Attached, and the --exec command started with what it had: keep only what is needed.
+    privileges::drop_unneeded(cli.node);
     log::info!(
         "{} uprobes attached (span groups: {})",
         session.attacher().uprobe_count(),
