@@ -5,7 +5,7 @@ use std::fs;
 
 use crate::{
     probes::library::{LibraryKind, MappedLibrary},
-    target::ProcessInfo,
+    target::{self, ProcessInfo},
 };
 
 /// The libraries that make a process a training process.
@@ -50,10 +50,13 @@ impl NodeFilter {
                 .as_deref()
                 .is_none_or(|needle| info.view.cgroup.contains(needle))
             && self.environment.iter().all(|(key, value)| {
-                info.view
-                    .environment
-                    .iter()
-                    .any(|(k, v)| k == key && v == value)
+                // A variable off the allow-list is not in the view: read for this
+                // comparison only.
+                let kept = info.view.environment.iter().find(|(k, _)| k == key);
+                match kept {
+                    Some((_, v)) => v == value,
+                    None => target::read_variable(info.pid, key).as_ref() == Some(value),
+                }
             })
     }
 }

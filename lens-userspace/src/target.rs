@@ -188,15 +188,127 @@ impl RankInfo {
     }
 }
 
-/// `/proc/PID/environ`: the environment the process started its current program with.
-pub fn read_environment(pid: u32) -> Vec<(String, String)> {
-    fs::read(format!("/proc/{pid}/environ"))
-        .unwrap_or_default()
+/// The only variables kept from a target's environment: what its rank
+/// ([`RANK_VARIABLES`]) and its resource (`export/resource.rs`) are made of. Everything
+/// else in `/proc/PID/environ` is dropped as it is read, so it cannot reach telemetry, a
+/// log or a summary. None of these names looks like a secret ([`looks_secret`]).
+pub const ENVIRONMENT_ALLOW_LIST: [&str; 33] = [
+    // Rank, world size, local rank: torchrun, SLURM, Open MPI.
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    // NeMo Lens' resource attributes.
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "NEMO_LENS_RUN_ID",
+    "NEMO_LENS_USER_ID",
+    "TORCHELASTIC_RUN_ID",
+    "WANDB_ENTITY",
+    "WANDB_PROJECT",
+    "DEPLOYMENT_ENV",
+    "ENVIRONMENT",
+    "HOSTNAME",
+    "CUDA_VISIBLE_DEVICES",
+    // SLURM.
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NAME",
+    "SLURM_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_PARTITION",
+    "SLURM_CLUSTER_NAME",
+    // Kubernetes (the downward API variables Lens reads).
+    "KUBERNETES_SERVICE_HOST",
+    "K8S_NAMESPACE",
+    "K8S_POD_NAME",
+    "K8S_POD_UID",
+    "K8S_NODE_NAME",
+    "K8S_CONTAINER_NAME",
+    "K8S_JOB_NAME",
+];
+
+/// Words in a name (of a variable, a resource attribute, a command-line option) that mark
+/// its value as a secret: such values are never kept, whatever the name's place.
+const SECRET_WORDS: [&str; 10] = [
+    "TOKEN",
+    "SECRET",
+    "PASSWORD",
+    "PASSWD",
+    "PASSPHRASE",
+    "CREDENTIAL",
+    "PRIVATE",
+    "KEY",
+    "COOKIE",
+    "AUTHORIZATION",
+];
+
+/// Whether `name` looks like it names a secret (`MY_API_TOKEN`, `db.password`,
+/// `--wandb-api-key`, `AWS_SECRET_ACCESS_KEY`): case-insensitive, anywhere in the name. A
+/// false positive only costs an attribute; there are no exceptions.
+pub fn looks_secret(name: &str) -> bool {
+    let name = name.to_ascii_uppercase();
+    SECRET_WORDS.iter().any(|word| name.contains(word))
+}
+
+fn allowed_variable(name: &str) -> bool {
+    ENVIRONMENT_ALLOW_LIST.contains(&name) && !looks_secret(name)
+}
+
+/// `NAME=VALUE` entries of a `/proc/PID/environ`, for which `keep(NAME)` holds.
+fn environment_entries(environ: &[u8], keep: impl Fn(&str) -> bool) -> Vec<(String, String)> {
+    environ
         .split(|b| *b == 0)
         .filter_map(|entry| {
-            let entry = String::from_utf8_lossy(entry);
-            let (key, value) = entry.split_once('=')?;
-            Some((key.to_string(), value.to_string()))
+            let at = entry.iter().position(|b| *b == b'=')?;
+            let key = std::str::from_utf8(&entry[..at]).ok()?;
+            keep(key).then(|| {
+                (
+                    key.to_string(),
+                    String::from_utf8_lossy(&entry[at + 1..]).into_owned(),
+                )
+            })
+        })
+        .collect()
+}
+
+/// The allow-listed variables ([`ENVIRONMENT_ALLOW_LIST`]) of the environment the process
+/// started its current program with (`/proc/PID/environ`).
+pub fn read_environment(pid: u32) -> Vec<(String, String)> {
+    let environ = fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    environment_entries(&environ, allowed_variable)
+}
+
+/// The value of one variable of `pid`'s environment, allow-listed or not, for a
+/// comparison the user asked for (`--match-env`); kept nowhere.
+pub fn read_variable(pid: u32, name: &str) -> Option<String> {
+    let environ = fs::read(format!("/proc/{pid}/environ")).ok()?;
+    environment_entries(&environ, |key| key == name)
+        .pop()
+        .map(|(_, value)| value)
+}
+
+/// A command line with the values of secret-looking options and assignments replaced by
+/// `***`: `--api-key=X`, `--token X`, `WANDB_API_KEY=X` (as `env` takes it).
+pub fn redact_command_line(arguments: Vec<String>) -> Vec<String> {
+    let mut redact_next = false;
+    arguments
+        .into_iter()
+        .map(|argument| {
+            if std::mem::take(&mut redact_next) && !argument.starts_with('-') {
+                return "***".to_string();
+            }
+            if let Some((name, _)) = argument.split_once('=')
+                && looks_secret(name)
+            {
+                return format!("{name}=***");
+            }
+            redact_next = argument.starts_with('-') && looks_secret(&argument);
+            argument
         })
         .collect()
 }
@@ -207,12 +319,14 @@ impl ProcessInfo {
             .map_err(|_| LensError::NoSuchProcess(pid))?
             .trim_end()
             .to_string();
-        let command_line = fs::read(format!("/proc/{pid}/cmdline"))
-            .unwrap_or_default()
-            .split(|b| *b == 0)
-            .filter(|arg| !arg.is_empty())
-            .map(|arg| String::from_utf8_lossy(arg).into_owned())
-            .collect();
+        let command_line = redact_command_line(
+            fs::read(format!("/proc/{pid}/cmdline"))
+                .unwrap_or_default()
+                .split(|b| *b == 0)
+                .filter(|arg| !arg.is_empty())
+                .map(|arg| String::from_utf8_lossy(arg).into_owned())
+                .collect(),
+        );
         let view = TargetView::capture(pid);
         Ok(ProcessInfo {
             pid,
@@ -476,6 +590,79 @@ mod tests {
         assert_eq!(view.service_account_namespace.as_deref(), Some("team-b"));
         assert_eq!(view.nvidia_devices, 2);
         assert_eq!(view.hostname_file, None);
+    }
+
+    #[test]
+    fn only_allow_listed_variables_are_kept() {
+        let environ = b"RANK=3\0FOO=bar\0MY_API_TOKEN=hunter2\0WORLD_SIZE=8\0\
+                        AWS_SECRET_ACCESS_KEY=abc\0SLURM_JOB_ID=42\0PATH=/bin\0=x\0noequals\0";
+        assert_eq!(
+            environment_entries(environ, allowed_variable),
+            [
+                ("RANK".to_string(), "3".to_string()),
+                ("WORLD_SIZE".to_string(), "8".to_string()),
+                ("SLURM_JOB_ID".to_string(), "42".to_string()),
+            ]
+        );
+        // Every variable the rank is read from is on the list.
+        for variable in RANK_VARIABLES.iter().flatten() {
+            assert!(allowed_variable(variable), "{variable}");
+        }
+    }
+
+    #[test]
+    fn no_allow_listed_name_looks_secret_and_secret_names_do() {
+        for name in ENVIRONMENT_ALLOW_LIST {
+            assert!(!looks_secret(name), "{name}");
+        }
+        for name in [
+            "MY_API_TOKEN",
+            "AWS_SECRET_ACCESS_KEY",
+            "db.password",
+            "PGPASSWD",
+            "api_key",
+            "WANDB_API_KEY",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+            "ssh.private",
+            "--hf-token",
+            "Authorization",
+        ] {
+            assert!(looks_secret(name), "{name}");
+        }
+        for name in ["team", "RANK", "service.name", "--lr", "LOCAL_RANK"] {
+            assert!(!looks_secret(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn secret_options_and_assignments_are_redacted_in_command_lines() {
+        let args = |text: &str| -> Vec<String> { text.split(' ').map(str::to_string).collect() };
+        assert_eq!(
+            redact_command_line(args(
+                "env WANDB_API_KEY=abc python train.py --hf-token hunter2 --lr 3e-4 \
+                 --db-password=hunter2 --key-file k.pem --token --verbose"
+            )),
+            args(
+                "env WANDB_API_KEY=*** python train.py --hf-token *** --lr 3e-4 \
+                 --db-password=*** --key-file *** --token --verbose"
+            )
+        );
+        assert_eq!(
+            redact_command_line(args("python train.py --batch-size 8")),
+            args("python train.py --batch-size 8")
+        );
+    }
+
+    #[test]
+    fn one_variable_is_read_for_a_comparison() {
+        let me = std::process::id();
+        assert!(read_variable(me, "PATH").is_some() || std::env::var_os("PATH").is_none());
+        assert_eq!(read_variable(me, "LENS_NO_SUCH_VARIABLE_XYZ"), None);
+        assert!(
+            read_environment(me)
+                .iter()
+                .all(|(k, _)| allowed_variable(k))
+        );
     }
 
     #[test]

@@ -420,3 +420,58 @@ fn after_attaching_every_thread_keeps_only_what_the_run_needs() {
     // Exactly the three: they stay, the ambient and inheritable sets go.
     check_drop(Some((PROBE_UID, &EXACT)), mask(&EXACT));
 }
+
+#[test]
+fn only_allow_listed_variables_are_read_and_secrets_are_never_exported() {
+    if !lens_tests::require_bpf("only_allow_listed_variables_are_read") {
+        return;
+    }
+    let export_file =
+        std::env::temp_dir().join(format!("lens-privileges-env-{}.jsonl", std::process::id()));
+    let output = run_with_limit(
+        {
+            let mut command = Command::new(LENS_PROBE);
+            command
+                .args([
+                    "--span-groups",
+                    "per_step",
+                    "--export-strategy",
+                    "all_ranks",
+                ])
+                .args(["--exporter", "file", "--export-file"])
+                .arg(&export_file)
+                .args(["--exec", "--"])
+                .arg(lens_tests::trainer())
+                .arg("2")
+                .env("MY_API_TOKEN", "hunter2")
+                .env("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI-hunter2")
+                .env("OTEL_RESOURCE_ATTRIBUTES", "team=ml,db.password=hunter2")
+                .env("FOO", "bar")
+                .env("LENS_UNRELATED", "not-allow-listed-5b1c")
+                .env("WANDB_PROJECT", "llm");
+            command
+        },
+        Duration::from_secs(120),
+    );
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    let exported = fs::read_to_string(&export_file).unwrap();
+    let spans = lens_tests::otlp_file_spans(&export_file);
+    let _ = fs::remove_file(&export_file);
+    assert!(!spans.is_empty(), "{text}");
+    for needle in [
+        "hunter2",
+        "not-allow-listed-5b1c",
+        "\"bar\"",
+        "FOO",
+        "password",
+    ] {
+        assert!(!exported.contains(needle), "{needle:?} was exported");
+    }
+    for (resource, _) in &spans {
+        // The target's OTEL_RESOURCE_ATTRIBUTES, less the secret; an allow-listed variable.
+        assert_eq!(resource["team"]["stringValue"], "ml", "{resource:?}");
+        assert_eq!(resource["wandb.project"]["stringValue"], "llm");
+        assert!(!resource.contains_key("db.password"), "{resource:?}");
+    }
+}

@@ -302,6 +302,12 @@ impl SpanExporter for OtelPipeline {
                     .into_iter()
                     .map(|(key, value)| KeyValue::new(key, otel_value(value))),
             )
+            .with_attributes(
+                detected
+                    .user_attributes
+                    .into_iter()
+                    .map(|(key, value)| KeyValue::new(key, value)),
+            )
             .build();
         let metrics = Box::new(ProcessMetrics::new(resource.clone()));
         if let Some(queue) = &self.queue {

@@ -19,6 +19,10 @@
 //! | `host.gpu.count` | `CUDA_VISIBLE_DEVICES` entries, else the target's `/dev/nvidiaN` |
 //! | `slurm.*` | `SLURM_*`, when `SLURM_JOB_ID` is set |
 //! | `k8s.*` | `K8S_*` (downward API), when in Kubernetes; the namespace also from the service account, the pod UID also from the cgroup |
+//! | others | the target's `OTEL_RESOURCE_ATTRIBUTES` (`key=value,…`, as the OpenTelemetry SDK in the target would read it), under the attributes above and without keys that look like secrets |
+//!
+//! Only the variables of [`crate::target::ENVIRONMENT_ALLOW_LIST`] are ever read from the
+//! target's environment; see `docs/security.md`.
 use std::{
     fs,
     hash::{BuildHasher, Hasher},
@@ -31,7 +35,7 @@ use md5::{Digest, Md5};
 use crate::{
     semconv,
     spans::AttrValue,
-    target::{ProcessInfo, RankInfo, TargetView},
+    target::{ProcessInfo, RankInfo, TargetView, looks_secret},
 };
 
 /// Service name when neither the target nor lens-probe sets `OTEL_SERVICE_NAME` (Lens'
@@ -48,6 +52,9 @@ pub struct TargetResource {
     pub run_id: String,
     /// The process's rank, from its environment; `None` for a process no launcher ranked.
     pub rank: Option<RankInfo>,
+    /// From the target's `OTEL_RESOURCE_ATTRIBUTES`: keys that [`Self::attributes`] does
+    /// not have and that do not look like secrets ([`looks_secret`]), in their order.
+    pub user_attributes: Vec<(String, String)>,
 }
 
 impl TargetResource {
@@ -61,6 +68,7 @@ impl TargetResource {
 
 // The target's variables that say what it is.
 const ENV_SERVICE_NAME: &str = "OTEL_SERVICE_NAME";
+const ENV_RESOURCE_ATTRIBUTES: &str = "OTEL_RESOURCE_ATTRIBUTES";
 const ENV_RUN_ID: &str = "NEMO_LENS_RUN_ID";
 const ENV_USER_ID: &str = "NEMO_LENS_USER_ID";
 const ENV_TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
@@ -234,11 +242,63 @@ pub fn detect_view(
         attributes.extend(k8s);
     }
 
+    let user_attributes = env
+        .raw(ENV_RESOURCE_ATTRIBUTES)
+        .map(|text| user_attributes(text, &attributes))
+        .unwrap_or_default();
     TargetResource {
         attributes,
         run_id,
         rank,
+        user_attributes,
     }
+}
+
+/// `OTEL_RESOURCE_ATTRIBUTES` as the Python SDK's `OTELResourceDetector` reads it
+/// (`key=value` pairs split at commas, trimmed, values percent-decoded, the last of a key
+/// winning), less the keys Lens sets itself (`Resource.create` lets those win) and the
+/// keys that look like secrets, whose values are never exported.
+fn user_attributes(text: &str, own: &[(&'static str, AttrValue)]) -> Vec<(String, String)> {
+    let mut found: Vec<(String, String)> = Vec::new();
+    for item in text.split(',') {
+        let Some((key, value)) = item.split_once('=') else {
+            continue;
+        };
+        let key = key.trim();
+        if key.is_empty() || looks_secret(key) || own.iter().any(|(k, _)| *k == key) {
+            continue;
+        }
+        let value = percent_decode(value.trim());
+        match found.iter_mut().find(|(k, _)| k == key) {
+            Some(entry) => entry.1 = value,
+            None => found.push((key.to_string(), value)),
+        }
+    }
+    found
+}
+
+/// `%XX` escapes decoded (as Python's `urllib.parse.unquote`: bad escapes stay as they
+/// are, invalid UTF-8 becomes U+FFFD).
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%'
+            && let (Some(high), Some(low)) = (
+                bytes.get(i + 1).and_then(|b| hex(*b)),
+                bytes.get(i + 2).and_then(|b| hex(*b)),
+            )
+        {
+            out.push((high * 16 + low) as u8);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// [`detect`] for a running process: its `/proc/PID/environ`, `/proc/PID/root` and
@@ -824,6 +884,61 @@ mod tests {
             "",
         );
         assert_eq!(r.attr(semconv::DEPLOYMENT_ENVIRONMENT), None);
+    }
+
+    #[test]
+    fn otel_resource_attributes_of_the_target_without_secrets() {
+        let root = Root::new("otel-attrs");
+        let r = detect_in(
+            &root,
+            &[
+                (
+                    "OTEL_RESOURCE_ATTRIBUTES",
+                    " team = ml ,db.password=hunter2,api_key=abc,note=a%2Cb%20c,\
+                     dl.rank=99,broken,=x,team=ml2,cost.center=%zz",
+                ),
+                ("RANK", "1"),
+            ],
+            "",
+        );
+        assert_eq!(
+            r.user_attributes,
+            [
+                ("team".to_string(), "ml2".to_string()),
+                ("note".to_string(), "a,b c".to_string()),
+                ("cost.center".to_string(), "%zz".to_string()),
+            ]
+        );
+        // Lens' own attributes win.
+        assert_eq!(int_attr(&r, semconv::DL_RANK), Some(1));
+        assert!(detect_in(&root, &[], "").user_attributes.is_empty());
+    }
+
+    #[test]
+    fn the_resource_is_made_of_allow_listed_variables_only() {
+        // Every variable the resource reads is on the list (ENV_* and the tables).
+        let read = [
+            ENV_SERVICE_NAME,
+            ENV_RESOURCE_ATTRIBUTES,
+            ENV_RUN_ID,
+            ENV_USER_ID,
+            ENV_TORCHELASTIC_RUN_ID,
+            ENV_WANDB_ENTITY,
+            ENV_WANDB_PROJECT,
+            ENV_DEPLOYMENT_ENV,
+            ENV_ENVIRONMENT,
+            ENV_HOSTNAME,
+            ENV_CUDA_VISIBLE_DEVICES,
+            ENV_SLURM_JOB_ID,
+            ENV_KUBERNETES_SERVICE_HOST,
+        ];
+        let tables = SLURM_ATTRIBUTES.iter().chain(K8S_ATTRIBUTES.iter());
+        for variable in read.into_iter().chain(tables.map(|(v, _)| *v)) {
+            assert!(
+                crate::target::ENVIRONMENT_ALLOW_LIST.contains(&variable),
+                "{variable} is read but not allow-listed"
+            );
+        }
     }
 
     #[test]
