@@ -110,7 +110,12 @@ pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<BudgetB
     Ok(block)
 }
 
-fn run(ctx: &Ctx, variant: Variant, steps: u64, round: u32) -> Result<(f64, Option<Account>), String> {
+fn run(
+    ctx: &Ctx,
+    variant: Variant,
+    steps: u64,
+    round: u32,
+) -> Result<(f64, Option<Account>), String> {
     let trainer = ctx.fixtures.join("trainer");
     let name = format!("budget-{}-r{round}", variant.name());
     let log = ctx.logs.join(format!("{name}.log"));
@@ -219,7 +224,7 @@ impl BudgetBlock {
         rows.push(row(
             "… lens-probe's own estimate of the launch probes' cost (hits × measured cost / wall time)",
             &estimated,
-            |v| percent(v),
+            percent,
             None,
             "< 1 %",
             median(&estimated).map_or(Met::NotMeasured("no value".into()), |e| {
@@ -229,7 +234,7 @@ impl BudgetBlock {
         rows.push(row(
             "… share of the time the launch probes were in",
             &column(|a| a.sampled_percent),
-            |v| percent(v),
+            percent,
             None,
             "",
             Met::NoTarget,
