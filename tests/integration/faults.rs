@@ -52,6 +52,8 @@ const NOTHING_LEFT: KernelState = KernelState {
     inflight: 0,
     call_counters: 0,
     launch_totals: 0,
+    kernel_counters: 0,
+    runtime_ranges: 0,
 };
 
 #[test]
@@ -429,14 +431,15 @@ fn a_probe_restarted_while_the_job_runs_resumes_at_the_next_step() {
         return;
     }
     let _serial = serial();
-    // 150 steps of ~50 ms. The first lens-probe is killed after 1 s, a second one
-    // (loaded before, so that the job is still running) attaches and sees whole steps from
-    // its first boundary on.
+    // 400 steps of ~30 ms. The first lens-probe is killed after 1 s; the kernel takes its
+    // uprobes out one by one (~0.1 s each, serialised with new attachments), so the second
+    // one (loaded before) attaches once they are gone, and sees whole steps from its first
+    // boundary on.
     let mut second = session("per_step");
     let mut trainer = Command::new(lens_tests::torch_trainer())
-        .args(["150", "1", "0", "0"])
-        .env("TRAINER_FORWARD_MS", "40")
-        .env("LENS_FAKE_BACKWARD_MS", "10")
+        .args(["400", "1", "0", "0"])
+        .env("TRAINER_FORWARD_MS", "20")
+        .env("LENS_FAKE_BACKWARD_MS", "5")
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
@@ -448,8 +451,14 @@ fn a_probe_restarted_while_the_job_runs_resumes_at_the_next_step() {
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(1000));
+    let held = programs_held_by(first.id());
     first.kill().unwrap();
     first.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !loaded_program_ids().is_disjoint(&held) {
+        assert!(Instant::now() < deadline, "programs {held:?} still loaded");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     if let Err(error) = second.attach_pid(pid) {
         panic!(
             "{error}: {:?}\n{}",
