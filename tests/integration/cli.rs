@@ -254,8 +254,10 @@ fn a_multi_threaded_target_is_not_stopped_when_it_loads_a_library() {
         return;
     }
     // Stopping and continuing the process would make the other thread's epoll_wait fail
-    // with EINTR (exit 3); its library is still probed in time for the launch made
-    // 200 ms after the load.
+    // with EINTR (exit 3); its library is still probed while it runs on: launches made
+    // from 200 ms after the load on are counted (on a kernel not busy removing other
+    // instances' uprobes, which new attachments queue behind).
+    lens_tests::wait_for_lens_probe_teardown();
     let library = lens_tests::fake_lib_dir().join("libcudart.so.12");
     let output = lens_probe(&[
         "--span-groups",
@@ -272,5 +274,10 @@ fn a_multi_threaded_target_is_not_stopped_when_it_loads_a_library() {
         "{}{err}",
         String::from_utf8_lossy(&output.stdout)
     );
-    assert!(err.contains("launches: cudaLaunchKernel 1\n"), "{err}");
+    let launches: u32 = err
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("launches: cudaLaunchKernel "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no launches counted: {err}"));
+    assert!((1..=10).contains(&launches), "{err}");
 }

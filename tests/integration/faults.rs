@@ -2,7 +2,6 @@
 //! fault and the behaviour observed, asserted. `docs/security.md` has the table.
 use std::{
     collections::BTreeSet,
-    ffi::OsString,
     process::{Command, Stdio},
     sync::Mutex,
     time::{Duration, Instant},
@@ -18,6 +17,7 @@ use lens_probe::{
     spans::{SpanBuilder, SpanLog, SpanStatus, names},
     target::{ExitStatus, ProcessInfo},
 };
+use lens_tests::torch_trainer_argv as torch_trainer;
 
 const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
 
@@ -37,14 +37,6 @@ fn session(spec: &str) -> Session {
         overhead_budget: None,
     })
     .unwrap()
-}
-
-fn torch_trainer(env: &[(&str, &str)], args: &[&str]) -> Vec<OsString> {
-    let mut argv: Vec<OsString> = vec!["env".into()];
-    argv.extend(env.iter().map(|(k, v)| OsString::from(format!("{k}={v}"))));
-    argv.push(lens_tests::torch_trainer().into_os_string());
-    argv.extend(args.iter().map(OsString::from));
-    argv
 }
 
 const NOTHING_LEFT: KernelState = KernelState {

@@ -10,6 +10,7 @@ use lens_probe::{
     session::{Session, TraceOptions},
     spans::{SpanBuilder, SpanLog, SpanStatus, names},
 };
+use lens_tests::torch_trainer_argv as trainer;
 
 fn session(spec: &str) -> Session {
     Session::new(TraceOptions {
@@ -18,15 +19,6 @@ fn session(spec: &str) -> Session {
         overhead_budget: None,
     })
     .unwrap()
-}
-
-/// `env VARS... trainer_torch ARGS...`
-fn trainer(env: &[(&str, &str)], args: &[&str]) -> Vec<OsString> {
-    let mut argv: Vec<OsString> = vec!["env".into()];
-    argv.extend(env.iter().map(|(k, v)| OsString::from(format!("{k}={v}"))));
-    argv.push(lens_tests::torch_trainer().into_os_string());
-    argv.extend(args.iter().map(OsString::from));
-    argv
 }
 
 fn trace(spec: &str, argv: &[OsString]) -> (SpanLog, Session) {

@@ -30,6 +30,26 @@ pub fn hammer() -> PathBuf {
     fixtures_dir().join("hammer")
 }
 
+/// Waits (up to 30 s) until no `lens-probe` process is left: the kernel removes uprobes
+/// one at a time (~0.1 s each) after an instance exits, and new attachments queue behind
+/// that, so a test that needs an attachment within a deadline starts on a quiet kernel.
+pub fn wait_for_lens_probe_teardown() {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let running = || {
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|entry| {
+                std::fs::read_to_string(entry.path().join("comm"))
+                    .is_ok_and(|c| c.trim() == "lens-probe")
+            })
+    };
+    while running() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 /// `threads_dlopen LIBRARY`: loads LIBRARY while another thread waits in epoll_wait;
 /// exits 3 if that wait was interrupted.
 pub fn threads_dlopen() -> PathBuf {
@@ -53,6 +73,23 @@ pub fn fake_lib_dir() -> PathBuf {
 /// its exact call sequence is in `tests/README.md`.
 pub fn torch_trainer() -> PathBuf {
     fake_torch_dir().join("trainer_torch")
+}
+
+/// `env VARS... trainer_torch ARGS...`: the fake PyTorch trainer with its settings, as an
+/// argument vector for `--exec` or `Session::exec`.
+pub fn torch_trainer_argv(env: &[(&str, &str)], args: &[&str]) -> Vec<std::ffi::OsString> {
+    let mut argv: Vec<std::ffi::OsString> = vec!["env".into()];
+    argv.extend(env.iter().map(|(k, v)| format!("{k}={v}").into()));
+    argv.push(torch_trainer().into_os_string());
+    argv.extend(args.iter().map(Into::into));
+    argv
+}
+
+/// `configured_trainer [STEPS] [EVAL_EVERY] [CKPT_EVERY]`: a training loop over its own
+/// library `libmytrain.so` next to it (in `configured/`), for configured probe rules;
+/// its calls are in `tests/README.md`.
+pub fn configured_trainer() -> PathBuf {
+    fixtures_dir().join("configured/configured_trainer")
 }
 
 /// The directory holding the fake `libtorch_cpu.so` and `libc10.so` (and
