@@ -19,6 +19,8 @@ const FIXTURE_FILES: &[&str] = &[
     "fixtures/hammer.c",
     "fixtures/threads_dlopen.c",
     "fixtures/fake_nccl.map",
+    "fixtures/configured_lib.c",
+    "fixtures/configured_trainer.c",
 ];
 
 fn main() {

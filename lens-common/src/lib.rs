@@ -210,6 +210,11 @@ pub enum EventKind {
     /// A traced process exited; `count` is its wait status (exit code << 8, or the
     /// signal that killed it).
     ProcessExit = 9,
+    /// Entry (or, with `at_return`, return) of a function a configured probe rule names
+    /// (`probe` is [`RULE_COOKIE_BASE`] + the rule's index). Sent at once, like phase
+    /// marks, with the first six integer arguments in `args` and, when the rule reads a
+    /// string argument, the string in `name`.
+    RuleCall = 10,
 }
 
 impl EventKind {
@@ -224,6 +229,7 @@ impl EventKind {
             7 => Some(EventKind::ProcessForked),
             8 => Some(EventKind::ProcessExec),
             9 => Some(EventKind::ProcessExit),
+            10 => Some(EventKind::RuleCall),
             _ => None,
         }
     }
@@ -232,6 +238,37 @@ impl EventKind {
 /// Room for a torch scope name in an [`Event`]: enough for torch's own scope names
 /// (`enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__` is 61 bytes).
 pub const SCOPE_NAME_BYTES: usize = 64;
+
+/// Integer arguments a configured probe rule can read: the six argument registers.
+pub const RULE_ARGS: usize = 6;
+
+/// Attach cookies and `probe` values of configured probe rules start here: rule `i` is
+/// `RULE_COOKIE_BASE + i`, well above every [`ProbeId`].
+pub const RULE_COOKIE_BASE: u32 = 0x1_0000;
+
+/// The most configured probe rules one run can have.
+pub const MAX_RULES: u32 = 1024;
+
+/// A configured rule's attach cookie: the low 32 bits are `RULE_COOKIE_BASE + index`;
+/// bits 32..40 name the argument read as a string (its index + 1; 0: none) and bit 40
+/// says it is a libstdc++ `std::string` (its data pointer is read first) rather than a
+/// C string.
+pub const fn rule_cookie(index: u32, string_arg: Option<u32>, std_string: bool) -> u64 {
+    let string = match string_arg {
+        Some(arg) => (arg as u64 + 1) & 0xff,
+        None => 0,
+    };
+    (RULE_COOKIE_BASE + index) as u64 | string << 32 | (std_string as u64) << 40
+}
+
+/// The rule index of a `probe` value, if it is a configured rule's.
+pub const fn rule_index(probe: u32) -> Option<u32> {
+    if probe >= RULE_COOKIE_BASE && probe - RULE_COOKIE_BASE < MAX_RULES {
+        Some(probe - RULE_COOKIE_BASE)
+    } else {
+        None
+    }
+}
 
 /// "No peer / no root / no op" in the signed fields of [`Event`].
 pub const NONE_I32: i32 = -1;
@@ -267,6 +304,9 @@ pub struct Event {
     /// The process's kernel launches counted so far (PhaseMark events): launches per
     /// phase are the difference between two marks, aggregated in the kernel.
     pub launches: u64,
+    /// The first six integer arguments at entry (`RuleCall` events), as the registers
+    /// held them.
+    pub args: [u64; RULE_ARGS],
     /// `ncclDataType_t` (collectives).
     pub datatype: i32,
     /// `ncclRedOp_t` (AllReduce, Reduce, ReduceScatter), else [`NONE_I32`].
@@ -302,6 +342,7 @@ impl Event {
             handle: 0,
             comm_id_hash: 0,
             launches: 0,
+            args: [0; RULE_ARGS],
             datatype: NONE_I32,
             redop: NONE_I32,
             peer: NONE_I32,

@@ -18,7 +18,7 @@ use clap::{
     error::{ContextKind, ContextValue, ErrorKind},
 };
 
-use crate::{budget::OverheadBudget, groups::SpanGroups};
+use crate::{budget::OverheadBudget, config::Profile, groups::SpanGroups};
 
 /// Zero-code observability for distributed ML training: attaches eBPF uprobes to a job's
 /// NCCL collectives and CUDA launch/sync calls.
@@ -75,6 +75,22 @@ pub struct Cli {
         value_parser = parse_span_groups
     )]
     pub span_groups: SpanGroups,
+
+    /// Configured probes: a TOML file of rules naming native or Python functions and the
+    /// span group their calls become (docs/probes.md, "Configured probes").
+    #[arg(long, value_name = "FILE", env = "NEMO_LENS_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// Built-in rules for a framework: pytorch (lens-probe's built-in probes only, the
+    /// default), megatron, nemo-rl. Added to the built-in probes and to --config's rules.
+    #[arg(
+        long,
+        value_name = "NAME",
+        env = "LENS_PROBE_PROFILE",
+        default_value = "pytorch",
+        value_parser = parse_profile
+    )]
+    pub profile: Profile,
 
     // The export settings are plain strings, checked by `ExportSettings::from_cli`, so a
     // bad value (from the flag or its variable) is one line of ours with exit status 2.
@@ -327,6 +343,10 @@ fn writable(path: &Path) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+fn parse_profile(text: &str) -> Result<Profile, String> {
+    text.parse()
 }
 
 fn parse_span_groups(spec: &str) -> Result<SpanGroups, String> {

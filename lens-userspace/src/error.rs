@@ -64,6 +64,10 @@ pub enum LensError {
         reason: String,
     },
 
+    /// A bad `--config` file (or a built-in profile): the rule, the field and what it takes.
+    #[error("invalid config {path}: {reason}")]
+    InvalidConfig { path: PathBuf, reason: String },
+
     /// A bad value that may hold credentials (OTLP headers): not shown.
     #[error("invalid value for {key} (not shown: it may hold credentials): {reason}")]
     InvalidSecretSetting { key: String, reason: String },
@@ -115,7 +119,9 @@ impl LensError {
     /// Exit status for this error: 2 for bad input (as clap does), 1 for everything else.
     pub fn exit_code(&self) -> i32 {
         match self {
-            LensError::InvalidSetting { .. } | LensError::InvalidSecretSetting { .. } => 2,
+            LensError::InvalidSetting { .. }
+            | LensError::InvalidSecretSetting { .. }
+            | LensError::InvalidConfig { .. } => 2,
             _ => 1,
         }
     }

@@ -1,6 +1,6 @@
 //! Decoding: raw [`Event`] records from the ring buffer into typed [`ProbeEvent`]s, the
 //! stream every consumer (summary, span builder, exporters) reads.
-use lens_common::{Event, EventKind, NONE_I32, ProbeId};
+use lens_common::{Event, EventKind, NONE_I32, ProbeId, RULE_ARGS, rule_index};
 use serde::Serialize;
 
 use crate::nccl::{DataType, RedOp};
@@ -263,6 +263,23 @@ pub enum ProbeEvent {
     },
     /// Traced process `tgid` exited with this wait status (as `waitpid` gives it).
     ProcessExit { tgid: u32, wait_status: i32 },
+    /// Entry or return of a function a configured probe rule names (`crate::config`).
+    RuleCall {
+        tgid: u32,
+        tid: u32,
+        at_ns: u64,
+        /// The process's kernel launches counted so far.
+        launches: u64,
+        /// The rule's index (`NativeRule::index`).
+        rule: u32,
+        at_return: bool,
+        /// The six argument registers at entry (zero at return).
+        args: [u64; RULE_ARGS],
+        /// The argument the rule reads as a string, when it was readable (entry only).
+        text: Option<String>,
+        /// The return value register (return only).
+        ret: i64,
+    },
 }
 
 impl ProbeEvent {
@@ -276,7 +293,8 @@ impl ProbeEvent {
             ProbeEvent::Phase { tgid, .. }
             | ProbeEvent::LinkMapChanged { tgid, .. }
             | ProbeEvent::ProcessExec { tgid, .. }
-            | ProbeEvent::ProcessExit { tgid, .. } => *tgid,
+            | ProbeEvent::ProcessExit { tgid, .. }
+            | ProbeEvent::RuleCall { tgid, .. } => *tgid,
             ProbeEvent::ProcessForked { child, .. } => *child,
         }
     }
@@ -341,6 +359,23 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
                 wait_status: raw.count as i32,
             });
         }
+        EventKind::RuleCall => {
+            let rule = rule_index(raw.probe).ok_or(DecodeError::UnknownProbe(raw.probe))?;
+            let at_return = raw.at_return != 0;
+            let len = (raw.name_len as usize).min(raw.name.len());
+            return Ok(ProbeEvent::RuleCall {
+                tgid: raw.tgid,
+                tid: raw.tid,
+                at_ns: raw.start_ns,
+                launches: raw.launches,
+                rule,
+                at_return,
+                args: raw.args,
+                text: (!at_return && len > 0)
+                    .then(|| String::from_utf8_lossy(&raw.name[..len]).into_owned()),
+                ret: raw.ret,
+            });
+        }
         _ => {}
     }
     let probe = ProbeId::from_u32(raw.probe).ok_or(DecodeError::UnknownProbe(raw.probe))?;
@@ -394,7 +429,10 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
             stopped: raw.count == 1,
             traced: raw.peer == 1,
         },
-        EventKind::ProcessForked | EventKind::ProcessExec | EventKind::ProcessExit => {
+        EventKind::ProcessForked
+        | EventKind::ProcessExec
+        | EventKind::ProcessExit
+        | EventKind::RuleCall => {
             unreachable!("decoded above")
         }
         EventKind::PhaseMark => ProbeEvent::Phase {

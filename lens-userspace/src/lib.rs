@@ -5,6 +5,7 @@
 //! drives it for the processes in [`target`].
 pub mod budget;
 pub mod cli;
+pub mod config;
 pub mod discovery;
 pub mod error;
 pub mod events;

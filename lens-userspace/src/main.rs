@@ -1,8 +1,9 @@
-use std::{io::Write, process::ExitCode};
+use std::{io::Write, process::ExitCode, sync::Arc};
 
 use lens_probe::{
     LensError,
     cli::{Cli, Rejected},
+    config::ProbeRules,
     discovery::NodeFilter,
     export::{
         config::{ExportSettings, ExporterKind},
@@ -100,6 +101,10 @@ fn init_logging(verbose: u8) {
 fn run(cli: Cli) -> Result<i32, LensError> {
     // Settings first: a bad value is reported before anything is loaded or started.
     let export = ExportSettings::from_cli(&cli)?;
+    let rules = Arc::new(ProbeRules::load(cli.config.as_deref(), cli.profile)?);
+    for warning in rules.warnings(&cli.span_groups) {
+        log::warn!("{warning}");
+    }
     // Forked while lens-probe is single-threaded (the exporter starts threads).
     let guardian = match lens_probe::guardian::Guardian::start() {
         Ok(guardian) => Some(guardian),
@@ -128,6 +133,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         overhead_budget: cli.overhead_budget,
     })?));
     session.set_export_strategy(export.strategy);
+    session.set_rules(rules.clone());
     if let Some(guardian) = guardian {
         session.set_guardian(guardian);
     }
@@ -173,10 +179,13 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         Some(pipeline) => Box::new(pipeline),
         None => Box::new(ConsoleTree::new(std::io::stderr())),
     };
-    let mut spans = SpanBuilder::new(cli.span_groups.clone(), exporter);
+    let mut spans = SpanBuilder::new(cli.span_groups.clone(), exporter).with_rules(rules);
     let mut sinks = (&mut summary, (printer, &mut spans));
     let report = session.run_blocking(&mut sinks, cli.duration)?;
     drop(spans);
+    for warning in session.attacher().unmatched_rules(&cli.span_groups) {
+        log::warn!("{warning}");
+    }
     if let Some(pipeline) = pipeline.as_mut() {
         let events_lost: Vec<(&'static str, u64)> = report
             .losses

@@ -82,6 +82,9 @@ pub const CUDA_LAUNCH_COUNT: &str = "cuda.launch.count";
 /// `true`: launches are counted in sampled windows only (`--overhead-budget`); on a span,
 /// its count is exact and the span lay inside a window; on a metric, counts are scaled up.
 pub const CUDA_LAUNCH_SAMPLED: &str = "cuda.launch.sampled";
+/// Prefix of the attribute a configured probe rule records an argument under when the
+/// rule names none: `lens_probe.arg.0` for the first argument.
+pub const LENS_PROBE_ARG_PREFIX: &str = "lens_probe.arg.";
 /// Why lens-probe lost an event or a span (its own health metrics).
 pub const LENS_PROBE_LOSS_CAUSE: &str = "lens_probe.loss.cause";
 

@@ -6,6 +6,7 @@ use std::{
     collections::{BTreeMap, HashMap},
     ffi::OsString,
     os::fd::OwnedFd,
+    sync::Arc,
     time::Duration,
 };
 
@@ -29,6 +30,7 @@ use tokio::{
 
 use crate::{
     budget::{Action, BudgetController, BudgetReport, OverheadBudget},
+    config::ProbeRules,
     discovery::{self, NodeFilter},
     error::{LensError, Result},
     events::{self, ProbeEvent},
@@ -218,6 +220,18 @@ impl Session {
         &self.attacher
     }
 
+    /// Configured probe rules (`--config`, `--profile`) to attach besides the built-in
+    /// probes. Call before adding targets.
+    pub fn set_rules(&mut self, rules: Arc<ProbeRules>) {
+        self.attacher.set_rules(rules);
+    }
+
+    /// The libraries of interest `pid` maps: the built-in probes' and the files
+    /// configured rules name.
+    fn libraries_of(&self, pid: u32) -> Result<Vec<MappedLibrary>> {
+        library::find_libraries_with(pid, &|path| self.attacher.is_configured_library(path))
+    }
+
     fn launch_totals_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, u64>> {
         let map = self
             .ebpf
@@ -283,8 +297,10 @@ impl Session {
         if !self.exports(&info) {
             return Ok(());
         }
-        let libraries = library::find_libraries(pid)?;
-        if !discovery::maps_training_library(&libraries) {
+        let libraries = self.libraries_of(pid)?;
+        if !discovery::maps_training_library(&libraries)
+            && !libraries.iter().any(|l| l.kind == LibraryKind::Configured)
+        {
             return Err(LensError::NoTracedLibraries {
                 pid,
                 name: info.name,
@@ -480,7 +496,7 @@ impl Session {
 
     /// Attaches to every library `pid` maps that is not probed yet; records its use.
     fn attach_libraries_of(&mut self, pid: u32) {
-        match library::find_libraries(pid) {
+        match self.libraries_of(pid) {
             Ok(libraries) => {
                 self.attacher
                     .use_libraries(pid, libraries.iter().map(|l| l.file));
@@ -531,7 +547,7 @@ impl Session {
             if pid == std::process::id() {
                 continue;
             }
-            let Ok(libraries) = library::find_libraries(pid) else {
+            let Ok(libraries) = self.libraries_of(pid) else {
                 continue;
             };
             // Loaders of running processes (containers bring their own): their future
@@ -577,7 +593,7 @@ impl Session {
     /// Node mode: `pid` changed its libraries; trace it if it is a training process that
     /// passes the filter.
     fn consider_candidate(&mut self, pid: u32, sink: &mut dyn EventSink) {
-        let Ok(libraries) = library::find_libraries(pid) else {
+        let Ok(libraries) = self.libraries_of(pid) else {
             return;
         };
         if !discovery::maps_training_library(&libraries) {

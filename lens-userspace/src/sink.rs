@@ -231,6 +231,18 @@ fn describe(event: &ProbeEvent) -> String {
             launches,
             signal,
         } => format!("[{tgid}:{tid}] {signal:?} at={at_ns} launches={launches}"),
+        ProbeEvent::RuleCall {
+            tgid,
+            tid,
+            at_ns,
+            rule,
+            at_return,
+            ..
+        } => format!(
+            "[{tgid}:{tid}] configured rule {} {} at={at_ns}",
+            rule + 1,
+            if *at_return { "return" } else { "entry" }
+        ),
         ProbeEvent::LinkMapChanged { tgid, .. } => format!("[{tgid}] libraries changed"),
         ProbeEvent::ProcessForked { parent, child } => format!("[{parent}] forked {child}"),
         ProbeEvent::ProcessExec { tgid, .. } => format!("[{tgid}] exec"),

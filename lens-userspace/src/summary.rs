@@ -181,7 +181,8 @@ impl EventSink for Summary {
             | ProbeEvent::LinkMapChanged { .. }
             | ProbeEvent::ProcessForked { .. }
             | ProbeEvent::ProcessExec { .. }
-            | ProbeEvent::ProcessExit { .. } => {}
+            | ProbeEvent::ProcessExit { .. }
+            | ProbeEvent::RuleCall { .. } => {}
         }
     }
 

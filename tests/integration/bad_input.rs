@@ -376,6 +376,22 @@ fn assert_key_fields(raw: &Event, event: &ProbeEvent) -> Result<(), TestCaseErro
             prop_assert_eq!(kind, Some(EventKind::ProcessExit));
             prop_assert_eq!(*wait_status, raw.count as i32);
         }
+        ProbeEvent::RuleCall {
+            tid,
+            at_ns,
+            rule,
+            at_return,
+            args,
+            ret,
+            ..
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::RuleCall));
+            prop_assert_eq!(Some(*rule), lens_common::rule_index(raw.probe));
+            prop_assert_eq!(
+                (*tid, *at_ns, *at_return, *args, *ret),
+                (raw.tid, raw.start_ns, raw.at_return != 0, raw.args, raw.ret)
+            );
+        }
     }
     Ok(())
 }
@@ -442,6 +458,11 @@ fn valid_kind_probe() -> impl Strategy<Value = (u32, u32, u32)> {
             any::<u32>()
         ),
         (kind(EventKind::PhaseMark), select(phases)).prop_map(|(k, (p, r))| (k, p, r)),
+        (
+            kind(EventKind::RuleCall),
+            lens_common::RULE_COOKIE_BASE..lens_common::RULE_COOKIE_BASE + lens_common::MAX_RULES,
+            0u32..2
+        ),
         (
             prop_oneof![
                 kind(EventKind::ProcessForked),

@@ -13,15 +13,18 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
-use lens_common::ProbeId;
+use std::{path::Path, sync::Arc};
+
+use lens_common::{ProbeId, rule_cookie};
 use log::{debug, warn};
 
 use super::{
     catalog::{self, Program},
     library::{FileId, LibraryKind, MappedLibrary},
-    symbols::{Symbol, Symbols, resolve_symbols},
+    symbols::{Symbol, Symbols, resolve_matching, resolve_symbols},
 };
 use crate::{
+    config::{ArgType, NativeRule, ProbeRules},
     error::{LensError, Result},
     groups::SpanGroups,
 };
@@ -148,9 +151,49 @@ pub struct Attacher {
     links: HashMap<FileId, Vec<(Program, UProbeLinkId)>>,
     users: HashMap<FileId, HashSet<u32>>,
     sampled: Option<SampledLaunches>,
+    /// Configured probe rules (`--config`, `--profile`).
+    rules: Arc<ProbeRules>,
+    /// Rules whose `library` matched a file of a target.
+    rules_seen: HashSet<u32>,
 }
 
 impl Attacher {
+    /// Configured probe rules to attach, besides the catalog's. Call before attaching.
+    pub fn set_rules(&mut self, rules: Arc<ProbeRules>) {
+        self.rules = rules;
+    }
+
+    pub fn rules(&self) -> &Arc<ProbeRules> {
+        &self.rules
+    }
+
+    /// Whether a configured rule names the file at `path` (a process's mapping).
+    pub fn is_configured_library(&self, path: &Path) -> bool {
+        self.rules
+            .native
+            .iter()
+            .any(|rule| rule.library.matches(path))
+    }
+
+    /// One line for each rule (of an enabled group) whose library no target mapped: its
+    /// probe was never attached.
+    pub fn unmatched_rules(&self, groups: &SpanGroups) -> Vec<String> {
+        self.rules
+            .native
+            .iter()
+            .filter(|rule| groups.contains(rule.group) && !self.rules_seen.contains(&rule.index))
+            .map(|rule| {
+                format!(
+                    "{}: no traced process mapped a file matching library {:?}: {} was never \
+                     probed",
+                    rule.origin,
+                    rule.library.as_str(),
+                    rule.symbol.text()
+                )
+            })
+            .collect()
+    }
+
     /// From now on launch probes can be taken out and put back ([`Self::set_launch_probes`])
     /// for an overhead budget. Call before attaching.
     pub fn sample_launches(&mut self) {
@@ -354,6 +397,7 @@ impl Attacher {
                 })),
             }
         }
+        self.attach_rules(ebpf, library, groups, &mut outcomes);
         let failed = outcomes
             .iter()
             .any(|o| matches!(o, ProbeOutcome::Failed { .. }));
@@ -394,6 +438,167 @@ impl Attacher {
         self.attachments.last()
     }
 
+    /// Attaches the configured rules (of enabled groups) whose `library` names `library`:
+    /// every function each one's `symbol` matches, entry and return, the cookie saying
+    /// which rule. A rule that matches nothing here is one failed outcome (one warning); a
+    /// rule that matches more than its `max_matches` is probed on the first ones, said in
+    /// one warning.
+    fn attach_rules(
+        &mut self,
+        ebpf: &mut Ebpf,
+        library: &MappedLibrary,
+        groups: &SpanGroups,
+        outcomes: &mut Vec<ProbeOutcome>,
+    ) {
+        let all = self.rules.clone();
+        let rules: Vec<&NativeRule> = all
+            .native
+            .iter()
+            .filter(|rule| groups.contains(rule.group) && rule.library.matches(&library.shown_path))
+            .collect();
+        if rules.is_empty() {
+            return;
+        }
+        self.rules_seen.extend(rules.iter().map(|rule| rule.index));
+        let exact: Vec<&str> = rules
+            .iter()
+            .filter(|rule| !rule.symbol.is_pattern())
+            .map(|rule| rule.symbol.text())
+            .collect();
+        let patterns: Vec<&NativeRule> = rules
+            .iter()
+            .copied()
+            .filter(|rule| rule.symbol.is_pattern())
+            .collect();
+        let exact_found = (!exact.is_empty())
+            .then(|| resolve_symbols(&library.open_path, &exact))
+            .transpose();
+        let matched = (!patterns.is_empty())
+            .then(|| {
+                let symbols: Vec<_> = patterns.iter().map(|rule| &rule.symbol).collect();
+                let caps: Vec<usize> = patterns
+                    .iter()
+                    .map(|rule| rule.max_matches as usize)
+                    .collect();
+                resolve_matching(&library.open_path, &symbols, &caps)
+            })
+            .transpose();
+        let links = self.links.entry(library.file).or_default();
+        for rule in rules {
+            let symbol = rule.symbol.text();
+            let found: std::result::Result<RulePlaces, String> = if rule.symbol.is_pattern() {
+                let at = patterns.iter().position(|p| p.index == rule.index);
+                match (&matched, at) {
+                    (Ok(Some(matches)), Some(at)) => Ok(RulePlaces {
+                        places: matches.found[at].clone(),
+                        capped: matches.capped[at],
+                        has_static: matches.has_static_symbols,
+                    }),
+                    (Err(error), _) => Err(error.to_string()),
+                    _ => Ok(RulePlaces::default()),
+                }
+            } else {
+                match &exact_found {
+                    Ok(Some(symbols)) => Ok(RulePlaces {
+                        places: symbols
+                            .found
+                            .get(symbol)
+                            .map(|place| (symbol.to_string(), place.clone()))
+                            .into_iter()
+                            .collect(),
+                        capped: false,
+                        has_static: symbols.has_static_symbols,
+                    }),
+                    Err(error) => Err(error.to_string()),
+                    Ok(None) => Ok(RulePlaces::default()),
+                }
+            };
+            let RulePlaces {
+                places,
+                capped,
+                has_static,
+            } = match found {
+                Ok(found) => found,
+                Err(reason) => {
+                    outcomes.push(ProbeOutcome::Failed {
+                        symbol: symbol.to_string(),
+                        reason: format!("{}: {reason}", rule.origin),
+                    });
+                    continue;
+                }
+            };
+            if places.is_empty() {
+                let searched = if has_static {
+                    ".dynsym and .symtab"
+                } else {
+                    ".dynsym only: the file is stripped"
+                };
+                outcomes.push(ProbeOutcome::Failed {
+                    symbol: symbol.to_string(),
+                    reason: format!(
+                        "{}: no symbol matches it (searched {searched})",
+                        rule.origin
+                    ),
+                });
+                continue;
+            }
+            if capped {
+                warn!(
+                    "{}: {symbol} matches more than {} functions in {}: the first {} (by name) \
+                     are probed; raise max_matches to probe more",
+                    rule.origin,
+                    rule.max_matches,
+                    library.shown_path.display(),
+                    places.len()
+                );
+            }
+            let string = rule.string_arg();
+            let cookie = rule_cookie(
+                rule.index,
+                string.map(|arg| arg.index),
+                string.is_some_and(|arg| arg.kind == ArgType::StdString),
+            );
+            let mut offsets = HashSet::new();
+            for (name, place) in places {
+                // Aliases of one function fire once.
+                if !offsets.insert(place.offset) {
+                    continue;
+                }
+                for program in [Program::UserRuleEntry, Program::UserRuleReturn] {
+                    let result = uprobe_mut(ebpf, program).and_then(|uprobe| {
+                        uprobe
+                            .attach(
+                                UProbeAttachPoint {
+                                    location: UProbeAttachLocation::AbsoluteOffset(place.offset),
+                                    cookie: Some(cookie),
+                                },
+                                &library.open_path,
+                                UProbeScope::AllProcesses,
+                            )
+                            .map_err(|source| LensError::Program {
+                                program: program.name(),
+                                source,
+                            })
+                    });
+                    outcomes.push(match result {
+                        Ok(id) => {
+                            links.push((program, id));
+                            ProbeOutcome::Attached {
+                                symbol: name.clone(),
+                                offset: place.offset,
+                                version: place.version.clone(),
+                            }
+                        }
+                        Err(error) => ProbeOutcome::Failed {
+                            symbol: name.clone(),
+                            reason: format!("{}: {error}", rule.origin),
+                        },
+                    });
+                }
+            }
+        }
+    }
+
     /// Attached probes per probe id (both entry and return count as one probe each).
     pub fn attached_by_probe(&self) -> BTreeMap<ProbeId, usize> {
         let mut by_probe = BTreeMap::new();
@@ -409,6 +614,15 @@ impl Attacher {
         }
         by_probe
     }
+}
+
+/// Where a configured rule goes in one library: the functions it matched (name and
+/// place), whether more matched than its cap, and whether the file has a `.symtab`.
+#[derive(Default)]
+struct RulePlaces {
+    places: Vec<(String, Symbol)>,
+    capped: bool,
+    has_static: bool,
 }
 
 /// A `count_only` probe (a launch's program) at `offset` in `path`, outside the

@@ -20,10 +20,13 @@ pub enum Program {
     PhaseMarkReturn,
     TorchScopeEnter,
     TimedCallEntry,
+    /// Configured probe rules (`crate::config`): entry and return of any function.
+    UserRuleEntry,
+    UserRuleReturn,
 }
 
 impl Program {
-    pub const ALL: [Program; 11] = [
+    pub const ALL: [Program; 13] = [
         Program::CountOnly,
         Program::NcclGroup,
         Program::NcclCollectiveEntry,
@@ -35,6 +38,8 @@ impl Program {
         Program::PhaseMarkReturn,
         Program::TorchScopeEnter,
         Program::TimedCallEntry,
+        Program::UserRuleEntry,
+        Program::UserRuleReturn,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -50,6 +55,8 @@ impl Program {
             Program::PhaseMarkReturn => "phase_mark_return",
             Program::TorchScopeEnter => "torch_scope_enter",
             Program::TimedCallEntry => "timed_call_entry",
+            Program::UserRuleEntry => "user_rule_entry",
+            Program::UserRuleReturn => "user_rule_return",
         }
     }
 }

@@ -19,6 +19,9 @@ pub enum LibraryKind {
     TorchCpu,
     /// PyTorch's core `libc10.so`: grad mode.
     C10,
+    /// Any other file (library or program) a configured probe rule names
+    /// (`crate::config`): only the rules' probes go there.
+    Configured,
 }
 
 impl LibraryKind {
@@ -54,6 +57,7 @@ impl LibraryKind {
             LibraryKind::DynamicLoader => "ld.so",
             LibraryKind::TorchCpu => "libtorch_cpu",
             LibraryKind::C10 => "libc10",
+            LibraryKind::Configured => "the library",
         }
     }
 }
@@ -120,6 +124,15 @@ fn parse_maps_line(line: &str) -> Option<MapsEntry> {
 
 /// The libraries of interest that process `pid` maps, one per file.
 pub fn find_libraries(pid: u32) -> Result<Vec<MappedLibrary>> {
+    find_libraries_with(pid, &|_| false)
+}
+
+/// [`find_libraries`], and the other files `pid` maps that `configured` says a
+/// configured probe rule names ([`LibraryKind::Configured`]).
+pub fn find_libraries_with(
+    pid: u32,
+    configured: &dyn Fn(&Path) -> bool,
+) -> Result<Vec<MappedLibrary>> {
     let maps_path = PathBuf::from(format!("/proc/{pid}/maps"));
     let text = fs::read_to_string(&maps_path).map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound {
@@ -131,16 +144,26 @@ pub fn find_libraries(pid: u32) -> Result<Vec<MappedLibrary>> {
             }
         }
     })?;
-    Ok(libraries_in(pid, &parse_maps(&text)))
+    Ok(libraries_in_with(pid, &parse_maps(&text), configured))
 }
 
 pub fn libraries_in(pid: u32, entries: &[MapsEntry]) -> Vec<MappedLibrary> {
+    libraries_in_with(pid, entries, &|_| false)
+}
+
+fn libraries_in_with(
+    pid: u32,
+    entries: &[MapsEntry],
+    configured: &dyn Fn(&Path) -> bool,
+) -> Vec<MappedLibrary> {
     let mut by_file: BTreeMap<FileId, MappedLibrary> = BTreeMap::new();
     for entry in entries {
         let Some(name) = Path::new(&entry.path).file_name().and_then(|n| n.to_str()) else {
             continue;
         };
-        let Some(kind) = LibraryKind::from_file_name(name) else {
+        let Some(kind) = LibraryKind::from_file_name(name)
+            .or_else(|| configured(Path::new(&entry.path)).then_some(LibraryKind::Configured))
+        else {
             continue;
         };
         by_file.entry(entry.file).or_insert_with(|| MappedLibrary {

@@ -5,4 +5,5 @@ pub mod calibrate;
 pub mod catalog;
 pub mod library;
 pub mod processes;
+pub mod rules;
 pub mod symbols;

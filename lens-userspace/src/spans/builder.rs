@@ -1,7 +1,10 @@
 //! The span builder: an [`EventSink`] that keeps, per traced process, the `train.job`
 //! root, a phase machine per thread, and turns calls (collectives, sync waits) into
 //! child spans of the phase they happen in.
-use std::collections::HashMap;
+use std::{
+    collections::{BTreeSet, HashMap},
+    sync::Arc,
+};
 
 use super::{
     AttrValue, Attributes, SpanExporter, SpanId, SpanRecord,
@@ -10,6 +13,7 @@ use super::{
     phases::{ProcessContext, ThreadPhases},
 };
 use crate::{
+    config::{ArgType, NativeRule, ProbeRules},
     events::{CallTiming, ProbeEvent},
     groups::{SpanGroup, SpanGroups},
     semconv,
@@ -41,6 +45,11 @@ struct ProcessSpans {
     /// threads without phases of their own are shown under its phases.
     loop_thread: Option<u32>,
     communicators: HashMap<u64, Communicator>,
+    /// Groups configured probe rules have taken over from torch's signals (from the
+    /// first call of such a rule on).
+    ruled: BTreeSet<SpanGroup>,
+    /// `dl.iteration` of the next step a rule opens.
+    rule_iteration: u64,
 }
 
 /// Routes a process's finished spans: to the exporter once it is exporting, else held.
@@ -77,6 +86,8 @@ impl ProcessSpans {
 
 pub struct SpanBuilder<E: SpanExporter> {
     groups: SpanGroups,
+    /// Configured probe rules: what their calls become.
+    rules: Arc<ProbeRules>,
     ids: IdSource,
     processes: HashMap<u32, ProcessSpans>,
     exporter: E,
@@ -86,10 +97,17 @@ impl<E: SpanExporter> SpanBuilder<E> {
     pub fn new(groups: SpanGroups, exporter: E) -> SpanBuilder<E> {
         SpanBuilder {
             groups,
+            rules: Arc::default(),
             ids: IdSource::new(),
             processes: HashMap::new(),
             exporter,
         }
+    }
+
+    /// Calls of the functions these rules name become spans (see `on_rule_call`).
+    pub fn with_rules(mut self, rules: Arc<ProbeRules>) -> SpanBuilder<E> {
+        self.rules = rules;
+        self
     }
 
     pub fn exporter(&self) -> &E {
@@ -148,6 +166,8 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 threads: HashMap::new(),
                 loop_thread: None,
                 communicators: HashMap::new(),
+                ruled: BTreeSet::new(),
+                rule_iteration: 0,
             },
         );
     }
@@ -184,6 +204,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             threads,
             exporting,
             held,
+            ruled,
             ..
         } = &mut process;
         if !*exporting && !arena.training_seen() {
@@ -204,6 +225,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             out: &mut output,
             job: *job,
             model_init,
+            ruled,
         };
         let mut tids: Vec<u32> = threads.keys().copied().collect();
         tids.sort_unstable();
@@ -281,6 +303,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             out: &mut output,
             job: process.job,
             model_init: &mut process.model_init,
+            ruled: &process.ruled,
         };
         thread.on_signal(&mut ctx, at, signal);
         if process.loop_thread.is_none() && thread.is_active() {
@@ -288,6 +311,81 @@ impl<E: SpanExporter> SpanBuilder<E> {
         }
         // Threads come and go (workers, per-step helpers): keep state only for those
         // with something open.
+        if thread.is_idle() && process.loop_thread != Some(tid) {
+            process.threads.remove(&tid);
+        }
+        process.export_if_training(&mut self.exporter, &self.groups);
+    }
+
+    /// Entry or return of a function a configured rule names: a span of the rule's
+    /// group opens or ends on that thread (`ThreadPhases::rule_enter`). A rule of group
+    /// step, evaluate, checkpoint or load_checkpoint takes that group over in the process
+    /// from its first call: torch's signals for it are ignored from then on, and a step
+    /// rule's spans count `dl.iteration`.
+    fn on_rule_call(&mut self, event: &ProbeEvent) {
+        let ProbeEvent::RuleCall {
+            tgid,
+            tid,
+            at_ns,
+            rule,
+            at_return,
+            args,
+            text,
+            ..
+        } = event
+        else {
+            return;
+        };
+        let Some(rule) = self.rules.native_rule(*rule) else {
+            return;
+        };
+        let Some(process) = self.processes.get_mut(tgid) else {
+            return;
+        };
+        let (at, tid) = (*at_ns, *tid);
+        let taken_over = matches!(
+            rule.group,
+            SpanGroup::Step
+                | SpanGroup::Evaluate
+                | SpanGroup::Checkpoint
+                | SpanGroup::LoadCheckpoint
+        );
+        if !at_return && taken_over {
+            process.ruled.insert(rule.group);
+        }
+        let iteration = (!at_return && rule.group == SpanGroup::Step).then(|| {
+            process.rule_iteration += 1;
+            process.rule_iteration - 1
+        });
+        let traced_from_start = process.traced_from_start;
+        let thread = process
+            .threads
+            .entry(tid)
+            .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
+        let mut output = ProcessOutput {
+            exporting: process.exporting,
+            held: &mut process.held,
+            out: &mut self.exporter,
+        };
+        let mut ctx = ProcessContext {
+            arena: &mut process.arena,
+            ids: &mut self.ids,
+            out: &mut output,
+            job: process.job,
+            model_init: &mut process.model_init,
+            ruled: &process.ruled,
+        };
+        if *at_return {
+            thread.rule_return(&mut ctx, at, rule.index);
+        } else {
+            let attributes = rule_attributes(rule, args, text.as_deref());
+            thread.rule_enter(
+                &mut ctx, at, rule.index, rule.name, rule.group, attributes, iteration,
+            );
+        }
+        if process.loop_thread.is_none() && thread.is_active() {
+            process.loop_thread = Some(tid);
+        }
         if thread.is_idle() && process.loop_thread != Some(tid) {
             process.threads.remove(&tid);
         }
@@ -321,6 +419,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             out: &mut output,
             job: process.job,
             model_init: &mut process.model_init,
+            ruled: &process.ruled,
         };
         let parent = match thread {
             Some(thread) => thread.innermost(&ctx),
@@ -461,6 +560,7 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
             | ProbeEvent::ProcessForked { .. }
             | ProbeEvent::ProcessExec { .. }
             | ProbeEvent::ProcessExit { .. } => {}
+            ProbeEvent::RuleCall { .. } => self.on_rule_call(event),
         }
     }
 
@@ -489,4 +589,27 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
     fn on_process_end(&mut self, end: &ProcessEnd) {
         self.end_process_with_calls(end.pid, end.exit, monotonic_now_ns(), &end.calls);
     }
+}
+
+/// The attributes a rule's arguments give, as its `args` say to read them. A string
+/// argument that was NULL or unreadable is left out.
+fn rule_attributes(rule: &NativeRule, args: &[u64], text: Option<&str>) -> Attributes {
+    let mut attributes = Attributes::new();
+    for arg in &rule.args {
+        let raw = args.get(arg.index as usize).copied().unwrap_or(0);
+        let value = match arg.kind {
+            ArgType::Int => AttrValue::Int((raw as u32 as i32).into()),
+            ArgType::Uint => AttrValue::Int((raw as u32).into()),
+            ArgType::Long => AttrValue::Int(raw as i64),
+            ArgType::Ulong => raw.into(),
+            ArgType::Bool => AttrValue::Bool(raw & 0xff != 0),
+            ArgType::Ptr => AttrValue::Str(format!("{raw:#x}")),
+            ArgType::Str | ArgType::StdString => match text {
+                Some(text) => text.into(),
+                None => continue,
+            },
+        };
+        attributes.push((arg.attribute, value));
+    }
+    attributes
 }

@@ -1,8 +1,10 @@
 //! The per-thread state machine that turns phase signals (torch scopes, backward passes,
 //! grad mode, checkpoint files) into the training-loop spans. Each rule is written up in
 //! `docs/spans.md`; the names of the rules there are the names of the methods here.
+use std::collections::BTreeSet;
+
 use super::{
-    SpanEvent, SpanExporter, SpanId,
+    Attributes, SpanEvent, SpanExporter, SpanId,
     arena::{IdSource, SpanArena},
     names,
 };
@@ -20,6 +22,9 @@ pub(super) struct ProcessContext<'a> {
     pub job: SpanId,
     /// Open from the job's start until the first top-level phase (when traced from start).
     pub model_init: &'a mut Option<SpanId>,
+    /// Groups configured probe rules have taken over in this process: torch's signals
+    /// for them are ignored (see `rule_enter`).
+    pub ruled: &'a BTreeSet<SpanGroup>,
 }
 
 impl ProcessContext<'_> {
@@ -95,6 +100,8 @@ pub(super) struct ThreadPhases {
     iteration: u64,
     backward_depth: u32,
     backward_start: u64,
+    /// Spans of configured probe rules open on this thread, outermost first: (rule, span).
+    rule_spans: Vec<(u32, SpanId)>,
 }
 
 impl ThreadPhases {
@@ -114,12 +121,14 @@ impl ThreadPhases {
             iteration: 0,
             backward_depth: 0,
             backward_start: 0,
+            rule_spans: Vec::new(),
         }
     }
 
     /// Whether this thread has seen any training-loop activity (its spans exist).
     pub fn is_active(&self) -> bool {
         self.step.is_some()
+            || !self.rule_spans.is_empty()
             || self.evaluate.is_some()
             || self.iteration > 0
             || self.boundary.is_some()
@@ -137,6 +146,7 @@ impl ThreadPhases {
             && self.checkpoint.is_none()
             && self.load_checkpoint.is_none()
             && self.backward_depth == 0
+            && self.rule_spans.is_empty()
     }
 
     fn in_optimizer_scope(&self) -> bool {
@@ -156,6 +166,9 @@ impl ThreadPhases {
         if let Some(file) = self.checkpoint.as_ref().or(self.load_checkpoint.as_ref()) {
             return file.span;
         }
+        if let Some((_, span)) = self.rule_spans.last() {
+            return *span;
+        }
         if let Some(evaluate) = self.evaluate {
             return evaluate;
         }
@@ -173,6 +186,22 @@ impl ThreadPhases {
     }
 
     pub fn on_signal(&mut self, ctx: &mut ProcessContext<'_>, at: u64, signal: &PhaseSignal) {
+        // A group configured rules took over: torch's signals for it are not used.
+        let ruled = |group| ctx.ruled.contains(&group);
+        let taken = match signal {
+            PhaseSignal::BackwardStart | PhaseSignal::BackwardEnd => ruled(SpanGroup::Step),
+            PhaseSignal::GradMode { .. } => ruled(SpanGroup::Evaluate),
+            PhaseSignal::CheckpointWriteStart | PhaseSignal::CheckpointWriteEnd => {
+                ruled(SpanGroup::Checkpoint)
+            }
+            PhaseSignal::CheckpointReadStart | PhaseSignal::CheckpointReadEnd => {
+                ruled(SpanGroup::LoadCheckpoint)
+            }
+            PhaseSignal::ScopeEnter { .. } | PhaseSignal::ScopeExit => false,
+        };
+        if taken {
+            return;
+        }
         if !matches!(
             signal,
             PhaseSignal::CheckpointWriteStart | PhaseSignal::CheckpointWriteEnd
@@ -187,7 +216,13 @@ impl ThreadPhases {
         }
         match signal {
             PhaseSignal::ScopeEnter { scope, .. } => self.scope_enter(ctx, at, *scope),
-            PhaseSignal::ScopeExit => self.scope_exit(at),
+            PhaseSignal::ScopeExit => {
+                if !ctx.ruled.contains(&SpanGroup::Step) {
+                    self.scope_exit(at);
+                } else {
+                    self.scopes.pop();
+                }
+            }
             PhaseSignal::BackwardStart => self.backward_start(ctx, at),
             PhaseSignal::BackwardEnd => self.backward_end(ctx, at),
             PhaseSignal::GradMode { enabled } => self.grad_mode(ctx, at, *enabled),
@@ -210,6 +245,7 @@ impl ThreadPhases {
                     self.pending_fetch = Some(at);
                 }
             }
+            TorchScope::OptimizerStep if ctx.ruled.contains(&SpanGroup::Step) => {}
             TorchScope::OptimizerStep => self.optimizer_begins(ctx, at),
             TorchScope::OptimizerZeroGrad => {
                 // zero_grad right after step: still the optimizer's work.
@@ -408,8 +444,9 @@ impl ThreadPhases {
             file.files += 1;
             return;
         }
-        // Inside a running step it belongs to that step; otherwise it is a phase of its own.
-        let parent = if running_step {
+        // Inside a running step (or a configured rule's span) it belongs there; otherwise it
+        // is a phase of its own.
+        let parent = if running_step || !self.rule_spans.is_empty() {
             self.innermost(ctx)
         } else {
             self.finish_step(ctx);
@@ -457,9 +494,83 @@ impl ThreadPhases {
         *boundary = Some(end);
     }
 
+    /// A function a configured rule names was entered: its span opens, under the
+    /// innermost open span of the thread, like a call. Rules of the top-level groups
+    /// (step, evaluate, checkpoint, load_checkpoint) *are* the phase when nothing else is
+    /// open: a complete torch step ends first, `model_init` ends, and the span hangs on
+    /// the job. `iteration`: the step's `dl.iteration`, for step rules.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rule_enter(
+        &mut self,
+        ctx: &mut ProcessContext<'_>,
+        at: u64,
+        rule: u32,
+        name: &'static str,
+        group: SpanGroup,
+        attributes: Attributes,
+        iteration: Option<u64>,
+    ) {
+        let top_level = matches!(
+            group,
+            SpanGroup::Step
+                | SpanGroup::Evaluate
+                | SpanGroup::Checkpoint
+                | SpanGroup::LoadCheckpoint
+        );
+        if group == SpanGroup::Step {
+            // Steps come from the rule now: a torch step still open here never completes.
+            self.finish_step(ctx);
+            if let Some(step) = self.step.take() {
+                for id in [step.forward_backward, step.optimizer]
+                    .into_iter()
+                    .flatten()
+                {
+                    ctx.truncate(id, at);
+                }
+                ctx.truncate(step.span, at);
+            }
+        } else if top_level && self.rule_spans.is_empty() {
+            self.finish_step(ctx);
+        }
+        let mut parent = self.innermost(ctx);
+        if top_level && Some(parent) == *ctx.model_init {
+            ctx.end_model_init(at);
+            parent = ctx.job;
+        }
+        let span = ctx.open(name, group, parent, self.tid, at);
+        for (key, value) in attributes {
+            ctx.arena.set_attr(span, key, value);
+        }
+        if let Some(iteration) = iteration {
+            ctx.arena.set_attr(span, semconv::DL_ITERATION, iteration);
+        }
+        self.rule_spans.push((rule, span));
+    }
+
+    /// The function of `rule` returned: its innermost open span ends. Spans opened inside
+    /// it and still open (their return was never seen: a longjmp, an exception through
+    /// C) end with it, truncated. A return without its entry (attached mid-call) is
+    /// ignored.
+    pub fn rule_return(&mut self, ctx: &mut ProcessContext<'_>, at: u64, rule: u32) {
+        let Some(position) = self.rule_spans.iter().rposition(|(r, _)| *r == rule) else {
+            return;
+        };
+        while self.rule_spans.len() > position + 1 {
+            if let Some((_, span)) = self.rule_spans.pop() {
+                ctx.truncate(span, at);
+            }
+        }
+        if let Some((_, span)) = self.rule_spans.pop() {
+            ctx.close(span, at);
+        }
+    }
+
     /// The process is gone or tracing stops at `at`: complete phases end where they
     /// ended, open ones end now, innermost first, marked truncated.
     pub fn finish(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
+        while let Some((_, span)) = self.rule_spans.pop() {
+            ctx.truncate(span, at);
+        }
         Self::settle_files(&mut self.checkpoint, &mut self.boundary, ctx);
         Self::settle_files(&mut self.load_checkpoint, &mut self.boundary, ctx);
         for file in [self.checkpoint.take(), self.load_checkpoint.take()]
