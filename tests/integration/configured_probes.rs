@@ -388,3 +388,36 @@ fn bad_config_files_are_one_line_naming_the_file_rule_and_field_exit_2() {
     let output = lens_probe(&["--pid", "1"], &[("LENS_PROBE_PROFILE", "x")]);
     assert_one_line_error(&output, 2, "for LENS_PROBE_PROFILE: unknown profile");
 }
+
+#[test]
+fn a_std_string_argument_is_read_and_a_checkpoint_rule_takes_checkpoints_over() {
+    if !lens_tests::require_bpf("a_std_string_argument_is_read") {
+        return;
+    }
+    // The fake libtorch's PyTorchStreamWriter constructor (this, const std::string& name,
+    // ...) by its demangled name: the file name is read through the std::string in rsi.
+    // Checkpoints come from the rule now, not from the writer/destructor signals.
+    let rules = r#"
+        [[probe]]
+        library = "libtorch_cpu.so"
+        symbol = "caffe2::serialize::PyTorchStreamWriter::PyTorchStreamWriter"
+        group = "checkpoint"
+        args = [{ index = 1, type = "std::string", attribute = "nemo.checkpoint.path" }]
+    "#;
+    let argv = lens_tests::torch_trainer_argv(&[], &["3", "1", "0", "3"]);
+    let (log, _) = trace(rules, "per_step", &argv);
+    let torch_step = |i: u32| {
+        format!("  train.step dl.iteration={i}\n    train.forward_backward\n    train.optimizer\n")
+    };
+    assert_eq!(
+        log.outline(KEYS),
+        [
+            "train.job\n  train.model_init\n".to_string(),
+            torch_step(0),
+            torch_step(1),
+            torch_step(2),
+            "  train.checkpoint nemo.checkpoint.path=ckpt/step3.pt\n".into(),
+        ]
+        .concat()
+    );
+}
