@@ -200,7 +200,8 @@ say "1/3: lens-probe --span-groups all --exporter console --exec -- python gpu_t
 all_loop="$(run traced-all --span-groups all --exporter console --summary-json "$OUT/summary.json")"
 echo
 echo "---- span tree (first 60 lines; all of it in $OUT/traced-all.err) ----"
-grep -v '^lens-probe summary' "$OUT/traced-all.err" | sed -n '/job started/,$p' | head -n 60
+# (head closes the pipe early: SIGPIPE upstream is expected, not a failure)
+{ grep -v '^lens-probe summary' "$OUT/traced-all.err" | sed -n '/job started/,$p' | head -n 60; } || true
 echo "---- lens-probe summary ----"
 sed -n '/^lens-probe summary/,$p' "$OUT/traced-all.err"
 echo

@@ -256,12 +256,18 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     spec(ProbeId::NcclGroupStart, Nccl, NcclGroup, false, STEP_DETAIL),
     spec(ProbeId::NcclGroupEnd, Nccl, NcclGroup, false, STEP_DETAIL),
     // Rare and cheap, and it names the rank of every communicator: always on.
-    spec(
-        ProbeId::NcclCommInitRank,
-        Nccl,
-        NcclCommInitEntry,
-        true,
-        ALWAYS,
+    // `ncclCommInitRankConfig` (what PyTorch's ProcessGroupNCCL calls with NCCL ≥ 2.14:
+    // seen on a GPU with torch 2.11 / NCCL 2.28) takes the same first four arguments,
+    // the id by value on the stack, plus a config pointer: the same program reads it.
+    with_aliases(
+        spec(
+            ProbeId::NcclCommInitRank,
+            Nccl,
+            NcclCommInitEntry,
+            true,
+            ALWAYS,
+        ),
+        &["ncclCommInitRankConfig"],
     ),
     // How libraries loaded after start are found.
     spec(
