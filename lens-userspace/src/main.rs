@@ -30,6 +30,8 @@ fn main() -> ExitCode {
         }
     };
     init_logging(cli.verbose);
+    // SIGINT/SIGTERM during start-up wait until the run loop can handle them (flush, exit 0).
+    target::hold_stop_signals();
     match run(cli) {
         Ok(code) => exit_now(code.clamp(0, 255)),
         Err(error) => {

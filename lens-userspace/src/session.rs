@@ -1097,3 +1097,5 @@ async fn wait_child(pid: u32) -> Option<ExitStatus> {
     }
     None
 }
+        // Handlers in place: a stop signal held since start-up is delivered now.
+        target::release_stop_signals();

@@ -430,6 +430,8 @@ pub fn spawn_gated(argv: &[OsString]) -> Result<GatedChild> {
     let (gate_read, gate_write) = pipe(libc::O_CLOEXEC).map_err(spawn_error)?;
     let (status_read, status_write) = pipe(libc::O_CLOEXEC).map_err(spawn_error)?;
 
+    // The command must not inherit lens-probe's held signals (a mask survives exec).
+    let held = stop_signals();
     // SAFETY: the child only calls async-signal-safe functions before exec or _exit.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
@@ -444,6 +446,7 @@ pub fn spawn_gated(argv: &[OsString]) -> Result<GatedChild> {
                 // The loader went away before releasing us: do not run untraced.
                 libc::_exit(127);
             }
+            libc::sigprocmask(libc::SIG_UNBLOCK, &held, std::ptr::null_mut());
             libc::execv(c_path.as_ptr(), c_argv.as_ptr());
             let errno = *libc::__errno_location();
             libc::write(
@@ -528,6 +531,35 @@ impl ExitStatus {
             ExitStatus::Unknown => 0,
         }
     }
+}
+
+/// SIGINT and SIGTERM, which lens-probe holds (blocked, so pending) from its start until
+/// its handlers are in place: stopping it mid-start-up must still flush and exit cleanly.
+fn stop_signals() -> libc::sigset_t {
+    // SAFETY: sigset operations on a local set.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        set
+    }
+}
+
+/// Blocks SIGINT and SIGTERM in the calling thread and the threads it starts later; they
+/// wait, pending, for [`release_stop_signals`]. Call first thing, before any thread.
+pub fn hold_stop_signals() {
+    let set = stop_signals();
+    // SAFETY: changes this thread's signal mask only.
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+}
+
+/// Unblocks them in the calling thread (the one whose handlers are now ready); pending
+/// ones are delivered at once.
+pub fn release_stop_signals() {
+    let set = stop_signals();
+    // SAFETY: as above.
+    unsafe { libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) };
 }
 
 /// Collects the exit status of our child `pid` if it has exited (non-blocking).

@@ -9,7 +9,7 @@ use std::{
 
 use lens_common::ProbeId;
 use lens_probe::{
-    events::ProbeEvent,
+    events::{PhaseSignal, ProbeEvent},
     groups::SpanGroups,
     semconv,
     session::{KernelState, Session, TraceOptions},
@@ -51,29 +51,29 @@ fn a_target_killed_mid_step_leaves_no_kernel_state() {
     if !lens_tests::require_bpf("a_target_killed_mid_step_leaves_no_kernel_state") {
         return;
     }
-    // 2 s forward passes: the first backward (which opens step 0) at ~2 s; killed at 3 s,
-    // inside the second forward, with a second of margin either way.
+    // 1 s forward passes; killed 300 ms after the first backward pass ended (which opened
+    // step 0), inside the second forward pass.
     let mut session = session("per_step");
     let pid = session
         .exec(&torch_trainer(
             &[
-                ("TRAINER_FORWARD_MS", "2000"),
+                ("TRAINER_FORWARD_MS", "1000"),
                 ("TRAINER_INIT_MS", "0"),
                 ("TRAINER_LAUNCHES", "2"),
             ],
             &["3", "2", "0", "0"],
         ))
         .unwrap();
-    let killer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(3000));
-        // SAFETY: plain kill(2) of the child we started.
-        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    });
-    let mut builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
+    let mut builder = KillAfterFirstBackward {
+        builder: SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default()),
+        pid,
+        killer: None,
+    };
     session
         .run_blocking(&mut builder, Some(Duration::from_secs(60)))
         .unwrap();
-    killer.join().unwrap();
+    builder.killer.take().expect("a backward pass").join().unwrap();
+    let builder = builder.builder;
     let log = builder.into_exporter();
     let step = log.named(names::STEP).next().expect("the open step");
     assert!(step.truncated(), "{step:?}");
@@ -84,6 +84,38 @@ fn a_target_killed_mid_step_leaves_no_kernel_state() {
 
 #[test]
 fn a_target_that_execs_another_trainer_gets_a_second_job() {
+/// The span builder, and a SIGKILL for `pid` 300 ms after its first backward pass.
+struct KillAfterFirstBackward {
+    builder: SpanBuilder<SpanLog>,
+    pid: u32,
+    killer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl EventSink for KillAfterFirstBackward {
+    fn on_process_start(&mut self, process: &ProcessInfo) {
+        self.builder.on_process_start(process);
+    }
+    fn on_event(&mut self, event: &ProbeEvent) {
+        self.builder.on_event(event);
+        if let ProbeEvent::Phase {
+            signal: PhaseSignal::BackwardEnd,
+            ..
+        } = event
+            && self.killer.is_none()
+        {
+            let pid = self.pid;
+            self.killer = Some(std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                // SAFETY: plain kill(2) of the child the test started.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }));
+        }
+    }
+    fn on_process_end(&mut self, end: &ProcessEnd) {
+        self.builder.on_process_end(end);
+    }
+}
+
     if !lens_tests::require_bpf("a_target_that_execs_another_trainer") {
         return;
     }
