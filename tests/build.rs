@@ -8,6 +8,7 @@ use std::process::Command;
 const FIXTURE_FILES: &[&str] = &[
     "fixtures/build.sh",
     "fixtures/fake_cudart.c",
+    "fixtures/fake_cuda.c",
     "fixtures/fake_nccl.c",
     "fixtures/trainer.c",
     "fixtures/real_libs_caller.c",

@@ -53,10 +53,18 @@ pub enum ProbeId {
     GlooSend = 30,
     GlooRecv = 31,
     GlooBarrier = 32,
+    /// The driver's `cuLaunchKernel` (libcuda.so.1): what cuBLAS, cuDNN, NCCL and the
+    /// runtime itself call. Counted only when its caller is not libcudart (a runtime
+    /// launch is counted once, at the runtime).
+    CuLaunchKernel = 33,
+    /// The driver's `cuLaunchKernelEx`.
+    CuLaunchKernelEx = 34,
+    /// The driver's `cuGraphLaunch`.
+    CuGraphLaunch = 35,
 }
 
 impl ProbeId {
-    pub const COUNT: usize = 33;
+    pub const COUNT: usize = 36;
 
     pub const ALL: [ProbeId; Self::COUNT] = [
         ProbeId::CudaLaunchKernel,
@@ -92,6 +100,9 @@ impl ProbeId {
         ProbeId::GlooSend,
         ProbeId::GlooRecv,
         ProbeId::GlooBarrier,
+        ProbeId::CuLaunchKernel,
+        ProbeId::CuLaunchKernelEx,
+        ProbeId::CuGraphLaunch,
     ];
 
     /// A kernel or graph launch: counted in the kernel, never sent as an event, and the
@@ -99,8 +110,32 @@ impl ProbeId {
     pub const fn is_launch(self) -> bool {
         matches!(
             self,
-            ProbeId::CudaLaunchKernel | ProbeId::CudaLaunchKernelExC | ProbeId::CudaGraphLaunch
+            ProbeId::CudaLaunchKernel
+                | ProbeId::CudaLaunchKernelExC
+                | ProbeId::CudaGraphLaunch
+                | ProbeId::CuLaunchKernel
+                | ProbeId::CuLaunchKernelEx
+                | ProbeId::CuGraphLaunch
         )
+    }
+
+    /// A launch probe in the driver (libcuda), as opposed to the runtime (libcudart).
+    pub const fn is_driver_launch(self) -> bool {
+        matches!(
+            self,
+            ProbeId::CuLaunchKernel | ProbeId::CuLaunchKernelEx | ProbeId::CuGraphLaunch
+        )
+    }
+
+    /// Which integer argument of a kernel launch names the kernel: the host stub
+    /// (`cudaLaunchKernel`: 0, `cudaLaunchKernelExC`: 1) or the `CUfunction` handle
+    /// (`cuLaunchKernel`: 0, `cuLaunchKernelEx`: 1). `None` for graph launches.
+    pub const fn kernel_argument(self) -> Option<usize> {
+        match self {
+            ProbeId::CudaLaunchKernel | ProbeId::CuLaunchKernel => Some(0),
+            ProbeId::CudaLaunchKernelExC | ProbeId::CuLaunchKernelEx => Some(1),
+            _ => None,
+        }
     }
 
     pub const fn from_u32(value: u32) -> Option<ProbeId> {
@@ -180,6 +215,9 @@ impl ProbeId {
                 "_ZN4c10d16ProcessGroupGloo4recvERSt6vectorIN2at6TensorESaIS3_EEii"
             }
             ProbeId::GlooBarrier => "_ZN4c10d16ProcessGroupGloo7barrierERKNS_14BarrierOptionsE",
+            ProbeId::CuLaunchKernel => "cuLaunchKernel",
+            ProbeId::CuLaunchKernelEx => "cuLaunchKernelEx",
+            ProbeId::CuGraphLaunch => "cuGraphLaunch",
         }
     }
 }
@@ -301,6 +339,10 @@ pub struct Event {
     pub handle: u64,
     /// Hash of the 128-byte `ncclUniqueId` (CommInit).
     pub comm_id_hash: u64,
+    /// The process's phase epoch this mark opens (PhaseMark events): every phase mark
+    /// adds one, and each kernel launch is counted under the epoch it ran in
+    /// ([`KernelKey`]), so launches per kernel per span need no event per launch.
+    pub epoch: u64,
     /// The process's kernel launches counted so far (PhaseMark events): launches per
     /// phase are the difference between two marks, aggregated in the kernel.
     pub launches: u64,
@@ -341,6 +383,7 @@ impl Event {
             comm: 0,
             handle: 0,
             comm_id_hash: 0,
+            epoch: 0,
             launches: 0,
             args: [0; RULE_ARGS],
             datatype: NONE_I32,
@@ -364,6 +407,47 @@ pub struct CallKey {
     pub tgid: u32,
     pub probe: u32,
 }
+
+/// A process's launch total and phase epoch, the value of the `LAUNCH_TOTALS` map (keyed
+/// by tgid).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct LaunchTotals {
+    /// Kernel and graph launches counted so far.
+    pub launches: u64,
+    /// Phase marks so far: launches are counted per kernel under this epoch.
+    pub epoch: u64,
+}
+
+/// Key of the per-kernel launch counters (`KERNEL_COUNTS`): launches of one kernel by
+/// process `tgid` in one phase epoch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KernelKey {
+    pub tgid: u32,
+    /// The epoch (low 32 bits of [`LaunchTotals::epoch`]) the launches ran in.
+    pub epoch: u32,
+    /// The launch's function argument: a host stub address (runtime launches) or a
+    /// `CUfunction` handle (driver launches).
+    pub function: u64,
+    /// 1: `function` is a driver `CUfunction` handle.
+    pub driver: u32,
+    pub _pad: u32,
+}
+
+/// Where one process maps libcudart: a driver launch whose return address falls in one of
+/// these ranges is the runtime's own call through the driver, counted at the runtime.
+/// The value of the `RUNTIME_RANGES` map (keyed by tgid); unused ranges are `[0, 0]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct CodeRanges {
+    /// `[start, end)` of each mapping.
+    pub ranges: [[u64; 2]; CODE_RANGES],
+}
+
+/// Mappings of libcudart remembered per process (a process may map a CUDA 12 and a
+/// CUDA 13 runtime, each in a few segments).
+pub const CODE_RANGES: usize = 8;
 
 /// Key of the entry-state map: a call in flight on one thread.
 #[repr(C)]
@@ -402,16 +486,19 @@ pub enum LossCause {
     UnmatchedReturn = 3,
     /// The target map was full: a forked child of a traced process is not traced.
     TargetMapFull = 4,
+    /// The per-kernel launch counters were full: a launch was counted but its kernel not.
+    KernelMapFull = 5,
 }
 
 impl LossCause {
-    pub const COUNT: usize = 5;
+    pub const COUNT: usize = 6;
     pub const ALL: [LossCause; Self::COUNT] = [
         LossCause::RingBufferFull,
         LossCause::InflightMapFull,
         LossCause::CounterMapFull,
         LossCause::UnmatchedReturn,
         LossCause::TargetMapFull,
+        LossCause::KernelMapFull,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -421,6 +508,7 @@ impl LossCause {
             LossCause::CounterMapFull => "counter_map_full",
             LossCause::UnmatchedReturn => "unmatched_return",
             LossCause::TargetMapFull => "target_map_full",
+            LossCause::KernelMapFull => "kernel_map_full",
         }
     }
 }
@@ -458,7 +546,10 @@ pub mod settings {
     /// Non-zero: library loads and execs of every process are reported (node-wide
     /// discovery), not only those of targets.
     pub const NODE_MODE: u32 = 0;
-    pub const COUNT: u32 = 1;
+    /// Non-zero: launches are also counted per kernel (`KERNEL_COUNTS`), for the top
+    /// kernels of each step.
+    pub const KERNEL_NAMES: u32 = 1;
+    pub const COUNT: u32 = 2;
 }
 
 /// Map names, shared so the loader asks for exactly what the programs define.
@@ -470,6 +561,8 @@ pub mod maps {
     pub const LOSSES: &str = "LOSSES";
     pub const SETTINGS: &str = "SETTINGS";
     pub const LAUNCH_TOTALS: &str = "LAUNCH_TOTALS";
+    pub const KERNEL_COUNTS: &str = "KERNEL_COUNTS";
+    pub const RUNTIME_RANGES: &str = "RUNTIME_RANGES";
 }
 
 /// Sizes of the kernel-side maps.
@@ -482,6 +575,8 @@ pub mod limits {
     pub const MAX_TARGETS: u32 = 4096;
     pub const MAX_CALL_COUNTERS: u32 = 16384;
     pub const MAX_INFLIGHT: u32 = 16384;
+    /// (process, epoch, kernel) launch counters not yet read by the loader.
+    pub const MAX_KERNEL_COUNTS: u32 = 16384;
 }
 
 #[cfg(feature = "user")]
@@ -491,4 +586,7 @@ mod user {
     unsafe impl aya::Pod for super::CallKey {}
     unsafe impl aya::Pod for super::InflightKey {}
     unsafe impl aya::Pod for super::TargetConfig {}
+    unsafe impl aya::Pod for super::LaunchTotals {}
+    unsafe impl aya::Pod for super::KernelKey {}
+    unsafe impl aya::Pod for super::CodeRanges {}
 }

@@ -1,6 +1,6 @@
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    bindings::{BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
         bpf_probe_read_user_str_bytes, generated,
@@ -12,8 +12,9 @@ use aya_ebpf::{
 use aya_log_ebpf::{debug, warn};
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::{
-    CallKey, Event, EventKind, InflightKey, LossCause, NCCL_UNIQUE_ID_WORDS, ProbeId,
-    TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits, settings,
+    CODE_RANGES, CallKey, CodeRanges, Event, EventKind, InflightKey, KernelKey, LaunchTotals,
+    LossCause, NCCL_UNIQUE_ID_WORDS, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig,
+    comm_id_hash, limits, settings,
 };
 
 #[map(name = "EVENTS")]
@@ -28,10 +29,22 @@ static TARGETS: HashMap<u32, TargetConfig> = HashMap::with_max_entries(limits::M
 static CALL_COUNTS: PerCpuHashMap<CallKey, u64> =
     PerCpuHashMap::with_max_entries(limits::MAX_CALL_COUNTERS, 0);
 
-/// Kernel launches per process (tgid → total), read by the phase-marking programs so that
-/// launches per phase need no event per launch.
+/// Kernel launches and phase epoch per process (tgid → totals), read by the
+/// phase-marking programs so that launches per phase need no event per launch.
 #[map(name = "LAUNCH_TOTALS")]
-static LAUNCH_TOTALS: HashMap<u32, u64> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+static LAUNCH_TOTALS: HashMap<u32, LaunchTotals> =
+    HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Launches per (process, phase epoch, kernel), read and cleared by the loader: the top
+/// kernels of each step.
+#[map(name = "KERNEL_COUNTS")]
+static KERNEL_COUNTS: HashMap<KernelKey, u64> =
+    HashMap::with_max_entries(limits::MAX_KERNEL_COUNTS, 0);
+
+/// Where each target maps libcudart (tgid → ranges): a driver launch called from there
+/// is the runtime's own, already counted.
+#[map(name = "RUNTIME_RANGES")]
+static RUNTIME_RANGES: HashMap<u32, CodeRanges> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
 
 #[map(name = "INFLIGHT")]
 static INFLIGHT: HashMap<InflightKey, Event> = HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
@@ -44,6 +57,13 @@ static SETTINGS: Array<u32> = Array::with_max_entries(settings::COUNT, 0);
 fn node_mode() -> bool {
     SETTINGS
         .get(settings::NODE_MODE)
+        .is_some_and(|value| *value != 0)
+}
+
+#[inline(always)]
+fn kernel_names() -> bool {
+    SETTINGS
+        .get(settings::KERNEL_NAMES)
         .is_some_and(|value| *value != 0)
 }
 
@@ -205,25 +225,133 @@ fn begin_call(ctx: &ProbeContext, kind: EventKind) -> Option<(u64, Event)> {
     Some((pid_tgid, new_event(kind, probe, pid_tgid)))
 }
 
-/// Entry-only functions whose calls are counted, not sent (kernel launches, graph launches).
+/// Adds `value` to `*counter`, shared with other CPUs. (The old value is not used: BPF's
+/// plain atomic add, without fetch, is what the `generic` CPU has.)
+#[inline(always)]
+fn atomic_add(counter: *mut u64, value: u64) {
+    // SAFETY: a live map value; threads of one process on other CPUs add to it too.
+    unsafe {
+        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(counter, value);
+    }
+}
+
+/// Counts one launch of the current process: per probe, in the process's total and,
+/// when kernel names are on, per (epoch, kernel) under the epoch it runs in.
+#[inline(always)]
+fn count_launch(ctx: &ProbeContext, pid_tgid: u64, probe: u32, driver: bool) {
+    count_call(pid_tgid, probe);
+    let tgid = (pid_tgid >> 32) as u32;
+    let epoch = match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
+        Some(totals) => {
+            // SAFETY: a live map value (see `atomic_add`); the epoch is read as it is now.
+            unsafe {
+                atomic_add(&raw mut (*totals).launches, 1);
+                core::ptr::read_volatile(&raw const (*totals).epoch)
+            }
+        }
+        None => {
+            let first = LaunchTotals {
+                launches: 1,
+                epoch: 0,
+            };
+            if LAUNCH_TOTALS
+                .insert(&tgid, &first, BPF_NOEXIST as u64)
+                .is_err()
+            {
+                // Another thread's first launch or mark came first, or the map is full.
+                match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
+                    // SAFETY: as above.
+                    Some(totals) => unsafe {
+                        atomic_add(&raw mut (*totals).launches, 1);
+                        core::ptr::read_volatile(&raw const (*totals).epoch)
+                    },
+                    None => {
+                        count_loss(LossCause::CounterMapFull);
+                        0
+                    }
+                }
+            } else {
+                0
+            }
+        }
+    };
+    if !kernel_names() {
+        return;
+    }
+    // The kernel argument (`ProbeId::kernel_argument`), compared as plain integers.
+    const RUNTIME_KERNEL: u32 = ProbeId::CudaLaunchKernel as u32;
+    const RUNTIME_KERNEL_EX: u32 = ProbeId::CudaLaunchKernelExC as u32;
+    const DRIVER_KERNEL: u32 = ProbeId::CuLaunchKernel as u32;
+    const DRIVER_KERNEL_EX: u32 = ProbeId::CuLaunchKernelEx as u32;
+    // Both registers read first, volatile: a context read at a computed offset (the
+    // compiler folding the two) is one the verifier refuses.
+    // SAFETY: reads of the probe's saved registers.
+    let (first, second) = unsafe {
+        (
+            core::ptr::read_volatile(&(*ctx.regs).rdi),
+            core::ptr::read_volatile(&(*ctx.regs).rsi),
+        )
+    };
+    let function = match probe {
+        RUNTIME_KERNEL | DRIVER_KERNEL => first,
+        RUNTIME_KERNEL_EX | DRIVER_KERNEL_EX => second,
+        _ => return,
+    };
+    let key = KernelKey {
+        tgid,
+        epoch: epoch as u32,
+        function,
+        driver: driver as u32,
+        _pad: 0,
+    };
+    if let Some(count) = KERNEL_COUNTS.get_ptr_mut(&key) {
+        atomic_add(count, 1);
+        return;
+    }
+    if KERNEL_COUNTS.insert(&key, &1, BPF_NOEXIST as u64).is_ok() {
+        return;
+    }
+    match KERNEL_COUNTS.get_ptr_mut(&key) {
+        Some(count) => atomic_add(count, 1),
+        None => count_loss(LossCause::KernelMapFull),
+    }
+}
+
+/// Entry-only functions whose calls are counted, not sent (runtime kernel and graph
+/// launches).
 #[uprobe]
 pub fn count_only(ctx: ProbeContext) -> u32 {
     if let Some((pid_tgid, _)) = traced() {
-        count_call(pid_tgid, probe_id(&ctx));
-        let tgid = (pid_tgid >> 32) as u32;
-        match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
-            // SAFETY: a live map value; threads of one process on other CPUs add to it
-            // too, hence the atomic add.
-            Some(total) => unsafe {
-                atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(total, 1);
-            },
-            None => {
-                if LAUNCH_TOTALS.insert(&tgid, &1, 0).is_err() {
-                    count_loss(LossCause::CounterMapFull);
-                }
+        count_launch(&ctx, pid_tgid, probe_id(&ctx), false);
+    }
+    0
+}
+
+/// The driver's launch functions (`cuLaunchKernel`, `cuLaunchKernelEx`, `cuGraphLaunch`).
+/// The runtime launches through them too: a call whose return address (`[rsp]` at entry)
+/// lies in the process's libcudart was counted by `count_only` already and is left out,
+/// so each launch counts once. Calls from anywhere else (cuBLAS, cuDNN, NCCL's static
+/// runtime, compiled graphs) are counted here.
+#[uprobe]
+pub fn driver_launch(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: the value is copied out before the map can change under us.
+    if let Some(runtime) = unsafe { RUNTIME_RANGES.get(&tgid) }.copied() {
+        // SAFETY: reading the traced thread's stack through the checked helper.
+        let caller = unsafe { bpf_probe_read_user((*ctx.regs).rsp as *const u64) }.unwrap_or(0);
+        let mut i = 0;
+        while i < CODE_RANGES {
+            let [start, end] = runtime.ranges[i];
+            if caller >= start && caller < end {
+                return 0;
             }
+            i += 1;
         }
     }
+    count_launch(&ctx, pid_tgid, probe_id(&ctx), true);
     0
 }
 
@@ -232,7 +360,43 @@ pub fn count_only(ctx: ProbeContext) -> u32 {
 fn launches_so_far(pid_tgid: u64) -> u64 {
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: a plain read of a counter; a torn read cannot happen for an aligned u64.
-    unsafe { LAUNCH_TOTALS.get(&tgid) }.copied().unwrap_or(0)
+    unsafe { LAUNCH_TOTALS.get(&tgid) }.map_or(0, |totals| totals.launches)
+}
+
+/// Adds one to the process's epoch and reads it back. (Two marks of two threads at the
+/// same instant may both read the later epoch: the earlier one's launches, none between
+/// them, are not misplaced.)
+#[inline(always)]
+fn bump_epoch(totals: *mut LaunchTotals) -> u64 {
+    // SAFETY: a live map value (see `atomic_add`).
+    unsafe {
+        atomic_add(&raw mut (*totals).epoch, 1);
+        core::ptr::read_volatile(&raw const (*totals).epoch)
+    }
+}
+
+/// A phase mark opens the process's next epoch: launches after it are counted per kernel
+/// under that epoch. Returns it (1 for the first mark).
+#[inline(always)]
+fn next_epoch(pid_tgid: u64) -> u64 {
+    let tgid = (pid_tgid >> 32) as u32;
+    if let Some(totals) = LAUNCH_TOTALS.get_ptr_mut(&tgid) {
+        return bump_epoch(totals);
+    }
+    let first = LaunchTotals {
+        launches: 0,
+        epoch: 1,
+    };
+    if LAUNCH_TOTALS
+        .insert(&tgid, &first, BPF_NOEXIST as u64)
+        .is_ok()
+    {
+        return 1;
+    }
+    match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
+        Some(totals) => bump_epoch(totals),
+        None => 0,
+    }
 }
 
 /// `ncclGroupStart` / `ncclGroupEnd`: counted and sent, they bracket fused collectives.
@@ -423,6 +587,7 @@ pub fn phase_mark(ctx: ProbeContext) -> u32 {
         return 0;
     };
     event.count = arg_u64(&ctx, 0);
+    event.epoch = next_epoch(pid_tgid);
     event.launches = launches_so_far(pid_tgid);
     emit(&event, submit_flags());
     0
@@ -437,6 +602,7 @@ pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
     let mut event = new_event(EventKind::PhaseMark, probe_id(&ctx), pid_tgid);
     event.at_return = 1;
     event.ret = ctx.ret::<i64>();
+    event.epoch = next_epoch(pid_tgid);
     event.launches = launches_so_far(pid_tgid);
     emit(&event, submit_flags());
     0
@@ -451,6 +617,7 @@ pub fn torch_scope_enter(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
         return 0;
     };
+    event.epoch = next_epoch(pid_tgid);
     event.launches = launches_so_far(pid_tgid);
     let string = arg_u64(&ctx, 1);
     // SAFETY: reads of the traced thread's memory through the checked helpers.

@@ -243,6 +243,9 @@ pub enum ProbeEvent {
         at_ns: u64,
         /// The process's kernel launches counted so far (0 while none is counted).
         launches: u64,
+        /// The phase epoch this mark opens (`lens_common::Event::epoch`): launches per
+        /// kernel are counted per epoch.
+        epoch: u64,
         #[serde(flatten)]
         signal: PhaseSignal,
     },
@@ -440,6 +443,7 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
             tid: raw.tid,
             at_ns: raw.start_ns,
             launches: raw.launches,
+            epoch: raw.epoch,
             signal: phase_signal(probe, raw).ok_or(DecodeError::UnknownProbe(raw.probe))?,
         },
     })

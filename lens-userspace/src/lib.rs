@@ -12,6 +12,7 @@ pub mod events;
 pub mod export;
 pub mod groups;
 pub mod guardian;
+pub mod kernels;
 pub mod nccl;
 pub mod privileges;
 pub mod probes;

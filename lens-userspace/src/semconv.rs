@@ -79,6 +79,11 @@ pub const CUDA_LAUNCH_KIND: &str = "cuda.launch.kind";
 /// Kernel launches (`cudaLaunchKernel`, `…ExC`, `cudaGraphLaunch`) the process made while
 /// a phase span was open; set only when every one of them was counted.
 pub const CUDA_LAUNCH_COUNT: &str = "cuda.launch.count";
+/// A kernel's name on a step's `cuda.kernel.top` event: the host stub's symbol,
+/// demangled, or `CUfunction 0x…` for a driver launch (span events only, never metrics).
+pub const CUDA_KERNEL_NAME: &str = "cuda.kernel.name";
+/// Launches of that kernel during the step.
+pub const CUDA_KERNEL_LAUNCHES: &str = "cuda.kernel.launches";
 /// `true`: launches are counted in sampled windows only (`--overhead-budget`); on a span,
 /// its count is exact and the span lay inside a window; on a metric, counts are scaled up.
 pub const CUDA_LAUNCH_SAMPLED: &str = "cuda.launch.sampled";

@@ -18,8 +18,8 @@ use aya::{
 };
 use aya_log::EbpfLogger;
 use lens_common::{
-    CallKey, Event, InflightKey, LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig,
-    maps, settings,
+    CODE_RANGES, CallKey, CodeRanges, Event, InflightKey, KernelKey, LaunchTotals, LossCause,
+    ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps, settings,
 };
 use log::{info, warn};
 use tokio::{
@@ -35,8 +35,9 @@ use crate::{
     error::{LensError, Result},
     events::{self, ProbeEvent},
     export::strategy::ExportStrategy,
-    groups::SpanGroups,
+    groups::{SpanGroup, SpanGroups},
     guardian::Guardian,
+    kernels::{KernelLaunches, KernelNames},
     privileges,
     probes::{
         attach::{self, Attacher},
@@ -81,6 +82,10 @@ pub struct KernelState {
     pub inflight: usize,
     pub call_counters: usize,
     pub launch_totals: usize,
+    /// Per-kernel launch counters not yet read.
+    pub kernel_counters: usize,
+    /// Processes whose libcudart mappings the driver probes know.
+    pub runtime_ranges: usize,
 }
 
 /// What a finished run reports besides what went to the sink.
@@ -132,6 +137,20 @@ pub struct Session {
     launch_estimates: HashMap<u32, LaunchEstimate>,
     /// Continues stopped targets should lens-probe die (the CLI starts one).
     guardian: Option<Guardian>,
+    /// Launches are counted per kernel (the `step` group is on): the names, and what
+    /// was read of each counter so far.
+    kernels: Option<KernelCounters>,
+}
+
+/// The per-kernel launch counters as read so far.
+#[derive(Default)]
+struct KernelCounters {
+    names: KernelNames,
+    /// Each counter's value at the last read.
+    seen: HashMap<KernelKey, u64>,
+    /// The newest epoch each process's phase marks opened: counters of older epochs are
+    /// complete and are removed once read.
+    epochs: HashMap<u32, u64>,
 }
 
 /// A process's launches under an overhead budget: counted in windows, extrapolated at the
@@ -170,6 +189,11 @@ impl Session {
         } else {
             None
         };
+        // Before the calibration below: a launch probe hit costs what it costs with it.
+        let kernel_names = options.span_groups.contains(SpanGroup::Step);
+        if kernel_names {
+            set_setting(&mut ebpf, settings::KERNEL_NAMES, 1)?;
+        }
         let mut attacher = Attacher::default();
         let budget = match options.overhead_budget {
             Some(budget) => {
@@ -202,7 +226,130 @@ impl Session {
             budget,
             launch_estimates: HashMap::new(),
             guardian: None,
+            // Launches per kernel, for the steps' top kernels: only when steps are on
+            // (off, the launch probes skip that map update).
+            kernels: kernel_names.then(KernelCounters::default),
         })
+    }
+
+    /// Tells the driver probes where `pid` maps libcudart (all its mappings, merged): a
+    /// driver launch returning there is the runtime's own, counted at the runtime.
+    fn set_runtime_ranges(&mut self, pid: u32) {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
+            return;
+        };
+        let mut ranges: Vec<[u64; 2]> = Vec::new();
+        for entry in library::parse_maps(&text) {
+            let name = std::path::Path::new(&entry.path)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            if LibraryKind::from_file_name(name) != Some(LibraryKind::CudaRuntime) {
+                continue;
+            }
+            match ranges.last_mut() {
+                Some(last) if last[1] == entry.start => last[1] = entry.end,
+                _ => ranges.push([entry.start, entry.end]),
+            }
+        }
+        if ranges.is_empty() {
+            return;
+        }
+        if ranges.len() > CODE_RANGES {
+            warn!(
+                "pid {pid} maps libcudart in {} places, the driver probes know {CODE_RANGES}: \
+                 runtime launches from the others may count twice",
+                ranges.len()
+            );
+        }
+        let mut value = CodeRanges::default();
+        for (slot, range) in value.ranges.iter_mut().zip(ranges) {
+            *slot = range;
+        }
+        let Some(map) = self.ebpf.map_mut(maps::RUNTIME_RANGES) else {
+            return;
+        };
+        if let Ok(mut map) = BpfHashMap::<_, u32, CodeRanges>::try_from(map)
+            && let Err(error) = map.insert(pid, value, 0)
+        {
+            warn!("pid {pid}: cannot tell the driver probes where libcudart is: {error}");
+        }
+    }
+
+    /// Reads the per-kernel launch counters of `pids` (all of them with `all`, for a
+    /// process that ended) and hands what is new to the sink, named. Counters of epochs
+    /// older than the newest mark seen are complete: they are removed once read.
+    fn read_kernel_counts(&mut self, pids: &[u32], all: bool, sink: &mut dyn EventSink) {
+        let Some(kernels) = self.kernels.as_mut() else {
+            return;
+        };
+        let Some(map) = self.ebpf.map_mut(maps::KERNEL_COUNTS) else {
+            return;
+        };
+        let Ok(mut counts) = BpfHashMap::<_, KernelKey, u64>::try_from(map) else {
+            return;
+        };
+        let keys: Vec<KernelKey> = counts
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| pids.contains(&k.tgid))
+            .collect();
+        let mut new: HashMap<u32, Vec<(KernelKey, u64)>> = HashMap::new();
+        for key in keys {
+            let Ok(value) = counts.get(&key, 0) else {
+                continue;
+            };
+            let seen = kernels.seen.entry(key).or_default();
+            let delta = value.saturating_sub(*seen);
+            *seen = value;
+            let newest = kernels.epochs.get(&key.tgid).copied().unwrap_or(0);
+            if all || u64::from(key.epoch) < newest {
+                let _ = counts.remove(&key);
+                kernels.seen.remove(&key);
+            }
+            if delta > 0 {
+                new.entry(key.tgid).or_default().push((key, delta));
+            }
+        }
+        for (pid, entries) in new {
+            let functions: Vec<(u64, bool)> = entries
+                .iter()
+                .map(|(key, _)| (key.function, key.driver != 0))
+                .collect();
+            let names = kernels.names.resolve(pid, &functions);
+            let launches: Vec<KernelLaunches> = entries
+                .iter()
+                .zip(names)
+                .map(|((key, launches), name)| KernelLaunches {
+                    epoch: key.epoch.into(),
+                    name,
+                    launches: *launches,
+                })
+                .collect();
+            sink.on_kernel_launches(pid, &launches);
+        }
+    }
+
+    /// Forgets `pid`'s per-kernel counters (it ended, or runs a new program whose
+    /// epochs start over), in the kernel and here.
+    fn forget_kernel_counts(&mut self, pid: u32) {
+        if let Some(kernels) = self.kernels.as_mut() {
+            kernels.seen.retain(|key, _| key.tgid != pid);
+            kernels.epochs.remove(&pid);
+            kernels.names.forget(pid);
+        }
+        if let Some(map) = self.ebpf.map_mut(maps::KERNEL_COUNTS)
+            && let Ok(mut counts) = BpfHashMap::<_, KernelKey, u64>::try_from(map)
+        {
+            let stale: Vec<KernelKey> = counts
+                .keys()
+                .filter_map(|k| k.ok())
+                .filter(|k| k.tgid == pid)
+                .collect();
+            for key in stale {
+                let _ = counts.remove(&key);
+            }
+        }
     }
 
     /// Tells `guardian` about every target from now on.
@@ -232,7 +379,7 @@ impl Session {
         library::find_libraries_with(pid, &|path| self.attacher.is_configured_library(path))
     }
 
-    fn launch_totals_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, u64>> {
+    fn launch_totals_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, LaunchTotals>> {
         let map = self
             .ebpf
             .map_mut(maps::LAUNCH_TOTALS)
@@ -323,6 +470,7 @@ impl Session {
             self.attacher
                 .attach_library(&mut self.ebpf, library, &self.groups);
         }
+        self.set_runtime_ranges(pid);
         self.set_target(pid, TargetConfig::default())?;
         // Before `run` the exit watch starts there; during it, here.
         let pidfd = match self.exit_tx {
@@ -454,9 +602,15 @@ impl Session {
 
     /// A traced process runs a new program: tell the sinks what it is now.
     fn on_exec(&mut self, pid: u32, sink: &mut dyn EventSink) {
-        // The new program's launches count from 0.
+        // The new program's launches count from 0, its epochs too; its libraries are new.
         if let Ok(mut totals) = self.launch_totals_map() {
             let _ = totals.remove(&pid);
+        }
+        self.forget_kernel_counts(pid);
+        if let Some(map) = self.ebpf.map_mut(maps::RUNTIME_RANGES)
+            && let Ok(mut ranges) = BpfHashMap::<_, u32, CodeRanges>::try_from(map)
+        {
+            let _ = ranges.remove(&pid);
         }
         let Some(target) = self.targets.get_mut(&pid) else {
             return;
@@ -510,6 +664,7 @@ impl Session {
                             .attach_library(&mut self.ebpf, &library, &self.groups);
                     }
                 }
+                self.set_runtime_ranges(pid);
             }
             Err(error) => info!("pid {pid}: {error}"),
         }
@@ -641,6 +796,23 @@ impl Session {
             if batch.is_empty() {
                 return;
             }
+            // Phase marks may close steps: their kernels are read first (every launch
+            // before the marks has been counted by now).
+            if let Some(kernels) = self.kernels.as_mut() {
+                let mut marked = Vec::new();
+                for event in batch.iter().flatten() {
+                    if let ProbeEvent::Phase { tgid, epoch, .. } = event {
+                        let newest = kernels.epochs.entry(*tgid).or_default();
+                        *newest = (*newest).max(*epoch);
+                        if !marked.contains(tgid) {
+                            marked.push(*tgid);
+                        }
+                    }
+                }
+                if !marked.is_empty() {
+                    self.read_kernel_counts(&marked, false, sink);
+                }
+            }
             for decoded in batch {
                 match decoded {
                     Ok(ProbeEvent::LinkMapChanged {
@@ -681,6 +853,8 @@ impl Session {
         if let Ok(mut targets) = self.targets_map() {
             let _ = targets.remove(&pid);
         }
+        self.read_kernel_counts(&[pid], true, sink);
+        self.forget_kernel_counts(pid);
         let mut calls = self.take_call_counts(pid);
         self.forget_kernel_state(pid);
         if let Some(estimate) = self.launch_estimates.remove(&pid) {
@@ -704,6 +878,11 @@ impl Session {
     fn forget_kernel_state(&mut self, pid: u32) {
         if let Ok(mut totals) = self.launch_totals_map() {
             let _ = totals.remove(&pid);
+        }
+        if let Some(map) = self.ebpf.map_mut(maps::RUNTIME_RANGES)
+            && let Ok(mut ranges) = BpfHashMap::<_, u32, CodeRanges>::try_from(map)
+        {
+            let _ = ranges.remove(&pid);
         }
         if let Some(map) = self.ebpf.map_mut(maps::INFLIGHT)
             && let Ok(mut inflight) = BpfHashMap::<_, InflightKey, Event>::try_from(map)
@@ -737,7 +916,9 @@ impl Session {
             targets: entries::<u32, TargetConfig>(&self.ebpf, maps::TARGETS),
             inflight: entries::<InflightKey, Event>(&self.ebpf, maps::INFLIGHT),
             call_counters,
-            launch_totals: entries::<u32, u64>(&self.ebpf, maps::LAUNCH_TOTALS),
+            launch_totals: entries::<u32, LaunchTotals>(&self.ebpf, maps::LAUNCH_TOTALS),
+            kernel_counters: entries::<KernelKey, u64>(&self.ebpf, maps::KERNEL_COUNTS),
+            runtime_ranges: entries::<u32, CodeRanges>(&self.ebpf, maps::RUNTIME_RANGES),
         }
     }
 
@@ -815,6 +996,19 @@ impl Session {
             return;
         }
         let counts = self.call_counts();
+        // What the probes cost is per hit: with the driver probed, a runtime launch hits
+        // twice (its own probe, then the driver's, which leaves the count to the runtime).
+        let hits: HashMap<u32, u64> = counts
+            .iter()
+            .map(|(pid, calls)| {
+                let through_driver = if self.attacher.probes_driver(*pid) {
+                    runtime_launches(calls)
+                } else {
+                    0
+                };
+                (*pid, launch_total(calls) + through_driver)
+            })
+            .collect();
         let Some((controller, started)) = self.budget.as_mut() else {
             return;
         };
@@ -826,7 +1020,7 @@ impl Session {
             .collect();
         let was_in = controller.probes_in();
         let elapsed = (now - started) as f64 / 1e9;
-        let action = controller.tick(elapsed, &launches);
+        let action = controller.tick(elapsed, &hits);
         log::debug!("overhead budget at {elapsed:.2}s: launches {launches:?} → {action:?}");
         let tick = crate::budget::TICK.as_secs_f64();
         for (pid, total) in &launches {
@@ -914,6 +1108,8 @@ impl Session {
 
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sigterm = signal(SignalKind::terminate())?;
+        // Handlers in place: a stop signal held since start-up is delivered now.
+        target::release_stop_signals();
         let deadline = limit.map(|limit| tokio::time::Instant::now() + limit);
         let mut tick = tokio::time::interval(DRAIN_INTERVAL);
         let mut counts_tick = tokio::time::interval(CALL_COUNTS_INTERVAL);
@@ -1066,6 +1262,15 @@ fn launch_total(calls: &BTreeMap<ProbeId, u64>) -> u64 {
         .sum()
 }
 
+/// Launches made through libcudart (each of which also enters the driver's launch).
+fn runtime_launches(calls: &BTreeMap<ProbeId, u64>) -> u64 {
+    calls
+        .iter()
+        .filter(|(probe, _)| probe.is_launch() && !probe.is_driver_launch())
+        .map(|(_, count)| count)
+        .sum()
+}
+
 /// Scales the launch counters so that they add up to `estimated` (kinds keep their shares).
 fn scale_launches(calls: &mut BTreeMap<ProbeId, u64>, estimated: f64) {
     let counted = launch_total(calls);
@@ -1078,6 +1283,27 @@ fn scale_launches(calls: &mut BTreeMap<ProbeId, u64>, estimated: f64) {
             *count = (*count as f64 * factor).round() as u64;
         }
     }
+}
+
+/// Sets one of the run-wide switches (`lens_common::settings`).
+fn set_setting(ebpf: &mut Ebpf, index: u32, value: u32) -> Result<()> {
+    let map = ebpf
+        .map_mut(maps::SETTINGS)
+        .ok_or(LensError::MissingInObject {
+            kind: "map",
+            name: maps::SETTINGS,
+        })?;
+    let mut settings_map: BpfArray<&mut MapData, u32> =
+        BpfArray::try_from(map).map_err(|source| LensError::Map {
+            map: maps::SETTINGS,
+            source,
+        })?;
+    settings_map
+        .set(index, value, 0)
+        .map_err(|source| LensError::Map {
+            map: maps::SETTINGS,
+            source,
+        })
 }
 
 /// Registers an fd-owning value with the runtime's reactor.
@@ -1097,5 +1323,3 @@ async fn wait_child(pid: u32) -> Option<ExitStatus> {
     }
     None
 }
-        // Handlers in place: a stop signal held since start-up is delivered now.
-        target::release_stop_signals();

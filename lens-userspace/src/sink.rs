@@ -6,6 +6,7 @@ use lens_common::ProbeId;
 
 use crate::{
     events::ProbeEvent,
+    kernels::KernelLaunches,
     target::{ExitStatus, ProcessInfo},
 };
 
@@ -30,6 +31,9 @@ pub trait EventSink {
     /// The launch probes of `pid`'s libraries went in (`counting`) or out at `at_ns`
     /// (monotonic clock). `sampled`: an overhead budget moves them in and out.
     fn on_launch_counting(&mut self, _pid: u32, _counting: bool, _at_ns: u64, _sampled: bool) {}
+    /// Launches per kernel of `pid` since the last call, by phase epoch: counted in the
+    /// kernel, read by the session before the phase marks that may need them.
+    fn on_kernel_launches(&mut self, _pid: u32, _launches: &[KernelLaunches]) {}
     fn on_process_end(&mut self, _end: &ProcessEnd) {}
 }
 
@@ -54,6 +58,10 @@ impl<A: EventSink, B: EventSink> EventSink for (A, B) {
         self.0.on_launch_counting(pid, counting, at_ns, sampled);
         self.1.on_launch_counting(pid, counting, at_ns, sampled);
     }
+    fn on_kernel_launches(&mut self, pid: u32, launches: &[KernelLaunches]) {
+        self.0.on_kernel_launches(pid, launches);
+        self.1.on_kernel_launches(pid, launches);
+    }
     fn on_process_end(&mut self, end: &ProcessEnd) {
         self.0.on_process_end(end);
         self.1.on_process_end(end);
@@ -75,6 +83,9 @@ impl<S: EventSink + ?Sized> EventSink for &mut S {
     }
     fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
         (**self).on_launch_counting(pid, counting, at_ns, sampled);
+    }
+    fn on_kernel_launches(&mut self, pid: u32, launches: &[KernelLaunches]) {
+        (**self).on_kernel_launches(pid, launches);
     }
     fn on_process_end(&mut self, end: &ProcessEnd) {
         (**self).on_process_end(end);
@@ -105,6 +116,11 @@ impl<S: EventSink> EventSink for Option<S> {
     fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
         if let Some(sink) = self {
             sink.on_launch_counting(pid, counting, at_ns, sampled);
+        }
+    }
+    fn on_kernel_launches(&mut self, pid: u32, launches: &[KernelLaunches]) {
+        if let Some(sink) = self {
+            sink.on_kernel_launches(pid, launches);
         }
     }
     fn on_process_end(&mut self, end: &ProcessEnd) {
@@ -230,6 +246,7 @@ fn describe(event: &ProbeEvent) -> String {
             at_ns,
             launches,
             signal,
+            ..
         } => format!("[{tgid}:{tid}] {signal:?} at={at_ns} launches={launches}"),
         ProbeEvent::RuleCall {
             tgid,

@@ -94,6 +94,19 @@ impl ProcessSummary {
         .filter_map(|id| self.calls.get(&id).map(|n| (id, *n)))
         .collect()
     }
+
+    /// Launches made directly through the driver (cuBLAS, cuDNN, NCCL, compiled graphs),
+    /// not through libcudart (those are counted once, as runtime launches).
+    pub fn driver_launches(&self) -> BTreeMap<ProbeId, u64> {
+        [
+            ProbeId::CuLaunchKernel,
+            ProbeId::CuLaunchKernelEx,
+            ProbeId::CuGraphLaunch,
+        ]
+        .into_iter()
+        .filter_map(|id| self.calls.get(&id).map(|n| (id, *n)))
+        .collect()
+    }
 }
 
 /// Loss and decode accounting for the whole run.
@@ -303,6 +316,14 @@ impl Summary {
                     .map(|(id, n)| format!("{} {n}", id.symbol()))
                     .collect();
                 let _ = writeln!(out, "  launches: {}", list.join(", "));
+            }
+            let driver = process.driver_launches();
+            if !driver.is_empty() {
+                let list: Vec<String> = driver
+                    .iter()
+                    .map(|(id, n)| format!("{} {n}", id.symbol()))
+                    .collect();
+                let _ = writeln!(out, "  driver launches: {}", list.join(", "));
             }
             let syncs = process.sync_stats();
             if syncs.is_empty() {

@@ -44,6 +44,8 @@ const NOTHING_LEFT: KernelState = KernelState {
     inflight: 0,
     call_counters: 0,
     launch_totals: 0,
+    kernel_counters: 0,
+    runtime_ranges: 0,
 };
 
 #[test]
@@ -72,7 +74,12 @@ fn a_target_killed_mid_step_leaves_no_kernel_state() {
     session
         .run_blocking(&mut builder, Some(Duration::from_secs(60)))
         .unwrap();
-    builder.killer.take().expect("a backward pass").join().unwrap();
+    builder
+        .killer
+        .take()
+        .expect("a backward pass")
+        .join()
+        .unwrap();
     let builder = builder.builder;
     let log = builder.into_exporter();
     let step = log.named(names::STEP).next().expect("the open step");
@@ -82,8 +89,6 @@ fn a_target_killed_mid_step_leaves_no_kernel_state() {
     assert_eq!(session.kernel_state(), NOTHING_LEFT);
 }
 
-#[test]
-fn a_target_that_execs_another_trainer_gets_a_second_job() {
 /// The span builder, and a SIGKILL for `pid` 300 ms after its first backward pass.
 struct KillAfterFirstBackward {
     builder: SpanBuilder<SpanLog>,
@@ -116,6 +121,8 @@ impl EventSink for KillAfterFirstBackward {
     }
 }
 
+#[test]
+fn a_target_that_execs_another_trainer_gets_a_second_job() {
     if !lens_tests::require_bpf("a_target_that_execs_another_trainer") {
         return;
     }

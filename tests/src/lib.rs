@@ -324,6 +324,13 @@ mod tests {
         "cudaDeviceSynchronize",
     ];
 
+    const CUDA_SYMBOLS: &[&str] = &[
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cuGraphLaunch",
+        "cuModuleGetFunction",
+    ];
+
     const NCCL_SYMBOLS: &[&str] = &[
         "ncclAllReduce",
         "ncclReduceScatter",
@@ -431,7 +438,7 @@ mod tests {
 
     #[test]
     fn hammer_calls_one_function_n_times() {
-        for kind in ["launch", "sync", "collective", "group"] {
+        for kind in ["launch", "driver", "sync", "collective", "group"] {
             let out = Command::new(hammer())
                 .args([kind, "3"])
                 .env("LENS_FAKE_SYNC_MS", "0")
@@ -473,6 +480,7 @@ mod tests {
     fn fake_libs_have_sonames() {
         for (lib, soname) in [
             ("libcudart.so.12", "[libcudart.so.12]"),
+            ("libcuda.so.1", "[libcuda.so.1]"),
             ("libnccl.so.2", "[libnccl.so.2]"),
         ] {
             let d = run_tool(
@@ -491,6 +499,7 @@ mod tests {
     fn fake_libs_export_every_probed_symbol() {
         for (lib, symbols) in [
             ("libcudart.so.12", CUDART_SYMBOLS),
+            ("libcuda.so.1", CUDA_SYMBOLS),
             ("libnccl.so.2", NCCL_SYMBOLS),
         ] {
             let path = fake_lib_dir().join(lib);
@@ -510,6 +519,7 @@ mod tests {
     fn fake_lib_functions_are_distinct_and_start_with_push_rbp() {
         for (lib, symbols) in [
             ("libcudart.so.12", CUDART_SYMBOLS),
+            ("libcuda.so.1", CUDA_SYMBOLS),
             ("libnccl.so.2", NCCL_SYMBOLS),
         ] {
             let path = fake_lib_dir().join(lib);

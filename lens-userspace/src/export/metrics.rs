@@ -214,6 +214,9 @@ impl ProcessMetrics {
             (ProbeId::CudaLaunchKernel, "kernel"),
             (ProbeId::CudaLaunchKernelExC, "kernel_ex"),
             (ProbeId::CudaGraphLaunch, "graph"),
+            (ProbeId::CuLaunchKernel, "driver_kernel"),
+            (ProbeId::CuLaunchKernelEx, "driver_kernel_ex"),
+            (ProbeId::CuGraphLaunch, "driver_graph"),
         ] {
             let Some(&total) = calls.get(&probe) else {
                 continue;

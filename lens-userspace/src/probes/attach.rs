@@ -125,6 +125,8 @@ struct SampledProbe {
     library: std::sync::Arc<std::fs::File>,
     offset: u64,
     id: ProbeId,
+    /// `count_only` (runtime) or `driver_launch` (driver).
+    program: Program,
     link: Option<UProbeLinkId>,
 }
 
@@ -213,14 +215,14 @@ impl Attacher {
             return 0;
         }
         sampled.probes_in = probes_in;
-        let Ok(uprobe) = uprobe_mut(ebpf, Program::CountOnly) else {
-            return 0;
-        };
         let mut moved = 0;
         let mut released = Vec::new();
         for probe in &mut sampled.probes {
+            let Ok(uprobe) = uprobe_mut(ebpf, probe.program) else {
+                continue;
+            };
             if probes_in {
-                match attach_at(uprobe, &probe.path(), probe.offset, probe.id) {
+                match attach_at(uprobe, probe.program, &probe.path(), probe.offset, probe.id) {
                     Ok(link) => {
                         probe.link = Some(link);
                         moved += 1;
@@ -246,12 +248,30 @@ impl Attacher {
         let uses = |file: &FileId| self.users.get(file).is_some_and(|u| u.contains(&pid));
         let fixed = self.links.iter().any(|(file, links)| {
             uses(file)
-                && links
-                    .iter()
-                    .any(|(program, _)| *program == Program::CountOnly)
+                && links.iter().any(|(program, _)| {
+                    matches!(program, Program::CountOnly | Program::DriverLaunch)
+                })
         });
         let sampled = self.sampled.as_ref().is_some_and(|s| {
             s.probes_in && s.probes.iter().any(|p| p.link.is_some() && uses(&p.file))
+        });
+        fixed || sampled
+    }
+
+    /// Whether a library target `pid` maps has the driver's launch probes (in, or in and
+    /// out under an overhead budget).
+    pub fn probes_driver(&self, pid: u32) -> bool {
+        let uses = |file: &FileId| self.users.get(file).is_some_and(|u| u.contains(&pid));
+        let fixed = self.links.iter().any(|(file, links)| {
+            uses(file)
+                && links
+                    .iter()
+                    .any(|(program, _)| *program == Program::DriverLaunch)
+        });
+        let sampled = self.sampled.as_ref().is_some_and(|s| {
+            s.probes
+                .iter()
+                .any(|p| p.program == Program::DriverLaunch && uses(&p.file))
         });
         fixed || sampled
     }
@@ -312,11 +332,10 @@ impl Attacher {
                 released.push(link);
             }
         }
-        if let Some(sampled) = self.sampled.as_mut()
-            && let Ok(uprobe) = uprobe_mut(ebpf, Program::CountOnly)
-        {
+        if let Some(sampled) = self.sampled.as_mut() {
             for probe in sampled.probes.iter_mut().filter(|p| p.file == file) {
                 if let Some(link) = probe.link.take()
+                    && let Ok(uprobe) = uprobe_mut(ebpf, probe.program)
                     && let Ok(link) = uprobe.take_link(link)
                 {
                     released_sampled.push(link);
@@ -635,7 +654,7 @@ pub fn attach_count_only(
     id: ProbeId,
 ) -> Result<aya::programs::uprobe::UProbeLink> {
     let uprobe = uprobe_mut(ebpf, Program::CountOnly)?;
-    let link = attach_at(uprobe, path, offset, id)?;
+    let link = attach_at(uprobe, Program::CountOnly, path, offset, id)?;
     uprobe.take_link(link).map_err(|source| LensError::Program {
         program: Program::CountOnly.name(),
         source,
@@ -644,6 +663,7 @@ pub fn attach_count_only(
 
 fn attach_at(
     uprobe: &mut UProbe,
+    program: Program,
     path: &std::path::Path,
     offset: u64,
     id: ProbeId,
@@ -658,7 +678,7 @@ fn attach_at(
             UProbeScope::AllProcesses,
         )
         .map_err(|source| LensError::Program {
-            program: Program::CountOnly.name(),
+            program: program.name(),
             source,
         })
 }
@@ -686,6 +706,7 @@ fn sample_spec(
             return;
         }
     };
+    let program = spec.entry.unwrap_or(Program::CountOnly);
     for (symbol, place) in places {
         let offset = place.offset;
         let mut probe = SampledProbe {
@@ -693,11 +714,12 @@ fn sample_spec(
             library: file.clone(),
             offset,
             id: spec.id,
+            program,
             link: None,
         };
         if sampled.probes_in {
-            let attached = uprobe_mut(ebpf, Program::CountOnly)
-                .and_then(|uprobe| attach_at(uprobe, &probe.path(), offset, spec.id));
+            let attached = uprobe_mut(ebpf, program)
+                .and_then(|uprobe| attach_at(uprobe, program, &probe.path(), offset, spec.id));
             match attached {
                 Ok(link) => probe.link = Some(link),
                 Err(error) => {

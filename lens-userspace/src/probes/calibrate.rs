@@ -11,7 +11,7 @@ use aya::{
     Ebpf,
     maps::{HashMap as BpfHashMap, MapData, PerCpuHashMap},
 };
-use lens_common::{CallKey, ProbeId, TargetConfig, maps};
+use lens_common::{CallKey, KernelKey, LaunchTotals, ProbeId, TargetConfig, maps};
 use log::warn;
 
 use super::{attach, symbols};
@@ -143,8 +143,20 @@ fn forget_own_counters(ebpf: &mut Ebpf, pid: u32) {
         });
     }
     if let Some(map) = ebpf.map_mut(maps::LAUNCH_TOTALS)
-        && let Ok(mut totals) = BpfHashMap::<_, u32, u64>::try_from(map)
+        && let Ok(mut totals) = BpfHashMap::<_, u32, LaunchTotals>::try_from(map)
     {
         let _ = totals.remove(&pid);
+    }
+    if let Some(map) = ebpf.map_mut(maps::KERNEL_COUNTS)
+        && let Ok(mut counts) = BpfHashMap::<_, KernelKey, u64>::try_from(map)
+    {
+        let own: Vec<KernelKey> = counts
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| k.tgid == pid)
+            .collect();
+        for key in own {
+            let _ = counts.remove(&key);
+        }
     }
 }

@@ -20,13 +20,14 @@ pub enum Program {
     PhaseMarkReturn,
     TorchScopeEnter,
     TimedCallEntry,
+    DriverLaunch,
     /// Configured probe rules (`crate::config`): entry and return of any function.
     UserRuleEntry,
     UserRuleReturn,
 }
 
 impl Program {
-    pub const ALL: [Program; 13] = [
+    pub const ALL: [Program; 14] = [
         Program::CountOnly,
         Program::NcclGroup,
         Program::NcclCollectiveEntry,
@@ -38,6 +39,7 @@ impl Program {
         Program::PhaseMarkReturn,
         Program::TorchScopeEnter,
         Program::TimedCallEntry,
+        Program::DriverLaunch,
         Program::UserRuleEntry,
         Program::UserRuleReturn,
     ];
@@ -55,6 +57,7 @@ impl Program {
             Program::PhaseMarkReturn => "phase_mark_return",
             Program::TorchScopeEnter => "torch_scope_enter",
             Program::TimedCallEntry => "timed_call_entry",
+            Program::DriverLaunch => "driver_launch",
             Program::UserRuleEntry => "user_rule_entry",
             Program::UserRuleReturn => "user_rule_return",
         }
@@ -146,7 +149,7 @@ const fn with_aliases(mut spec: ProbeSpec, aliases: &'static [&'static str]) -> 
     spec
 }
 
-use LibraryKind::{C10, CudaRuntime, DynamicLoader, Nccl, TorchCpu};
+use LibraryKind::{C10, CudaDriver, CudaRuntime, DynamicLoader, Nccl, TorchCpu};
 use Program::*;
 
 pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
@@ -352,6 +355,37 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     gloo(ProbeId::GlooSend),
     gloo(ProbeId::GlooRecv),
     gloo(ProbeId::GlooBarrier),
+    // The driver's launches: counted when the caller is not libcudart (docs/probes.md).
+    with_aliases(
+        spec(
+            ProbeId::CuLaunchKernel,
+            CudaDriver,
+            DriverLaunch,
+            false,
+            STEP_DETAIL,
+        ),
+        &["cuLaunchKernel_ptsz"],
+    ),
+    with_aliases(
+        spec(
+            ProbeId::CuLaunchKernelEx,
+            CudaDriver,
+            DriverLaunch,
+            false,
+            STEP_DETAIL,
+        ),
+        &["cuLaunchKernelEx_ptsz"],
+    ),
+    with_aliases(
+        spec(
+            ProbeId::CuGraphLaunch,
+            CudaDriver,
+            DriverLaunch,
+            false,
+            STEP_DETAIL,
+        ),
+        &["cuGraphLaunch_ptsz"],
+    ),
 ];
 
 /// A `c10d::ProcessGroupGloo` collective: timed call, child of the phase it runs in.
@@ -399,6 +433,7 @@ mod tests {
         let nccl: Vec<ProbeId> = enabled_for(Nccl, &groups).map(|s| s.id).collect();
         assert_eq!(nccl, [ProbeId::NcclCommInitRank]);
         assert_eq!(enabled_for(CudaRuntime, &groups).count(), 0);
+        assert_eq!(enabled_for(CudaDriver, &groups).count(), 0);
         assert_eq!(enabled_for(DynamicLoader, &groups).count(), 1);
         let torch: Vec<ProbeId> = enabled_for(TorchCpu, &groups).map(|s| s.id).collect();
         assert_eq!(

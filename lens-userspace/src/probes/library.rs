@@ -11,6 +11,9 @@ use crate::error::{LensError, Result};
 pub enum LibraryKind {
     /// `libcudart.so.*` (CUDA 12 and 13 runtimes, e.g. from pip's nvidia-cuda-runtime).
     CudaRuntime,
+    /// The CUDA driver's user-space library `libcuda.so.1` (installed with the GPU
+    /// driver, not by pip): what libcudart, cuBLAS, cuDNN and NCCL launch through.
+    CudaDriver,
     /// `libnccl.so.*`.
     Nccl,
     /// The dynamic loader (`ld-linux-x86-64.so.2`), for `_dl_debug_state`.
@@ -25,8 +28,9 @@ pub enum LibraryKind {
 }
 
 impl LibraryKind {
-    pub const ALL: [LibraryKind; 5] = [
+    pub const ALL: [LibraryKind; 6] = [
         LibraryKind::CudaRuntime,
+        LibraryKind::CudaDriver,
         LibraryKind::Nccl,
         LibraryKind::DynamicLoader,
         LibraryKind::TorchCpu,
@@ -37,6 +41,8 @@ impl LibraryKind {
     pub fn from_file_name(name: &str) -> Option<LibraryKind> {
         if name.starts_with("libcudart.so") {
             Some(LibraryKind::CudaRuntime)
+        } else if name.starts_with("libcuda.so") {
+            Some(LibraryKind::CudaDriver)
         } else if name.starts_with("libnccl.so") {
             Some(LibraryKind::Nccl)
         } else if name == "libtorch_cpu.so" {
@@ -53,6 +59,7 @@ impl LibraryKind {
     pub const fn display_name(self) -> &'static str {
         match self {
             LibraryKind::CudaRuntime => "libcudart",
+            LibraryKind::CudaDriver => "libcuda",
             LibraryKind::Nccl => "libnccl",
             LibraryKind::DynamicLoader => "ld.so",
             LibraryKind::TorchCpu => "libtorch_cpu",
@@ -85,6 +92,8 @@ pub struct MappedLibrary {
 pub struct MapsEntry {
     pub start: u64,
     pub end: u64,
+    /// Where in the file the mapping starts.
+    pub offset: u64,
     pub file: FileId,
     pub path: String,
 }
@@ -99,7 +108,7 @@ fn parse_maps_line(line: &str) -> Option<MapsEntry> {
     let mut fields = line.splitn(6, ' ');
     let range = fields.next()?;
     let _perms = fields.next()?;
-    let _offset = fields.next()?;
+    let offset = fields.next()?;
     let dev = fields.next()?;
     let ino: u64 = fields.next()?.parse().ok()?;
     let path = fields.next()?.trim_start();
@@ -113,6 +122,7 @@ fn parse_maps_line(line: &str) -> Option<MapsEntry> {
     Some(MapsEntry {
         start: u64::from_str_radix(start, 16).ok()?,
         end: u64::from_str_radix(end, 16).ok()?,
+        offset: u64::from_str_radix(offset, 16).ok()?,
         // The kernel's new_encode_dev layout, as stat() reports st_dev.
         file: FileId {
             dev: (minor & 0xff) | (major << 8) | ((minor & !0xff) << 12),
@@ -246,6 +256,14 @@ mod tests {
             Some(LibraryKind::Nccl)
         );
         assert_eq!(LibraryKind::from_file_name("libnccl-net.so"), None);
+        assert_eq!(
+            LibraryKind::from_file_name("libcuda.so.1"),
+            Some(LibraryKind::CudaDriver)
+        );
+        assert_eq!(
+            LibraryKind::from_file_name("libcuda.so.580.95.05"),
+            Some(LibraryKind::CudaDriver)
+        );
         assert_eq!(LibraryKind::from_file_name("libcudart_static.a"), None);
     }
 }

@@ -5,8 +5,11 @@ use std::collections::HashMap;
 
 use super::{
     AttrValue, Attributes, SpanEvent, SpanExporter, SpanId, SpanRecord, SpanStatus,
-    launches::LaunchLedger,
+    launches::LaunchLedger, names,
 };
+
+/// `cuda.kernel.top` events on a step, at most.
+pub const TOP_KERNELS_PER_STEP: usize = 10;
 use crate::{
     groups::{SpanGroup, SpanGroups},
     semconv,
@@ -167,6 +170,22 @@ impl SpanArena {
             record.set_attr(semconv::CUDA_LAUNCH_COUNT, launches);
             if self.launches.sampled() {
                 record.set_attr(semconv::CUDA_LAUNCH_SAMPLED, true);
+            }
+        }
+        if record.name == names::STEP
+            && let Some(top) =
+                self.launches
+                    .top_kernels(record.start_ns, record.end_ns, TOP_KERNELS_PER_STEP)
+        {
+            for (name, launches) in top {
+                record.events.push(SpanEvent {
+                    name: names::KERNEL_TOP_EVENT,
+                    at_ns: record.end_ns,
+                    attributes: vec![
+                        (semconv::CUDA_KERNEL_NAME, name.as_ref().into()),
+                        (semconv::CUDA_KERNEL_LAUNCHES, launches.into()),
+                    ],
+                });
             }
         }
         if truncated {

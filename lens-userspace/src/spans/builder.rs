@@ -195,7 +195,10 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 .filter(|(probe, _)| probe.is_launch())
                 .map(|(_, count)| count)
                 .sum();
-            process.arena.launches_mut().record_mark(end_ns, launches);
+            process
+                .arena
+                .launches_mut()
+                .record_mark(end_ns, launches, super::launches::LAST_EPOCH);
         }
         let ProcessSpans {
             arena,
@@ -281,12 +284,16 @@ impl<E: SpanExporter> SpanBuilder<E> {
         tid: u32,
         at: u64,
         launches: u64,
+        epoch: u64,
         signal: &crate::events::PhaseSignal,
     ) {
         let Some(process) = self.processes.get_mut(&tgid) else {
             return;
         };
-        process.arena.launches_mut().record_mark(at, launches);
+        process
+            .arena
+            .launches_mut()
+            .record_mark(at, launches, epoch);
         let traced_from_start = process.traced_from_start;
         let thread = process
             .threads
@@ -461,8 +468,9 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 tid,
                 at_ns,
                 launches,
+                epoch,
                 signal,
-            } => self.on_phase(*tgid, *tid, *at_ns, *launches, signal),
+            } => self.on_phase(*tgid, *tid, *at_ns, *launches, *epoch, signal),
             ProbeEvent::Collective {
                 timing,
                 op,
@@ -583,6 +591,15 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 .arena
                 .launches_mut()
                 .set_counting(counting, at_ns, sampled);
+        }
+    }
+
+    fn on_kernel_launches(&mut self, pid: u32, launches: &[crate::kernels::KernelLaunches]) {
+        if let Some(process) = self.processes.get_mut(&pid) {
+            let ledger = process.arena.launches_mut();
+            for kernel in launches {
+                ledger.add_kernel_launches(kernel.epoch, kernel.name.clone(), kernel.launches);
+            }
         }
     }
 

@@ -32,6 +32,8 @@ pub mod names {
     pub const NCCL_COMM_INIT: &str = "nccl.comm_init";
     /// Span event: one backward pass inside `train.forward_backward`.
     pub const BACKWARD_EVENT: &str = "backward";
+    /// Span event on `train.step`: one of its most launched kernels.
+    pub const KERNEL_TOP_EVENT: &str = "cuda.kernel.top";
 }
 
 /// Unique within one lens-probe run.

@@ -49,6 +49,7 @@ impl Run {
             tid: PID,
             at_ns: self.now,
             launches: self.launches,
+            epoch: 0,
             signal,
         });
         self

@@ -1,0 +1,220 @@
+//! Kernel names: the launches the kernel counts per (process, phase epoch, kernel), read
+//! back by the session and named here. A runtime launch's kernel argument is the host
+//! stub, a function whose ELF symbol is the kernel's mangled C++ name; a driver launch's
+//! is a `CUfunction` handle, driver heap memory that no symbol names. Names are
+//! remembered per library build-id and per process, so each stub is looked up once.
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    path::PathBuf,
+    sync::Arc,
+};
+
+use crate::probes::{
+    library::{FileId, parse_maps},
+    symbols,
+};
+
+/// Launches of one kernel by one process in one phase epoch (the epoch a phase mark
+/// opens: see `lens_common::Event::epoch`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelLaunches {
+    pub epoch: u64,
+    /// Demangled when the symbol is a C++ name; see [`KernelNames`] for the others.
+    pub name: Arc<str>,
+    pub launches: u64,
+}
+
+/// What a library's names are remembered under: its build-id, or the file itself.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum LibraryKey {
+    BuildId(Vec<u8>),
+    File(FileId),
+}
+
+/// A mapped file to look stubs up in: a path to read it, its name for people, and the
+/// wanted (function, file offset) pairs.
+struct FileLookup {
+    path: PathBuf,
+    name: String,
+    wanted: Vec<(u64, u64)>,
+}
+
+/// Libraries whose lookups are remembered before the memo starts over.
+const LIBRARIES_KEPT: usize = 64;
+
+/// Names kernel arguments, with caches per process and per library.
+#[derive(Debug, Default)]
+pub struct KernelNames {
+    /// (function, driver) → name, per process.
+    by_process: HashMap<u32, HashMap<(u64, bool), Arc<str>>>,
+    /// Names by file offset, per library (`None`: no function there).
+    by_library: HashMap<LibraryKey, HashMap<u64, Option<Arc<str>>>>,
+}
+
+impl KernelNames {
+    /// The name of each of `pid`'s kernel arguments (`(function, driver)`), looked up now
+    /// for those not seen before.
+    pub fn resolve(&mut self, pid: u32, functions: &[(u64, bool)]) -> Vec<Arc<str>> {
+        let known = self.by_process.entry(pid).or_default();
+        let missing: Vec<u64> = functions
+            .iter()
+            .filter(|(function, driver)| !driver && !known.contains_key(&(*function, false)))
+            .map(|(function, _)| *function)
+            .collect::<HashSet<u64>>()
+            .into_iter()
+            .collect();
+        if !missing.is_empty() {
+            let found = self.look_up(pid, &missing);
+            let known = self.by_process.entry(pid).or_default();
+            for function in missing {
+                let name = found
+                    .get(&function)
+                    .cloned()
+                    .unwrap_or_else(|| Arc::from(format!("{function:#x}")));
+                known.insert((function, false), name);
+            }
+        }
+        let known = self.by_process.entry(pid).or_default();
+        functions
+            .iter()
+            .map(|&(function, driver)| {
+                known
+                    .entry((function, driver))
+                    .or_insert_with(|| Arc::from(format!("CUfunction {function:#x}")))
+                    .clone()
+            })
+            .collect()
+    }
+
+    /// `pid` ended: its addresses mean nothing any more.
+    pub fn forget(&mut self, pid: u32) {
+        self.by_process.remove(&pid);
+    }
+
+    /// Host stubs → names through `pid`'s mappings: the library mapped there, the file
+    /// offset, its symbols. A stub in a library without a symbol for it is
+    /// `library+0xOFFSET`; one outside any file (JIT code) keeps its address.
+    fn look_up(&mut self, pid: u32, functions: &[u64]) -> HashMap<u64, Arc<str>> {
+        let mut names = HashMap::new();
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
+            return names;
+        };
+        let entries = parse_maps(&text);
+        // Per mapped file: its path to read, and (function, file offset) pairs.
+        let mut per_file: BTreeMap<FileId, FileLookup> = BTreeMap::new();
+        for &function in functions {
+            let Some(entry) = entries
+                .iter()
+                .find(|e| function >= e.start && function < e.end)
+            else {
+                continue;
+            };
+            let file_name = std::path::Path::new(&entry.path)
+                .file_name()
+                .map_or_else(|| entry.path.clone(), |n| n.to_string_lossy().into_owned());
+            per_file
+                .entry(entry.file)
+                .or_insert_with(|| FileLookup {
+                    path: PathBuf::from(format!(
+                        "/proc/{pid}/map_files/{:x}-{:x}",
+                        entry.start, entry.end
+                    )),
+                    name: file_name,
+                    wanted: Vec::new(),
+                })
+                .wanted
+                .push((function, function - entry.start + entry.offset));
+        }
+        for (file, lookup) in per_file {
+            let FileLookup {
+                path,
+                name: file_name,
+                wanted,
+            } = lookup;
+            let key = match symbols::build_id(&path) {
+                Ok(Some(id)) => LibraryKey::BuildId(id),
+                Ok(None) => LibraryKey::File(file),
+                Err(error) => {
+                    log::debug!("kernel names: {error}");
+                    continue;
+                }
+            };
+            if !self.by_library.contains_key(&key) && self.by_library.len() >= LIBRARIES_KEPT {
+                self.by_library.clear();
+            }
+            let memo = self.by_library.entry(key).or_default();
+            let unknown: Vec<u64> = wanted
+                .iter()
+                .map(|(_, offset)| *offset)
+                .filter(|offset| !memo.contains_key(offset))
+                .collect();
+            if !unknown.is_empty() {
+                match symbols::functions_at(&path, &unknown) {
+                    Ok(found) => {
+                        for offset in unknown {
+                            let name = found.get(&offset).map(|raw| Arc::from(demangle(raw)));
+                            memo.insert(offset, name);
+                        }
+                    }
+                    Err(error) => log::debug!("kernel names: {error}"),
+                }
+            }
+            for (function, offset) in wanted {
+                let name = match memo.get(&offset) {
+                    Some(Some(name)) => name.clone(),
+                    _ => Arc::from(format!("{file_name}+{offset:#x}")),
+                };
+                names.insert(function, name);
+            }
+        }
+        names
+    }
+}
+
+/// A C++ symbol demangled (`_ZN2at6native…` → `void at::native::…(…)`); any other
+/// name as it is.
+pub fn demangle(raw: &str) -> String {
+    cpp_demangle::Symbol::new(raw)
+        .ok()
+        .and_then(|symbol| {
+            symbol
+                .demangle(&cpp_demangle::DemangleOptions::default())
+                .ok()
+        })
+        .unwrap_or_else(|| raw.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpp_names_are_demangled_and_c_names_kept() {
+        assert_eq!(
+            demangle("_ZN6fakenn11gemm_kernelIfLi128EEEvPKT_S3_PS1_i"),
+            "void fakenn::gemm_kernel<float, 128>(float const*, float const*, float*, int)"
+        );
+        assert_eq!(demangle("kernel_stub"), "kernel_stub");
+    }
+
+    #[test]
+    fn driver_handles_are_named_as_handles() {
+        let mut names = KernelNames::default();
+        let got = names.resolve(std::process::id(), &[(0x1234, true)]);
+        assert_eq!(&*got[0], "CUfunction 0x1234");
+    }
+
+    #[test]
+    fn a_function_of_this_process_is_named_by_its_symbol() {
+        let mut names = KernelNames::default();
+        let function = demangle as fn(&str) -> String as usize as u64;
+        let got = names.resolve(std::process::id(), &[(function, false)]);
+        assert!(
+            got[0].contains("demangle"),
+            "{} (test binaries keep their .symtab)",
+            got[0]
+        );
+        let anonymous = names.resolve(std::process::id(), &[(0x10, false)]);
+        assert_eq!(&*anonymous[0], "0x10");
+    }
+}

@@ -1,0 +1,169 @@
+//! Driver-level launches and kernel names through real uprobes, on the fake trainer with
+//! `TRAINER_KERNELS=1` (tests/README.md): its runtime launches go through the fake
+//! libcuda.so.1 (counted once, at the runtime), it also launches through the driver
+//! directly (counted at the driver), and its kernel stubs carry C++ names that the steps'
+//! `cuda.kernel.top` events show demangled, with exact counts.
+use std::{ffi::OsString, time::Duration};
+
+use lens_common::ProbeId;
+use lens_probe::{
+    groups::SpanGroups,
+    semconv,
+    session::{KernelState, Session, TraceOptions},
+    spans::{AttrValue, SpanBuilder, SpanLog, names},
+    summary::Summary,
+};
+
+const STEPS: u64 = 3;
+const MICROBATCHES: u64 = 2;
+
+/// `trainer_torch 3 2 0 0` with named kernels, traced with `per_step` from its start.
+fn trace_kernels() -> (SpanLog, Summary, KernelState) {
+    let mut session = Session::new(TraceOptions {
+        span_groups: "per_step".parse::<SpanGroups>().unwrap(),
+        kernel_logs: false,
+        overhead_budget: None,
+    })
+    .unwrap();
+    let argv: Vec<OsString> = vec![
+        "env".into(),
+        "TRAINER_KERNELS=1".into(),
+        "LENS_FAKE_BACKWARD_MS=1".into(),
+        lens_tests::torch_trainer().into_os_string(),
+        STEPS.to_string().into(),
+        MICROBATCHES.to_string().into(),
+        "0".into(),
+        "0".into(),
+    ];
+    session.exec(&argv).unwrap();
+    let mut sink = (
+        SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default()),
+        Summary::default(),
+    );
+    session
+        .run_blocking(&mut sink, Some(Duration::from_secs(60)))
+        .unwrap();
+    let state = session.kernel_state();
+    (sink.0.into_exporter(), sink.1, state)
+}
+
+#[test]
+fn each_launch_counts_once_with_runtime_and_driver_probes_attached() {
+    if !lens_tests::require_bpf("each_launch_counts_once_with_runtime_and_driver_probes_attached") {
+        return;
+    }
+    let (log, summary, state) = trace_kernels();
+    let process = summary
+        .processes
+        .values()
+        .find(|p| p.ended && p.calls.contains_key(&ProbeId::CudaLaunchKernel))
+        .expect("the trainer's summary");
+    let per_step = |n: u64| STEPS * n;
+    // Through the runtime (each also reaches cuLaunchKernel/Ex, not counted there):
+    // 3 gemm + 2 relu per microbatch, 1 adam per step; 1 softmax (ExC) per microbatch.
+    assert_eq!(
+        process.launches(),
+        [
+            (ProbeId::CudaLaunchKernel, per_step(MICROBATCHES * 5 + 1)),
+            (ProbeId::CudaLaunchKernelExC, per_step(MICROBATCHES)),
+        ]
+        .into_iter()
+        .collect()
+    );
+    // Straight to the driver, as cuBLAS would: 2 + 1 + 1 graph per microbatch.
+    assert_eq!(
+        process.driver_launches(),
+        [
+            (ProbeId::CuLaunchKernel, per_step(MICROBATCHES * 2)),
+            (ProbeId::CuLaunchKernelEx, per_step(MICROBATCHES)),
+            (ProbeId::CuGraphLaunch, per_step(MICROBATCHES)),
+        ]
+        .into_iter()
+        .collect()
+    );
+    // Every step counts its 10 launches per microbatch and the optimizer's one.
+    let steps: Vec<_> = log.named(names::STEP).collect();
+    assert_eq!(steps.len() as u64, STEPS);
+    for step in &steps {
+        assert_eq!(
+            step.int_attr(semconv::CUDA_LAUNCH_COUNT),
+            Some((MICROBATCHES * 10 + 1) as i64),
+            "{step:?}"
+        );
+    }
+    // Nothing of the ended process stays in the kernel.
+    assert_eq!(
+        state,
+        KernelState {
+            targets: 0,
+            inflight: 0,
+            call_counters: 0,
+            launch_totals: 0,
+            kernel_counters: 0,
+            runtime_ranges: 0,
+        }
+    );
+}
+
+#[test]
+fn kernel_names_appear_demangled_on_each_step_with_exact_counts() {
+    if !lens_tests::require_bpf("kernel_names_appear_demangled_on_each_step_with_exact_counts") {
+        return;
+    }
+    let (log, _, _) = trace_kernels();
+    let steps: Vec<_> = log.named(names::STEP).collect();
+    assert_eq!(steps.len() as u64, STEPS);
+    let mut handles = Vec::new();
+    for step in steps {
+        let top: Vec<(String, i64)> = step
+            .events
+            .iter()
+            .filter(|e| e.name == names::KERNEL_TOP_EVENT)
+            .map(|e| {
+                assert_eq!(e.at_ns, step.end_ns);
+                let attr = |key: &str| e.attributes.iter().find(|(k, _)| *k == key).cloned();
+                let Some((_, AttrValue::Str(name))) = attr(semconv::CUDA_KERNEL_NAME) else {
+                    panic!("no name: {e:?}");
+                };
+                let Some((_, AttrValue::Int(launches))) = attr(semconv::CUDA_KERNEL_LAUNCHES)
+                else {
+                    panic!("no launches: {e:?}");
+                };
+                (name, launches)
+            })
+            .collect();
+        // Driver handles are heap objects: named by value, the same in every step.
+        let names: Vec<(&str, i64)> = top
+            .iter()
+            .map(|(name, launches)| {
+                if name.starts_with("CUfunction 0x") {
+                    handles.push(name.clone());
+                    ("CUfunction", *launches)
+                } else {
+                    (name.as_str(), *launches)
+                }
+            })
+            .collect();
+        let mb = MICROBATCHES as i64;
+        assert_eq!(
+            names,
+            [
+                (
+                    "void fakenn::gemm_kernel<float, 128>(float const*, float const*, float*, int)",
+                    3 * mb
+                ),
+                ("CUfunction", 2 * mb),
+                ("void fakenn::relu_kernel<float>(float*, long)", 2 * mb),
+                ("CUfunction", mb),
+                ("fakenn::softmax_kernel(float const*, float*, int, int)", mb),
+                ("fakenn::adam_step_kernel(float*, float*, float*, float)", 1),
+            ],
+            "step {:?}",
+            step.int_attr(semconv::DL_ITERATION)
+        );
+    }
+    // Two handles (cuBLAS's gemm, cuDNN's conv), each named the same way in every step.
+    handles.sort();
+    handles.dedup();
+    assert_eq!(handles.len(), 2, "{handles:?}");
+}
