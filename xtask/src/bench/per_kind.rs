@@ -19,18 +19,27 @@ use super::{
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
     Launch,
+    /// A launch straight to the driver (as cuBLAS, cuDNN, NCCL make them).
+    Driver,
     Sync,
     Collective,
     Group,
 }
 
 impl Kind {
-    pub(super) const ALL: [Kind; 4] = [Kind::Launch, Kind::Sync, Kind::Collective, Kind::Group];
+    pub(super) const ALL: [Kind; 5] = [
+        Kind::Launch,
+        Kind::Driver,
+        Kind::Sync,
+        Kind::Collective,
+        Kind::Group,
+    ];
 
     /// `hammer`'s first argument.
     fn arg(self) -> &'static str {
         match self {
             Kind::Launch => "launch",
+            Kind::Driver => "driver",
             Kind::Sync => "sync",
             Kind::Collective => "collective",
             Kind::Group => "group",
@@ -40,6 +49,7 @@ impl Kind {
     fn library(self) -> &'static str {
         match self {
             Kind::Launch | Kind::Sync => "libcudart.so.12",
+            Kind::Driver => "libcuda.so.1",
             Kind::Collective | Kind::Group => "libnccl.so.2",
         }
     }
@@ -47,6 +57,7 @@ impl Kind {
     fn function(self) -> &'static str {
         match self {
             Kind::Launch => "cudaLaunchKernel",
+            Kind::Driver => "cuLaunchKernel",
             Kind::Sync => "cudaStreamSynchronize",
             Kind::Collective => "ncclAllReduce",
             Kind::Group => "ncclGroupStart",
@@ -56,7 +67,15 @@ impl Kind {
     /// lens-probe's programs on this function (lens-userspace/src/probes/catalog.rs).
     fn programs(self) -> &'static str {
         match self {
-            Kind::Launch => "`count_only` (entry: counted in the kernel, no event)",
+            Kind::Launch => {
+                "`count_only` (entry: counted in the kernel, and per kernel, no event) and \
+                 `driver_launch` on the `cuLaunchKernel` the fake runtime calls (its caller is \
+                 libcudart: not counted again)"
+            }
+            Kind::Driver => {
+                "`driver_launch` (entry: the caller checked, counted in the kernel, and per \
+                 kernel, no event)"
+            }
             Kind::Sync => "`cuda_sync_entry` + `call_return` (one event per call)",
             Kind::Collective => "`nccl_collective_entry` + `call_return` (one event per call)",
             Kind::Group => "`nccl_group` (entry: one event per call)",
@@ -121,6 +140,14 @@ fn bpftrace_script(ctx: &Ctx, kind: Kind, returns: bool) -> String {
     let mut script = format!(
         "BEGIN {{ printf(\"lens-bench-ready\\n\"); }}\nuprobe:{target} {{ @ = count(); }}\n"
     );
+    if kind == Kind::Launch {
+        // The runtime launches through the driver, whose entry lens-probe probes too: the
+        // floor is the same probe set.
+        script.push_str(&format!(
+            "uprobe:{}:cuLaunchKernel {{ @driver = count(); }}\n",
+            ctx.fixtures.join("libcuda.so.1").display()
+        ));
+    }
     if returns {
         script.push_str(&format!("uretprobe:{target} {{ @ret = count(); }}\n"));
     }
@@ -404,7 +431,14 @@ impl PerKindBlock {
                 (None, Some(why)) => Met::NotMeasured(why.clone()),
                 (None, None) => Met::NotMeasured("no value".into()),
             };
-            let floor_label = format!("+ bpftrace `count()` on the entry of {call} (kernel floor)");
+            let floor_label = if kind == Kind::Launch {
+                format!(
+                    "+ bpftrace `count()` on the entries of {call} and the `cuLaunchKernel` it \
+                     calls (kernel floor)"
+                )
+            } else {
+                format!("+ bpftrace `count()` on the entry of {call} (kernel floor)")
+            };
             match &self.bpftrace_skipped {
                 Some(why) => rows.push(Row::not_measured(&floor_label, "", why)),
                 None => rows.push(super::report::row(
@@ -488,8 +522,10 @@ impl PerKindBlock {
              `CLOCK_MONOTONIC` around it), so process start-up, library loading and \
              lens-probe's attach are left out. lens-probe runs as `lens-probe --span-groups \
              per_step --exporter file --export-file /dev/null --summary-json F --exec -- sh -c …` \
-             (probes on every function of both fake libraries; only one fires); bpftrace runs \
-             `uprobe:LIB:FUNC {{ @ = count(); }}` (and `uretprobe:LIB:FUNC {{ @ret = count(); }}` \
+             (probes on every function of the fake libraries; one fires, two for `launch`, \
+             whose fake runtime launches through the fake driver's `cuLaunchKernel`; `driver` \
+             calls that straight); bpftrace runs `uprobe:LIB:FUNC {{ @ = count(); }}` (for \
+             `launch` also on `cuLaunchKernel`; and `uretprobe:LIB:FUNC {{ @ret = count(); }}` \
              for the entry + return rows), started first, the loop runs once its `BEGIN` has \
              fired. Kinds and variants are interleaved in every round. `collective` makes one \
              `ncclCommInitRank` before its loop; `sync` is a `nanosleep(0)` ({} per call \
