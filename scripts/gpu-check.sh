@@ -24,7 +24,12 @@
 #   2. runs it under `lens-probe --span-groups all --exporter console --exec`, shows the
 #      span tree and lens-probe's summary (launches, syncs, collectives) and checks them;
 #   3. runs it uninstrumented and under `--span-groups per_step`, interleaved, and prints
-#      a small overhead table (median loop times).
+#      a small overhead table (median loop times);
+#   4. writes gpu_launches.py (a few SGD steps, each after 400 elementwise `add_` kernels:
+#      runtime launches only) and runs it under `--span-groups per_step --exporter file`:
+#      every runtime launch is counted once although the real libcudart launches through
+#      libcuda's cuLaunchKernel (probed too), and the steps' `cuda.kernel.top` events
+#      name the add kernel, demangled, with its 400 launches.
 #
 # Exit: 0 when every check passed, 1 when one failed or a run broke, 2 when this machine
 # cannot run the check (no GPU, no lens-probe, no PyTorch with CUDA and NCCL).
@@ -196,7 +201,7 @@ run() {
 }
 
 # 1. Everything on, console output: the span tree and the summary.
-say "1/3: lens-probe --span-groups all --exporter console --exec -- python gpu_train.py $STEPS"
+say "1/4: lens-probe --span-groups all --exporter console --exec -- python gpu_train.py $STEPS"
 all_loop="$(run traced-all --span-groups all --exporter console --summary-json "$OUT/summary.json")"
 echo
 echo "---- span tree (first 60 lines; all of it in $OUT/traced-all.err) ----"
@@ -261,7 +266,7 @@ for span in train.forward_backward train.optimizer nccl.all_reduce cuda.device_s
 done
 
 # 2. Overhead: uninstrumented and per_step, interleaved.
-say "2/3: overhead, $ROUNDS rounds of: uninstrumented, lens-probe --span-groups per_step"
+say "2/4: overhead, $ROUNDS rounds of: uninstrumented, lens-probe --span-groups per_step"
 : >"$OUT/overhead.txt"
 for ((round = 1; round <= ROUNDS; round++)); do
     if ((round > 1 && SECONDS > 240)); then
@@ -276,7 +281,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
 done
 echo "all $all_loop" >>"$OUT/overhead.txt"
 
-say "3/3: results ($STEPS steps, loop time from step 0 to the last synchronize)"
+say "3/4: results ($STEPS steps, loop time from step 0 to the last synchronize)"
 "$PYTHON" - "$OUT/overhead.txt" <<'PY'
 import statistics
 import sys
@@ -296,4 +301,90 @@ for name in ("none", "per_step", "all"):
     label = {"none": "uninstrumented", "per_step": "`--span-groups per_step`", "all": "`--span-groups all` (console tree, 1 run)"}[name]
     print(f"| {label} | {m:.3f} | {', '.join(f'{v:.3f}' for v in values)} | {m / base:.3f}x |")
 PY
+# 4. Driver launches counted once, and kernel names, on the real driver.
+say "4/4: runtime launches through the real libcuda counted once; the steps' top kernels named"
+cat >"$OUT/gpu_launches.py" <<'PY'
+"""5 SGD steps on cuda:0, each after 400 x.add_(1) (one elementwise kernel each, launched
+with cudaLaunchKernel, which the runtime passes on to libcuda's cuLaunchKernel)."""
+import torch
+
+model = torch.nn.Linear(64, 64).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(32, 64, device="cuda")
+y = torch.zeros(1024, device="cuda")
+torch.cuda.synchronize()
+for step in range(5):
+    for _ in range(400):
+        y.add_(1)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+torch.cuda.synchronize()
+print("gpu-check launches done", flush=True)
+PY
+if ! timeout "$RUN_TIMEOUT" "$LENS_PROBE" --span-groups per_step --exporter file \
+    --export-file "$OUT/launches.jsonl" --summary-json "$OUT/launches-summary.json" \
+    --exec -- "$PYTHON" -u "$OUT/gpu_launches.py" >"$OUT/launches.out" 2>"$OUT/launches.err"; then
+    tail -n 20 "$OUT/launches.err" >&2 || true
+    fail "the launches run failed (logs: $OUT/launches.out, $OUT/launches.err)"
+fi
+"$PYTHON" - "$OUT/launches-summary.json" "$OUT/launches.jsonl" <<'PY' || fail "launches counted twice or kernels not named (see above)"
+import json
+import sys
+
+summary = json.load(open(sys.argv[1]))
+procs = [p for p in summary["processes"] if any("gpu_launches.py" in a for a in p.get("command_line", []))]
+ok = True
+
+
+def check(what, good, detail):
+    global ok
+    ok &= bool(good)
+    print(f"gpu-check: {'PASS' if good else 'FAIL'}: {what}: {detail}")
+
+
+check("the launches process is in the summary", procs, f"{len(summary['processes'])} processes")
+calls = procs[0].get("calls", {}) if procs else {}
+runtime = sum(v for k, v in calls.items() if k.startswith("cudaLaunchKernel"))
+driver = sum(v for k, v in calls.items() if k in ("cuLaunchKernel", "cuLaunchKernelEx"))
+launches = {k: v for k, v in calls.items() if "Launch" in k}
+check("2000 add_ kernels counted through the runtime", runtime >= 2000, launches)
+# Were the runtime's own calls into cuLaunchKernel counted again, there would be >= 2000.
+check("the runtime's calls into libcuda not counted again", driver < 500, launches)
+
+
+def attrs(item):
+    out = {}
+    for kv in item.get("attributes", []):
+        value = kv.get("value", {})
+        for kind in ("stringValue", "intValue", "boolValue", "doubleValue"):
+            if kind in value:
+                out[kv["key"]] = value[kind]
+    return out
+
+
+tops = []
+for line in open(sys.argv[2]):
+    line = line.strip()
+    if not line:
+        continue
+    doc = json.loads(line)
+    for rs in doc.get("resourceSpans", []):
+        for ss in rs.get("scopeSpans", []):
+            for span in ss.get("spans", []):
+                if span.get("name") != "train.step":
+                    continue
+                for event in span.get("events", []):
+                    if event.get("name") == "cuda.kernel.top":
+                        a = attrs(event)
+                        tops.append((a.get("cuda.kernel.name", ""), int(a.get("cuda.kernel.launches", 0))))
+adds = [t for t in tops if "at::native" in t[0] and t[1] >= 400]
+check(
+    "a step's top kernel is the add, demangled, with its 400 launches",
+    adds,
+    adds[:1] or tops[:3] or "no cuda.kernel.top event",
+)
+sys.exit(0 if ok else 1)
+PY
+
 say "done; logs in $OUT"
