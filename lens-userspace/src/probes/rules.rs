@@ -105,7 +105,13 @@ impl SymbolPattern {
     }
 
     /// Whether the symbol named `name` (raw bytes from the string table) matches.
+    /// Compiler-made parts and clones (`f.cold`, `f.part.0`, `f.isra.0`,
+    /// `f.constprop.0`: a fragment, or a copy with another calling convention) match only
+    /// a pattern that names them with their `.`.
     pub fn matches(&self, name: &[u8]) -> bool {
+        if name.contains(&b'.') && !self.text().contains('.') {
+            return false;
+        }
         match self {
             SymbolPattern::Exact(text) => name == text.as_bytes(),
             SymbolPattern::Demangled(text) => {
@@ -119,12 +125,17 @@ impl SymbolPattern {
                     return true;
                 }
                 *cpp && name.starts_with(b"_Z")
+                    && mentions_identifier(pattern_text(pattern), name)
                     && demangled(name).is_some_and(|(full, bare)| {
                         glob_match(pattern, full.as_bytes()) || glob_match(pattern, bare.as_bytes())
                     })
             }
         }
     }
+}
+
+fn pattern_text(pattern: &[u8]) -> &str {
+    std::str::from_utf8(pattern).unwrap_or_default()
 }
 
 /// The demangled name of a mangled C++ symbol, with and without its parameters.
@@ -151,22 +162,20 @@ const ABBREVIATED: &[&str] = &[
     "basic_istream",
     "basic_ostream",
     "basic_iostream",
+    "operator",
 ];
 
-/// A cheap test before demangling: the longest identifier of the demangled name `text`
-/// appears in the mangled bytes, as mangling keeps identifiers verbatim (prefixed with
-/// their length). True when that cannot be told (no identifier, or an abbreviated one).
+/// A cheap test before demangling: every identifier of the qualified name in the
+/// demangled name (or glob) `text` (what comes before its parameters or template
+/// arguments), of three characters or more, appears in the mangled bytes, as mangling
+/// keeps identifiers verbatim (prefixed with their length); the names libstdc++'s
+/// mangling abbreviates, and `operator`, are not required.
 fn mentions_identifier(text: &str, mangled: &[u8]) -> bool {
-    let longest = text
-        .split(|c: char| !(c == '_' || c.is_ascii_alphanumeric()))
-        .filter(|word| word.chars().next().is_some_and(|c| !c.is_ascii_digit()))
-        .max_by_key(|word| word.len());
-    match longest {
-        Some(word) if word.len() >= 3 && !ABBREVIATED.contains(&word) => mangled
-            .windows(word.len())
-            .any(|window| window == word.as_bytes()),
-        _ => true,
-    }
+    let name = text.split(['(', '<']).next().unwrap_or_default();
+    name.split(|c: char| !(c == '_' || c.is_ascii_alphanumeric()))
+        .filter(|word| word.len() >= 3 && !word.starts_with(|c: char| c.is_ascii_digit()))
+        .filter(|word| !ABBREVIATED.contains(word))
+        .all(|word| memchr::memmem::find(mangled, word.as_bytes()).is_some())
 }
 
 fn has_wildcards(pattern: &[u8]) -> bool {
@@ -251,6 +260,12 @@ mod tests {
         assert_eq!(SymbolPattern::new("my_*").anchor(), Some(&b"my_"[..]));
         assert_eq!(SymbolPattern::new("*step").anchor(), None);
         assert!(SymbolPattern::new("my_*").matches(b"my_evaluate"));
+        // Fragments and clones only when named.
+        assert!(
+            !SymbolPattern::new("my::Trainer::forward").matches(b"_ZN2my7Trainer7forwardEi.cold")
+        );
+        assert!(!SymbolPattern::new("my_*").matches(b"my_evaluate.part.0"));
+        assert!(SymbolPattern::new("my_*.part.*").matches(b"my_evaluate.part.0"));
         assert!(!SymbolPattern::new("my_*").matches(b"_ZN2my7Trainer7forwardEi"));
     }
 }

@@ -1593,4 +1593,65 @@ mod tests {
         assert_eq!(remembered, mapped);
         assert_eq!(streamed.len(), wanted.len());
     }
+
+    /// The real libtorch_cpu.so through configured-rule patterns: a demangled name (every
+    /// overload) and C++ globs, each found at the offset the exact look-up gives, with
+    /// the time and peak RSS printed.
+    /// `cargo test -p lens-userspace --lib probes::symbols -- --ignored --nocapture`
+    #[test]
+    #[ignore = "needs libtorch_cpu.so; measures memory"]
+    fn libtorch_patterns_and_peak_memory() {
+        let home = PathBuf::from(std::env::var_os("HOME").unwrap());
+        let library = std::env::var_os("LENS_LIBTORCH_CPU")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                fs::read_dir(home.join(".cache/lens-probe/torch-venv/lib"))
+                    .unwrap()
+                    .flatten()
+                    .map(|python| {
+                        python
+                            .path()
+                            .join("site-packages/torch/lib/libtorch_cpu.so")
+                    })
+                    .find(|path| path.exists())
+                    .expect("libtorch_cpu.so in the torch venv")
+            });
+        let execute = "_ZN5torch8autograd6Engine7executeERKSt6vectorINS0_4EdgeESaIS3_EERKS2_IN2at6TensorESaIS9_EEbbbS7_";
+        let allreduce = "_ZN4c10d16ProcessGroupGloo9allreduceERSt6vectorIN2at6TensorESaIS3_EERKNS_16AllreduceOptionsE";
+        let demangled = SymbolPattern::new("torch::autograd::Engine::execute");
+        let cpp_glob = SymbolPattern::new("c10d::ProcessGroupGloo::allreduce*");
+        let mangled_glob = SymbolPattern::new("_ZN4c10d16ProcessGroupGloo9allreduce*");
+        let before = peak_rss_kib();
+        let start = Instant::now();
+        let matches = resolve_matching(
+            &library,
+            &[&demangled, &cpp_glob, &mangled_glob],
+            &[64, 64, 64],
+        )
+        .unwrap();
+        let took = start.elapsed();
+        let after = peak_rss_kib();
+        for (pattern, found) in ["demangled", "C++ glob", "mangled glob"]
+            .iter()
+            .zip(&matches.found)
+        {
+            let names: Vec<&str> = found.iter().map(|(name, _)| name.as_str()).collect();
+            println!("{pattern}: {names:?}");
+        }
+        println!(
+            "3 patterns: {took:.2?}, VmHWM {before} kB -> {after} kB (+{} kB)",
+            after - before
+        );
+        let exact = resolve_offsets(&library, &[execute, allreduce], CHUNK, None).unwrap();
+        let offset = |i: usize, name: &str| {
+            matches.found[i]
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, symbol)| symbol.offset)
+        };
+        assert_eq!(offset(0, execute), Some(exact[execute]));
+        assert_eq!(offset(1, allreduce), Some(exact[allreduce]));
+        assert_eq!(offset(2, allreduce), Some(exact[allreduce]));
+        assert_eq!(matches.capped, [false, false, false]);
+    }
 }
