@@ -1,8 +1,9 @@
 //! The phase rules on synthetic event streams: exact trees and boundaries.
-use super::{SpanBuilder, SpanLog, SpanStatus, names};
+use super::{AttrValue, SpanBuilder, SpanLog, SpanStatus, names};
 use crate::{
     events::{CallTiming, CollectiveOp, PhaseSignal, ProbeEvent, TorchScope},
     groups::SpanGroups,
+    kernels::KernelLaunches,
     nccl::{DataType, RedOp},
     semconv,
     sink::{EventSink, ProcessEnd},
@@ -17,6 +18,8 @@ struct Run {
     now: u64,
     /// The process's kernel launches so far, as the kernel stamps them on phase marks.
     launches: u64,
+    /// Phase marks so far: the epoch the next one opens, as the kernel counts them.
+    epoch: u64,
 }
 
 impl Run {
@@ -38,20 +41,37 @@ impl Run {
             builder,
             now: 0,
             launches: 0,
+            epoch: 0,
         }
     }
 
     /// Advances the clock by `ms` and sends `signal` then.
     fn at(&mut self, ms: u64, signal: PhaseSignal) -> &mut Self {
         self.now += ms * 1_000_000;
+        self.epoch += 1;
         self.builder.on_event(&ProbeEvent::Phase {
             tgid: PID,
             tid: PID,
             at_ns: self.now,
             launches: self.launches,
-            epoch: 0,
+            epoch: self.epoch,
             signal,
         });
+        self
+    }
+
+    /// `launches` of kernel `name` now, as the session reads them from the kernel (it
+    /// reads them before the marks that follow).
+    fn kernel(&mut self, name: &str, launches: u64) -> &mut Self {
+        self.launches += launches;
+        self.builder.on_kernel_launches(
+            PID,
+            &[KernelLaunches {
+                epoch: self.epoch,
+                name: name.into(),
+                launches,
+            }],
+        );
         self
     }
 
@@ -399,6 +419,59 @@ fn phase_spans_count_the_launches_made_inside_them() {
             .iter()
             .all(|s| s.attr(semconv::CUDA_LAUNCH_SAMPLED).is_none())
     );
+}
+
+#[test]
+fn each_step_carries_its_ten_most_launched_kernels_as_events() {
+    let mut run = Run::new("per_step", true);
+    run.builder.on_launch_counting(PID, true, 0, false);
+    // Launched before the first step begins: in no step.
+    run.kernel("init", 50);
+    for step in 0..2u64 {
+        run.scope(1, FETCH, 1);
+        // 12 kernels in the forward, kernel k launched k + 1 (+ step) times: only the ten
+        // most launched become events.
+        for k in 0..12u64 {
+            run.kernel(&format!("k{k:02}"), k + 1 + step);
+        }
+        run.at(2, PhaseSignal::BackwardStart)
+            .kernel("k00", 100)
+            .at(3, PhaseSignal::BackwardEnd)
+            .at(1, scope_enter("Optimizer.step#SGD.step"))
+            .kernel("adam", 12)
+            .at(0, PhaseSignal::ScopeExit)
+            .scope(0, "Optimizer.zero_grad#SGD.zero_grad", 1);
+    }
+    let log = run.end(3, Some(ExitStatus::Exited(0)));
+    let steps: Vec<_> = log.named(names::STEP).collect();
+    assert_eq!(steps.len(), 2);
+    for (step, span) in steps.iter().enumerate() {
+        let step = step as i64;
+        let top: Vec<(String, i64)> = span
+            .events
+            .iter()
+            .map(|e| {
+                assert_eq!(e.name, names::KERNEL_TOP_EVENT);
+                assert_eq!(e.at_ns, span.end_ns);
+                let name = e.attributes[0].1.to_string();
+                let AttrValue::Int(launches) = e.attributes[1].1 else {
+                    panic!("{e:?}");
+                };
+                (name, launches)
+            })
+            .collect();
+        // Every kernel of the step (k00: 1 + step in the forward and 100 in the
+        // backward), most launched first, ties by name, the first ten.
+        let mut expected: Vec<(String, i64)> = (1..12)
+            .map(|k| (format!("k{k:02}"), k + 1 + step))
+            .collect();
+        expected.push(("k00".to_string(), 101 + step));
+        expected.push(("adam".to_string(), 12));
+        expected.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        expected.truncate(10);
+        assert_eq!(top, expected, "step {step}");
+        assert!(!top.iter().any(|(name, _)| name == "init"));
+    }
 }
 
 #[test]
