@@ -197,6 +197,43 @@ mod tests {
         assert_eq!(demangle("kernel_stub"), "kernel_stub");
     }
 
+    /// Naming functions of the real libtorch_cpu.so (~450 MB, 546 k static symbols): the
+    /// time one look-up takes (a whole scan of its symbol tables), printed.
+    /// `cargo test -p lens-userspace --lib kernels -- --ignored --nocapture`
+    #[test]
+    #[ignore = "needs libtorch_cpu.so; measures time"]
+    fn libtorch_functions_are_named_in_one_scan() {
+        use lens_common::ProbeId;
+        let library = std::env::var_os("LENS_LIBTORCH_CPU")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                let home = PathBuf::from(std::env::var_os("HOME").unwrap());
+                home.join(
+                    ".cache/lens-probe/torch-venv/lib/python3.13/site-packages/torch/lib/\
+                     libtorch_cpu.so",
+                )
+            });
+        let wanted = [
+            ProbeId::TorchBackward.symbol(),
+            ProbeId::TorchScopeEnter.symbol(),
+            ProbeId::CheckpointWriterClose.symbol(),
+        ];
+        let offsets = symbols::resolve_file_offsets(&library, &wanted).unwrap();
+        let at: Vec<u64> = wanted.iter().map(|name| offsets[*name]).collect();
+        let start = std::time::Instant::now();
+        let names = symbols::functions_at(&library, &at).unwrap();
+        println!(
+            "{} of {} functions named in {:?}",
+            names.len(),
+            at.len(),
+            start.elapsed()
+        );
+        for (name, offset) in wanted.iter().zip(&at) {
+            assert_eq!(names.get(offset).map(String::as_str), Some(*name));
+        }
+        assert!(demangle(&names[&at[0]]).starts_with("torch::autograd::Engine::execute("));
+    }
+
     #[test]
     fn driver_handles_are_named_as_handles() {
         let mut names = KernelNames::default();
