@@ -740,6 +740,9 @@ pub fn user_rule_entry(ctx: ProbeContext) -> u32 {
     // SAFETY: the helper only reads the attach cookie of the running program.
     let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
     let mut event = new_event(EventKind::RuleCall, cookie as u32, pid_tgid);
+    // A launch mark like a phase mark's: the span's launches (and kernels) are counted
+    // between its two marks.
+    event.epoch = next_epoch(pid_tgid);
     event.launches = launches_so_far(pid_tgid);
     let args = [
         arg_u64(&ctx, 0),
@@ -790,6 +793,7 @@ pub fn user_rule_return(ctx: RetProbeContext) -> u32 {
     let mut event = new_event(EventKind::RuleCall, probe_id(&ctx), pid_tgid);
     event.at_return = 1;
     event.ret = ctx.ret::<i64>();
+    event.epoch = next_epoch(pid_tgid);
     event.launches = launches_so_far(pid_tgid);
     emit(&event, submit_flags());
     0

@@ -273,6 +273,8 @@ pub enum ProbeEvent {
         at_ns: u64,
         /// The process's kernel launches counted so far.
         launches: u64,
+        /// The phase epoch this call's entry or return opens, as a phase mark's.
+        epoch: u64,
         /// The rule's index (`NativeRule::index`).
         rule: u32,
         at_return: bool,
@@ -371,6 +373,7 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
                 tid: raw.tid,
                 at_ns: raw.start_ns,
                 launches: raw.launches,
+                epoch: raw.epoch,
                 rule,
                 at_return,
                 args: raw.args,

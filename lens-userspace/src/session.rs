@@ -801,7 +801,9 @@ impl Session {
             if let Some(kernels) = self.kernels.as_mut() {
                 let mut marked = Vec::new();
                 for event in batch.iter().flatten() {
-                    if let ProbeEvent::Phase { tgid, epoch, .. } = event {
+                    if let ProbeEvent::Phase { tgid, epoch, .. }
+                    | ProbeEvent::RuleCall { tgid, epoch, .. } = event
+                    {
                         let newest = kernels.epochs.entry(*tgid).or_default();
                         *newest = (*newest).max(*epoch);
                         if !marked.contains(tgid) {

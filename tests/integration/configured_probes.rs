@@ -421,3 +421,37 @@ fn a_std_string_argument_is_read_and_a_checkpoint_rule_takes_checkpoints_over() 
         .concat()
     );
 }
+
+#[test]
+fn configured_spans_count_the_launches_made_inside_them() {
+    if !lens_tests::require_bpf("configured_spans_count_the_launches_made_inside_them") {
+        return;
+    }
+    // my_train_step makes 5 launches (fake libcudart) before calling forward and the
+    // optimizer: each step counts them, its children none. The rule events are launch
+    // marks of their own, so the counts are exact.
+    let argv: Vec<OsString> = ["env", "CONFIGURED_LAUNCHES=5"]
+        .into_iter()
+        .map(OsString::from)
+        .chain(trainer(&["3", "0", "0"]))
+        .collect();
+    let (log, _) = trace(RULES, "all", &argv);
+    let steps: Vec<_> = log.named(names::STEP).collect();
+    assert_eq!(steps.len(), 3);
+    for step in steps {
+        assert_eq!(
+            step.int_attr(semconv::CUDA_LAUNCH_COUNT),
+            Some(5),
+            "{step:?}"
+        );
+        for child in log.children(step) {
+            assert_eq!(
+                child.int_attr(semconv::CUDA_LAUNCH_COUNT),
+                Some(0),
+                "{child:?}"
+            );
+        }
+    }
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(job.int_attr(semconv::CUDA_LAUNCH_COUNT), Some(15));
+}

@@ -334,6 +334,8 @@ impl<E: SpanExporter> SpanBuilder<E> {
             tgid,
             tid,
             at_ns,
+            launches,
+            epoch,
             rule,
             at_return,
             args,
@@ -350,6 +352,10 @@ impl<E: SpanExporter> SpanBuilder<E> {
             return;
         };
         let (at, tid) = (*at_ns, *tid);
+        process
+            .arena
+            .launches_mut()
+            .record_mark(at, *launches, *epoch);
         let taken_over = matches!(
             rule.group,
             SpanGroup::Step
