@@ -706,7 +706,9 @@ fn resolve_matching_chunked(
         )
         .map_err(elf_error)?;
         let version_name = |index: u16| layout.version_names.get(&index).cloned();
-        for (name, candidate) in found {
+        // Patterns probe functions: data (a glob's `my_*` catching `my_table`) and IFUNC
+        // resolvers are no place for a uprobe.
+        for (name, candidate) in found.into_iter().filter(|(_, c)| c.function) {
             definitions
                 .entry(name.to_string())
                 .or_insert_with(|| Definition {
@@ -921,6 +923,8 @@ struct Candidate {
     hidden: bool,
     /// The version indexes of the name's other definitions, not chosen.
     other_versions: Vec<u16>,
+    /// A function (`STT_FUNC`), not data, an IFUNC resolver or an untyped symbol.
+    function: bool,
 }
 
 /// What a symbol table's scan knows of versions.
@@ -1001,6 +1005,7 @@ fn scan_symbols<'a, Elf: FileHeader<Endian = Endianness>>(
                             version,
                             hidden,
                             other_versions: Vec::new(),
+                            function: symbol.st_type() == elf::STT_FUNC,
                         },
                     );
                     if !hidden {
@@ -1013,6 +1018,7 @@ fn scan_symbols<'a, Elf: FileHeader<Endian = Endianness>>(
                     chosen.address = address;
                     chosen.version = version;
                     chosen.hidden = false;
+                    chosen.function = symbol.st_type() == elf::STT_FUNC;
                     settled += 1;
                 }
                 Some(chosen) => chosen.other_versions.extend(version),
@@ -1437,6 +1443,16 @@ mod tests {
         let matches = resolve_matching_chunked(&library, &[&all], &[2], CHUNK).unwrap();
         assert_eq!(matches.found[0].len(), 2);
         assert_eq!(matches.capped, [true]);
+        // Functions only: data a glob catches is no place for a uprobe.
+        let data = dir.library(
+            "libdata.so",
+            "int lens_rule_table[8] = {1}; int lens_rule_fn(int a) { return a + lens_rule_table[a & 7]; }",
+            &[],
+        );
+        let glob = SymbolPattern::new("lens_rule_*");
+        let matches = resolve_matching_chunked(&data, &[&glob], &[8], CHUNK).unwrap();
+        let names: Vec<&str> = matches.found[0].iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["lens_rule_fn"]);
     }
 
     #[test]
