@@ -455,3 +455,52 @@ fn configured_spans_count_the_launches_made_inside_them() {
     let job = log.named(names::JOB).next().unwrap();
     assert_eq!(job.int_attr(semconv::CUDA_LAUNCH_COUNT), Some(15));
 }
+
+#[test]
+fn attaching_to_a_running_loop_by_pid_gives_whole_steps() {
+    if !lens_tests::require_bpf("attaching_to_a_running_loop_by_pid_gives_whole_steps") {
+        return;
+    }
+    // A process that maps only a configured library is accepted by --pid; the step in
+    // progress at the attach (its entry unseen) is left out, the others are whole and
+    // count from 0.
+    let mut child = std::process::Command::new(lens_tests::configured_trainer())
+        .args(["60", "0", "0"])
+        .env("CONFIGURED_STEP_MS", "15")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let rules = Arc::new(ProbeRules::parse(RULES).unwrap());
+    let mut session = Session::new(TraceOptions {
+        span_groups: "all".parse::<SpanGroups>().unwrap(),
+        kernel_logs: false,
+        overhead_budget: None,
+    })
+    .unwrap();
+    session.set_rules(rules.clone());
+    session.attach_pid(child.id()).unwrap();
+    let mut builder =
+        SpanBuilder::new("all".parse().unwrap(), SpanLog::default()).with_rules(rules);
+    session
+        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    let log = builder.into_exporter();
+    let steps: Vec<_> = log.named(names::STEP).collect();
+    assert!(
+        !steps.is_empty() && steps.len() < 60,
+        "{} steps seen",
+        steps.len()
+    );
+    for (i, step) in steps.iter().enumerate() {
+        assert_eq!(step.int_attr(semconv::DL_ITERATION), Some(i as i64));
+        assert!(!step.truncated(), "{step:?}");
+        assert_eq!(log.children(step).len(), 3, "{step:?}");
+    }
+    // my.step is the loop's own counter: the steps seen are the last ones, in order.
+    let last = steps.last().unwrap();
+    assert_eq!(last.int_attr("my.step"), Some(59));
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(job.attr(semconv::NEMO_ATTACHED_MID_RUN), Some(&true.into()));
+}
