@@ -311,11 +311,18 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
         return;
     }
     // The probes are loaded first; the trainer waits before its first call, so every
-    // call comes after the attach.
+    // call comes after the attach. The wait is long: attaching queues behind the kernel's
+    // removal of other sessions' uprobes (~0.1 s each), which the tests running beside
+    // this one cause; the attach's own time is checked against it below.
+    const START_DELAY: Duration = Duration::from_secs(4);
     let mut session = Session::new(options("per_step")).unwrap();
+    let spawned = std::time::Instant::now();
     let mut child = std::process::Command::new(lens_tests::trainer())
         .arg("2")
-        .env("TRAINER_START_DELAY_MS", "1500")
+        .env(
+            "TRAINER_START_DELAY_MS",
+            START_DELAY.as_millis().to_string(),
+        )
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
@@ -328,6 +335,11 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
         std::thread::sleep(Duration::from_millis(5));
     }
     session.attach_pid(child.id()).unwrap();
+    let attached_after = spawned.elapsed();
+    assert!(
+        attached_after < START_DELAY,
+        "the attach took {attached_after:?}, past the trainer's first call"
+    );
     let (log, report) = run(&mut session);
     assert!(child.wait().unwrap().success());
 
