@@ -19,8 +19,8 @@
 //!
 //! `--only` runs some of them (then docs/performance.md is left as it is).
 
-mod json;
 mod budget;
+mod json;
 mod per_kind;
 mod proc;
 mod report;
