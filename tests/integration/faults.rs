@@ -294,9 +294,10 @@ fn a_probe_killed_with_sigkill_leaves_the_target_running_and_no_probe_behind() {
         return;
     }
     let _serial = serial();
-    // A trainer of 30 steps 100 ms apart (~3 s), attached by pid and killed after 1 s.
+    // A trainer of 60 steps 100 ms apart (~6 s), attached by pid; lens-probe is killed
+    // once it holds its programs.
     let trainer = Command::new(lens_tests::trainer())
-        .arg("30")
+        .arg("60")
         .env("TRAINER_STEP_DELAY_MS", "100")
         .env("LENS_FAKE_SYNC_MS", "0")
         .stdout(Stdio::piped())
@@ -313,9 +314,16 @@ fn a_probe_killed_with_sigkill_leaves_the_target_running_and_no_probe_behind() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1000));
+    // Killed once it holds its programs (start-up takes longer when the machine is busy).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut held = programs_held_by(probe.id());
+    while held.is_empty() {
+        assert!(Instant::now() < deadline, "lens-probe holds no BPF program");
+        std::thread::sleep(Duration::from_millis(50));
+        held = programs_held_by(probe.id());
+    }
+    std::thread::sleep(Duration::from_millis(300));
     let held = programs_held_by(probe.id());
-    assert!(!held.is_empty(), "lens-probe holds no BPF program");
     probe.kill().unwrap();
     probe.wait().unwrap();
     // The kernel tears the uprobes down when the last descriptor closes.
@@ -328,7 +336,7 @@ fn a_probe_killed_with_sigkill_leaves_the_target_running_and_no_probe_behind() {
     assert!(output.status.success());
     assert_eq!(
         String::from_utf8_lossy(&output.stdout),
-        "trainer: 30 steps done\n"
+        "trainer: 60 steps done\n"
     );
 }
 
