@@ -380,31 +380,11 @@ impl Session {
     }
 
     fn launch_totals_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, LaunchTotals>> {
-        let map = self
-            .ebpf
-            .map_mut(maps::LAUNCH_TOTALS)
-            .ok_or(LensError::MissingInObject {
-                kind: "map",
-                name: maps::LAUNCH_TOTALS,
-            })?;
-        BpfHashMap::try_from(map).map_err(|source| LensError::Map {
-            map: maps::LAUNCH_TOTALS,
-            source,
-        })
+        hash_map_mut(&mut self.ebpf, maps::LAUNCH_TOTALS)
     }
 
     fn targets_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, TargetConfig>> {
-        let map = self
-            .ebpf
-            .map_mut(maps::TARGETS)
-            .ok_or(LensError::MissingInObject {
-                kind: "map",
-                name: maps::TARGETS,
-            })?;
-        BpfHashMap::try_from(map).map_err(|source| LensError::Map {
-            map: maps::TARGETS,
-            source,
-        })
+        hash_map_mut(&mut self.ebpf, maps::TARGETS)
     }
 
     fn set_target(&mut self, pid: u32, config: TargetConfig) -> Result<()> {
@@ -674,24 +654,7 @@ impl Session {
     /// running now (from their next step on) and those that start later (from the moment
     /// they load a training library). Returns how many were running.
     pub fn watch_node(&mut self, filter: NodeFilter) -> Result<usize> {
-        let map = self
-            .ebpf
-            .map_mut(maps::SETTINGS)
-            .ok_or(LensError::MissingInObject {
-                kind: "map",
-                name: maps::SETTINGS,
-            })?;
-        let mut settings_map: BpfArray<&mut MapData, u32> =
-            BpfArray::try_from(map).map_err(|source| LensError::Map {
-                map: maps::SETTINGS,
-                source,
-            })?;
-        settings_map
-            .set(settings::NODE_MODE, 1, 0)
-            .map_err(|source| LensError::Map {
-                map: maps::SETTINGS,
-                source,
-            })?;
+        set_setting(&mut self.ebpf, settings::NODE_MODE, 1)?;
         self.node = Some(filter);
         if let Some(loader) = attach::own_dynamic_loader()? {
             self.attacher
@@ -1285,6 +1248,17 @@ fn scale_launches(calls: &mut BTreeMap<ProbeId, u64>, estimated: f64) {
             *count = (*count as f64 * factor).round() as u64;
         }
     }
+}
+
+/// The kernel's hash map `name`, typed.
+fn hash_map_mut<'a, K: aya::Pod, V: aya::Pod>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<BpfHashMap<&'a mut MapData, K, V>> {
+    let map = ebpf
+        .map_mut(name)
+        .ok_or(LensError::MissingInObject { kind: "map", name })?;
+    BpfHashMap::try_from(map).map_err(|source| LensError::Map { map: name, source })
 }
 
 /// Sets one of the run-wide switches (`lens_common::settings`).
