@@ -189,8 +189,11 @@ fn exactly_bpf_perfmon_and_sys_admin_trace_a_job_of_the_same_user() {
     let output = probe_as_user(&EXACT, &["--exec", "--", trainer, "3"]);
     assert_traced(&output);
 
-    // --pid: a running job of the same user.
-    let mut job = trainer_as(PROBE_UID, 2500, 20);
+    // --pid: a running job of the same user. Its first call waits long enough for the
+    // attach, which queues behind the kernel's removal of other instances' uprobes
+    // (~0.1 s each), so start on a quiet kernel.
+    lens_tests::wait_for_lens_probe_teardown();
+    let mut job = trainer_as(PROBE_UID, 4000, 20);
     let pid = job.id().to_string();
     let output = probe_as_user(&EXACT, &["--pid", &pid]);
     assert!(job.wait().unwrap().success());
@@ -234,8 +237,9 @@ fn another_users_job_needs_sys_ptrace_and_dac_read_search() {
     let _ = job.kill();
     let _ = job.wait();
 
-    // With both, it traces.
-    let mut job = trainer_as(OTHER_UID, 2500, 20);
+    // With both, it traces (on a quiet kernel, as above).
+    lens_tests::wait_for_lens_probe_teardown();
+    let mut job = trainer_as(OTHER_UID, 4000, 20);
     let pid = job.id().to_string();
     let mut all = with_ptrace;
     all.push(CAP_DAC_READ_SEARCH);
