@@ -29,6 +29,9 @@ fn trace_kernels() -> (SpanLog, Summary, KernelState) {
         "env".into(),
         "TRAINER_KERNELS=1".into(),
         "LENS_FAKE_BACKWARD_MS=1".into(),
+        // Kernel stubs are named through the live process's maps: a run of a few ms can
+        // end before its events are drained (every 20 ms), which leaves them unnamed.
+        "TRAINER_EXIT_DELAY_MS=300".into(),
         lens_tests::torch_trainer().into_os_string(),
         STEPS.to_string().into(),
         MICROBATCHES.to_string().into(),
