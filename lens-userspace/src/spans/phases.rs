@@ -172,15 +172,13 @@ impl ThreadPhases {
         if let Some(evaluate) = self.evaluate {
             return evaluate;
         }
-        if let Some(step) = &self.step {
-            if let Some(id) = step
+        // A complete step (its optimizer work returned) ends there: a call after it (a
+        // logging all-reduce, a barrier) is between steps, not inside the last one.
+        if let Some(step) = self.step.as_ref().filter(|s| s.optimizer_end.is_none()) {
+            return step
                 .optimizer
                 .or(step.forward_backward)
-                .filter(|_| step.optimizer_end.is_none())
-            {
-                return id;
-            }
-            return step.span;
+                .unwrap_or(step.span);
         }
         ctx.model_init.unwrap_or(ctx.job)
     }

@@ -511,3 +511,18 @@ fn launches_are_counted_only_for_spans_inside_a_sampled_window() {
         "job spans the pause"
     );
 }
+
+#[test]
+fn a_call_after_the_optimizer_returned_is_between_steps() {
+    let mut run = Run::new("per_step", true);
+    // A step, then a barrier-like collective before the next step's signals.
+    run.step(1).at(1, PhaseSignal::GradMode { enabled: true });
+    run.now += 1_000_000;
+    run.allreduce(0);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let job = log.named(names::JOB).next().unwrap();
+    let call = log.named("nccl.all_reduce").next().unwrap();
+    assert_eq!(call.parent, Some(job.id), "{}", log.outline(&[]));
+    assert!(log.misnested().is_empty(), "{:#?}", log.misnested());
+}
