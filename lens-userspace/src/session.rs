@@ -168,16 +168,7 @@ impl Session {
     pub fn new(options: TraceOptions) -> Result<Session> {
         privileges::check()?;
         let mut ebpf = attach::load_object(options.kernel_logs)?;
-        let ring = RingBuf::try_from(ebpf.take_map(maps::EVENTS).ok_or(
-            LensError::MissingInObject {
-                kind: "map",
-                name: maps::EVENTS,
-            },
-        )?)
-        .map_err(|source| LensError::Map {
-            map: maps::EVENTS,
-            source,
-        })?;
+        let ring = attach::take_event_ring(&mut ebpf)?;
         let logger = if options.kernel_logs {
             match EbpfLogger::init(&mut ebpf) {
                 Ok(logger) => Some(logger),

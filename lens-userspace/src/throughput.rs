@@ -25,7 +25,6 @@ use aya::{
     maps::{MapData, RingBuf},
     programs::{RawTracePoint, RawTracePointRunOptions, TestRun},
 };
-use lens_common::maps;
 use serde::Serialize;
 use tokio::{io::unix::AsyncFd, sync::oneshot};
 
@@ -193,16 +192,7 @@ pub fn run(options: Options, sink: &mut dyn EventSink) -> Result<Report> {
     privileges::check()?;
     // The object and maps lens-probe loads, the same way.
     let mut ebpf = attach::load_object(false)?;
-    let ring = RingBuf::try_from(ebpf.take_map(maps::EVENTS).ok_or(
-        LensError::MissingInObject {
-            kind: "map",
-            name: maps::EVENTS,
-        },
-    )?)
-    .map_err(|source| LensError::Map {
-        map: maps::EVENTS,
-        source,
-    })?;
+    let ring = attach::take_event_ring(&mut ebpf)?;
     let program: &mut RawTracePoint = ebpf
         .program_mut(PROGRAM)
         .ok_or(LensError::MissingInObject {

@@ -70,6 +70,21 @@ pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
     Ok(ebpf)
 }
 
+/// Takes the events ring buffer out of the loaded object, for the one reader that drains
+/// it (a session, or the throughput bench).
+pub fn take_event_ring(ebpf: &mut Ebpf) -> Result<aya::maps::RingBuf<aya::maps::MapData>> {
+    let map = ebpf
+        .take_map(lens_common::maps::EVENTS)
+        .ok_or(LensError::MissingInObject {
+            kind: "map",
+            name: lens_common::maps::EVENTS,
+        })?;
+    aya::maps::RingBuf::try_from(map).map_err(|source| LensError::Map {
+        map: lens_common::maps::EVENTS,
+        source,
+    })
+}
+
 fn uprobe_mut(ebpf: &mut Ebpf, program: Program) -> Result<&mut UProbe> {
     let missing = LensError::MissingInObject {
         kind: "program",
