@@ -314,7 +314,7 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
     // call comes after the attach. The wait is long: attaching queues behind the kernel's
     // removal of other sessions' uprobes (~0.1 s each), which the tests running beside
     // this one cause; the attach's own time is checked against it below.
-    const START_DELAY: Duration = Duration::from_secs(4);
+    const START_DELAY: Duration = Duration::from_secs(8);
     let mut session = Session::new(options("per_step")).unwrap();
     let spawned = std::time::Instant::now();
     let mut child = std::process::Command::new(lens_tests::trainer())
