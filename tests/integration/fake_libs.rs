@@ -310,19 +310,15 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
     if !lens_tests::require_bpf("attach_by_pid_counts_the_calls_made_after_attach") {
         return;
     }
-    // The probes are loaded first; the trainer waits before its first call, so every
-    // call comes after the attach. The wait is long: attaching queues behind the kernel's
-    // removal of other sessions' uprobes (~0.1 s each), which the tests running beside
-    // this one cause; the attach's own time is checked against it below.
-    const START_DELAY: Duration = Duration::from_secs(8);
+    // The trainer makes its first call only once the test opens its gate, after the
+    // attach returned, so every call comes after the attach whatever the attach took
+    // (it queues behind the kernel's removal of other sessions' uprobes, ~0.1 s each).
+    let gate = std::env::temp_dir().join(format!("lens-fake-libs-gate-{}", std::process::id()));
+    let _ = std::fs::remove_file(&gate);
     let mut session = Session::new(options("per_step")).unwrap();
-    let spawned = std::time::Instant::now();
     let mut child = std::process::Command::new(lens_tests::trainer())
         .arg("2")
-        .env(
-            "TRAINER_START_DELAY_MS",
-            START_DELAY.as_millis().to_string(),
-        )
+        .env("TRAINER_START_GATE", &gate)
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
@@ -335,13 +331,10 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
         std::thread::sleep(Duration::from_millis(5));
     }
     session.attach_pid(child.id()).unwrap();
-    let attached_after = spawned.elapsed();
-    assert!(
-        attached_after < START_DELAY,
-        "the attach took {attached_after:?}, past the trainer's first call"
-    );
+    std::fs::write(&gate, b"").unwrap();
     let (log, report) = run(&mut session);
     assert!(child.wait().unwrap().success());
+    let _ = std::fs::remove_file(&gate);
 
     assert_eq!(report.stop, StopReason::TargetsExited);
     // Not lens-probe's child: the kernel's exit tracepoint told how it ended.
