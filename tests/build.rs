@@ -18,6 +18,7 @@ const FIXTURE_FILES: &[&str] = &[
     "fixtures/trainer_torch.c",
     "fixtures/variety_caller.c",
     "fixtures/hammer.c",
+    "fixtures/collective_rank.c",
     "fixtures/threads_dlopen.c",
     "fixtures/fake_nccl.map",
     "fixtures/configured_lib.c",

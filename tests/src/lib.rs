@@ -30,6 +30,15 @@ pub fn hammer() -> PathBuf {
     fixtures_dir().join("hammer")
 }
 
+/// `collective_rank RANK NRANKS STEPS`: one rank of a multi-rank job, each step an
+/// `ncclAllReduce` on stream `0x5100`, a `cudaEventRecord` after it and a wait for it
+/// (`COLLECTIVE_WAIT`: `query`, `watchdog`, `event_sync`, `stream_sync`); with
+/// `LENS_FAKE_COLLECTIVE_US` the collectives complete later, with `LENS_FAKE_NCCL_TRUTH`
+/// the fake libnccl writes when (see `tests/README.md`). Linked like [`trainer`].
+pub fn collective_rank() -> PathBuf {
+    fixtures_dir().join("collective_rank")
+}
+
 /// Waits (up to 30 s) until no `lens-probe` process is left: the kernel removes uprobes
 /// one at a time (~0.1 s each) after an instance exits, and new attachments queue behind
 /// that, so a test that needs an attachment within a deadline starts on a quiet kernel.
@@ -322,6 +331,9 @@ mod tests {
         "cudaStreamSynchronize",
         "cudaEventSynchronize",
         "cudaDeviceSynchronize",
+        "cudaEventRecord",
+        "cudaEventRecordWithFlags",
+        "cudaEventQuery",
     ];
 
     const CUDA_SYMBOLS: &[&str] = &[
@@ -388,6 +400,7 @@ mod tests {
         for p in [
             trainer(),
             hammer(),
+            collective_rank(),
             real_libs_caller(),
             fake_lib_dir().join("libcudart.so.12"),
             fake_lib_dir().join("libnccl.so.2"),
