@@ -61,10 +61,18 @@ pub enum ProbeId {
     CuLaunchKernelEx = 34,
     /// The driver's `cuGraphLaunch`.
     CuGraphLaunch = 35,
+    /// `cudaEventRecord(event, stream)`: an event recorded after a collective on the
+    /// collective's stream completes when the collective does (collective completion).
+    CudaEventRecord = 36,
+    /// `cudaEventRecordWithFlags(event, stream, flags)`.
+    CudaEventRecordWithFlags = 37,
+    /// `cudaEventQuery(event)`: PyTorch's watchdog polls the event recorded after each
+    /// collective; the first successful query bounds the collective's end.
+    CudaEventQuery = 38,
 }
 
 impl ProbeId {
-    pub const COUNT: usize = 36;
+    pub const COUNT: usize = 39;
 
     pub const ALL: [ProbeId; Self::COUNT] = [
         ProbeId::CudaLaunchKernel,
@@ -103,6 +111,9 @@ impl ProbeId {
         ProbeId::CuLaunchKernel,
         ProbeId::CuLaunchKernelEx,
         ProbeId::CuGraphLaunch,
+        ProbeId::CudaEventRecord,
+        ProbeId::CudaEventRecordWithFlags,
+        ProbeId::CudaEventQuery,
     ];
 
     /// A kernel or graph launch: counted in the kernel, never sent as an event, and the
@@ -218,6 +229,9 @@ impl ProbeId {
             ProbeId::CuLaunchKernel => "cuLaunchKernel",
             ProbeId::CuLaunchKernelEx => "cuLaunchKernelEx",
             ProbeId::CuGraphLaunch => "cuGraphLaunch",
+            ProbeId::CudaEventRecord => "cudaEventRecord",
+            ProbeId::CudaEventRecordWithFlags => "cudaEventRecordWithFlags",
+            ProbeId::CudaEventQuery => "cudaEventQuery",
         }
     }
 }
@@ -253,6 +267,12 @@ pub enum EventKind {
     /// marks, with the first six integer arguments in `args` and, when the rule reads a
     /// string argument, the string in `name`.
     RuleCall = 10,
+    /// A CUDA event call that tells when a collective completed: `cudaEventRecord` of
+    /// `handle` on `stream` when that stream holds a collective no event was recorded
+    /// after yet (or when `handle` was such an event: it is re-recorded, the binding
+    /// ends), or the first successful `cudaEventQuery` of such an event, entry to return,
+    /// with `not_ready_ns`. Every other event call is only counted.
+    CudaEvent = 11,
 }
 
 impl EventKind {
@@ -268,6 +288,7 @@ impl EventKind {
             8 => Some(EventKind::ProcessExec),
             9 => Some(EventKind::ProcessExit),
             10 => Some(EventKind::RuleCall),
+            11 => Some(EventKind::CudaEvent),
             _ => None,
         }
     }
@@ -339,6 +360,11 @@ pub struct Event {
     pub handle: u64,
     /// Hash of the 128-byte `ncclUniqueId` (CommInit).
     pub comm_id_hash: u64,
+    /// The `cudaStream_t` an event was recorded on (`CudaEvent` records).
+    pub stream: u64,
+    /// Entry time of the last `cudaEventQuery` that found the event not ready yet
+    /// (`CudaEvent` queries; 0 when none did): the collective had not completed then.
+    pub not_ready_ns: u64,
     /// The process's phase epoch this mark opens (PhaseMark events): every phase mark
     /// adds one, and each kernel launch is counted under the epoch it ran in
     /// ([`KernelKey`]), so launches per kernel per span need no event per launch.
@@ -383,6 +409,8 @@ impl Event {
             comm: 0,
             handle: 0,
             comm_id_hash: 0,
+            stream: 0,
+            not_ready_ns: 0,
             epoch: 0,
             launches: 0,
             args: [0; RULE_ARGS],
@@ -457,6 +485,16 @@ pub struct InflightKey {
     pub pid_tgid: u64,
     pub probe: u32,
     pub _pad: u32,
+}
+
+/// A process's CUDA stream or event handle: the key of the maps that follow collectives
+/// to the event recorded after them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HandleKey {
+    pub tgid: u32,
+    pub _pad: u32,
+    pub handle: u64,
 }
 
 /// Per-target settings, the value of the `TARGETS` map (keyed by tgid).
@@ -575,6 +613,9 @@ pub mod limits {
     pub const MAX_TARGETS: u32 = 4096;
     pub const MAX_CALL_COUNTERS: u32 = 16384;
     pub const MAX_INFLIGHT: u32 = 16384;
+    /// Streams holding a collective no event was recorded after yet, and the events
+    /// recorded after collectives not known complete (LRU: old ones fall out).
+    pub const MAX_COLLECTIVE_HANDLES: u32 = 8192;
     /// (process, epoch, kernel) launch counters not yet read by the loader.
     pub const MAX_KERNEL_COUNTS: u32 = 16384;
 }
@@ -585,6 +626,7 @@ mod user {
     unsafe impl aya::Pod for super::Event {}
     unsafe impl aya::Pod for super::CallKey {}
     unsafe impl aya::Pod for super::InflightKey {}
+    unsafe impl aya::Pod for super::HandleKey {}
     unsafe impl aya::Pod for super::TargetConfig {}
     unsafe impl aya::Pod for super::LaunchTotals {}
     unsafe impl aya::Pod for super::KernelKey {}

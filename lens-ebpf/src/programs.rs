@@ -6,15 +6,15 @@ use aya_ebpf::{
         bpf_probe_read_user_str_bytes, generated,
     },
     macros::{map, raw_tracepoint, uprobe, uretprobe},
-    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use aya_log_ebpf::{debug, warn};
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::{
-    CODE_RANGES, CallKey, CodeRanges, Event, EventKind, InflightKey, KernelKey, LaunchTotals,
-    LossCause, NCCL_UNIQUE_ID_WORDS, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig,
-    comm_id_hash, limits, settings,
+    CODE_RANGES, CallKey, CodeRanges, Event, EventKind, HandleKey, InflightKey, KernelKey,
+    LaunchTotals, LossCause, NCCL_UNIQUE_ID_WORDS, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE,
+    TargetConfig, comm_id_hash, limits, settings,
 };
 
 #[map(name = "EVENTS")]
@@ -45,6 +45,18 @@ static KERNEL_COUNTS: HashMap<KernelKey, u64> =
 /// is the runtime's own, already counted.
 #[map(name = "RUNTIME_RANGES")]
 static RUNTIME_RANGES: HashMap<u32, CodeRanges> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Streams (per process) holding a collective that no event was recorded after yet:
+/// the next `cudaEventRecord` on one is sent, its event watched.
+#[map(name = "COLLECTIVE_STREAMS")]
+static COLLECTIVE_STREAMS: LruHashMap<HandleKey, u8> =
+    LruHashMap::with_max_entries(limits::MAX_COLLECTIVE_HANDLES, 0);
+
+/// Events (per process) recorded after a collective and not seen complete yet → entry
+/// time of the last query that found one not ready (0: none yet).
+#[map(name = "COLLECTIVE_EVENTS")]
+static COLLECTIVE_EVENTS: LruHashMap<HandleKey, u64> =
+    LruHashMap::with_max_entries(limits::MAX_COLLECTIVE_HANDLES, 0);
 
 #[map(name = "INFLIGHT")]
 static INFLIGHT: HashMap<InflightKey, Event> = HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
@@ -458,7 +470,118 @@ pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
         }
         _ => return 0,
     }
+    // The next event recorded on this stream tells when the collective completed.
+    let stream = HandleKey {
+        tgid: event.tgid,
+        _pad: 0,
+        handle: event.handle,
+    };
+    let _ = COLLECTIVE_STREAMS.insert(&stream, &1, 0);
     remember_entry(&ctx, pid_tgid, &event);
+    0
+}
+
+/// `cudaEventRecord[WithFlags](event, stream)`: sent only when it binds an event to the
+/// collectives on `stream` (or unbinds a re-recorded one); every call is counted.
+#[uprobe]
+pub fn cuda_event_record(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let probe = probe_id(&ctx);
+    count_call(pid_tgid, probe);
+    let tgid = (pid_tgid >> 32) as u32;
+    let stream = HandleKey {
+        tgid,
+        _pad: 0,
+        handle: arg_u64(&ctx, 1),
+    };
+    let cuda_event = HandleKey {
+        tgid,
+        _pad: 0,
+        handle: arg_u64(&ctx, 0),
+    };
+    // SAFETY: only presence is read.
+    let binds = unsafe { COLLECTIVE_STREAMS.get(&stream) }.is_some();
+    if binds {
+        let _ = COLLECTIVE_STREAMS.remove(&stream);
+        let _ = COLLECTIVE_EVENTS.insert(&cuda_event, &0, 0);
+    } else if COLLECTIVE_EVENTS.remove(&cuda_event).is_err() {
+        // Neither after a collective nor a watched event re-recorded: nothing to say.
+        return 0;
+    }
+    let mut event = new_event(EventKind::CudaEvent, probe, pid_tgid);
+    event.handle = cuda_event.handle;
+    event.stream = stream.handle;
+    emit(&event, submit_flags());
+    0
+}
+
+/// Entry of `cudaEventQuery(event)`: remembered only for events watched after a
+/// collective (PyTorch's allocator and others query many more).
+#[uprobe]
+pub fn cuda_event_query_entry(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let probe = probe_id(&ctx);
+    count_call(pid_tgid, probe);
+    let key = HandleKey {
+        tgid: (pid_tgid >> 32) as u32,
+        _pad: 0,
+        handle: arg_u64(&ctx, 0),
+    };
+    // SAFETY: only presence is read.
+    if unsafe { COLLECTIVE_EVENTS.get(&key) }.is_none() {
+        return 0;
+    }
+    let mut event = new_event(EventKind::CudaEvent, probe, pid_tgid);
+    event.handle = key.handle;
+    remember_entry(&ctx, pid_tgid, &event);
+    0
+}
+
+/// `cudaErrorNotReady`: the event's work has not completed yet.
+const CUDA_ERROR_NOT_READY: i64 = 600;
+
+/// Return of `cudaEventQuery` on a watched event: not ready → remember when it was asked
+/// (a lower bound of the completion); success → send it once, with that lower bound.
+#[uretprobe]
+pub fn cuda_event_query_return(ctx: RetProbeContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let key = InflightKey {
+        pid_tgid,
+        probe: probe_id(&ctx),
+        _pad: 0,
+    };
+    // SAFETY: copied out before the entry is removed.
+    let Some(mut event) = (unsafe { INFLIGHT.get(&key) }).copied() else {
+        // An event nobody watches: its entry was not remembered.
+        return 0;
+    };
+    let _ = INFLIGHT.remove(&key);
+    let watched = HandleKey {
+        tgid: event.tgid,
+        _pad: 0,
+        handle: event.handle,
+    };
+    event.ret = ctx.ret::<i64>() as i32 as i64;
+    if event.ret == CUDA_ERROR_NOT_READY {
+        let _ = COLLECTIVE_EVENTS.insert(&watched, &event.start_ns, 0);
+        return 0;
+    }
+    // SAFETY: copied out before the entry is removed.
+    let Some(not_ready_ns) = (unsafe { COLLECTIVE_EVENTS.get(&watched) }).copied() else {
+        return 0;
+    };
+    let _ = COLLECTIVE_EVENTS.remove(&watched);
+    if event.ret != 0 {
+        return 0;
+    }
+    // SAFETY: plain helper call.
+    event.end_ns = unsafe { bpf_ktime_get_ns() };
+    event.not_ready_ns = not_ready_ns;
+    emit(&event, submit_flags());
     0
 }
 

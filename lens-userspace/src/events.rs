@@ -266,6 +266,25 @@ pub enum ProbeEvent {
     },
     /// Traced process `tgid` exited with this wait status (as `waitpid` gives it).
     ProcessExit { tgid: u32, wait_status: i32 },
+    /// `cudaEventRecord` of `event` on `stream`, sent when the stream holds collectives
+    /// no event was recorded after yet (they complete when the event does), or when the
+    /// event was such an event before (it now stands for later work).
+    EventRecorded {
+        #[serde(flatten)]
+        timing: CallTiming,
+        event: u64,
+        stream: u64,
+    },
+    /// The first `cudaEventQuery` that found an event recorded after collectives
+    /// complete (entry to return).
+    EventQueryComplete {
+        #[serde(flatten)]
+        timing: CallTiming,
+        event: u64,
+        /// Entry time of the last query that found it not ready (the collectives had not
+        /// completed then), if one did.
+        not_ready_ns: Option<u64>,
+    },
     /// Entry or return of a function a configured probe rule names (`crate::config`).
     RuleCall {
         tgid: u32,
@@ -294,7 +313,9 @@ impl ProbeEvent {
             | ProbeEvent::SyncWait { timing, .. }
             | ProbeEvent::CommInit { timing, .. }
             | ProbeEvent::Group { timing, .. }
-            | ProbeEvent::GlooCall { timing, .. } => timing.tgid,
+            | ProbeEvent::GlooCall { timing, .. }
+            | ProbeEvent::EventRecorded { timing, .. }
+            | ProbeEvent::EventQueryComplete { timing, .. } => timing.tgid,
             ProbeEvent::Phase { tgid, .. }
             | ProbeEvent::LinkMapChanged { tgid, .. }
             | ProbeEvent::ProcessExec { tgid, .. }
@@ -429,6 +450,21 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
         EventKind::Group => ProbeEvent::Group {
             timing,
             open: raw.group_open != 0,
+        },
+        EventKind::CudaEvent => match probe {
+            ProbeId::CudaEventRecord | ProbeId::CudaEventRecordWithFlags => {
+                ProbeEvent::EventRecorded {
+                    timing,
+                    event: raw.handle,
+                    stream: raw.stream,
+                }
+            }
+            ProbeId::CudaEventQuery => ProbeEvent::EventQueryComplete {
+                timing,
+                event: raw.handle,
+                not_ready_ns: (raw.not_ready_ns != 0).then_some(raw.not_ready_ns),
+            },
+            _ => return Err(DecodeError::UnknownProbe(raw.probe)),
         },
         EventKind::LinkMapChanged => ProbeEvent::LinkMapChanged {
             tgid: raw.tgid,

@@ -184,6 +184,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     let mut spans = SpanBuilder::new(cli.span_groups.clone(), exporter).with_rules(rules);
     let mut sinks = (&mut summary, (printer, &mut spans));
     let report = session.run_blocking(&mut sinks, cli.duration)?;
+    let stragglers = spans.stragglers().clone();
     drop(spans);
     for warning in session.attacher().unmatched_rules(&cli.span_groups) {
         log::warn!("{warning}");
@@ -199,6 +200,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     }
 
     eprint!("{}", summary.render(&report.losses));
+    eprint!("{}", lens_probe::spans::stragglers::render(&stragglers));
     if let Some(budget) = &report.budget {
         eprintln!(
             "lens-probe: overhead budget {}%: launch probes cost an estimated {:.2}% \
@@ -212,10 +214,21 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     }
     if let Some(path) = &cli.summary_json {
         let mut json = summary.to_json(&report.losses);
-        if let (Some(budget), Some(object)) = (&report.budget, json.as_object_mut()) {
+        if let Some(object) = json.as_object_mut() {
+            if let Some(budget) = &report.budget {
+                object.insert(
+                    "overhead_budget".into(),
+                    serde_json::to_value(budget).expect("budget report serialises"),
+                );
+            }
+            // By operation: collectives matched across ranks, times each rank was last.
+            let stragglers: std::collections::BTreeMap<&str, _> = stragglers
+                .iter()
+                .map(|(op, stats)| (op.name(), stats))
+                .collect();
             object.insert(
-                "overhead_budget".into(),
-                serde_json::to_value(budget).expect("budget report serialises"),
+                "stragglers".into(),
+                serde_json::to_value(stragglers).expect("straggler stats serialise"),
             );
         }
         let json = serde_json::to_string_pretty(&json).expect("summary serialises");

@@ -70,6 +70,26 @@ pub const DL_COLLECTIVE_REDUCE_OP: &str = "dl.collective.reduce_op";
 pub const DL_COLLECTIVE_PEER: &str = "dl.collective.peer";
 /// Hash of the communicator's `ncclUniqueId`: the same on every rank of one communicator.
 pub const DL_COLLECTIVE_COMM_ID: &str = "dl.collective.comm_id";
+/// The collective's number on its communicator in this process, from 0 at
+/// `ncclCommInitRank`: the same collective has the same number on every rank.
+pub const DL_COLLECTIVE_SEQ: &str = "dl.collective.seq";
+/// How the span's end (the collective's completion) was inferred: `event_query`,
+/// `event_synchronize`, `stream_synchronize`, `device_synchronize`, or `call_return`
+/// when nothing told (the end is then the enqueue call's return). docs/collectives.md.
+pub const DL_COLLECTIVE_END_SOURCE: &str = "dl.collective.end.source";
+/// The completion lies in `[end − precision, end]`: what the observations bound.
+pub const DL_COLLECTIVE_END_PRECISION_NS: &str = "dl.collective.end.precision_ns";
+/// The enqueue call's own duration (entry to return).
+pub const DL_COLLECTIVE_ENQUEUE_DURATION_NS: &str = "dl.collective.enqueue.duration_ns";
+/// The communicator rank that called this collective last (among the ranks compared).
+pub const DL_COLLECTIVE_LAST_RANK: &str = "dl.collective.last_rank";
+/// Last enqueue − first enqueue of this collective across the ranks compared.
+pub const DL_COLLECTIVE_ARRIVAL_SKEW_NS: &str = "dl.collective.arrival_skew_ns";
+/// How long this rank's collective waited for the last rank to arrive.
+pub const DL_COLLECTIVE_WAIT_NS: &str = "dl.collective.wait_ns";
+/// Ranks whose calls were compared (those traced on this node; the communicator may
+/// have more on other nodes).
+pub const DL_COLLECTIVE_RANKS_COMPARED: &str = "dl.collective.ranks_compared";
 /// The call's return code (`ncclResult_t`, `cudaError_t`).
 pub const DL_CALL_RESULT: &str = "dl.call.result";
 /// `stream`, `event` or `device`.

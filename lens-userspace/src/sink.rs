@@ -260,6 +260,27 @@ fn describe(event: &ProbeEvent) -> String {
             rule + 1,
             if *at_return { "return" } else { "entry" }
         ),
+        ProbeEvent::EventRecorded {
+            timing,
+            event,
+            stream,
+        } => format!(
+            "[{}:{}] cudaEventRecord event={event:#x} stream={stream:#x} (after a collective)",
+            timing.tgid, timing.tid
+        ),
+        ProbeEvent::EventQueryComplete {
+            timing,
+            event,
+            not_ready_ns,
+        } => format!(
+            "[{}:{}] cudaEventQuery event={event:#x} complete{}",
+            timing.tgid,
+            timing.tid,
+            not_ready_ns.map_or_else(String::new, |at| format!(
+                " (not ready {:.1}us before)",
+                us(timing.end_ns.saturating_sub(at))
+            ))
+        ),
         ProbeEvent::LinkMapChanged { tgid, .. } => format!("[{tgid}] libraries changed"),
         ProbeEvent::ProcessForked { parent, child } => format!("[{parent}] forked {child}"),
         ProbeEvent::ProcessExec { tgid, .. } => format!("[{tgid}] exec"),

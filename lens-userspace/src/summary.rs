@@ -190,6 +190,8 @@ impl EventSink for Summary {
                 stats.call_time_ns += timing.duration_ns();
             }
             ProbeEvent::Group { .. }
+            | ProbeEvent::EventRecorded { .. }
+            | ProbeEvent::EventQueryComplete { .. }
             | ProbeEvent::Phase { .. }
             | ProbeEvent::LinkMapChanged { .. }
             | ProbeEvent::ProcessForked { .. }

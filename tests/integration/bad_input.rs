@@ -311,6 +311,28 @@ fn assert_key_fields(raw: &Event, event: &ProbeEvent) -> Result<(), TestCaseErro
             prop_assert_eq!(kind, Some(EventKind::Collective));
             prop_assert!(timing_matches(timing));
         }
+        ProbeEvent::EventRecorded {
+            timing,
+            event,
+            stream,
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::CudaEvent));
+            prop_assert!(timing_matches(timing));
+            prop_assert_eq!((*event, *stream), (raw.handle, raw.stream));
+        }
+        ProbeEvent::EventQueryComplete {
+            timing,
+            event,
+            not_ready_ns,
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::CudaEvent));
+            prop_assert!(timing_matches(timing));
+            prop_assert_eq!(*event, raw.handle);
+            prop_assert_eq!(
+                *not_ready_ns,
+                (raw.not_ready_ns != 0).then_some(raw.not_ready_ns)
+            );
+        }
         ProbeEvent::SyncWait {
             timing,
             handle,
@@ -502,7 +524,7 @@ proptest! {
     #[test]
     fn the_decoder_takes_any_event(
         bytes in prop::collection::vec(any::<u8>(), size_of::<Event>()),
-        kind in 0u32..12,
+        kind in 0u32..13,
         probe in 0u32..ProbeId::COUNT as u32 + 4,
     ) {
         let mut raw = event_from(&bytes);

@@ -34,6 +34,7 @@ pub mod metric_names {
     pub const COLLECTIVE_CALLS: &str = "dl.collective.calls";
     pub const COLLECTIVE_BYTES: &str = "dl.collective.bytes";
     pub const COLLECTIVE_DURATION: &str = "dl.collective.duration";
+    pub const COLLECTIVE_ARRIVAL_SKEW: &str = "dl.collective.arrival_skew";
     pub const SYNC_DURATION: &str = "cuda.sync.duration";
     pub const KERNEL_LAUNCHES: &str = "cuda.kernel.launches";
     pub const STEP_DURATION: &str = "dl.step.duration";
@@ -102,6 +103,7 @@ pub struct ProcessMetrics {
     collective_calls: Counter<u64>,
     collective_bytes: Counter<u64>,
     collective_duration: Histogram<f64>,
+    collective_arrival_skew: Histogram<f64>,
     sync_duration: Histogram<f64>,
     kernel_launches: Counter<u64>,
     step_duration: Histogram<f64>,
@@ -154,7 +156,13 @@ impl ProcessMetrics {
                 .build(),
             collective_duration: seconds(
                 metric_names::COLLECTIVE_DURATION,
-                "Time in collective calls (NCCL: the enqueue)",
+                "Collective duration: enqueue to inferred completion (NCCL; by \
+                 dl.collective.end.source, call_return: the enqueue only), call time (gloo)",
+            ),
+            collective_arrival_skew: seconds(
+                metric_names::COLLECTIVE_ARRIVAL_SKEW,
+                "Last enqueue minus first of one collective across the traced ranks, \
+                 recorded by the rank that arrived last",
             ),
             sync_duration: seconds(
                 metric_names::SYNC_DURATION,
@@ -193,6 +201,18 @@ impl ProcessMetrics {
             if let Some(bytes) = span.int_attr(semconv::DL_COLLECTIVE_BYTES) {
                 self.collective_bytes.add(bytes.max(0) as u64, &attributes);
             }
+            // The skew once per collective: by the rank that came last.
+            if let (Some(skew), Some(last), Some(rank)) = (
+                span.int_attr(semconv::DL_COLLECTIVE_ARRIVAL_SKEW_NS),
+                span.int_attr(semconv::DL_COLLECTIVE_LAST_RANK),
+                span.int_attr(semconv::DL_RANK),
+            ) && last == rank
+            {
+                self.collective_arrival_skew
+                    .record(skew as f64 / 1e9, &attributes);
+            }
+            let mut attributes = attributes;
+            attributes.extend(string_attr(span, semconv::DL_COLLECTIVE_END_SOURCE));
             self.collective_duration.record(seconds, &attributes);
         } else if let Some(kind) = string_attr(span, semconv::CUDA_SYNC_KIND) {
             self.sync_duration.record(seconds, &[kind]);

@@ -24,10 +24,13 @@ pub enum Program {
     /// Configured probe rules (`crate::config`): entry and return of any function.
     UserRuleEntry,
     UserRuleReturn,
+    CudaEventRecord,
+    CudaEventQueryEntry,
+    CudaEventQueryReturn,
 }
 
 impl Program {
-    pub const ALL: [Program; 14] = [
+    pub const ALL: [Program; 17] = [
         Program::CountOnly,
         Program::NcclGroup,
         Program::NcclCollectiveEntry,
@@ -42,6 +45,9 @@ impl Program {
         Program::DriverLaunch,
         Program::UserRuleEntry,
         Program::UserRuleReturn,
+        Program::CudaEventRecord,
+        Program::CudaEventQueryEntry,
+        Program::CudaEventQueryReturn,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -60,6 +66,9 @@ impl Program {
             Program::DriverLaunch => "driver_launch",
             Program::UserRuleEntry => "user_rule_entry",
             Program::UserRuleReturn => "user_rule_return",
+            Program::CudaEventRecord => "cuda_event_record",
+            Program::CudaEventQueryEntry => "cuda_event_query_entry",
+            Program::CudaEventQueryReturn => "cuda_event_query_return",
         }
     }
 }
@@ -386,6 +395,37 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         ),
         &["cuGraphLaunch_ptsz"],
     ),
+    // Collective completion (docs/collectives.md): the event recorded after a collective
+    // on its stream, and the queries that find it complete. Needed wherever collectives
+    // are.
+    with_aliases(
+        spec(
+            ProbeId::CudaEventRecord,
+            CudaRuntime,
+            CudaEventRecord,
+            false,
+            STEP_DETAIL,
+        ),
+        &["cudaEventRecord_ptsz"],
+    ),
+    with_aliases(
+        spec(
+            ProbeId::CudaEventRecordWithFlags,
+            CudaRuntime,
+            CudaEventRecord,
+            false,
+            STEP_DETAIL,
+        ),
+        &["cudaEventRecordWithFlags_ptsz"],
+    ),
+    ProbeSpec {
+        id: ProbeId::CudaEventQuery,
+        library: CudaRuntime,
+        optional_aliases: &[],
+        entry: Some(CudaEventQueryEntry),
+        exit: Some(CudaEventQueryReturn),
+        groups: STEP_DETAIL,
+    },
 ];
 
 /// A `c10d::ProcessGroupGloo` collective: timed call, child of the phase it runs in.

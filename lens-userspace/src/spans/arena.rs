@@ -200,7 +200,8 @@ impl SpanArena {
     /// only attached when a group wants it, so it is always exported; it carries the
     /// group of the span it is shown under.
     #[allow(clippy::too_many_arguments)]
-    pub fn emit_call(
+    /// A finished call's span, child of `parent`, for the caller to send or hold.
+    pub fn call_record(
         &mut self,
         ids: &mut IdSource,
         name: &'static str,
@@ -210,8 +211,7 @@ impl SpanArena {
         end_ns: u64,
         attributes: Attributes,
         error: Option<String>,
-        out: &mut dyn SpanExporter,
-    ) {
+    ) -> SpanRecord {
         self.training_seen = true;
         let group = self.export_group(parent).unwrap_or(SpanGroup::Step);
         let mut record = self.record(ids.next(), name, group, parent, tid, start_ns, end_ns);
@@ -219,6 +219,6 @@ impl SpanArena {
         if let Some(message) = error {
             record.status = SpanStatus::Error(message);
         }
-        out.export(record);
+        record
     }
 }

@@ -9,6 +9,7 @@ use std::{
 use super::{
     AttrValue, Attributes, SpanExporter, SpanId, SpanRecord,
     arena::{IdSource, SpanArena},
+    collectives::{CollectiveComm, Collectives},
     monotonic_now_ns, names,
     phases::{ProcessContext, ThreadPhases},
 };
@@ -90,6 +91,8 @@ pub struct SpanBuilder<E: SpanExporter> {
     rules: Arc<ProbeRules>,
     ids: IdSource,
     processes: HashMap<u32, ProcessSpans>,
+    /// Collective spans held until their completion and the other ranks are known.
+    collectives: Collectives,
     exporter: E,
 }
 
@@ -100,6 +103,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             rules: Arc::default(),
             ids: IdSource::new(),
             processes: HashMap::new(),
+            collectives: Collectives::default(),
             exporter,
         }
     }
@@ -116,6 +120,31 @@ impl<E: SpanExporter> SpanBuilder<E> {
 
     pub fn into_exporter(self) -> E {
         self.exporter
+    }
+
+    /// Per collective operation, which traced rank arrived last how often.
+    pub fn stragglers(
+        &self,
+    ) -> &std::collections::BTreeMap<crate::events::CollectiveOp, super::stragglers::OpStragglers>
+    {
+        self.collectives.stragglers()
+    }
+
+    /// Sends spans the collective tracker released, each through its process (held
+    /// there while the process has not shown training).
+    fn send_released(&mut self, spans: Vec<SpanRecord>) {
+        for span in spans {
+            let Some(process) = self.processes.get_mut(&span.pid) else {
+                continue;
+            };
+            let mut output = ProcessOutput {
+                exporting: process.exporting,
+                held: &mut process.held,
+                out: &mut self.exporter,
+            };
+            output.export(span);
+            process.export_if_training(&mut self.exporter, &self.groups);
+        }
     }
 
     /// Starts the job of `info` at `start_ns` (the library entry point; the sink uses now).
@@ -185,6 +214,9 @@ impl<E: SpanExporter> SpanBuilder<E> {
         end_ns: u64,
         calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
     ) {
+        // Its collectives go out with what is known before its spans close.
+        let released = self.collectives.process_ended(pid);
+        self.send_released(released);
         let Some(mut process) = self.processes.remove(&pid) else {
             return;
         };
@@ -412,9 +444,20 @@ impl<E: SpanExporter> SpanBuilder<E> {
         attributes: Attributes,
         result: i32,
     ) {
-        let Some(process) = self.processes.get_mut(&timing.tgid) else {
-            return;
-        };
+        if let Some(record) = self.call_record(timing, name, attributes, result) {
+            self.send_released(vec![record]);
+        }
+    }
+
+    /// The span of a call, child of the phase its thread (or the loop thread) is in.
+    fn call_record(
+        &mut self,
+        timing: &CallTiming,
+        name: &'static str,
+        attributes: Attributes,
+        result: i32,
+    ) -> Option<SpanRecord> {
+        let process = self.processes.get_mut(&timing.tgid)?;
         let own = process.threads.get(&timing.tid).filter(|t| t.is_active());
         let thread = own.or_else(|| {
             process
@@ -443,7 +486,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
         if result != 0 {
             attributes.push((semconv::DL_CALL_RESULT, result.into()));
         }
-        ctx.arena.emit_call(
+        Some(ctx.arena.call_record(
             ctx.ids,
             name,
             Some(parent),
@@ -452,9 +495,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             timing.end_ns,
             attributes,
             error,
-            ctx.out,
-        );
-        process.export_if_training(&mut self.exporter, &self.groups);
+        ))
     }
 }
 
@@ -486,8 +527,8 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 redop,
                 peer,
                 comm,
+                stream,
                 result,
-                ..
             } => {
                 let mut attributes: Attributes = vec![
                     (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
@@ -522,7 +563,17 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                     attributes.push((semconv::DL_RANK, c.rank.into()));
                     attributes.push((semconv::DL_WORLD_SIZE, c.nranks.into()));
                 }
-                self.on_call(timing, op.span_name(), attributes, *result);
+                let Some(record) = self.call_record(timing, op.span_name(), attributes, *result)
+                else {
+                    return;
+                };
+                let comm = communicator.map(|c| CollectiveComm {
+                    handle: *comm,
+                    id_hash: c.id_hash,
+                    rank: c.rank,
+                });
+                let released = self.collectives.add(record, *op, *stream, comm);
+                self.send_released(released);
             }
             ProbeEvent::GlooCall { timing, op } => {
                 let attributes = vec![
@@ -534,11 +585,37 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
             ProbeEvent::SyncWait {
                 timing,
                 kind,
+                handle,
                 result,
-                ..
             } => {
                 let attributes = vec![(semconv::CUDA_SYNC_KIND, kind.name().into())];
                 self.on_call(timing, kind.span_name(), attributes, *result);
+                if *result == 0 {
+                    let released =
+                        self.collectives
+                            .sync_returned(timing.tgid, *kind, *handle, timing.end_ns);
+                    self.send_released(released);
+                }
+            }
+            ProbeEvent::EventRecorded {
+                timing,
+                event,
+                stream,
+            } => self
+                .collectives
+                .event_recorded(timing.tgid, *event, *stream),
+            ProbeEvent::EventQueryComplete {
+                timing,
+                event,
+                not_ready_ns,
+            } => {
+                let released = self.collectives.event_complete(
+                    timing.tgid,
+                    *event,
+                    timing.end_ns,
+                    *not_ready_ns,
+                );
+                self.send_released(released);
             }
             ProbeEvent::CommInit {
                 timing,
@@ -548,6 +625,10 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 comm_id_hash,
                 result,
             } => {
+                if *result == 0 {
+                    self.collectives
+                        .comm_init(timing.tgid, *comm, *comm_id_hash);
+                }
                 if let Some(process) = self.processes.get_mut(&timing.tgid) {
                     process.communicators.insert(
                         *comm,
@@ -586,6 +667,9 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
         if self.processes.get(&pid).is_some_and(|p| p.exporting) {
             self.exporter.process_calls(pid, calls);
         }
+        // Read periodically while processes run: collectives held too long go out.
+        let released = self.collectives.expire(monotonic_now_ns());
+        self.send_released(released);
     }
 
     fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {

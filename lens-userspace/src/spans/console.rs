@@ -26,7 +26,13 @@ struct ConsoleProcess {
     start_ns: u64,
     /// Finished spans waiting for their top-level ancestor to finish.
     pending: Vec<SpanRecord>,
+    /// Spans of the trees printed last, by depth: a collective ends (completes) after
+    /// its phase was printed, and is printed on its own below it.
+    printed: HashMap<SpanId, usize>,
 }
+
+/// Printed spans remembered for late children (a few steps' worth).
+const PRINTED_REMEMBERED: usize = 4096;
 
 pub struct ConsoleTree<W: Write> {
     out: W,
@@ -80,10 +86,12 @@ fn subtree(
     depth: usize,
     origin_ns: u64,
     out: &mut Vec<String>,
+    depths: &mut Vec<(SpanId, usize)>,
 ) {
     out.push(line(label, root, depth, origin_ns));
+    depths.push((root.id, depth));
     for child in children.get(&root.id).into_iter().flatten() {
-        subtree(label, children, child, depth + 1, origin_ns, out);
+        subtree(label, children, child, depth + 1, origin_ns, out, depths);
     }
 }
 
@@ -106,6 +114,7 @@ impl<W: Write> SpanExporter for ConsoleTree<W> {
                 job,
                 start_ns,
                 pending: Vec::new(),
+                printed: HashMap::new(),
             },
         );
     }
@@ -124,6 +133,11 @@ impl<W: Write> SpanExporter for ConsoleTree<W> {
             return;
         }
         let top_level = span.parent.is_none() || span.parent == process.job;
+        if let Some(depth) = span.parent.and_then(|p| process.printed.get(&p).copied()) {
+            let text = line(&process.label, &span, depth + 1, process.start_ns);
+            let _ = writeln!(self.out, "{text}  (completed after its parent)");
+            return;
+        }
         if !top_level {
             process.pending.push(span);
             return;
@@ -139,6 +153,7 @@ impl<W: Write> SpanExporter for ConsoleTree<W> {
             list.sort_by_key(|s| (s.start_ns, s.id));
         }
         let mut lines = Vec::new();
+        let mut depths = Vec::new();
         subtree(
             &process.label,
             &children,
@@ -146,6 +161,7 @@ impl<W: Write> SpanExporter for ConsoleTree<W> {
             0,
             process.start_ns,
             &mut lines,
+            &mut depths,
         );
         // Whatever hangs below this span has been printed with it.
         let mut below: HashSet<SpanId> = HashSet::from([span.id]);
@@ -157,6 +173,10 @@ impl<W: Write> SpanExporter for ConsoleTree<W> {
             }
         }
         drop(children);
+        if process.printed.len() > PRINTED_REMEMBERED {
+            process.printed.clear();
+        }
+        process.printed.extend(depths);
         process.pending.retain(|s| !below.contains(&s.id));
         let _ = writeln!(self.out, "{}", lines.join("\n"));
     }

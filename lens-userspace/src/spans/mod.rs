@@ -4,9 +4,11 @@
 //! [`SpanExporter`] such as the [`console`] tree.
 mod arena;
 pub mod builder;
+mod collectives;
 pub mod console;
 mod launches;
 mod phases;
+pub mod stragglers;
 #[cfg(test)]
 mod tests;
 

@@ -24,15 +24,18 @@ pub(super) enum Kind {
     Sync,
     Collective,
     Group,
+    /// `cudaEventQuery` of an event no collective precedes (the caching allocator's).
+    EventQuery,
 }
 
 impl Kind {
-    pub(super) const ALL: [Kind; 5] = [
+    pub(super) const ALL: [Kind; 6] = [
         Kind::Launch,
         Kind::Driver,
         Kind::Sync,
         Kind::Collective,
         Kind::Group,
+        Kind::EventQuery,
     ];
 
     /// `hammer`'s first argument.
@@ -43,12 +46,13 @@ impl Kind {
             Kind::Sync => "sync",
             Kind::Collective => "collective",
             Kind::Group => "group",
+            Kind::EventQuery => "event_query",
         }
     }
 
     fn library(self) -> &'static str {
         match self {
-            Kind::Launch | Kind::Sync => "libcudart.so.12",
+            Kind::Launch | Kind::Sync | Kind::EventQuery => "libcudart.so.12",
             Kind::Driver => "libcuda.so.1",
             Kind::Collective | Kind::Group => "libnccl.so.2",
         }
@@ -61,6 +65,7 @@ impl Kind {
             Kind::Sync => "cudaStreamSynchronize",
             Kind::Collective => "ncclAllReduce",
             Kind::Group => "ncclGroupStart",
+            Kind::EventQuery => "cudaEventQuery",
         }
     }
 
@@ -77,14 +82,21 @@ impl Kind {
                  kernel, no event)"
             }
             Kind::Sync => "`cuda_sync_entry` + `call_return` (one event per call)",
-            Kind::Collective => "`nccl_collective_entry` + `call_return` (one event per call)",
+            Kind::Collective => {
+                "`nccl_collective_entry` (marks its stream for completion) + `call_return` \
+                 (one event per call)"
+            }
             Kind::Group => "`nccl_group` (entry: one event per call)",
+            Kind::EventQuery => {
+                "`cuda_event_query_entry` + `cuda_event_query_return` (counted; the event is \
+                 not one recorded after a collective: no event sent)"
+            }
         }
     }
 
     /// Whether lens-probe also puts a return probe on the function.
     fn returns(self) -> bool {
-        matches!(self, Kind::Sync | Kind::Collective)
+        matches!(self, Kind::Sync | Kind::Collective | Kind::EventQuery)
     }
 
     /// Calls per timed run. The fake sync is a `nanosleep(0)` (~20 µs here): fewer calls
@@ -573,8 +585,8 @@ mod tests {
     fn kinds() {
         assert_eq!(
             Kind::ALL.iter().filter(|k| k.returns()).count(),
-            2,
-            "sync and collective have return probes"
+            3,
+            "sync, collective and event_query have return probes"
         );
         assert_eq!(Kind::Sync.calls(false), 50_000);
         assert_eq!(Kind::Launch.calls(true), 100_000);

@@ -1,0 +1,544 @@
+//! Collective completion: an NCCL call returns once the collective is enqueued, so its
+//! span is held until what the host does next on the same stream tells when it finished
+//! (docs/collectives.md has the rules), and until the same collective's calls on the
+//! other traced ranks have arrived (`stragglers`). Then the span ends at the inferred
+//! completion and goes out.
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use super::{
+    SpanRecord,
+    stragglers::{Arrival, MatchKey, Matched, Matcher, OpStragglers},
+};
+use crate::{
+    events::{CollectiveOp, SyncKind},
+    semconv,
+};
+
+/// What told a collective's completion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndSource {
+    /// The first successful `cudaEventQuery` of the event recorded after it.
+    EventQuery,
+    /// `cudaEventSynchronize` of that event returned.
+    EventSynchronize,
+    /// `cudaStreamSynchronize` of its stream returned.
+    StreamSynchronize,
+    /// `cudaDeviceSynchronize` returned.
+    DeviceSynchronize,
+    /// Nothing did: the span ends at the enqueue call's return.
+    CallReturn,
+}
+
+impl EndSource {
+    pub const fn name(self) -> &'static str {
+        match self {
+            EndSource::EventQuery => "event_query",
+            EndSource::EventSynchronize => "event_synchronize",
+            EndSource::StreamSynchronize => "stream_synchronize",
+            EndSource::DeviceSynchronize => "device_synchronize",
+            EndSource::CallReturn => "call_return",
+        }
+    }
+
+    fn from_sync(kind: SyncKind) -> EndSource {
+        match kind {
+            SyncKind::Stream => EndSource::StreamSynchronize,
+            SyncKind::Event => EndSource::EventSynchronize,
+            SyncKind::Device => EndSource::DeviceSynchronize,
+        }
+    }
+}
+
+/// How long a collective span waits for its completion or for the other ranks before it
+/// goes out with what is known.
+pub const HOLD_LIMIT_NS: u64 = 30_000_000_000;
+
+/// At most this many spans are held; past it the oldest goes out with what is known.
+const MAX_HELD: usize = 16_384;
+
+/// The communicator of a collective, as far as lens-probe saw it initialised.
+#[derive(Clone, Copy, Debug)]
+pub struct CollectiveComm {
+    pub handle: u64,
+    pub id_hash: u64,
+    pub rank: i32,
+}
+
+struct Held {
+    record: SpanRecord,
+    stream: u64,
+    /// The enqueue call's return.
+    returned_ns: u64,
+    /// The completion came after this.
+    not_before_ns: u64,
+    end: Option<(u64, EndSource)>,
+    /// The event recorded after it on its stream, if one was.
+    event: Option<u64>,
+    /// Waiting for the same collective on other ranks.
+    waiting_for_ranks: bool,
+}
+
+impl Held {
+    fn ready(&self) -> bool {
+        self.end.is_some() && !self.waiting_for_ranks
+    }
+
+    /// The completion is known no later than `at_ns` (the first bound wins: a later one
+    /// can only be looser).
+    fn complete_by(&mut self, at_ns: u64, source: EndSource) {
+        if self.end.is_none() {
+            self.end = Some((at_ns.max(self.returned_ns), source));
+        }
+    }
+
+    /// The span as it goes out: ended at the completion, with how that was inferred.
+    fn finish(mut self) -> SpanRecord {
+        let (end_ns, source) = self
+            .end
+            .unwrap_or((self.returned_ns, EndSource::CallReturn));
+        let record = &mut self.record;
+        record.set_attr(
+            semconv::DL_COLLECTIVE_ENQUEUE_DURATION_NS,
+            self.returned_ns.saturating_sub(record.start_ns),
+        );
+        record.set_attr(semconv::DL_COLLECTIVE_END_SOURCE, source.name());
+        if source != EndSource::CallReturn {
+            record.set_attr(
+                semconv::DL_COLLECTIVE_END_PRECISION_NS,
+                end_ns.saturating_sub(self.not_before_ns),
+            );
+        }
+        record.end_ns = end_ns;
+        self.record
+    }
+}
+
+#[derive(Default)]
+pub struct Collectives {
+    held: BTreeMap<u64, Held>,
+    next_serial: u64,
+    /// Collectives no event was recorded after yet, by (process, stream).
+    unbound: HashMap<(u32, u64), Vec<u64>>,
+    /// Collectives by the event recorded after them, by (process, event).
+    bound: HashMap<(u32, u64), Vec<u64>>,
+    /// Traced processes that initialised each communicator (by id hash).
+    members: HashMap<u64, BTreeSet<u32>>,
+    /// The next collective number per (process, communicator handle).
+    sequence: HashMap<(u32, u64), u64>,
+    matcher: Matcher,
+}
+
+impl Collectives {
+    /// Process `pid` initialised the communicator with this id hash.
+    pub fn comm_init(&mut self, pid: u32, handle: u64, id_hash: u64) {
+        self.members.entry(id_hash).or_default().insert(pid);
+        self.sequence.insert((pid, handle), 0);
+    }
+
+    /// A collective call returned: hold its span (`record`, ending at the call's return)
+    /// until its completion and the other ranks' calls are known. Returns spans now
+    /// ready to go out.
+    pub fn add(
+        &mut self,
+        mut record: SpanRecord,
+        op: CollectiveOp,
+        stream: u64,
+        comm: Option<CollectiveComm>,
+    ) -> Vec<SpanRecord> {
+        let serial = self.next_serial;
+        self.next_serial += 1;
+        let pid = record.pid;
+        let mut matched = None;
+        let mut waiting_for_ranks = false;
+        if let Some(comm) = comm
+            && let Some(next) = self.sequence.get_mut(&(pid, comm.handle))
+        {
+            let seq = *next;
+            *next += 1;
+            record.set_attr(semconv::DL_COLLECTIVE_SEQ, seq);
+            let members: Vec<u32> = self.members[&comm.id_hash].iter().copied().collect();
+            if members.len() >= 2 {
+                let key: MatchKey = (comm.id_hash, seq);
+                let arrival = Arrival {
+                    serial,
+                    pid,
+                    rank: comm.rank,
+                    at_ns: record.start_ns,
+                };
+                matched = self.matcher.arrive(key, op, &members, arrival);
+                waiting_for_ranks = matched.is_none();
+            }
+        }
+        let returned_ns = record.end_ns;
+        self.held.insert(
+            serial,
+            Held {
+                not_before_ns: record.start_ns,
+                record,
+                stream,
+                returned_ns,
+                end: None,
+                event: None,
+                waiting_for_ranks,
+            },
+        );
+        let unbound = self.unbound.entry((pid, stream)).or_default();
+        unbound.retain(|serial| self.held.contains_key(serial));
+        unbound.push(serial);
+        let mut ready = Vec::new();
+        if let Some(matched) = matched {
+            self.apply_match(&matched, &mut ready);
+        }
+        while self.held.len() > MAX_HELD {
+            let Some((_, oldest)) = self.held.pop_first() else {
+                break;
+            };
+            ready.push(oldest.finish());
+        }
+        ready
+    }
+
+    /// `cudaEventRecord(event, stream)` in `pid`: the event now stands for the
+    /// collectives enqueued on `stream` since the last such record, and no longer for
+    /// what it stood for before.
+    pub fn event_recorded(&mut self, pid: u32, event: u64, stream: u64) {
+        for serial in self.bound.remove(&(pid, event)).unwrap_or_default() {
+            if let Some(held) = self.held.get_mut(&serial) {
+                held.event = None;
+            }
+        }
+        let serials: Vec<u64> = self
+            .unbound
+            .remove(&(pid, stream))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|serial| self.held.get(serial).is_some_and(|held| held.end.is_none()))
+            .collect();
+        for serial in &serials {
+            if let Some(held) = self.held.get_mut(serial) {
+                held.event = Some(event);
+            }
+        }
+        if !serials.is_empty() {
+            self.bound.insert((pid, event), serials);
+        }
+    }
+
+    /// The first successful query of `event` in `pid` returned at `at_ns`; the last that
+    /// found it not ready began at `not_ready_ns`.
+    pub fn event_complete(
+        &mut self,
+        pid: u32,
+        event: u64,
+        at_ns: u64,
+        not_ready_ns: Option<u64>,
+    ) -> Vec<SpanRecord> {
+        let serials = self.bound.remove(&(pid, event)).unwrap_or_default();
+        // Not ready means the stream had not reached the event: the last collective
+        // before it had not completed. Earlier ones may have.
+        if let Some(not_ready_ns) = not_ready_ns
+            && let Some(last) = serials.iter().max()
+            && let Some(held) = self.held.get_mut(last)
+        {
+            held.not_before_ns = held.not_before_ns.max(not_ready_ns);
+        }
+        for serial in &serials {
+            if let Some(held) = self.held.get_mut(serial) {
+                held.event = None;
+                held.complete_by(at_ns, EndSource::EventQuery);
+            }
+        }
+        self.release(serials)
+    }
+
+    /// A synchronisation call of `pid` on `handle` returned at `at_ns`: every collective
+    /// it waited for has completed.
+    pub fn sync_returned(
+        &mut self,
+        pid: u32,
+        kind: SyncKind,
+        handle: u64,
+        at_ns: u64,
+    ) -> Vec<SpanRecord> {
+        let source = EndSource::from_sync(kind);
+        let serials: Vec<u64> = match kind {
+            SyncKind::Event => self.bound.remove(&(pid, handle)).unwrap_or_default(),
+            SyncKind::Stream | SyncKind::Device => self
+                .held
+                .iter()
+                .filter(|(_, held)| {
+                    held.record.pid == pid
+                        && held.end.is_none()
+                        && (kind == SyncKind::Device || held.stream == handle)
+                })
+                .map(|(serial, _)| *serial)
+                .collect(),
+        };
+        for serial in &serials {
+            if let Some(held) = self.held.get_mut(serial) {
+                held.complete_by(at_ns, source);
+            }
+        }
+        self.release(serials)
+    }
+
+    /// Spans held longer than [`HOLD_LIMIT_NS`] at `now_ns` go out with what is known.
+    pub fn expire(&mut self, now_ns: u64) -> Vec<SpanRecord> {
+        let cutoff = now_ns.saturating_sub(HOLD_LIMIT_NS);
+        let old: BTreeSet<u64> = self
+            .held
+            .iter()
+            .filter(|(_, held)| held.returned_ns < cutoff)
+            .map(|(serial, _)| *serial)
+            .collect();
+        if old.is_empty() {
+            return Vec::new();
+        }
+        let given_up = self
+            .matcher
+            .give_up(|_, arrivals| !arrivals.iter().any(|a| old.contains(&a.serial)));
+        for serial in given_up.iter().chain(&old) {
+            if let Some(held) = self.held.get_mut(serial) {
+                held.waiting_for_ranks = false;
+                if old.contains(serial) && held.end.is_none() {
+                    held.end = Some((held.returned_ns, EndSource::CallReturn));
+                }
+            }
+        }
+        self.release(given_up.into_iter().chain(old).collect())
+    }
+
+    /// `pid` ended: its held spans go out with what is known, and the other ranks no
+    /// longer wait for it.
+    pub fn process_ended(&mut self, pid: u32) -> Vec<SpanRecord> {
+        for members in self.members.values_mut() {
+            members.remove(&pid);
+        }
+        self.members.retain(|_, members| !members.is_empty());
+        self.sequence.retain(|(p, _), _| *p != pid);
+        self.unbound.retain(|(p, _), _| *p != pid);
+        self.bound.retain(|(p, _), _| *p != pid);
+        let (matched, alone) = self.matcher.rank_gone(pid);
+        let mut ready = Vec::new();
+        for matched in &matched {
+            self.apply_match(matched, &mut ready);
+        }
+        for serial in &alone {
+            if let Some(held) = self.held.get_mut(serial) {
+                held.waiting_for_ranks = false;
+            }
+        }
+        ready.extend(self.release(alone));
+        let own: Vec<u64> = self
+            .held
+            .iter()
+            .filter(|(_, held)| held.record.pid == pid)
+            .map(|(serial, _)| *serial)
+            .collect();
+        // Matches still waiting that this process had arrived in: its span goes now,
+        // theirs when the match completes or expires.
+        for serial in own {
+            if let Some(held) = self.held.remove(&serial) {
+                ready.push(held.finish());
+            }
+        }
+        ready
+    }
+
+    pub fn stragglers(&self) -> &BTreeMap<CollectiveOp, OpStragglers> {
+        self.matcher.stats()
+    }
+
+    fn apply_match(&mut self, matched: &Matched, ready: &mut Vec<SpanRecord>) {
+        for arrival in &matched.arrivals {
+            if let Some(held) = self.held.get_mut(&arrival.serial) {
+                let record = &mut held.record;
+                record.set_attr(semconv::DL_COLLECTIVE_LAST_RANK, matched.last_rank);
+                record.set_attr(semconv::DL_COLLECTIVE_ARRIVAL_SKEW_NS, matched.skew_ns);
+                record.set_attr(
+                    semconv::DL_COLLECTIVE_WAIT_NS,
+                    matched.last_at_ns.saturating_sub(arrival.at_ns),
+                );
+                record.set_attr(
+                    semconv::DL_COLLECTIVE_RANKS_COMPARED,
+                    matched.arrivals.len() as u64,
+                );
+                held.waiting_for_ranks = false;
+            }
+        }
+        ready.extend(self.release(matched.arrivals.iter().map(|a| a.serial).collect()));
+    }
+
+    /// Sends out those of `serials` that are ready.
+    fn release(&mut self, serials: Vec<u64>) -> Vec<SpanRecord> {
+        let mut ready = Vec::new();
+        for serial in serials {
+            if self.held.get(&serial).is_some_and(Held::ready)
+                && let Some(held) = self.held.remove(&serial)
+            {
+                ready.push(held.finish());
+            }
+        }
+        ready
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        groups::SpanGroup,
+        spans::{AttrValue, SpanId, SpanStatus},
+    };
+
+    const S: u64 = 0x5000;
+    const E: u64 = 0x7000;
+
+    fn call(pid: u32, id: u64, start_ns: u64, end_ns: u64) -> SpanRecord {
+        SpanRecord {
+            id: SpanId(id),
+            parent: None,
+            name: CollectiveOp::AllReduce.span_name(),
+            group: SpanGroup::Step,
+            pid,
+            tid: pid,
+            start_ns,
+            end_ns,
+            attributes: Vec::new(),
+            events: Vec::new(),
+            status: SpanStatus::Unset,
+        }
+    }
+
+    fn source(span: &SpanRecord) -> Option<&AttrValue> {
+        span.attr(semconv::DL_COLLECTIVE_END_SOURCE)
+    }
+
+    #[test]
+    fn the_first_successful_query_of_the_event_after_it_ends_the_collective() {
+        let mut collectives = Collectives::default();
+        let op = CollectiveOp::AllReduce;
+        assert!(collectives.add(call(1, 1, 10, 12), op, S, None).is_empty());
+        collectives.event_recorded(1, E, S);
+        // A query of another process's event of the same value tells nothing.
+        assert!(collectives.event_complete(2, E, 20, None).is_empty());
+        let done = collectives.event_complete(1, E, 50, Some(40));
+        assert_eq!(done.len(), 1);
+        let span = &done[0];
+        assert_eq!((span.start_ns, span.end_ns), (10, 50));
+        assert_eq!(source(span), Some(&"event_query".into()));
+        assert_eq!(
+            span.int_attr(semconv::DL_COLLECTIVE_END_PRECISION_NS),
+            Some(10)
+        );
+        assert_eq!(
+            span.int_attr(semconv::DL_COLLECTIVE_ENQUEUE_DURATION_NS),
+            Some(2)
+        );
+    }
+
+    #[test]
+    fn syncs_bound_the_end_of_what_they_waited_for_only() {
+        let mut collectives = Collectives::default();
+        let op = CollectiveOp::AllReduce;
+        collectives.add(call(1, 1, 10, 12), op, S, None);
+        collectives.add(call(1, 2, 14, 15), op, S + 1, None);
+        // Another stream's sync: nothing.
+        assert!(
+            collectives
+                .sync_returned(1, SyncKind::Stream, S + 2, 20)
+                .is_empty()
+        );
+        let done = collectives.sync_returned(1, SyncKind::Stream, S, 30);
+        assert_eq!(done.len(), 1);
+        assert_eq!((done[0].id, done[0].end_ns), (SpanId(1), 30));
+        assert_eq!(source(&done[0]), Some(&"stream_synchronize".into()));
+        // The bound is what is known: not before its enqueue.
+        assert_eq!(
+            done[0].int_attr(semconv::DL_COLLECTIVE_END_PRECISION_NS),
+            Some(20)
+        );
+        let done = collectives.sync_returned(1, SyncKind::Device, 0, 40);
+        assert_eq!((done[0].id, done[0].end_ns), (SpanId(2), 40));
+        assert_eq!(source(&done[0]), Some(&"device_synchronize".into()));
+    }
+
+    #[test]
+    fn a_re_recorded_event_stands_for_the_later_collective_only() {
+        let mut collectives = Collectives::default();
+        let op = CollectiveOp::AllReduce;
+        collectives.add(call(1, 1, 10, 12), op, S, None);
+        collectives.event_recorded(1, E, S);
+        // PyTorch reuses its events: the same one recorded after a collective elsewhere.
+        collectives.add(call(1, 2, 20, 22), op, S + 1, None);
+        collectives.event_recorded(1, E, S + 1);
+        let done = collectives.event_complete(1, E, 60, None);
+        assert_eq!(done.iter().map(|s| s.id).collect::<Vec<_>>(), [SpanId(2)]);
+        // The first is still held, and an event sync of E says nothing of it now.
+        assert!(
+            collectives
+                .sync_returned(1, SyncKind::Event, E, 70)
+                .is_empty()
+        );
+        let done = collectives.process_ended(1);
+        assert_eq!((done[0].id, done[0].end_ns), (SpanId(1), 12));
+        assert_eq!(source(&done[0]), Some(&"call_return".into()));
+        assert_eq!(
+            done[0].attr(semconv::DL_COLLECTIVE_END_PRECISION_NS),
+            None,
+            "no bound when nothing told"
+        );
+    }
+
+    #[test]
+    fn two_ranks_are_compared_and_held_until_both_called() {
+        let mut collectives = Collectives::default();
+        let op = CollectiveOp::AllReduce;
+        let comm = |rank: i32| CollectiveComm {
+            handle: 0xc0 + rank as u64,
+            id_hash: 0xfeed,
+            rank,
+        };
+        collectives.comm_init(100, 0xc0, 0xfeed);
+        collectives.comm_init(101, 0xc1, 0xfeed);
+        collectives.add(call(100, 1, 1_000, 1_100), op, S, Some(comm(0)));
+        // Rank 0's collective completed, but rank 1 has not called it yet: held.
+        assert!(
+            collectives
+                .sync_returned(100, SyncKind::Stream, S, 9_000)
+                .is_empty()
+        );
+        let done = collectives.add(call(101, 2, 6_000, 6_100), op, S, Some(comm(1)));
+        assert_eq!(done.len(), 1, "rank 0's span goes once rank 1 arrived");
+        assert_eq!(done[0].int_attr(semconv::DL_COLLECTIVE_LAST_RANK), Some(1));
+        assert_eq!(
+            done[0].int_attr(semconv::DL_COLLECTIVE_ARRIVAL_SKEW_NS),
+            Some(5_000)
+        );
+        assert_eq!(
+            done[0].int_attr(semconv::DL_COLLECTIVE_WAIT_NS),
+            Some(5_000)
+        );
+        assert_eq!(done[0].int_attr(semconv::DL_COLLECTIVE_SEQ), Some(0));
+        let done = collectives.sync_returned(101, SyncKind::Stream, S, 9_100);
+        assert_eq!(done[0].int_attr(semconv::DL_COLLECTIVE_WAIT_NS), Some(0));
+        assert_eq!(
+            done[0].int_attr(semconv::DL_COLLECTIVE_RANKS_COMPARED),
+            Some(2)
+        );
+        let stats = &collectives.stragglers()[&op];
+        assert_eq!(stats.last_by_rank, BTreeMap::from([(1, 1)]));
+    }
+
+    #[test]
+    fn a_collective_nothing_completes_goes_out_after_the_hold_limit() {
+        let mut collectives = Collectives::default();
+        collectives.add(call(1, 1, 10, 12), CollectiveOp::Broadcast, S, None);
+        assert!(collectives.expire(HOLD_LIMIT_NS).is_empty());
+        let done = collectives.expire(HOLD_LIMIT_NS + 13);
+        assert_eq!(
+            (done[0].end_ns, source(&done[0])),
+            (12, Some(&"call_return".into()))
+        );
+    }
+}
