@@ -13,6 +13,7 @@ const FIXTURE_FILES: &[&str] = &[
     "fixtures/trainer.c",
     "fixtures/real_libs_caller.c",
     "fixtures/fake_torch.c",
+    "fixtures/fake_torch_cuda.c",
     "fixtures/fake_c10.c",
     "fixtures/fake_torch_symbols.h",
     "fixtures/trainer_torch.c",

@@ -69,10 +69,14 @@ pub enum ProbeId {
     /// `cudaEventQuery(event)`: PyTorch's watchdog polls the event recorded after each
     /// collective; the first successful query bounds the collective's end.
     CudaEventQuery = 38,
+    /// `__cudaRegisterFunction(handle, hostFun, deviceFun, …)`: what nvcc's module
+    /// constructors call for every kernel; it pairs the host stub (what launches pass)
+    /// with the kernel's mangled name, also in libraries shipped without symbols.
+    CudaRegisterFunction = 39,
 }
 
 impl ProbeId {
-    pub const COUNT: usize = 39;
+    pub const COUNT: usize = 40;
 
     pub const ALL: [ProbeId; Self::COUNT] = [
         ProbeId::CudaLaunchKernel,
@@ -114,6 +118,7 @@ impl ProbeId {
         ProbeId::CudaEventRecord,
         ProbeId::CudaEventRecordWithFlags,
         ProbeId::CudaEventQuery,
+        ProbeId::CudaRegisterFunction,
     ];
 
     /// A kernel or graph launch: counted in the kernel, never sent as an event, and the
@@ -232,6 +237,7 @@ impl ProbeId {
             ProbeId::CudaEventRecord => "cudaEventRecord",
             ProbeId::CudaEventRecordWithFlags => "cudaEventRecordWithFlags",
             ProbeId::CudaEventQuery => "cudaEventQuery",
+            ProbeId::CudaRegisterFunction => "__cudaRegisterFunction",
         }
     }
 }
@@ -601,6 +607,7 @@ pub mod maps {
     pub const LAUNCH_TOTALS: &str = "LAUNCH_TOTALS";
     pub const KERNEL_COUNTS: &str = "KERNEL_COUNTS";
     pub const RUNTIME_RANGES: &str = "RUNTIME_RANGES";
+    pub const KERNEL_REGISTRY: &str = "KERNEL_REGISTRY";
 }
 
 /// Sizes of the kernel-side maps.
@@ -616,6 +623,9 @@ pub mod limits {
     /// Streams holding a collective no event was recorded after yet, and the events
     /// recorded after collectives not known complete (LRU: old ones fall out).
     pub const MAX_COLLECTIVE_HANDLES: u32 = 8192;
+    /// Kernels registered (host stub → name) across the traced processes; LRU. A
+    /// PyTorch build registers some tens of thousands per process.
+    pub const MAX_REGISTERED_KERNELS: u32 = 131_072;
     /// (process, epoch, kernel) launch counters not yet read by the loader.
     pub const MAX_KERNEL_COUNTS: u32 = 16384;
 }

@@ -58,6 +58,13 @@ static COLLECTIVE_STREAMS: LruHashMap<HandleKey, u8> =
 static COLLECTIVE_EVENTS: LruHashMap<HandleKey, u64> =
     LruHashMap::with_max_entries(limits::MAX_COLLECTIVE_HANDLES, 0);
 
+/// Kernels as nvcc's module constructors registered them: (process, host stub) → the
+/// address of the kernel's mangled name in the process (read by the loader when the
+/// stub is launched and its library has no symbol for it).
+#[map(name = "KERNEL_REGISTRY")]
+static KERNEL_REGISTRY: LruHashMap<HandleKey, u64> =
+    LruHashMap::with_max_entries(limits::MAX_REGISTERED_KERNELS, 0);
+
 #[map(name = "INFLIGHT")]
 static INFLIGHT: HashMap<InflightKey, Event> = HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
 
@@ -514,6 +521,26 @@ pub fn cuda_event_record(ctx: ProbeContext) -> u32 {
     event.handle = cuda_event.handle;
     event.stream = stream.handle;
     emit(&event, submit_flags());
+    0
+}
+
+/// `__cudaRegisterFunction(handle, hostFun, deviceFun, deviceName, …)`: remember which
+/// name the host stub `hostFun` launches, for kernel names.
+#[uprobe]
+pub fn cuda_register_function(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    count_call(pid_tgid, probe_id(&ctx));
+    if !kernel_names() {
+        return 0;
+    }
+    let stub = HandleKey {
+        tgid: (pid_tgid >> 32) as u32,
+        _pad: 0,
+        handle: arg_u64(&ctx, 1),
+    };
+    let _ = KERNEL_REGISTRY.insert(&stub, &arg_u64(&ctx, 2), 0);
     0
 }
 

@@ -1,8 +1,12 @@
 //! Kernel names: the launches the kernel counts per (process, phase epoch, kernel), read
 //! back by the session and named here. A runtime launch's kernel argument is the host
 //! stub, a function whose ELF symbol is the kernel's mangled C++ name; a driver launch's
-//! is a `CUfunction` handle, driver heap memory that no symbol names. Names are
-//! remembered per library build-id and per process, so each stub is looked up once.
+//! is a `CUfunction` handle, driver heap memory that no symbol names. Libraries shipped
+//! without the stubs' symbols (PyTorch's `libtorch_cuda.so`) are named from the kernel
+//! registry: nvcc's module constructors pass each stub with its mangled name to
+//! `__cudaRegisterFunction`, which a probe records (stub → address of the name in the
+//! process), and the name is read from the process's memory. Names are remembered per
+//! library build-id and per process, so each stub is looked up once.
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     path::PathBuf,
@@ -53,8 +57,14 @@ pub struct KernelNames {
 
 impl KernelNames {
     /// The name of each of `pid`'s kernel arguments (`(function, driver)`), looked up now
-    /// for those not seen before.
-    pub fn resolve(&mut self, pid: u32, functions: &[(u64, bool)]) -> Vec<Arc<str>> {
+    /// for those not seen before; `registered` gives the address of the name a stub was
+    /// registered with in `pid` (`__cudaRegisterFunction`), if it was.
+    pub fn resolve(
+        &mut self,
+        pid: u32,
+        functions: &[(u64, bool)],
+        registered: &dyn Fn(u64) -> Option<u64>,
+    ) -> Vec<Arc<str>> {
         let known = self.by_process.entry(pid).or_default();
         let missing: Vec<u64> = functions
             .iter()
@@ -64,7 +74,7 @@ impl KernelNames {
             .into_iter()
             .collect();
         if !missing.is_empty() {
-            let found = self.look_up(pid, &missing);
+            let found = self.look_up(pid, &missing, registered);
             let known = self.by_process.entry(pid).or_default();
             for function in missing {
                 let name = found
@@ -92,10 +102,20 @@ impl KernelNames {
     }
 
     /// Host stubs → names through `pid`'s mappings: the library mapped there, the file
-    /// offset, its symbols. A stub in a library without a symbol for it is
-    /// `library+0xOFFSET`; one outside any file (JIT code) keeps its address.
-    fn look_up(&mut self, pid: u32, functions: &[u64]) -> HashMap<u64, Arc<str>> {
+    /// offset, its symbols, else the name the stub was registered with. A stub named by
+    /// neither is `library+0xOFFSET`; one outside any file (JIT code) keeps its address.
+    fn look_up(
+        &mut self,
+        pid: u32,
+        functions: &[u64],
+        registered: &dyn Fn(u64) -> Option<u64>,
+    ) -> HashMap<u64, Arc<str>> {
         let mut names = HashMap::new();
+        let registered_name = |function: u64| {
+            let address = registered(function)?;
+            let raw = read_c_string(pid, address)?;
+            Some(Arc::<str>::from(demangle(&raw)))
+        };
         let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
             return names;
         };
@@ -107,6 +127,9 @@ impl KernelNames {
                 .iter()
                 .find(|e| function >= e.start && function < e.end)
             else {
+                if let Some(name) = registered_name(function) {
+                    names.insert(function, name);
+                }
                 continue;
             };
             let file_name = std::path::Path::new(&entry.path)
@@ -162,13 +185,43 @@ impl KernelNames {
             for (function, offset) in wanted {
                 let name = match memo.get(&offset) {
                     Some(Some(name)) => name.clone(),
-                    _ => Arc::from(format!("{file_name}+{offset:#x}")),
+                    _ => match registered_name(function) {
+                        // Remembered for the library: other ranks map it too.
+                        Some(name) => {
+                            memo.insert(offset, Some(name.clone()));
+                            name
+                        }
+                        None => Arc::from(format!("{file_name}+{offset:#x}")),
+                    },
                 };
                 names.insert(function, name);
             }
         }
         names
     }
+}
+
+/// The longest kernel name read from a process (mangled template names run long).
+const MAX_NAME_BYTES: usize = 4096;
+
+/// The NUL-terminated string at `address` in `pid`'s memory, if readable and UTF-8.
+fn read_c_string(pid: u32, address: u64) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mut bytes = Vec::new();
+    let mut chunk = [0u8; 256];
+    while bytes.len() < MAX_NAME_BYTES {
+        let read = mem.read_at(&mut chunk, address + bytes.len() as u64).ok()?;
+        if read == 0 {
+            return None;
+        }
+        if let Some(end) = chunk[..read].iter().position(|b| *b == 0) {
+            bytes.extend_from_slice(&chunk[..end]);
+            return String::from_utf8(bytes).ok().filter(|s| !s.is_empty());
+        }
+        bytes.extend_from_slice(&chunk[..read]);
+    }
+    None
 }
 
 /// A C++ symbol demangled (`_ZN2at6native…` → `void at::native::…(…)`); any other
@@ -237,7 +290,7 @@ mod tests {
     #[test]
     fn driver_handles_are_named_as_handles() {
         let mut names = KernelNames::default();
-        let got = names.resolve(std::process::id(), &[(0x1234, true)]);
+        let got = names.resolve(std::process::id(), &[(0x1234, true)], &|_| None);
         assert_eq!(&*got[0], "CUfunction 0x1234");
     }
 
@@ -245,13 +298,31 @@ mod tests {
     fn a_function_of_this_process_is_named_by_its_symbol() {
         let mut names = KernelNames::default();
         let function = demangle as fn(&str) -> String as usize as u64;
-        let got = names.resolve(std::process::id(), &[(function, false)]);
+        let got = names.resolve(std::process::id(), &[(function, false)], &|_| None);
         assert!(
             got[0].contains("demangle"),
             "{} (test binaries keep their .symtab)",
             got[0]
         );
-        let anonymous = names.resolve(std::process::id(), &[(0x10, false)]);
+        let anonymous = names.resolve(std::process::id(), &[(0x10, false)], &|_| None);
         assert_eq!(&*anonymous[0], "0x10");
+    }
+
+    #[test]
+    fn a_stub_without_a_symbol_is_named_as_it_was_registered() {
+        // As nvcc's module constructor passes it: the mangled name, in the process.
+        static NAME: &[u8] = b"_ZN6fakenn17layer_norm_kernelIfEEvPKT_Pfi\0";
+        let mut names = KernelNames::default();
+        let registered = |function: u64| (function == 0x10).then_some(NAME.as_ptr() as u64);
+        let got = names.resolve(
+            std::process::id(),
+            &[(0x10, false), (0x20, false)],
+            &registered,
+        );
+        assert_eq!(
+            &*got[0],
+            "void fakenn::layer_norm_kernel<float>(float const*, float*, int)"
+        );
+        assert_eq!(&*got[1], "0x20", "not registered: its address");
     }
 }

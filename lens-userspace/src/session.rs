@@ -18,8 +18,8 @@ use aya::{
 };
 use aya_log::EbpfLogger;
 use lens_common::{
-    CODE_RANGES, CallKey, CodeRanges, Event, InflightKey, KernelKey, LaunchTotals, LossCause,
-    ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps, settings,
+    CODE_RANGES, CallKey, CodeRanges, Event, HandleKey, InflightKey, KernelKey, LaunchTotals,
+    LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps, settings,
 };
 use log::{info, warn};
 use tokio::{
@@ -302,12 +302,25 @@ impl Session {
                 new.entry(key.tgid).or_default().push((key, delta));
             }
         }
+        // Stubs without a symbol are named as their module registered them.
+        let registry = self
+            .ebpf
+            .map(maps::KERNEL_REGISTRY)
+            .and_then(|map| BpfHashMap::<_, HandleKey, u64>::try_from(map).ok());
         for (pid, entries) in new {
             let functions: Vec<(u64, bool)> = entries
                 .iter()
                 .map(|(key, _)| (key.function, key.driver != 0))
                 .collect();
-            let names = kernels.names.resolve(pid, &functions);
+            let registered = |function: u64| {
+                let key = HandleKey {
+                    tgid: pid,
+                    _pad: 0,
+                    handle: function,
+                };
+                registry.as_ref()?.get(&key, 0).ok()
+            };
+            let names = kernels.names.resolve(pid, &functions, &registered);
             let launches: Vec<KernelLaunches> = entries
                 .iter()
                 .zip(names)

@@ -19,6 +19,31 @@ const MICROBATCHES: u64 = 2;
 
 /// `trainer_torch 3 2 0 0` with named kernels, traced with `per_step` from its start.
 fn trace_kernels() -> (SpanLog, Summary, KernelState) {
+    trace_trainer("TRAINER_KERNELS=1")
+}
+
+/// The `cuda.kernel.top` events of a step: (name, launches), most launched first.
+fn top_kernels(step: &lens_probe::spans::SpanRecord) -> Vec<(String, i64)> {
+    step.events
+        .iter()
+        .filter(|e| e.name == names::KERNEL_TOP_EVENT)
+        .map(|e| {
+            assert_eq!(e.at_ns, step.end_ns);
+            let attr = |key: &str| e.attributes.iter().find(|(k, _)| *k == key).cloned();
+            let Some((_, AttrValue::Str(name))) = attr(semconv::CUDA_KERNEL_NAME) else {
+                panic!("no name: {e:?}");
+            };
+            let Some((_, AttrValue::Int(launches))) = attr(semconv::CUDA_KERNEL_LAUNCHES) else {
+                panic!("no launches: {e:?}");
+            };
+            (name, launches)
+        })
+        .collect()
+}
+
+/// `trainer_torch 3 2 0 0` with `kernels` (its env switch), traced with `per_step` from
+/// its start.
+fn trace_trainer(kernels: &str) -> (SpanLog, Summary, KernelState) {
     let mut session = Session::new(TraceOptions {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
@@ -27,7 +52,7 @@ fn trace_kernels() -> (SpanLog, Summary, KernelState) {
     .unwrap();
     let argv: Vec<OsString> = vec![
         "env".into(),
-        "TRAINER_KERNELS=1".into(),
+        kernels.into(),
         "LENS_FAKE_BACKWARD_MS=1".into(),
         // Kernel stubs are named through the live process's maps: a run of a few ms can
         // end before its events are drained (every 20 ms), which leaves them unnamed.
@@ -118,23 +143,7 @@ fn kernel_names_appear_demangled_on_each_step_with_exact_counts() {
     assert_eq!(steps.len() as u64, STEPS);
     let mut handles = Vec::new();
     for step in steps {
-        let top: Vec<(String, i64)> = step
-            .events
-            .iter()
-            .filter(|e| e.name == names::KERNEL_TOP_EVENT)
-            .map(|e| {
-                assert_eq!(e.at_ns, step.end_ns);
-                let attr = |key: &str| e.attributes.iter().find(|(k, _)| *k == key).cloned();
-                let Some((_, AttrValue::Str(name))) = attr(semconv::CUDA_KERNEL_NAME) else {
-                    panic!("no name: {e:?}");
-                };
-                let Some((_, AttrValue::Int(launches))) = attr(semconv::CUDA_KERNEL_LAUNCHES)
-                else {
-                    panic!("no launches: {e:?}");
-                };
-                (name, launches)
-            })
-            .collect();
+        let top = top_kernels(step);
         // Driver handles are heap objects: named by value, the same in every step.
         let names: Vec<(&str, i64)> = top
             .iter()
@@ -169,4 +178,48 @@ fn kernel_names_appear_demangled_on_each_step_with_exact_counts() {
     handles.sort();
     handles.dedup();
     assert_eq!(handles.len(), 2, "{handles:?}");
+}
+
+#[test]
+fn kernels_of_a_library_without_symbols_are_named_as_registered() {
+    if !lens_tests::require_bpf("kernels_of_a_library_without_symbols_are_named_as_registered") {
+        return;
+    }
+    // faketorch/libtorch_cuda.so has no symbol table (as PyTorch's wheel): its stubs are
+    // named only through __cudaRegisterFunction, which its constructor calls.
+    let library = lens_tests::fake_torch_dir().join("libtorch_cuda.so");
+    let data = std::fs::read(&library).unwrap();
+    let elf = object::File::parse(&*data).unwrap();
+    assert!(
+        object::Object::symbol_table(&elf).is_none(),
+        "{} has a .symtab",
+        library.display()
+    );
+    let (log, summary, _) = trace_trainer("TRAINER_REGISTERED_KERNELS=1");
+    let process = summary
+        .processes
+        .values()
+        .find(|p| p.calls.contains_key(&ProbeId::CudaRegisterFunction))
+        .expect("a process registered kernels");
+    assert_eq!(process.calls[&ProbeId::CudaRegisterFunction], 2);
+    let steps: Vec<_> = log.named(names::STEP).collect();
+    assert_eq!(steps.len() as u64, STEPS);
+    let mb = MICROBATCHES as i64;
+    for step in steps {
+        assert_eq!(
+            top_kernels(step),
+            [
+                (
+                    "void fakenn::layer_norm_kernel<float>(float const*, float*, int)".to_string(),
+                    3 * mb
+                ),
+                (
+                    "fakenn::dropout_kernel(float*, float*, float)".to_string(),
+                    mb
+                ),
+            ],
+            "step {:?}",
+            step.int_attr(semconv::DL_ITERATION)
+        );
+    }
 }

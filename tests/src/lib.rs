@@ -334,6 +334,7 @@ mod tests {
         "cudaEventRecord",
         "cudaEventRecordWithFlags",
         "cudaEventQuery",
+        "__cudaRegisterFunction",
     ];
 
     const CUDA_SYMBOLS: &[&str] = &[

@@ -27,10 +27,11 @@ pub enum Program {
     CudaEventRecord,
     CudaEventQueryEntry,
     CudaEventQueryReturn,
+    CudaRegisterFunction,
 }
 
 impl Program {
-    pub const ALL: [Program; 17] = [
+    pub const ALL: [Program; 18] = [
         Program::CountOnly,
         Program::NcclGroup,
         Program::NcclCollectiveEntry,
@@ -48,6 +49,7 @@ impl Program {
         Program::CudaEventRecord,
         Program::CudaEventQueryEntry,
         Program::CudaEventQueryReturn,
+        Program::CudaRegisterFunction,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -69,6 +71,7 @@ impl Program {
             Program::CudaEventRecord => "cuda_event_record",
             Program::CudaEventQueryEntry => "cuda_event_query_entry",
             Program::CudaEventQueryReturn => "cuda_event_query_return",
+            Program::CudaRegisterFunction => "cuda_register_function",
         }
     }
 }
@@ -426,6 +429,15 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         exit: Some(CudaEventQueryReturn),
         groups: STEP_DETAIL,
     },
+    // Kernel names (the step's top kernels, `step` only): stubs paired with their names
+    // as the modules register them, for libraries without symbols.
+    spec(
+        ProbeId::CudaRegisterFunction,
+        CudaRuntime,
+        CudaRegisterFunction,
+        false,
+        &[SpanGroup::Step],
+    ),
 ];
 
 /// A `c10d::ProcessGroupGloo` collective: timed call, child of the phase it runs in.
