@@ -29,7 +29,8 @@
 #      runtime launches only) and runs it under `--span-groups per_step --exporter file`:
 #      every runtime launch is counted once although the real libcudart launches through
 #      libcuda's cuLaunchKernel (probed too), and the steps' `cuda.kernel.top` events
-#      name the add kernel, demangled, with its 400 launches.
+#      name the add kernel, demangled, with its 400 launches (libtorch_cuda.so has no
+#      symbols for its stubs: named as __cudaRegisterFunction registered them).
 #
 # Exit: 0 when every check passed, 1 when one failed or a run broke, 2 when this machine
 # cannot run the check (no GPU, no lens-probe, no PyTorch with CUDA and NCCL).
@@ -260,6 +261,38 @@ if ((steps_seen >= STEPS)); then
 else
     fail "$steps_seen train.step spans for $STEPS steps (see $tree)"
 fi
+# Collective completion: the all_reduce spans end where the host learnt the collective
+# finished (ProcessGroupNCCL's watchdog queries its end event; torch.cuda.synchronize()),
+# not at the enqueue call's return.
+"$PYTHON" - "$tree" <<'PY' || fail "collective completion not inferred (see above)"
+import re
+import statistics
+import sys
+
+sources, precisions, enqueue, total = {}, [], [], 0
+for line in open(sys.argv[1], errors="replace"):
+    if "nccl.all_reduce" not in line:
+        continue
+    total += 1
+    m = re.search(r"dl\.collective\.end\.source=(\w+)", line)
+    source = m.group(1) if m else "none"
+    sources[source] = sources.get(source, 0) + 1
+    m = re.search(r"dl\.collective\.end\.precision_ns=(\d+)", line)
+    if m:
+        precisions.append(int(m.group(1)))
+    m = re.search(r"dl\.collective\.enqueue\.duration_ns=(\d+)", line)
+    if m:
+        enqueue.append(int(m.group(1)))
+inferred = total - sources.get("call_return", 0) - sources.get("none", 0)
+good = total > 0 and inferred >= 0.9 * total
+detail = f"{inferred} of {total} inferred, sources {sources}"
+if precisions:
+    detail += f", precision median {statistics.median(precisions) / 1e6:.3f} ms"
+if enqueue:
+    detail += f", enqueue median {statistics.median(enqueue) / 1e3:.1f} us"
+print(f"gpu-check: {'PASS' if good else 'FAIL'}: all_reduce spans end at the inferred completion: {detail}")
+sys.exit(0 if good else 1)
+PY
 # torch.cuda.synchronize() is cudaDeviceSynchronize.
 for span in train.forward_backward train.optimizer nccl.all_reduce cuda.device_synchronize train.evaluate train.checkpoint; do
     grep -q "$span" "$tree" && say "PASS: $span spans" || fail "no $span span (see $tree)"
@@ -304,8 +337,9 @@ PY
 # 4. Driver launches counted once, and kernel names, on the real driver.
 say "4/4: runtime launches through the real libcuda counted once; the steps' top kernels named"
 cat >"$OUT/gpu_launches.py" <<'PY'
-"""5 SGD steps on cuda:0, each after 400 x.add_(1) (one elementwise kernel each, launched
-with cudaLaunchKernel, which the runtime passes on to libcuda's cuLaunchKernel)."""
+"""5 SGD steps on cuda:0, each with 400 x.add_(1) between its backward and its optimizer
+step (one elementwise kernel each, launched with cudaLaunchKernel, which the runtime passes
+on to libcuda's cuLaunchKernel): inside the step, whose top kernel they are."""
 import torch
 
 model = torch.nn.Linear(64, 64).cuda()
@@ -314,9 +348,9 @@ x = torch.randn(32, 64, device="cuda")
 y = torch.zeros(1024, device="cuda")
 torch.cuda.synchronize()
 for step in range(5):
+    model(x).sum().backward()
     for _ in range(400):
         y.add_(1)
-    model(x).sum().backward()
     opt.step()
     opt.zero_grad()
 torch.cuda.synchronize()
