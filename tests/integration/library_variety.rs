@@ -155,6 +155,10 @@ const CUDART_PROBES: [ProbeId; 6] = [
     ProbeId::CudaDeviceSynchronize,
 ];
 
+/// Functions of the fake libcudart that `per_step` probes: the six the caller calls,
+/// `cudaEventRecord[WithFlags]`, `cudaEventQuery` and `__cudaRegisterFunction`.
+const CUDART_SYMBOLS_PROBED: usize = 10;
+
 /// The address of each definition named `name` in `library`'s dynamic symbols.
 fn dynamic_definitions(library: &Path, name: &str) -> Vec<u64> {
     use object::{Object, ObjectSymbol};
@@ -245,7 +249,8 @@ fn a_missing_symbol_fails_alone_and_the_other_probes_count_exactly() {
             "libcudart defines no such symbol".to_string()
         )])
     );
-    // The five others: launches at entry, syncs at entry and return.
+    // The others: launches, event records and kernel registration at entry, syncs
+    // and event queries at entry and return.
     assert_eq!(
         attached(&outcomes),
         BTreeMap::from([
@@ -254,6 +259,10 @@ fn a_missing_symbol_fails_alone_and_the_other_probes_count_exactly() {
             ("cudaStreamSynchronize".to_string(), 2),
             ("cudaEventSynchronize".to_string(), 2),
             ("cudaDeviceSynchronize".to_string(), 2),
+            ("cudaEventRecord".to_string(), 1),
+            ("cudaEventRecordWithFlags".to_string(), 1),
+            ("cudaEventQuery".to_string(), 2),
+            ("__cudaRegisterFunction".to_string(), 1),
         ])
     );
     let expected: BTreeMap<ProbeId, u64> = CUDART_PROBES
@@ -303,7 +312,11 @@ fn a_stripped_runtime_is_probed_whole_from_its_dynamic_symbols() {
 
     let outcomes = outcomes(&session, LibraryKind::CudaRuntime);
     assert!(failures(&outcomes).is_empty(), "{outcomes:?}");
-    assert_eq!(attached(&outcomes).len(), 6, "{outcomes:?}");
+    assert_eq!(
+        attached(&outcomes).len(),
+        CUDART_SYMBOLS_PROBED,
+        "{outcomes:?}"
+    );
     let expected: BTreeMap<ProbeId, u64> = CUDART_PROBES.into_iter().map(|p| (p, CALLS)).collect();
     assert_eq!(calls(&log), &expected);
 }
@@ -490,7 +503,7 @@ fn a_library_mapped_twice_in_one_process_is_probed_once_and_counts_each_call_onc
 
     let outcomes = outcomes(&session, LibraryKind::CudaRuntime);
     assert!(failures(&outcomes).is_empty(), "{outcomes:?}");
-    assert_eq!(attached(&outcomes).len(), 6);
+    assert_eq!(attached(&outcomes).len(), CUDART_SYMBOLS_PROBED);
     let expected: BTreeMap<ProbeId, u64> =
         CUDART_PROBES.into_iter().map(|p| (p, 2 * CALLS)).collect();
     assert_eq!(calls(&log), &expected);
