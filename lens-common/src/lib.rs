@@ -279,6 +279,9 @@ pub enum EventKind {
     /// ends), or the first successful `cudaEventQuery` of such an event, entry to return,
     /// with `not_ready_ns`. Every other event call is only counted.
     CudaEvent = 11,
+    /// A Python thread's frame stack changed between two samples: a [`PyStack`] record
+    /// (not an [`Event`]) follows this kind.
+    PyStack = 12,
 }
 
 impl EventKind {
@@ -295,6 +298,7 @@ impl EventKind {
             9 => Some(EventKind::ProcessExit),
             10 => Some(EventKind::RuleCall),
             11 => Some(EventKind::CudaEvent),
+            12 => Some(EventKind::PyStack),
             _ => None,
         }
     }
@@ -493,6 +497,71 @@ pub struct InflightKey {
     pub _pad: u32,
 }
 
+/// Python frames read per sample, innermost first.
+pub const PY_MAX_DEPTH: usize = 32;
+
+/// "No such field in this CPython version" in [`PyOffsets`].
+pub const PY_NO_FIELD: u32 = u32::MAX;
+
+/// Where a traced CPython process keeps what the sampler reads (`lens-userspace`'s
+/// `python` module fills it per interpreter version; docs/python.md). All offsets are
+/// in bytes; [`PY_NO_FIELD`] where a version has no such field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyOffsets {
+    /// Address of `_PyRuntime` in the process.
+    pub runtime: u64,
+    /// `_PyRuntime.interpreters.head`: the main interpreter, whose threads are walked
+    /// to find the sampled one.
+    pub interpreters_head: u32,
+    /// `PyInterpreterState.threads.head`.
+    pub threads_head: u32,
+    /// `PyThreadState.next`.
+    pub tstate_next: u32,
+    /// `PyThreadState.native_thread_id` (the kernel tid, 3.11+), or `.thread_id` (the
+    /// thread pointer, `pthread_self()`: 3.10) with `match_thread_pointer`.
+    pub tstate_native_thread_id: u32,
+    /// 1: the field above holds the thread pointer (compared with the task's fsbase),
+    /// not the tid.
+    pub match_thread_pointer: u32,
+    /// `PyThreadState.frame` (3.10), `.cframe` (3.11, 3.12) or `.current_frame` (3.13).
+    pub tstate_frame: u32,
+    /// `_PyCFrame.current_frame` (3.11, 3.12), or [`PY_NO_FIELD`] (the field above is
+    /// the frame itself).
+    pub cframe_current_frame: u32,
+    /// The frame's code object (`f_code`, 3.13 `f_executable`).
+    pub frame_code: u32,
+    /// The caller's frame (`f_back`, 3.11+ `previous`).
+    pub frame_previous: u32,
+    /// The frame's first local slot (`localsplus[0]`, 3.10 `f_localsplus[0]`): a new
+    /// call of the same function at the same frame address usually holds another
+    /// object there, which tells two calls apart.
+    pub frame_first_local: u32,
+}
+
+/// A Python thread's frames at a sample, innermost first: the record that follows an
+/// [`EventKind::PyStack`] kind. Sent only when the stack differs from the thread's last.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyStack {
+    /// [`EventKind::PyStack`] as u32 (the same place as [`Event::kind`]).
+    pub kind: u32,
+    /// Frames read (at most [`PY_MAX_DEPTH`]).
+    pub depth: u32,
+    pub tgid: u32,
+    pub tid: u32,
+    /// `CLOCK_MONOTONIC` ns of the sample.
+    pub at_ns: u64,
+    /// The process's launches so far and the phase epoch this sample opens, as a phase
+    /// mark's (a changed stack may start or end a span).
+    pub launches: u64,
+    pub epoch: u64,
+    /// Per frame: code object, frame address, first local slot.
+    pub code: [u64; PY_MAX_DEPTH],
+    pub frame: [u64; PY_MAX_DEPTH],
+    pub first_local: [u64; PY_MAX_DEPTH],
+}
+
 /// A process's CUDA stream or event handle: the key of the maps that follow collectives
 /// to the event recorded after them.
 #[repr(C)]
@@ -581,6 +650,8 @@ pub mod globals {
     pub const TASK_EXIT_CODE_OFFSET: &str = "TASK_EXIT_CODE_OFFSET";
     pub const TASK_SIGNAL_OFFSET: &str = "TASK_SIGNAL_OFFSET";
     pub const SIGNAL_NR_THREADS_OFFSET: &str = "SIGNAL_NR_THREADS_OFFSET";
+    /// `task_struct.thread.fsbase`: the thread pointer (`pthread_self()`).
+    pub const TASK_FSBASE_OFFSET: &str = "TASK_FSBASE_OFFSET";
     /// Non-zero when `sched_process_exit` passes `group_dead` (Linux 6.16 and later).
     pub const EXIT_HAS_GROUP_DEAD: &str = "EXIT_HAS_GROUP_DEAD";
 }
@@ -608,6 +679,7 @@ pub mod maps {
     pub const KERNEL_COUNTS: &str = "KERNEL_COUNTS";
     pub const RUNTIME_RANGES: &str = "RUNTIME_RANGES";
     pub const KERNEL_REGISTRY: &str = "KERNEL_REGISTRY";
+    pub const PY_TARGETS: &str = "PY_TARGETS";
 }
 
 /// Sizes of the kernel-side maps.
@@ -626,6 +698,10 @@ pub mod limits {
     /// Kernels registered (host stub → name) across the traced processes; LRU. A
     /// PyTorch build registers some tens of thousands per process.
     pub const MAX_REGISTERED_KERNELS: u32 = 131_072;
+    /// Python threads whose last stack the sampler remembers (LRU).
+    pub const MAX_PY_THREADS: u32 = 16_384;
+    /// Thread states walked to find the sampled thread's.
+    pub const MAX_PY_THREAD_WALK: u32 = 64;
     /// (process, epoch, kernel) launch counters not yet read by the loader.
     pub const MAX_KERNEL_COUNTS: u32 = 16384;
 }
@@ -637,6 +713,7 @@ mod user {
     unsafe impl aya::Pod for super::CallKey {}
     unsafe impl aya::Pod for super::InflightKey {}
     unsafe impl aya::Pod for super::HandleKey {}
+    unsafe impl aya::Pod for super::PyOffsets {}
     unsafe impl aya::Pod for super::TargetConfig {}
     unsafe impl aya::Pod for super::LaunchTotals {}
     unsafe impl aya::Pod for super::KernelKey {}

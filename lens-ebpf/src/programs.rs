@@ -5,16 +5,16 @@ use aya_ebpf::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
         bpf_probe_read_user_str_bytes, generated,
     },
-    macros::{map, raw_tracepoint, uprobe, uretprobe},
+    macros::{map, perf_event, raw_tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
-    programs::{ProbeContext, RawTracePointContext, RetProbeContext},
+    programs::{PerfEventContext, ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use aya_log_ebpf::{debug, warn};
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::{
     CODE_RANGES, CallKey, CodeRanges, Event, EventKind, HandleKey, InflightKey, KernelKey,
-    LaunchTotals, LossCause, NCCL_UNIQUE_ID_WORDS, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE,
-    TargetConfig, comm_id_hash, limits, settings,
+    LaunchTotals, LossCause, NCCL_UNIQUE_ID_WORDS, PY_MAX_DEPTH, PY_NO_FIELD, ProbeId, PyOffsets,
+    PyStack, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits, settings,
 };
 
 #[map(name = "EVENTS")]
@@ -65,6 +65,16 @@ static COLLECTIVE_EVENTS: LruHashMap<HandleKey, u64> =
 static KERNEL_REGISTRY: LruHashMap<HandleKey, u64> =
     LruHashMap::with_max_entries(limits::MAX_REGISTERED_KERNELS, 0);
 
+/// Traced CPython processes (tgid → where their interpreter state is).
+#[map(name = "PY_TARGETS")]
+static PY_TARGETS: HashMap<u32, PyOffsets> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Per Python thread, a hash of the stack last sent (low bit: sent once, to be sent again
+/// at the next sample): an unchanged stack is not sent a third time.
+#[map(name = "PY_LAST_STACK")]
+static PY_LAST_STACK: LruHashMap<u32, u64> =
+    LruHashMap::with_max_entries(limits::MAX_PY_THREADS, 0);
+
 #[map(name = "INFLIGHT")]
 static INFLIGHT: HashMap<InflightKey, Event> = HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
 
@@ -103,6 +113,22 @@ static EXIT_HAS_GROUP_DEAD: u32 = 0;
 static TASK_SIGNAL_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static SIGNAL_NR_THREADS_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TASK_FSBASE_OFFSET: u32 = 0;
+
+/// The current thread's thread pointer (`pthread_self()`), 0 when unknown.
+#[inline(always)]
+fn thread_pointer() -> u64 {
+    // SAFETY: as in `has_other_threads`.
+    unsafe {
+        let offset = core::ptr::read_volatile(&TASK_FSBASE_OFFSET) as u64;
+        if offset == 0 {
+            return 0;
+        }
+        let task = generated::bpf_get_current_task();
+        aya_ebpf::helpers::bpf_probe_read_kernel((task + offset) as *const u64).unwrap_or(0)
+    }
+}
 
 /// Whether the current process has threads besides the current one (`task->signal->
 /// nr_threads`); false when the kernel's layout is unknown.
@@ -946,5 +972,116 @@ pub fn user_rule_return(ctx: RetProbeContext) -> u32 {
     event.epoch = next_epoch(pid_tgid);
     event.launches = launches_so_far(pid_tgid);
     emit(&event, submit_flags());
+    0
+}
+
+#[inline(always)]
+fn read_user_u64(address: u64) -> u64 {
+    // SAFETY: reading the sampled thread's memory through the checked helper.
+    unsafe { bpf_probe_read_user(address as *const u64) }.unwrap_or(0)
+}
+
+/// The sampled thread's `PyThreadState`, 0 if it has none (not a Python thread): the
+/// main interpreter's thread whose id is the thread's (tid, or thread pointer on 3.10).
+#[inline(always)]
+fn python_thread_state(offsets: &PyOffsets, tid: u32) -> u64 {
+    let wanted = if offsets.match_thread_pointer != 0 {
+        thread_pointer()
+    } else {
+        tid as u64
+    };
+    if wanted == 0 {
+        return 0;
+    }
+    let interpreter = read_user_u64(offsets.runtime + offsets.interpreters_head as u64);
+    if interpreter == 0 {
+        return 0;
+    }
+    let mut state = read_user_u64(interpreter + offsets.threads_head as u64);
+    let mut walked = 0;
+    while walked < limits::MAX_PY_THREAD_WALK && state != 0 {
+        if read_user_u64(state + offsets.tstate_native_thread_id as u64) == wanted {
+            return state;
+        }
+        state = read_user_u64(state + offsets.tstate_next as u64);
+        walked += 1;
+    }
+    0
+}
+
+/// Samples traced Python threads on the CPU clock (every CPU, ~1 ms): reads the thread's
+/// frame stack (code object, frame, first local per frame) and sends it when it differs
+/// from the thread's last one. docs/python.md.
+#[perf_event]
+pub fn python_sample(_ctx: PerfEventContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let tid = pid_tgid as u32;
+    // SAFETY: copied out before the map can change under us.
+    let Some(offsets) = (unsafe { PY_TARGETS.get(&tgid) }).copied() else {
+        return 0;
+    };
+    let state = python_thread_state(&offsets, tid);
+    if state == 0 {
+        return 0;
+    }
+    let mut frame = read_user_u64(state + offsets.tstate_frame as u64);
+    if offsets.cframe_current_frame != PY_NO_FIELD && frame != 0 {
+        frame = read_user_u64(frame + offsets.cframe_current_frame as u64);
+    }
+    let Some(mut entry) = EVENTS.reserve::<PyStack>(0) else {
+        count_loss(LossCause::RingBufferFull);
+        return 0;
+    };
+    let stack = entry.as_mut_ptr();
+    let mut depth = 0usize;
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    // One path through the loop (no per-frame branches but its end): the verifier walks
+    // every iteration. Shim frames of the C stack (3.12+) are sent too; their code names
+    // no rule's function.
+    for i in 0..PY_MAX_DEPTH {
+        if frame == 0 {
+            break;
+        }
+        let code = read_user_u64(frame + offsets.frame_code as u64);
+        let local = read_user_u64(frame + offsets.frame_first_local as u64);
+        hash = (hash ^ code).wrapping_mul(0x100_0000_01b3);
+        hash = (hash ^ frame).wrapping_mul(0x100_0000_01b3);
+        hash = (hash ^ local).wrapping_mul(0x100_0000_01b3);
+        // SAFETY: `i` < PY_MAX_DEPTH: inside the reserved record.
+        unsafe {
+            (*stack).code[i] = code;
+            (*stack).frame[i] = frame;
+            (*stack).first_local[i] = local;
+        }
+        depth = i + 1;
+        frame = read_user_u64(frame + offsets.frame_previous as u64);
+    }
+    // A new stack is sent twice, at its first sample and at the next (the user side
+    // takes a change two samples agree on: one can catch the chain mid-update); then not
+    // again until it changes. The low bit of the remembered hash: the second is due.
+    let hash = hash & !1;
+    // SAFETY: copied out.
+    let last = unsafe { PY_LAST_STACK.get(&tid) }.copied();
+    let remember = match last {
+        Some(last) if last & !1 == hash && last & 1 == 0 => {
+            entry.discard(0);
+            return 0;
+        }
+        Some(last) if last & !1 == hash => hash,
+        _ => hash | 1,
+    };
+    let _ = PY_LAST_STACK.insert(&tid, &remember, 0);
+    // SAFETY: the reserved record, filled before it is submitted.
+    unsafe {
+        (*stack).kind = EventKind::PyStack as u32;
+        (*stack).depth = depth as u32;
+        (*stack).tgid = tgid;
+        (*stack).tid = tid;
+        (*stack).at_ns = bpf_ktime_get_ns();
+        (*stack).launches = launches_so_far(pid_tgid);
+        (*stack).epoch = next_epoch(pid_tgid);
+    }
+    entry.submit(submit_flags());
     0
 }

@@ -188,9 +188,12 @@ impl NativeRule {
     }
 }
 
-/// A Python rule: calls of `module:qualname` become spans of `group` (not traced yet).
+/// A Python rule: calls of `module:qualname` become spans of `group` (sampled:
+/// docs/python.md).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PythonRule {
+    /// Its number among all rules (what its calls' `RuleCall::rule` is).
+    pub index: u32,
     pub origin: String,
     pub module: String,
     pub qualname: String,
@@ -243,29 +246,24 @@ impl ProbeRules {
         self.native.iter().find(|rule| rule.index == index)
     }
 
-    /// Warnings to give before tracing: Python rules (not traced yet, one line for all),
-    /// and rules whose group is off (their probes are not attached).
+    pub fn python_rule(&self, index: u32) -> Option<&PythonRule> {
+        self.python.iter().find(|rule| rule.index == index)
+    }
+
+    /// Warnings to give before tracing: rules whose group is off (their probes are not
+    /// attached).
     pub fn warnings(&self, groups: &SpanGroups) -> Vec<String> {
         let mut warnings = Vec::new();
-        if !self.python.is_empty() {
-            let names: Vec<String> = self
-                .python
-                .iter()
-                .map(|rule| format!("{}:{}", rule.module, rule.qualname))
-                .collect();
+        let groups_off = self
+            .native
+            .iter()
+            .map(|rule| (&rule.origin, rule.group))
+            .chain(self.python.iter().map(|rule| (&rule.origin, rule.group)))
+            .filter(|(_, group)| !groups.contains(*group));
+        for (origin, group) in groups_off {
             warnings.push(format!(
-                "Python probe rules are not supported yet: {} ignored ({}); native rules work",
-                names.len(),
-                names.join(", ")
+                "{origin}: group {group} is not enabled (--span-groups), its probe is not attached",
             ));
-        }
-        for rule in &self.native {
-            if !groups.contains(rule.group) {
-                warnings.push(format!(
-                    "{}: group {} is not enabled (--span-groups), its probe is not attached",
-                    rule.origin, rule.group
-                ));
-            }
         }
         warnings
     }
@@ -425,6 +423,7 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
             }
             let (module, qualname) = parse_python(python)?;
             Ok(Rule::Python(PythonRule {
+                index,
                 origin: origin.to_string(),
                 module,
                 qualname,
@@ -641,7 +640,14 @@ mod tests {
         assert_eq!(save.max_matches, DEFAULT_MAX_MATCHES);
         assert_eq!(rules.python[0].module, "megatron.training.training");
         assert_eq!(rules.python[0].qualname, "train_step");
-        assert!(rules.warnings(&"all".parse().unwrap())[0].contains("not supported yet"));
+        assert!(rules.warnings(&"all".parse().unwrap()).is_empty());
+        assert_eq!(
+            rules.warnings(&"default".parse().unwrap()),
+            [
+                "config rule 1 (line 2): group step is not enabled (--span-groups), its probe is not attached",
+                "config rule 3 (line 15): group step is not enabled (--span-groups), its probe is not attached",
+            ]
+        );
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Decoding: raw [`Event`] records from the ring buffer into typed [`ProbeEvent`]s, the
 //! stream every consumer (summary, span builder, exporters) reads.
-use lens_common::{Event, EventKind, NONE_I32, ProbeId, RULE_ARGS, rule_index};
+use lens_common::{
+    Event, EventKind, NONE_I32, PY_MAX_DEPTH, ProbeId, PyStack, RULE_ARGS, rule_index,
+};
 use serde::Serialize;
 
 use crate::nccl::{DataType, RedOp};
@@ -285,6 +287,17 @@ pub enum ProbeEvent {
         /// completed then), if one did.
         not_ready_ns: Option<u64>,
     },
+    /// A Python thread's frames at a sample, innermost first, when they changed since
+    /// its last sample (`python` module).
+    PyStack {
+        tgid: u32,
+        tid: u32,
+        at_ns: u64,
+        /// The process's launches so far and the phase epoch the sample opens.
+        launches: u64,
+        epoch: u64,
+        frames: Vec<PyFrame>,
+    },
     /// Entry or return of a function a configured probe rule names (`crate::config`).
     RuleCall {
         tgid: u32,
@@ -320,7 +333,8 @@ impl ProbeEvent {
             | ProbeEvent::LinkMapChanged { tgid, .. }
             | ProbeEvent::ProcessExec { tgid, .. }
             | ProbeEvent::ProcessExit { tgid, .. }
-            | ProbeEvent::RuleCall { tgid, .. } => *tgid,
+            | ProbeEvent::RuleCall { tgid, .. }
+            | ProbeEvent::PyStack { tgid, .. } => *tgid,
             ProbeEvent::ProcessForked { child, .. } => *child,
         }
     }
@@ -352,8 +366,29 @@ fn opt_i32(value: i32) -> Option<i32> {
     (value != NONE_I32).then_some(value)
 }
 
+/// One Python frame of a sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PyFrame {
+    /// The code object (what the function is).
+    pub code: u64,
+    /// The frame (where this call lives) and its first local slot (which call it is).
+    pub frame: u64,
+    pub first_local: u64,
+}
+
 /// Decodes one ring buffer record.
 pub fn decode(bytes: &[u8]) -> Result<ProbeEvent, DecodeError> {
+    let kind = bytes
+        .get(..4)
+        .map(|b| u32::from_ne_bytes(b.try_into().expect("4 bytes")));
+    if kind == Some(EventKind::PyStack as u32) {
+        if bytes.len() < size_of::<PyStack>() {
+            return Err(DecodeError::TooShort(bytes.len()));
+        }
+        // SAFETY: length checked; plain integers, valid for any bit pattern.
+        let raw: PyStack = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+        return Ok(decode_py_stack(&raw));
+    }
     if bytes.len() < size_of::<Event>() {
         return Err(DecodeError::TooShort(bytes.len()));
     }
@@ -361,6 +396,24 @@ pub fn decode(bytes: &[u8]) -> Result<ProbeEvent, DecodeError> {
     // read_unaligned because the ring buffer only guarantees 8-byte alignment.
     let raw: Event = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
     decode_event(&raw)
+}
+
+pub fn decode_py_stack(raw: &PyStack) -> ProbeEvent {
+    let depth = (raw.depth as usize).min(PY_MAX_DEPTH);
+    ProbeEvent::PyStack {
+        tgid: raw.tgid,
+        tid: raw.tid,
+        at_ns: raw.at_ns,
+        launches: raw.launches,
+        epoch: raw.epoch,
+        frames: (0..depth)
+            .map(|i| PyFrame {
+                code: raw.code[i],
+                frame: raw.frame[i],
+                first_local: raw.first_local[i],
+            })
+            .collect(),
+    }
 }
 
 pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
@@ -477,6 +530,8 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
         | EventKind::RuleCall => {
             unreachable!("decoded above")
         }
+        // Another record type: only `decode` (from bytes) reads it.
+        EventKind::PyStack => return Err(DecodeError::UnknownKind(raw.kind)),
         EventKind::PhaseMark => ProbeEvent::Phase {
             tgid: raw.tgid,
             tid: raw.tid,

@@ -16,6 +16,7 @@ pub mod kernels;
 pub mod nccl;
 pub mod privileges;
 pub mod probes;
+pub mod python;
 pub mod semconv;
 pub mod session;
 pub mod sink;

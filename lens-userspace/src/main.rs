@@ -186,7 +186,12 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     let report = session.run_blocking(&mut sinks, cli.duration)?;
     let stragglers = spans.stragglers().clone();
     drop(spans);
-    for warning in session.attacher().unmatched_rules(&cli.span_groups) {
+    for warning in session
+        .attacher()
+        .unmatched_rules(&cli.span_groups)
+        .into_iter()
+        .chain(session.unmatched_python_rules())
+    {
         log::warn!("{warning}");
     }
     if let Some(pipeline) = pipeline.as_mut() {

@@ -90,6 +90,10 @@ pub const DL_COLLECTIVE_WAIT_NS: &str = "dl.collective.wait_ns";
 /// Ranks whose calls were compared (those traced on this node; the communicator may
 /// have more on other nodes).
 pub const DL_COLLECTIVE_RANKS_COMPARED: &str = "dl.collective.ranks_compared";
+/// OpenTelemetry's code attributes: the Python function a rule's span is (its qualified
+/// name) and its file.
+pub const CODE_FUNCTION: &str = "code.function";
+pub const CODE_FILEPATH: &str = "code.filepath";
 /// The call's return code (`ncclResult_t`, `cudaError_t`).
 pub const DL_CALL_RESULT: &str = "dl.call.result";
 /// `stream`, `event` or `device`.

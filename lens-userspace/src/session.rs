@@ -44,6 +44,7 @@ use crate::{
         calibrate,
         library::{self, LibraryKind, MappedLibrary},
     },
+    python::{self, PythonTracker},
     sink::{EventSink, ProcessEnd},
     summary::Losses,
     target::{self, ExitStatus, ProcessInfo},
@@ -137,6 +138,8 @@ pub struct Session {
     launch_estimates: HashMap<u32, LaunchEstimate>,
     /// Continues stopped targets should lens-probe die (the CLI starts one).
     guardian: Option<Guardian>,
+    /// Python rules: their sampled stacks become rule calls (`python`).
+    python: Option<PythonTracker>,
     /// Launches are counted per kernel (the `step` group is on): the names, and what
     /// was read of each counter so far.
     kernels: Option<KernelCounters>,
@@ -217,6 +220,7 @@ impl Session {
             budget,
             launch_estimates: HashMap::new(),
             guardian: None,
+            python: None,
             // Launches per kernel, for the steps' top kernels: only when steps are on
             // (off, the launch probes skip that map update).
             kernels: kernel_names.then(KernelCounters::default),
@@ -374,7 +378,65 @@ impl Session {
     /// Configured probe rules (`--config`, `--profile`) to attach besides the built-in
     /// probes. Call before adding targets.
     pub fn set_rules(&mut self, rules: Arc<ProbeRules>) {
+        let python: Vec<_> = rules
+            .python
+            .iter()
+            .filter(|rule| self.groups.contains(rule.group))
+            .cloned()
+            .collect();
         self.attacher.set_rules(rules);
+        if python.is_empty() {
+            return;
+        }
+        match python::sampler::start(&mut self.ebpf) {
+            Ok(()) => self.python = Some(PythonTracker::new(python)),
+            Err(error) => warn!("Python rules: cannot start the sampler: {error}"),
+        }
+    }
+
+    /// Python rules that no traced process called, one line each (after a run).
+    pub fn unmatched_python_rules(&self) -> Vec<String> {
+        self.python
+            .as_ref()
+            .map_or_else(Vec::new, PythonTracker::unmatched)
+    }
+
+    /// Samples `pid`'s Python threads if it runs a CPython and Python rules exist.
+    /// Returns whether it does.
+    fn sample_python(&mut self, pid: u32) -> bool {
+        let Some(tracker) = self.python.as_mut() else {
+            return false;
+        };
+        if tracker.knows(pid) {
+            return true;
+        }
+        match python::find_runtime(pid) {
+            Ok(Some(runtime)) => {
+                match python::sampler::add_target(&mut self.ebpf, pid, &runtime.offsets) {
+                    Ok(()) => {
+                        info!(
+                            "pid {pid} runs CPython {}.{} ({}): sampling its Python stacks",
+                            runtime.version.0,
+                            runtime.version.1,
+                            runtime.path.display()
+                        );
+                        tracker.add_process(pid, runtime.code);
+                        true
+                    }
+                    Err(error) => {
+                        warn!("pid {pid}: cannot sample its Python threads: {error}");
+                        false
+                    }
+                }
+            }
+            Ok(None) => false,
+            Err(error) => {
+                if tracker.refused(pid) {
+                    warn!("pid {pid}: Python rules not traced there: {error}");
+                }
+                false
+            }
+        }
     }
 
     /// The libraries of interest `pid` maps: the built-in probes' and the files
@@ -429,9 +491,10 @@ impl Session {
             return Ok(());
         }
         let libraries = self.libraries_of(pid)?;
-        if !discovery::maps_training_library(&libraries)
-            && !libraries.iter().any(|l| l.kind == LibraryKind::Configured)
-        {
+        let traceable = discovery::maps_training_library(&libraries)
+            || libraries.iter().any(|l| l.kind == LibraryKind::Configured)
+            || (self.python.is_some() && matches!(python::find_runtime(pid), Ok(Some(_))));
+        if !traceable {
             return Err(LensError::NoTracedLibraries {
                 pid,
                 name: info.name,
@@ -455,6 +518,7 @@ impl Session {
                 .attach_library(&mut self.ebpf, library, &self.groups);
         }
         self.set_runtime_ranges(pid);
+        self.sample_python(pid);
         self.set_target(pid, TargetConfig::default())?;
         // Before `run` the exit watch starts there; during it, here.
         let pidfd = match self.exit_tx {
@@ -649,6 +713,7 @@ impl Session {
                     }
                 }
                 self.set_runtime_ranges(pid);
+                self.sample_python(pid);
             }
             Err(error) => info!("pid {pid}: {error}"),
         }
@@ -769,7 +834,8 @@ impl Session {
                 let mut marked = Vec::new();
                 for event in batch.iter().flatten() {
                     if let ProbeEvent::Phase { tgid, epoch, .. }
-                    | ProbeEvent::RuleCall { tgid, epoch, .. } = event
+                    | ProbeEvent::RuleCall { tgid, epoch, .. }
+                    | ProbeEvent::PyStack { tgid, epoch, .. } = event
                     {
                         let newest = kernels.epochs.entry(*tgid).or_default();
                         *newest = (*newest).max(*epoch);
@@ -804,11 +870,23 @@ impl Session {
                             target.exit = Some(ExitStatus::from_wait_status(wait_status));
                         }
                     }
+                    Ok(sample @ ProbeEvent::PyStack { .. }) => {
+                        if let Some(tracker) = self.python.as_mut() {
+                            for call in tracker.on_sample(&sample) {
+                                sink.on_event(&call);
+                            }
+                        }
+                    }
                     Ok(event) => sink.on_event(&event),
                     Err(error) => {
                         self.undecodable += 1;
                         warn!("undecodable event: {error:?}");
                     }
+                }
+            }
+            if let Some(tracker) = self.python.as_mut() {
+                for call in tracker.confirm(crate::spans::monotonic_now_ns(), None) {
+                    sink.on_event(&call);
                 }
             }
         }
@@ -821,6 +899,13 @@ impl Session {
         }
         if let Ok(mut targets) = self.targets_map() {
             let _ = targets.remove(&pid);
+        }
+        if let Some(tracker) = self.python.as_mut() {
+            python::sampler::remove_target(&mut self.ebpf, pid);
+            for call in tracker.confirm(0, Some(pid)) {
+                sink.on_event(&call);
+            }
+            tracker.forget(pid);
         }
         self.read_kernel_counts(&[pid], true, sink);
         self.forget_kernel_counts(pid);

@@ -281,6 +281,12 @@ fn describe(event: &ProbeEvent) -> String {
                 us(timing.end_ns.saturating_sub(at))
             ))
         ),
+        ProbeEvent::PyStack {
+            tgid, tid, frames, ..
+        } => format!(
+            "[{tgid}:{tid}] Python stack changed: {} frames",
+            frames.len()
+        ),
         ProbeEvent::LinkMapChanged { tgid, .. } => format!("[{tgid}] libraries changed"),
         ProbeEvent::ProcessForked { parent, child } => format!("[{parent}] forked {child}"),
         ProbeEvent::ProcessExec { tgid, .. } => format!("[{tgid}] exec"),

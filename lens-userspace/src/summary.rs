@@ -192,6 +192,7 @@ impl EventSink for Summary {
             ProbeEvent::Group { .. }
             | ProbeEvent::EventRecorded { .. }
             | ProbeEvent::EventQueryComplete { .. }
+            | ProbeEvent::PyStack { .. }
             | ProbeEvent::Phase { .. }
             | ProbeEvent::LinkMapChanged { .. }
             | ProbeEvent::ProcessForked { .. }

@@ -311,6 +311,9 @@ fn assert_key_fields(raw: &Event, event: &ProbeEvent) -> Result<(), TestCaseErro
             prop_assert_eq!(kind, Some(EventKind::Collective));
             prop_assert!(timing_matches(timing));
         }
+        ProbeEvent::PyStack { .. } => {
+            prop_assert!(false, "an event-sized record decoded as a Python stack");
+        }
         ProbeEvent::EventRecorded {
             timing,
             event,
@@ -524,7 +527,7 @@ proptest! {
     #[test]
     fn the_decoder_takes_any_event(
         bytes in prop::collection::vec(any::<u8>(), size_of::<Event>()),
-        kind in 0u32..13,
+        kind in 0u32..14,
         probe in 0u32..ProbeId::COUNT as u32 + 4,
     ) {
         let mut raw = event_from(&bytes);
@@ -540,7 +543,30 @@ proptest! {
                 prop_assert!(EventKind::from_u32(kind).is_some());
                 prop_assert_eq!(p, probe);
             }
-            Err(DecodeError::TooShort(_)) => prop_assert!(false, "a whole event is not short"),
+            // A Python stack record is longer than an event.
+            Err(DecodeError::TooShort(_)) => {
+                prop_assert_eq!(EventKind::from_u32(kind), Some(EventKind::PyStack));
+            }
+        }
+    }
+
+    /// Any Python stack record decodes, with at most its frames and each where it was.
+    #[test]
+    fn any_python_stack_decodes(
+        bytes in prop::collection::vec(any::<u8>(), size_of::<lens_common::PyStack>()),
+    ) {
+        let mut bytes = bytes;
+        bytes[..4].copy_from_slice(&(EventKind::PyStack as u32).to_ne_bytes());
+        // SAFETY: plain integers, any bit pattern; the length is the record's.
+        let raw: lens_common::PyStack =
+            unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+        let Ok(ProbeEvent::PyStack { tgid, frames, .. }) = events::decode(&bytes) else {
+            return Err(TestCaseError::fail("not a stack"));
+        };
+        prop_assert_eq!(tgid, raw.tgid);
+        prop_assert_eq!(frames.len(), (raw.depth as usize).min(lens_common::PY_MAX_DEPTH));
+        for (i, frame) in frames.iter().enumerate() {
+            prop_assert_eq!((frame.code, frame.frame), (raw.code[i], raw.frame[i]));
         }
     }
 

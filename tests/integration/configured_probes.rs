@@ -291,8 +291,11 @@ fn a_missing_symbol_or_library_is_one_warning_and_the_other_rules_work() {
     let with = |needle: &str| warnings.iter().filter(|w| w.contains(needle)).count();
     assert_eq!(with("my_missing_function"), 1, "{warnings:#?}");
     assert_eq!(with("libnope.so"), 1, "{warnings:#?}");
+    // The Python rule: the trainer is no CPython.
     assert_eq!(
-        with("Python probe rules are not supported yet"),
+        with(
+            "python = \"megatron.training.training:train_step\": no traced process runs a CPython"
+        ),
         1,
         "{warnings:#?}"
     );

@@ -46,6 +46,7 @@ const METRICS: &[MetricDef] = &[
     metric!(COLLECTIVE_CALLS, "{call}", Counter),
     metric!(COLLECTIVE_BYTES, "By", Counter),
     metric!(COLLECTIVE_DURATION, "s", Histogram),
+    metric!(COLLECTIVE_ARRIVAL_SKEW, "s", Histogram),
     metric!(SYNC_DURATION, "s", Histogram),
     metric!(KERNEL_LAUNCHES, "{launch}", Counter),
     metric!(STEP_DURATION, "s", Histogram),

@@ -29,6 +29,9 @@ pub struct KernelLayout {
     /// Byte offsets of `task_struct.signal` and `signal_struct.nr_threads`.
     pub signal_offset: u32,
     pub nr_threads_offset: u32,
+    /// Byte offset of `task_struct.thread.fsbase` (x86-64: the thread pointer, which is
+    /// what `pthread_self()` returns; CPython 3.10 names its threads by it).
+    pub fsbase_offset: u32,
 }
 
 fn btf_error(reason: String) -> LensError {
@@ -84,6 +87,8 @@ pub fn kernel_layout() -> Result<KernelLayout> {
         ),
         signal_offset: member_offset(&btf, "task_struct", "signal")?,
         nr_threads_offset: member_offset(&btf, "signal_struct", "nr_threads")?,
+        fsbase_offset: member_offset(&btf, "task_struct", "thread")?
+            + member_offset(&btf, "thread_struct", "fsbase")?,
     })
 }
 
@@ -102,6 +107,7 @@ pub fn configure<'a>(loader: &mut EbpfLoader<'a>, layout: &'a KernelLayout) {
         true,
     );
     loader.override_global(globals::TASK_SIGNAL_OFFSET, &layout.signal_offset, true);
+    loader.override_global(globals::TASK_FSBASE_OFFSET, &layout.fsbase_offset, true);
     loader.override_global(
         globals::SIGNAL_NR_THREADS_OFFSET,
         &layout.nr_threads_offset,

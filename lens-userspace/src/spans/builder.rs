@@ -377,7 +377,22 @@ impl<E: SpanExporter> SpanBuilder<E> {
         else {
             return;
         };
-        let Some(rule) = self.rules.native_rule(*rule) else {
+        // What the rule makes of the call: native rules read arguments; a Python
+        // rule's call carries its function's file.
+        let (index, group, name, attributes) = if let Some(rule) = self.rules.native_rule(*rule) {
+            let attributes = (!at_return).then(|| rule_attributes(rule, args, text.as_deref()));
+            (rule.index, rule.group, rule.name, attributes)
+        } else if let Some(rule) = self.rules.python_rule(*rule) {
+            let attributes = (!at_return).then(|| {
+                let mut attributes: Attributes =
+                    vec![(semconv::CODE_FUNCTION, rule.qualname.clone().into())];
+                if let Some(file) = text {
+                    attributes.push((semconv::CODE_FILEPATH, file.clone().into()));
+                }
+                attributes
+            });
+            (rule.index, rule.group, rule.name, attributes)
+        } else {
             return;
         };
         let Some(process) = self.processes.get_mut(tgid) else {
@@ -389,16 +404,16 @@ impl<E: SpanExporter> SpanBuilder<E> {
             .launches_mut()
             .record_mark(at, *launches, *epoch);
         let taken_over = matches!(
-            rule.group,
+            group,
             SpanGroup::Step
                 | SpanGroup::Evaluate
                 | SpanGroup::Checkpoint
                 | SpanGroup::LoadCheckpoint
         );
         if !at_return && taken_over {
-            process.ruled.insert(rule.group);
+            process.ruled.insert(group);
         }
-        let iteration = (!at_return && rule.group == SpanGroup::Step).then(|| {
+        let iteration = (!at_return && group == SpanGroup::Step).then(|| {
             process.rule_iteration += 1;
             process.rule_iteration - 1
         });
@@ -420,13 +435,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
             model_init: &mut process.model_init,
             ruled: &process.ruled,
         };
-        if *at_return {
-            thread.rule_return(&mut ctx, at, rule.index);
-        } else {
-            let attributes = rule_attributes(rule, args, text.as_deref());
-            thread.rule_enter(
-                &mut ctx, at, rule.index, rule.name, rule.group, attributes, iteration,
-            );
+        match attributes {
+            None => thread.rule_return(&mut ctx, at, index),
+            Some(attributes) => {
+                thread.rule_enter(&mut ctx, at, index, name, group, attributes, iteration)
+            }
         }
         if process.loop_thread.is_none() && thread.is_active() {
             process.loop_thread = Some(tid);
@@ -650,7 +663,9 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 ];
                 self.on_call(timing, names::NCCL_COMM_INIT, attributes, *result);
             }
+            // The session turns samples into rule calls first.
             ProbeEvent::Group { .. }
+            | ProbeEvent::PyStack { .. }
             | ProbeEvent::LinkMapChanged { .. }
             | ProbeEvent::ProcessForked { .. }
             | ProbeEvent::ProcessExec { .. }

@@ -1,0 +1,82 @@
+//! Code objects → (qualified name, file), read from the process's memory once per code
+//! object address.
+use std::{collections::HashMap, fs::File, os::unix::fs::FileExt, sync::Arc};
+
+use super::runtime::CodeLayout;
+
+/// What a code object says about its function.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CodeName {
+    /// `co_qualname` (3.11+), `co_name` on 3.10.
+    pub qualname: Arc<str>,
+    pub filename: Arc<str>,
+}
+
+/// Code objects this long are not read further (a name or path is not).
+const MAX_STRING_BYTES: u64 = 4096;
+
+/// Reads code objects of one process; remembers them by address (code objects live as
+/// long as their function, and a new one at the same address is rare enough that a
+/// process's cache is simply dropped when it ends).
+pub struct CodeReader {
+    mem: File,
+    layout: CodeLayout,
+    names: HashMap<u64, Option<CodeName>>,
+}
+
+impl CodeReader {
+    pub fn open(pid: u32, layout: CodeLayout) -> std::io::Result<CodeReader> {
+        Ok(CodeReader {
+            mem: File::open(format!("/proc/{pid}/mem"))?,
+            layout,
+            names: HashMap::new(),
+        })
+    }
+
+    /// The name of the code object at `code`, `None` if it cannot be read.
+    pub fn name(&mut self, code: u64) -> Option<&CodeName> {
+        if !self.names.contains_key(&code) {
+            let name = self.read(code);
+            self.names.insert(code, name);
+        }
+        self.names.get(&code).and_then(Option::as_ref)
+    }
+
+    fn read(&self, code: u64) -> Option<CodeName> {
+        if code == 0 {
+            return None;
+        }
+        let qualname = self.u64_at(code + self.layout.qualname)?;
+        let filename = self.u64_at(code + self.layout.filename)?;
+        Some(CodeName {
+            qualname: self.ascii(qualname)?.into(),
+            filename: self.ascii(filename)?.into(),
+        })
+    }
+
+    fn u64_at(&self, address: u64) -> Option<u64> {
+        let mut bytes = [0u8; 8];
+        self.mem.read_exact_at(&mut bytes, address).ok()?;
+        Some(u64::from_ne_bytes(bytes))
+    }
+
+    /// A compact ASCII `str` object's text (names and paths are; others are skipped).
+    fn ascii(&self, object: u64) -> Option<String> {
+        let length = self.u64_at(object + self.layout.str_length)?;
+        // Only the low byte: 3.12+ leave the padding after it uninitialised.
+        let mut state = [0u8; 1];
+        self.mem
+            .read_exact_at(&mut state, object + self.layout.str_state)
+            .ok()?;
+        if state[0] & self.layout.str_state_mask != self.layout.str_state_compact_ascii
+            || length > MAX_STRING_BYTES
+        {
+            return None;
+        }
+        let mut text = vec![0u8; length as usize];
+        self.mem
+            .read_exact_at(&mut text, object + self.layout.str_data)
+            .ok()?;
+        String::from_utf8(text).ok()
+    }
+}

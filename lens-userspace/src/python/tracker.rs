@@ -1,0 +1,357 @@
+//! Python stacks → rule spans. Each sample (sent when a thread's stack changed) is
+//! matched against the Python rules; a matched frame that appears opens its rule's span,
+//! one that is gone closes it, both at the sample's time. A frame is one call: its
+//! address, code object and first local slot (a new call of the same function at the
+//! same address nearly always holds another object there).
+use std::{
+    collections::{BTreeSet, HashMap, HashSet},
+    sync::Arc,
+};
+
+use lens_common::RULE_ARGS;
+
+use super::{
+    code::{CodeName, CodeReader},
+    runtime::CodeLayout,
+};
+use crate::{
+    config::PythonRule,
+    events::{ProbeEvent, PyFrame},
+};
+
+/// One open Python rule call on a thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct OpenCall {
+    rule: u32,
+    frame: PyFrame,
+}
+
+struct ProcessState {
+    reader: Option<CodeReader>,
+    /// The main script's path: the file of the outermost `<module>` frame of the main
+    /// thread (what `__main__` rules match).
+    main_script: Option<Arc<str>>,
+    threads: HashMap<u32, ThreadCalls>,
+}
+
+/// A sample whose matched calls differ from those taken: held until the next sample
+/// agrees. An asynchronous sample can catch a frame chain mid-update (a frame missing,
+/// or a stale one shown); a call is opened only when two samples in a row show it, and
+/// closed only when two in a row do not, at the first one's time.
+#[derive(Clone, Debug)]
+struct Tentative {
+    calls: Vec<OpenCall>,
+    at_ns: u64,
+    launches: u64,
+    epoch: u64,
+    /// The file of each call's function, for the spans it opens.
+    files: Vec<Option<String>>,
+}
+
+#[derive(Default)]
+struct ThreadCalls {
+    open: Vec<OpenCall>,
+    tentative: Option<Tentative>,
+}
+
+/// A tentative sample no later one contradicted after this long is taken (the stack has
+/// not changed since: the sampler sends only changes).
+const CONFIRM_AFTER_NS: u64 = 50_000_000;
+
+/// Turns samples into `RuleCall` events for the builder.
+pub struct PythonTracker {
+    rules: Vec<PythonRule>,
+    processes: HashMap<u32, ProcessState>,
+    /// Rules some traced thread called, and how many CPython processes were sampled.
+    matched: BTreeSet<u32>,
+    sampled_processes: u64,
+    /// Processes whose interpreter could not be read (warned about once).
+    refused: HashSet<u32>,
+}
+
+/// `module` is where `filename` is: `a.b.c` for `…/a/b/c.py` or `…/a/b/c/__init__.py`.
+fn module_matches(module: &str, filename: &str, main_script: Option<&str>) -> bool {
+    if module == "__main__" {
+        return main_script == Some(filename);
+    }
+    let path = module.replace('.', "/");
+    [format!("{path}.py"), format!("{path}/__init__.py")]
+        .iter()
+        .any(|tail| filename == tail || filename.ends_with(&format!("/{tail}")))
+}
+
+impl PythonTracker {
+    pub fn new(rules: Vec<PythonRule>) -> PythonTracker {
+        PythonTracker {
+            rules,
+            processes: HashMap::new(),
+            matched: BTreeSet::new(),
+            sampled_processes: 0,
+            refused: HashSet::new(),
+        }
+    }
+
+    /// `pid`'s interpreter cannot be read: true the first time (warn then).
+    pub fn refused(&mut self, pid: u32) -> bool {
+        self.refused.insert(pid)
+    }
+
+    /// Rules no sampled thread called, one warning line each.
+    pub fn unmatched(&self) -> Vec<String> {
+        let why = match self.sampled_processes {
+            0 => "no traced process runs a CPython lens-probe can read (3.10 to 3.13)".to_string(),
+            n => format!("no sampled call in {n} traced CPython process(es)"),
+        };
+        self.rules
+            .iter()
+            .filter(|rule| !self.matched.contains(&rule.index))
+            .map(|rule| {
+                format!(
+                    "{}: python = \"{}:{}\": {why}",
+                    rule.origin, rule.module, rule.qualname
+                )
+            })
+            .collect()
+    }
+
+    /// `pid` runs a CPython with this code layout: its samples can be read.
+    pub fn add_process(&mut self, pid: u32, layout: CodeLayout) {
+        let reader = match CodeReader::open(pid, layout) {
+            Ok(reader) => Some(reader),
+            Err(error) => {
+                log::warn!("pid {pid}: cannot read its Python code objects: {error}");
+                None
+            }
+        };
+        self.sampled_processes += 1;
+        self.processes.insert(
+            pid,
+            ProcessState {
+                reader,
+                main_script: None,
+                threads: HashMap::new(),
+            },
+        );
+    }
+
+    pub fn knows(&self, pid: u32) -> bool {
+        self.processes.contains_key(&pid)
+    }
+
+    /// `pid` ended: its open calls end with its job (the builder truncates them).
+    pub fn forget(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+    }
+
+    /// The rule calls a sample opens and closes: returns first (innermost first), then
+    /// entries (outermost first), all at the sample's time.
+    pub fn on_sample(&mut self, sample: &ProbeEvent) -> Vec<ProbeEvent> {
+        let ProbeEvent::PyStack {
+            tgid,
+            tid,
+            at_ns,
+            launches,
+            epoch,
+            frames,
+        } = sample
+        else {
+            return Vec::new();
+        };
+        let Some(process) = self.processes.get_mut(tgid) else {
+            return Vec::new();
+        };
+        let Some(reader) = process.reader.as_mut() else {
+            return Vec::new();
+        };
+        // Outermost first.
+        let names: Vec<(PyFrame, Option<CodeName>)> = frames
+            .iter()
+            .rev()
+            .map(|frame| (*frame, reader.name(frame.code).cloned()))
+            .collect();
+        if tid == tgid && process.main_script.is_none() {
+            process.main_script = names
+                .iter()
+                .find(|(_, name)| name.as_ref().is_some_and(|n| &*n.qualname == "<module>"))
+                .and_then(|(_, name)| name.as_ref().map(|n| n.filename.clone()));
+        }
+        let main_script = process.main_script.clone();
+        let now: Vec<OpenCall> = names
+            .iter()
+            .filter_map(|(frame, name)| {
+                let name = name.as_ref()?;
+                let rule = self.rules.iter().find(|rule| {
+                    *rule.qualname == *name.qualname
+                        && module_matches(&rule.module, &name.filename, main_script.as_deref())
+                })?;
+                Some(OpenCall {
+                    rule: rule.index,
+                    frame: *frame,
+                })
+            })
+            .collect();
+        let files: Vec<Option<String>> = now
+            .iter()
+            .map(|call| {
+                names
+                    .iter()
+                    .find(|(frame, _)| *frame == call.frame)
+                    .and_then(|(_, name)| name.as_ref().map(|n| n.filename.to_string()))
+            })
+            .collect();
+        let sample = Tentative {
+            calls: now,
+            at_ns: *at_ns,
+            launches: *launches,
+            epoch: *epoch,
+            files,
+        };
+        let thread = process.threads.entry(*tid).or_default();
+        let mut calls = Vec::new();
+        if let Some(tentative) = thread.tentative.take() {
+            // What both samples agree on: open calls either still shows stay; calls both
+            // show are opened.
+            let target: Vec<(OpenCall, Option<String>)> = thread
+                .open
+                .iter()
+                .filter(|call| tentative.calls.contains(call) || sample.calls.contains(call))
+                .map(|call| (*call, None))
+                .chain(
+                    tentative
+                        .calls
+                        .iter()
+                        .zip(&tentative.files)
+                        .filter(|(call, _)| {
+                            sample.calls.contains(call) && !thread.open.contains(call)
+                        })
+                        .map(|(call, file)| (*call, file.clone())),
+                )
+                .collect();
+            calls.extend(transition(
+                *tgid,
+                *tid,
+                &mut thread.open,
+                target,
+                &tentative,
+            ));
+        }
+        if sample.calls != thread.open {
+            thread.tentative = Some(sample);
+        }
+        for call in &calls {
+            if let ProbeEvent::RuleCall {
+                rule,
+                at_return: false,
+                ..
+            } = call
+            {
+                self.matched.insert(*rule);
+            }
+        }
+        calls
+    }
+
+    /// Tentative samples no later one contradicted by `now_ns` are taken (all of
+    /// `pid`'s, with `pid`: it ended).
+    pub fn confirm(&mut self, now_ns: u64, pid: Option<u32>) -> Vec<ProbeEvent> {
+        let mut calls = Vec::new();
+        for (tgid, process) in &mut self.processes {
+            if pid.is_some_and(|pid| pid != *tgid) {
+                continue;
+            }
+            for (tid, thread) in &mut process.threads {
+                let due = thread.tentative.as_ref().is_some_and(|tentative| {
+                    pid.is_some() || now_ns.saturating_sub(tentative.at_ns) >= CONFIRM_AFTER_NS
+                });
+                if due && let Some(tentative) = thread.tentative.take() {
+                    let target = tentative
+                        .calls
+                        .iter()
+                        .copied()
+                        .zip(tentative.files.iter().cloned())
+                        .collect();
+                    calls.extend(transition(
+                        *tgid,
+                        *tid,
+                        &mut thread.open,
+                        target,
+                        &tentative,
+                    ));
+                }
+            }
+            process
+                .threads
+                .retain(|_, thread| !thread.open.is_empty() || thread.tentative.is_some());
+        }
+        for call in &calls {
+            if let ProbeEvent::RuleCall {
+                rule,
+                at_return: false,
+                ..
+            } = call
+            {
+                self.matched.insert(*rule);
+            }
+        }
+        calls
+    }
+}
+
+/// From the calls `open` to `target` at `at`'s time: returns for those that ended
+/// (innermost first), then entries for the new ones (outermost first, with their file).
+fn transition(
+    tgid: u32,
+    tid: u32,
+    open: &mut Vec<OpenCall>,
+    target: Vec<(OpenCall, Option<String>)>,
+    at: &Tentative,
+) -> Vec<ProbeEvent> {
+    let kept = open
+        .iter()
+        .zip(&target)
+        .take_while(|(a, (b, _))| *a == b)
+        .count();
+    let event = |rule: u32, at_return: bool, text: Option<String>| ProbeEvent::RuleCall {
+        tgid,
+        tid,
+        at_ns: at.at_ns,
+        launches: at.launches,
+        epoch: at.epoch,
+        rule,
+        at_return,
+        args: [0; RULE_ARGS],
+        text,
+        ret: 0,
+    };
+    let mut calls: Vec<ProbeEvent> = open[kept..]
+        .iter()
+        .rev()
+        .map(|closed| event(closed.rule, true, None))
+        .collect();
+    calls.extend(
+        target[kept..]
+            .iter()
+            .map(|(opened, file)| event(opened.rule, false, file.clone())),
+    );
+    *open = target.into_iter().map(|(call, _)| call).collect();
+    calls
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modules_are_matched_by_the_file_path() {
+        let m = |module, file| module_matches(module, file, Some("/w/train.py"));
+        assert!(m(
+            "megatron.training.training",
+            "/src/megatron/training/training.py"
+        ));
+        assert!(m("megatron.training", "/src/megatron/training/__init__.py"));
+        assert!(!m("training", "/src/megatron/training/training_utils.py"));
+        assert!(m("train_loop", "train_loop.py"));
+        assert!(m("__main__", "/w/train.py"));
+        assert!(!m("__main__", "/w/other.py"));
+    }
+}

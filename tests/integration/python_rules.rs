@@ -1,0 +1,184 @@
+//! Python rules through the real sampler: a pure-Python training loop
+//! (tests/fixtures/python/train_loop.py) whose `train_step`, `evaluate` and
+//! `save_checkpoint` functions a config names, run on every CPython 3.10–3.13 pyenv has
+//! here and on Debian's python3.11. The spans must come out with the right counts,
+//! nesting, iterations and lengths (each end within a couple of sampling intervals).
+use std::{
+    ffi::OsString,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use lens_probe::{
+    config::ProbeRules,
+    groups::SpanGroups,
+    semconv,
+    session::{Session, TraceOptions},
+    spans::{AttrValue, SpanBuilder, SpanLog, names},
+};
+
+const STEPS: usize = 12;
+const EVAL_EVERY: usize = 4;
+
+const RULES: &str = r#"
+[[probe]]
+python = "train_lib:train_step"
+group = "step"
+
+[[probe]]
+python = "train_lib:evaluate"
+group = "evaluate"
+
+[[probe]]
+python = "train_lib:save_checkpoint"
+group = "checkpoint"
+
+[[probe]]
+python = "not_a_module:train"
+group = "step"
+"#;
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/python/train_loop.py")
+        .canonicalize()
+        .unwrap()
+}
+
+/// The interpreters to run on: pyenv's 3.10–3.13 and Debian's 3.11. Missing ones are a
+/// failure under CI (the machine has them), a skip elsewhere.
+fn interpreter(path: &str) -> Option<PathBuf> {
+    let path = PathBuf::from(path);
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{} is missing on this CI machine",
+        path.display()
+    );
+    eprintln!("skipped: no {}", path.display());
+    None
+}
+
+/// Traces `python train_loop.py STEPS EVAL_EVERY` with the rules; returns the spans and
+/// the warnings about rules never called.
+fn trace(python: &Path) -> (SpanLog, Vec<String>) {
+    let groups: SpanGroups = "all".parse().unwrap();
+    let rules = Arc::new(ProbeRules::parse(RULES).unwrap());
+    let mut session = Session::new(TraceOptions {
+        span_groups: groups.clone(),
+        kernel_logs: false,
+        overhead_budget: None,
+    })
+    .unwrap();
+    session.set_rules(rules.clone());
+    let argv: Vec<OsString> = vec![
+        python.as_os_str().to_owned(),
+        script().into_os_string(),
+        STEPS.to_string().into(),
+        EVAL_EVERY.to_string().into(),
+    ];
+    session.exec(&argv).unwrap();
+    let mut builder = SpanBuilder::new(groups, SpanLog::default()).with_rules(rules);
+    let report = session
+        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
+        .unwrap();
+    assert_eq!(
+        report.child_exit,
+        Some(lens_probe::target::ExitStatus::Exited(0))
+    );
+    (builder.into_exporter(), session.unmatched_python_rules())
+}
+
+/// One at a time: a sampler sees threads that run, and five interpreters with their
+/// sessions on two cores would make each wait.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn check(python: &str) {
+    let Some(python) = interpreter(python) else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (log, unmatched) = trace(&python);
+    let steps: Vec<_> = log.named(names::STEP).collect();
+    assert_eq!(
+        steps.len(),
+        STEPS,
+        "{}",
+        log.outline(&[semconv::DL_ITERATION])
+    );
+    for (i, step) in steps.iter().enumerate() {
+        assert_eq!(step.int_attr(semconv::DL_ITERATION), Some(i as i64));
+        assert_eq!(
+            step.attr(semconv::CODE_FUNCTION),
+            Some(&AttrValue::from("train_step"))
+        );
+        let Some(AttrValue::Str(file)) = step.attr(semconv::CODE_FILEPATH) else {
+            panic!("no file: {step:?}");
+        };
+        assert!(file.ends_with("train_lib.py"), "{file}");
+        // ~12 ms of CPU: each end late by at most a sampling interval or so.
+        let ms = step.duration_ns() as f64 / 1e6;
+        assert!((9.0..20.0).contains(&ms), "step {i}: {ms:.1} ms");
+    }
+    // Steps follow each other, evaluations between them, not inside.
+    let evaluations: Vec<_> = log.named(names::EVALUATE).collect();
+    assert_eq!(evaluations.len(), STEPS / EVAL_EVERY);
+    for evaluation in &evaluations {
+        assert!(
+            steps
+                .iter()
+                .all(|s| s.end_ns <= evaluation.start_ns || s.start_ns >= evaluation.end_ns),
+            "an evaluation overlaps a step"
+        );
+    }
+    assert_eq!(log.named(names::CHECKPOINT).count(), 1);
+    let job = log.named(names::JOB).next().unwrap();
+    for span in steps.iter().chain(&evaluations) {
+        assert_eq!(span.parent, Some(job.id), "{span:?}");
+    }
+    assert_eq!(unmatched.len(), 1, "{unmatched:?}");
+    assert!(unmatched[0].contains("not_a_module:train"), "{unmatched:?}");
+}
+
+#[test]
+fn python_3_10_functions_become_spans() {
+    if !lens_tests::require_bpf("python_3_10_functions_become_spans") {
+        return;
+    }
+    check("/root/.pyenv/versions/3.10.13/bin/python3.10");
+}
+
+#[test]
+fn python_3_11_functions_become_spans() {
+    if !lens_tests::require_bpf("python_3_11_functions_become_spans") {
+        return;
+    }
+    check("/root/.pyenv/versions/3.11.7/bin/python3.11");
+}
+
+#[test]
+fn python_3_12_functions_become_spans() {
+    if !lens_tests::require_bpf("python_3_12_functions_become_spans") {
+        return;
+    }
+    check("/root/.pyenv/versions/3.12.1/bin/python3.12");
+}
+
+#[test]
+fn python_3_13_functions_become_spans() {
+    if !lens_tests::require_bpf("python_3_13_functions_become_spans") {
+        return;
+    }
+    check("/root/.pyenv/versions/3.13.0/bin/python3.13");
+}
+
+#[test]
+fn debian_python_3_11_functions_become_spans() {
+    if !lens_tests::require_bpf("debian_python_3_11_functions_become_spans") {
+        return;
+    }
+    check("/usr/bin/python3.11");
+}
