@@ -497,8 +497,11 @@ pub struct InflightKey {
     pub _pad: u32,
 }
 
-/// Python frames read per sample, innermost first.
+/// Python frames kept per sample: the outermost of those walked.
 pub const PY_MAX_DEPTH: usize = 32;
+
+/// Python frames walked per sample, from the innermost.
+pub const PY_MAX_WALK: usize = 64;
 
 /// "No such field in this CPython version" in [`PyOffsets`].
 pub const PY_NO_FIELD: u32 = u32::MAX;
@@ -546,7 +549,8 @@ pub struct PyOffsets {
 pub struct PyStack {
     /// [`EventKind::PyStack`] as u32 (the same place as [`Event::kind`]).
     pub kind: u32,
-    /// Frames read (at most [`PY_MAX_DEPTH`]).
+    /// Frames walked (at most [`PY_MAX_WALK`]); frame `i` from the innermost is in slot
+    /// `i % PY_MAX_DEPTH`, so the last [`PY_MAX_DEPTH`] walked (the outermost) are kept.
     pub depth: u32,
     pub tgid: u32,
     pub tid: u32,
@@ -556,7 +560,7 @@ pub struct PyStack {
     /// mark's (a changed stack may start or end a span).
     pub launches: u64,
     pub epoch: u64,
-    /// Per frame: code object, frame address, first local slot.
+    /// Per frame slot: code object, frame address, first local slot.
     pub code: [u64; PY_MAX_DEPTH],
     pub frame: [u64; PY_MAX_DEPTH],
     pub first_local: [u64; PY_MAX_DEPTH],

@@ -13,8 +13,9 @@ use aya_log_ebpf::{debug, warn};
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::{
     CODE_RANGES, CallKey, CodeRanges, Event, EventKind, HandleKey, InflightKey, KernelKey,
-    LaunchTotals, LossCause, NCCL_UNIQUE_ID_WORDS, PY_MAX_DEPTH, PY_NO_FIELD, ProbeId, PyOffsets,
-    PyStack, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits, settings,
+    LaunchTotals, LossCause, NCCL_UNIQUE_ID_WORDS, PY_MAX_DEPTH, PY_MAX_WALK, PY_NO_FIELD, ProbeId,
+    PyOffsets, PyStack, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits,
+    settings,
 };
 
 #[map(name = "EVENTS")]
@@ -1034,28 +1035,43 @@ pub fn python_sample(_ctx: PerfEventContext) -> u32 {
         return 0;
     };
     let stack = entry.as_mut_ptr();
+    // Walk up to PY_MAX_WALK frames from the innermost, keeping the outermost
+    // PY_MAX_DEPTH in a ring (slot = frame number mod PY_MAX_DEPTH): the functions rules
+    // name (a step, an evaluation) sit near the bottom of a deep stack. One path through
+    // the loop (no per-frame branch but its end): the verifier walks each iteration.
     let mut depth = 0usize;
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    // One path through the loop (no per-frame branches but its end): the verifier walks
-    // every iteration. Shim frames of the C stack (3.12+) are sent too; their code names
-    // no rule's function.
-    for i in 0..PY_MAX_DEPTH {
+    for i in 0..PY_MAX_WALK {
         if frame == 0 {
             break;
         }
-        let code = read_user_u64(frame + offsets.frame_code as u64);
-        let local = read_user_u64(frame + offsets.frame_first_local as u64);
-        hash = (hash ^ code).wrapping_mul(0x100_0000_01b3);
-        hash = (hash ^ frame).wrapping_mul(0x100_0000_01b3);
-        hash = (hash ^ local).wrapping_mul(0x100_0000_01b3);
-        // SAFETY: `i` < PY_MAX_DEPTH: inside the reserved record.
+        let slot = i % PY_MAX_DEPTH;
+        // SAFETY: `slot` < PY_MAX_DEPTH: inside the reserved record.
         unsafe {
-            (*stack).code[i] = code;
-            (*stack).frame[i] = frame;
-            (*stack).first_local[i] = local;
+            (*stack).code[slot] = read_user_u64(frame + offsets.frame_code as u64);
+            (*stack).frame[slot] = frame;
+            (*stack).first_local[slot] = read_user_u64(frame + offsets.frame_first_local as u64);
         }
         depth = i + 1;
         frame = read_user_u64(frame + offsets.frame_previous as u64);
+    }
+    // The hash of the frames kept: a change deeper inside (a model's layers) is not a
+    // change to send.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for slot in 0..PY_MAX_DEPTH {
+        if slot >= depth {
+            break;
+        }
+        // SAFETY: as above; written by the walk.
+        let (code, frame, local) = unsafe {
+            (
+                (*stack).code[slot],
+                (*stack).frame[slot],
+                (*stack).first_local[slot],
+            )
+        };
+        hash = (hash ^ code).wrapping_mul(0x100_0000_01b3);
+        hash = (hash ^ frame).wrapping_mul(0x100_0000_01b3);
+        hash = (hash ^ local).wrapping_mul(0x100_0000_01b3);
     }
     // A new stack is sent twice, at its first sample and at the next (the user side
     // takes a change two samples agree on: one can catch the chain mid-update); then not
@@ -1082,6 +1098,8 @@ pub fn python_sample(_ctx: PerfEventContext) -> u32 {
         (*stack).launches = launches_so_far(pid_tgid);
         (*stack).epoch = next_epoch(pid_tgid);
     }
-    entry.submit(submit_flags());
+    // Delivered at once: the loader names the frames from the process's memory, which a
+    // process that exits soon after takes with it.
+    entry.submit(BPF_RB_FORCE_WAKEUP as u64);
     0
 }

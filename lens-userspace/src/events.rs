@@ -1,7 +1,7 @@
 //! Decoding: raw [`Event`] records from the ring buffer into typed [`ProbeEvent`]s, the
 //! stream every consumer (summary, span builder, exporters) reads.
 use lens_common::{
-    Event, EventKind, NONE_I32, PY_MAX_DEPTH, ProbeId, PyStack, RULE_ARGS, rule_index,
+    Event, EventKind, NONE_I32, PY_MAX_DEPTH, PY_MAX_WALK, ProbeId, PyStack, RULE_ARGS, rule_index,
 };
 use serde::Serialize;
 
@@ -399,18 +399,23 @@ pub fn decode(bytes: &[u8]) -> Result<ProbeEvent, DecodeError> {
 }
 
 pub fn decode_py_stack(raw: &PyStack) -> ProbeEvent {
-    let depth = (raw.depth as usize).min(PY_MAX_DEPTH);
+    // The frames kept, innermost first: the last PY_MAX_DEPTH walked, by slot.
+    let walked = (raw.depth as usize).min(PY_MAX_WALK);
+    let kept = walked.min(PY_MAX_DEPTH);
     ProbeEvent::PyStack {
         tgid: raw.tgid,
         tid: raw.tid,
         at_ns: raw.at_ns,
         launches: raw.launches,
         epoch: raw.epoch,
-        frames: (0..depth)
-            .map(|i| PyFrame {
-                code: raw.code[i],
-                frame: raw.frame[i],
-                first_local: raw.first_local[i],
+        frames: (walked - kept..walked)
+            .map(|i| {
+                let slot = i % PY_MAX_DEPTH;
+                PyFrame {
+                    code: raw.code[slot],
+                    frame: raw.frame[slot],
+                    first_local: raw.first_local[slot],
+                }
             })
             .collect(),
     }

@@ -564,9 +564,12 @@ proptest! {
             return Err(TestCaseError::fail("not a stack"));
         };
         prop_assert_eq!(tgid, raw.tgid);
-        prop_assert_eq!(frames.len(), (raw.depth as usize).min(lens_common::PY_MAX_DEPTH));
-        for (i, frame) in frames.iter().enumerate() {
-            prop_assert_eq!((frame.code, frame.frame), (raw.code[i], raw.frame[i]));
+        let walked = (raw.depth as usize).min(lens_common::PY_MAX_WALK);
+        prop_assert_eq!(frames.len(), walked.min(lens_common::PY_MAX_DEPTH));
+        // The outermost frame walked is the last one.
+        if let Some(last) = frames.last() {
+            let slot = (walked - 1) % lens_common::PY_MAX_DEPTH;
+            prop_assert_eq!((last.code, last.frame), (raw.code[slot], raw.frame[slot]));
         }
     }
 

@@ -15,7 +15,7 @@ use lens_probe::{
     groups::SpanGroups,
     semconv,
     session::{Session, TraceOptions},
-    spans::{AttrValue, SpanBuilder, SpanLog, names},
+    spans::{AttrValue, SpanBuilder, SpanLog, SpanRecord, names},
 };
 
 const STEPS: usize = 12;
@@ -62,9 +62,18 @@ fn interpreter(path: &str) -> Option<PathBuf> {
     None
 }
 
-/// Traces `python train_loop.py STEPS EVAL_EVERY` with the rules; returns the spans and
-/// the warnings about rules never called.
-fn trace(python: &Path) -> (SpanLog, Vec<String>) {
+/// One call as the fixture timed it: (function, start, end), `CLOCK_MONOTONIC` ns.
+type Truth = (String, u64, u64);
+
+/// Traces `python train_loop.py STEPS EVAL_EVERY` with the rules; returns the spans, the
+/// warnings about rules never called, and the calls as the fixture timed them.
+fn trace(python: &Path) -> (SpanLog, Vec<String>, Vec<Truth>) {
+    let truth_path = std::env::temp_dir().join(format!(
+        "lens-python-truth-{}-{}",
+        std::process::id(),
+        python.file_name().unwrap().to_string_lossy()
+    ));
+    let _ = std::fs::remove_file(&truth_path);
     let groups: SpanGroups = "all".parse().unwrap();
     let rules = Arc::new(ProbeRules::parse(RULES).unwrap());
     let mut session = Session::new(TraceOptions {
@@ -75,6 +84,8 @@ fn trace(python: &Path) -> (SpanLog, Vec<String>) {
     .unwrap();
     session.set_rules(rules.clone());
     let argv: Vec<OsString> = vec![
+        "env".into(),
+        format!("TRAIN_TRUTH={}", truth_path.display()).into(),
         python.as_os_str().to_owned(),
         script().into_os_string(),
         STEPS.to_string().into(),
@@ -89,7 +100,43 @@ fn trace(python: &Path) -> (SpanLog, Vec<String>) {
         report.child_exit,
         Some(lens_probe::target::ExitStatus::Exited(0))
     );
-    (builder.into_exporter(), session.unmatched_python_rules())
+    let truth = std::fs::read_to_string(&truth_path)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let fields: Vec<&str> = line.split(' ').collect();
+            (
+                fields[0].to_string(),
+                fields[1].parse().unwrap(),
+                fields[2].parse().unwrap(),
+            )
+        })
+        .collect();
+    let _ = std::fs::remove_file(&truth_path);
+    (
+        builder.into_exporter(),
+        session.unmatched_python_rules(),
+        truth,
+    )
+}
+
+/// Each span's ends are within 3 ms of the call's (the sampling interval is 1 ms of the
+/// thread's running time; the rest is scheduling: a thread that does not run is not
+/// sampled).
+fn assert_matches_truth(kind: &str, spans: &[&SpanRecord], truth: &[Truth]) {
+    let calls: Vec<&Truth> = truth.iter().filter(|(name, _, _)| name == kind).collect();
+    assert_eq!(spans.len(), calls.len(), "{kind}");
+    for (span, (_, start, end)) in spans.iter().zip(calls) {
+        let off_ms = |a: u64, b: u64| (a as f64 - b as f64).abs() / 1e6;
+        assert!(
+            off_ms(span.start_ns, *start) <= 3.0 && off_ms(span.end_ns, *end) <= 3.0,
+            "{kind}: span {}..{} vs call {start}..{end} ({:.2} ms, {:.2} ms off)",
+            span.start_ns,
+            span.end_ns,
+            off_ms(span.start_ns, *start),
+            off_ms(span.end_ns, *end)
+        );
+    }
 }
 
 /// One at a time: a sampler sees threads that run, and five interpreters with their
@@ -101,7 +148,7 @@ fn check(python: &str) {
         return;
     };
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (log, unmatched) = trace(&python);
+    let (log, unmatched, truth) = trace(&python);
     let steps: Vec<_> = log.named(names::STEP).collect();
     assert_eq!(
         steps.len(),
@@ -119,10 +166,8 @@ fn check(python: &str) {
             panic!("no file: {step:?}");
         };
         assert!(file.ends_with("train_lib.py"), "{file}");
-        // ~12 ms of CPU: each end late by at most a sampling interval or so.
-        let ms = step.duration_ns() as f64 / 1e6;
-        assert!((9.0..20.0).contains(&ms), "step {i}: {ms:.1} ms");
     }
+    assert_matches_truth("train_step", &steps, &truth);
     // Steps follow each other, evaluations between them, not inside.
     let evaluations: Vec<_> = log.named(names::EVALUATE).collect();
     assert_eq!(evaluations.len(), STEPS / EVAL_EVERY);
@@ -134,7 +179,10 @@ fn check(python: &str) {
             "an evaluation overlaps a step"
         );
     }
-    assert_eq!(log.named(names::CHECKPOINT).count(), 1);
+    assert_matches_truth("evaluate", &evaluations, &truth);
+    let checkpoints: Vec<_> = log.named(names::CHECKPOINT).collect();
+    assert_matches_truth("save_checkpoint", &checkpoints, &truth);
+    assert_eq!(checkpoints.len(), 1);
     let job = log.named(names::JOB).next().unwrap();
     for span in steps.iter().chain(&evaluations) {
         assert_eq!(span.parent, Some(job.id), "{span:?}");

@@ -16,11 +16,12 @@ commands:
   bench [--quick] [--rounds N] [--only BLOCK,...]
                         measure lens-probe's overhead (per-hit cost vs bpftrace, overall and
                         per probe kind, slowdown per preset on the fake trainer and on
-                        PyTorch, attach time, CPU and RSS, event throughput), variants
-                        interleaved, N rounds (default 5), medians; prints one markdown table
-                        and writes it into docs/performance.md. Needs root. --quick: 1 round,
-                        smaller loops, docs left as they are. --only: these blocks only
-                        (trainer, per-kind, torch, attach, throughput, budget), docs left as they are
+                        PyTorch, attach time, CPU and RSS, event throughput, the Python
+                        sampler), variants interleaved, N rounds (default 5), medians; prints
+                        one markdown table and writes it into docs/performance.md. Needs root.
+                        --quick: 1 round, smaller loops, docs left as they are. --only: these
+                        blocks only (trainer, per-kind, torch, attach, throughput, budget,
+                        python), docs left as they are
   help                  print this help";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

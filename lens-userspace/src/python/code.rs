@@ -15,13 +15,19 @@ pub struct CodeName {
 /// Code objects this long are not read further (a name or path is not).
 const MAX_STRING_BYTES: u64 = 4096;
 
-/// Reads code objects of one process; remembers them by address (code objects live as
-/// long as their function, and a new one at the same address is rare enough that a
-/// process's cache is simply dropped when it ends).
+/// Names remembered per process before the memo starts over.
+const MAX_NAMES: usize = 65_536;
+
+/// Reads code objects of one process. A code object's address alone does not name it:
+/// start-up and imports free code objects (a module's body, once run) and a later one
+/// takes the address. So the two `str` pointers are read every time (one small read) and
+/// the names are remembered under (code, qualname, filename) pointers. One that cannot be
+/// read yet (a sample during an import can show an object still being built) is tried
+/// again.
 pub struct CodeReader {
     mem: File,
     layout: CodeLayout,
-    names: HashMap<u64, Option<CodeName>>,
+    names: HashMap<(u64, u64, u64), CodeName>,
 }
 
 impl CodeReader {
@@ -35,23 +41,25 @@ impl CodeReader {
 
     /// The name of the code object at `code`, `None` if it cannot be read.
     pub fn name(&mut self, code: u64) -> Option<&CodeName> {
-        if !self.names.contains_key(&code) {
-            let name = self.read(code);
-            self.names.insert(code, name);
-        }
-        self.names.get(&code).and_then(Option::as_ref)
-    }
-
-    fn read(&self, code: u64) -> Option<CodeName> {
         if code == 0 {
             return None;
         }
-        let qualname = self.u64_at(code + self.layout.qualname)?;
-        let filename = self.u64_at(code + self.layout.filename)?;
-        Some(CodeName {
-            qualname: self.ascii(qualname)?.into(),
-            filename: self.ascii(filename)?.into(),
-        })
+        let key = (
+            code,
+            self.u64_at(code + self.layout.qualname)?,
+            self.u64_at(code + self.layout.filename)?,
+        );
+        if !self.names.contains_key(&key) {
+            let name = CodeName {
+                qualname: self.ascii(key.1)?.into(),
+                filename: self.ascii(key.2)?.into(),
+            };
+            if self.names.len() >= MAX_NAMES {
+                self.names.clear();
+            }
+            self.names.insert(key, name);
+        }
+        self.names.get(&key)
     }
 
     fn u64_at(&self, address: u64) -> Option<u64> {

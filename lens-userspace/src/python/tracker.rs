@@ -206,6 +206,14 @@ impl PythonTracker {
             epoch: *epoch,
             files,
         };
+        log::debug!(
+            "[{tgid}:{tid}] Python sample at {at_ns}: {:?}, rules {:?}",
+            names
+                .iter()
+                .map(|(_, name)| name.as_ref().map_or("?", |n| &*n.qualname))
+                .collect::<Vec<_>>(),
+            sample.calls.iter().map(|c| c.rule).collect::<Vec<_>>()
+        );
         let thread = process.threads.entry(*tid).or_default();
         let mut calls = Vec::new();
         if let Some(tentative) = thread.tentative.take() {

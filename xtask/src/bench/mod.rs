@@ -15,7 +15,8 @@
 //!    and memory during the `per_step` runs;
 //! 4. `--pid` attach to a running PyTorch process;
 //! 5. the user side's event throughput ([`throughput`]): a kernel-side generator feeds
-//!    the ring buffer, decoder and span builder at increasing rates.
+//!    the ring buffer, decoder and span builder at increasing rates;
+//! 6. the Python stack sampler ([`python`]) on a pure-Python loop.
 //!
 //! `--only` runs some of them (then docs/performance.md is left as it is).
 
@@ -23,6 +24,7 @@ mod budget;
 mod json;
 mod per_kind;
 mod proc;
+mod python;
 mod report;
 mod throughput;
 
@@ -64,16 +66,19 @@ pub enum Block {
     Throughput,
     /// `--overhead-budget` on a launch-heavy loop (2c).
     Budget,
+    /// The Python stack sampler on a pure-Python loop (6).
+    Python,
 }
 
 impl Block {
-    pub const ALL: [Block; 6] = [
+    pub const ALL: [Block; 7] = [
         Block::Trainer,
         Block::PerKind,
         Block::Torch,
         Block::Attach,
         Block::Throughput,
         Block::Budget,
+        Block::Python,
     ];
 
     pub fn name(self) -> &'static str {
@@ -84,6 +89,7 @@ impl Block {
             Block::Attach => "attach",
             Block::Throughput => "throughput",
             Block::Budget => "budget",
+            Block::Python => "python",
         }
     }
 }
@@ -372,6 +378,10 @@ pub fn run(opts: Options) -> Result<(), String> {
         true => Some(budget::block(&ctx, &mut watch, opts.quick)?),
         false => None,
     };
+    let python_sampler = match wanted(Block::Python) {
+        true => Some(python::block(&ctx, &mut watch, opts.quick)?),
+        false => None,
+    };
     watch.check();
     let load_end = loadavg();
 
@@ -383,6 +393,7 @@ pub fn run(opts: Options) -> Result<(), String> {
         attach,
         throughput,
         budget,
+        python_sampler,
     };
     let table = report::table(&sections(&ctx, &results));
     let notes = notes(&ctx, &results, &watch, slack);
@@ -1261,6 +1272,7 @@ struct Results {
     attach: Option<Vec<AttachRun>>,
     throughput: Option<throughput::ThroughputBlock>,
     budget: Option<budget::BudgetBlock>,
+    python_sampler: Option<python::PythonBlock>,
 }
 
 /// The table's sections, in order, for the blocks that ran.
@@ -1279,6 +1291,9 @@ fn sections(ctx: &Ctx, r: &Results) -> Vec<Section> {
     }
     if let Some(budget) = &r.budget {
         out.push(budget.section());
+    }
+    if let Some(python) = &r.python_sampler {
+        out.push(python.section());
     }
     if r.blocks.contains(Block::Attach) {
         out.push(attach_section(ctx, attach));
@@ -1680,6 +1695,9 @@ fn notes(ctx: &Ctx, r: &Results, watch: &Watch, slack: bool) -> String {
     }
     if let Some(budget) = &r.budget {
         n.push_str(&budget.notes());
+    }
+    if let Some(python) = &r.python_sampler {
+        n.push_str(&python.notes());
     }
     if let Some(per_kind) = &r.per_kind {
         n.push_str(&per_kind.notes());
