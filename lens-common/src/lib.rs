@@ -375,6 +375,10 @@ pub struct Event {
     /// Entry time of the last `cudaEventQuery` that found the event not ready yet
     /// (`CudaEvent` queries; 0 when none did): the collective had not completed then.
     pub not_ready_ns: u64,
+    /// The code object of the Python function the calling thread was running
+    /// (collectives and sync waits of a sampled CPython process; 0 otherwise): which
+    /// Python function issued the call.
+    pub python_caller: u64,
     /// The process's phase epoch this mark opens (PhaseMark events): every phase mark
     /// adds one, and each kernel launch is counted under the epoch it ran in
     /// ([`KernelKey`]), so launches per kernel per span need no event per launch.
@@ -421,6 +425,7 @@ impl Event {
             comm_id_hash: 0,
             stream: 0,
             not_ready_ns: 0,
+            python_caller: 0,
             epoch: 0,
             launches: 0,
             args: [0; RULE_ARGS],

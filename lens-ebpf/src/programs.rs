@@ -511,6 +511,7 @@ pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
         handle: event.handle,
     };
     let _ = COLLECTIVE_STREAMS.insert(&stream, &1, 0);
+    event.python_caller = python_caller(pid_tgid);
     remember_entry(&ctx, pid_tgid, &event);
     0
 }
@@ -648,6 +649,7 @@ pub fn cuda_sync_entry(ctx: ProbeContext) -> u32 {
     if event.probe != ProbeId::CudaDeviceSynchronize as u32 {
         event.handle = arg_u64(&ctx, 0);
     }
+    event.python_caller = python_caller(pid_tgid);
     remember_entry(&ctx, pid_tgid, &event);
     0
 }
@@ -1008,6 +1010,29 @@ fn python_thread_state(offsets: &PyOffsets, tid: u32) -> u64 {
         walked += 1;
     }
     0
+}
+
+/// The code object of the innermost Python frame of the calling thread, in a sampled
+/// CPython process (0 otherwise, or when the thread runs no Python).
+#[inline(always)]
+fn python_caller(pid_tgid: u64) -> u64 {
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: copied out before the map can change under us.
+    let Some(offsets) = (unsafe { PY_TARGETS.get(&tgid) }).copied() else {
+        return 0;
+    };
+    let state = python_thread_state(&offsets, pid_tgid as u32);
+    if state == 0 {
+        return 0;
+    }
+    let mut frame = read_user_u64(state + offsets.tstate_frame as u64);
+    if offsets.cframe_current_frame != PY_NO_FIELD && frame != 0 {
+        frame = read_user_u64(frame + offsets.cframe_current_frame as u64);
+    }
+    if frame == 0 {
+        return 0;
+    }
+    read_user_u64(frame + offsets.frame_code as u64)
 }
 
 /// Samples traced Python threads on the CPU clock (every CPU, ~1 ms): reads the thread's

@@ -209,6 +209,9 @@ pub enum ProbeEvent {
         comm: u64,
         stream: u64,
         result: i32,
+        /// The code object of the Python function that made the call (sampled CPython
+        /// processes; 0 when unknown).
+        python_caller: u64,
     },
     SyncWait {
         #[serde(flatten)]
@@ -217,6 +220,17 @@ pub enum ProbeEvent {
         /// The stream or event waited on (0 for device-wide).
         handle: u64,
         result: i32,
+        /// As for collectives.
+        python_caller: u64,
+    },
+    /// The Python function that made the native call of `tid` that started at `at_ns`
+    /// (the session names a collective's or sync's `python_caller` just before it).
+    PythonCaller {
+        tgid: u32,
+        tid: u32,
+        at_ns: u64,
+        function: String,
+        file: String,
     },
     CommInit {
         #[serde(flatten)]
@@ -334,7 +348,8 @@ impl ProbeEvent {
             | ProbeEvent::ProcessExec { tgid, .. }
             | ProbeEvent::ProcessExit { tgid, .. }
             | ProbeEvent::RuleCall { tgid, .. }
-            | ProbeEvent::PyStack { tgid, .. } => *tgid,
+            | ProbeEvent::PyStack { tgid, .. }
+            | ProbeEvent::PythonCaller { tgid, .. } => *tgid,
             ProbeEvent::ProcessForked { child, .. } => *child,
         }
     }
@@ -490,12 +505,14 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
             comm: raw.comm,
             stream: raw.handle,
             result,
+            python_caller: raw.python_caller,
         },
         EventKind::SyncWait => ProbeEvent::SyncWait {
             timing,
             kind: SyncKind::from_probe(probe).ok_or(DecodeError::UnknownProbe(raw.probe))?,
             handle: raw.handle,
             result,
+            python_caller: raw.python_caller,
         },
         EventKind::CommInit => ProbeEvent::CommInit {
             timing,

@@ -394,6 +394,38 @@ impl Session {
         }
     }
 
+    /// The Python function that made a collective or sync call, named, for the sinks to
+    /// see just before the call.
+    fn python_caller(&mut self, event: &ProbeEvent) -> Option<ProbeEvent> {
+        let (ProbeEvent::Collective {
+            timing,
+            python_caller,
+            ..
+        }
+        | ProbeEvent::SyncWait {
+            timing,
+            python_caller,
+            ..
+        }) = event
+        else {
+            return None;
+        };
+        if *python_caller == 0 {
+            return None;
+        }
+        let (function, file) = self
+            .python
+            .as_mut()?
+            .name_code(timing.tgid, *python_caller)?;
+        Some(ProbeEvent::PythonCaller {
+            tgid: timing.tgid,
+            tid: timing.tid,
+            at_ns: timing.start_ns,
+            function,
+            file,
+        })
+    }
+
     /// Python rules that no traced process called, one line each (after a run).
     pub fn unmatched_python_rules(&self) -> Vec<String> {
         self.python
@@ -877,7 +909,12 @@ impl Session {
                             }
                         }
                     }
-                    Ok(event) => sink.on_event(&event),
+                    Ok(event) => {
+                        if let Some(caller) = self.python_caller(&event) {
+                            sink.on_event(&caller);
+                        }
+                        sink.on_event(&event);
+                    }
                     Err(error) => {
                         self.undecodable += 1;
                         warn!("undecodable event: {error:?}");

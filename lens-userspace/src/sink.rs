@@ -177,6 +177,7 @@ fn describe(event: &ProbeEvent) -> String {
             comm,
             stream,
             result,
+            ..
         } => {
             let dtype =
                 datatype.map_or_else(|| format!("dtype({raw_datatype})"), |d| d.name().into());
@@ -205,6 +206,7 @@ fn describe(event: &ProbeEvent) -> String {
             kind,
             handle,
             result,
+            ..
         } => format!(
             "[{}:{}] {} handle={handle:#x} ret={result} wait={:.1}us",
             timing.tgid,
@@ -281,6 +283,13 @@ fn describe(event: &ProbeEvent) -> String {
                 us(timing.end_ns.saturating_sub(at))
             ))
         ),
+        ProbeEvent::PythonCaller {
+            tgid,
+            tid,
+            function,
+            file,
+            ..
+        } => format!("[{tgid}:{tid}] called from Python {function} ({file})"),
         ProbeEvent::PyStack {
             tgid, tid, frames, ..
         } => format!(

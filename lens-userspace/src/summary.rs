@@ -193,6 +193,7 @@ impl EventSink for Summary {
             | ProbeEvent::EventRecorded { .. }
             | ProbeEvent::EventQueryComplete { .. }
             | ProbeEvent::PyStack { .. }
+            | ProbeEvent::PythonCaller { .. }
             | ProbeEvent::Phase { .. }
             | ProbeEvent::LinkMapChanged { .. }
             | ProbeEvent::ProcessForked { .. }
@@ -448,12 +449,14 @@ mod tests {
                 comm: 1,
                 stream: 2,
                 result: 0,
+                python_caller: 0,
             });
             summary.on_event(&ProbeEvent::SyncWait {
                 timing: timing(0, step * 10_000_000),
                 kind: SyncKind::Stream,
                 handle: 2,
                 result: 0,
+                python_caller: 0,
             });
         }
         let process = &summary.processes[&7];

@@ -297,6 +297,7 @@ fn assert_key_fields(raw: &Event, event: &ProbeEvent) -> Result<(), TestCaseErro
             comm,
             stream,
             result: r,
+            python_caller,
             ..
         } => {
             prop_assert_eq!(kind, Some(EventKind::Collective));
@@ -305,14 +306,18 @@ fn assert_key_fields(raw: &Event, event: &ProbeEvent) -> Result<(), TestCaseErro
                 (*count, *raw_datatype, *comm, *stream, *r),
                 (raw.count, raw.datatype, raw.comm, raw.handle, result)
             );
+            prop_assert_eq!(*python_caller, raw.python_caller);
             prop_assert_eq!(*peer, (raw.peer != NONE_I32).then_some(raw.peer));
         }
         ProbeEvent::GlooCall { timing, .. } => {
             prop_assert_eq!(kind, Some(EventKind::Collective));
             prop_assert!(timing_matches(timing));
         }
-        ProbeEvent::PyStack { .. } => {
-            prop_assert!(false, "an event-sized record decoded as a Python stack");
+        ProbeEvent::PyStack { .. } | ProbeEvent::PythonCaller { .. } => {
+            prop_assert!(
+                false,
+                "the decoder made a Python stack or caller of an event"
+            );
         }
         ProbeEvent::EventRecorded {
             timing,

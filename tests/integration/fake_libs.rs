@@ -252,9 +252,11 @@ fn exec_trainer_every_call_counted_with_exact_arguments() {
                     kind: k,
                     handle: h,
                     result,
+                    python_caller,
                 } if *k == kind => {
                     assert_eq!(*h, handle, "{kind:?}");
                     assert_eq!(*result, 0);
+                    assert_eq!(*python_caller, 0, "not a Python process");
                     Some(timing.duration_ns())
                 }
                 _ => None,

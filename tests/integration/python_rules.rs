@@ -230,3 +230,60 @@ fn debian_python_3_11_functions_become_spans() {
     }
     check("/usr/bin/python3.11");
 }
+
+/// Collective and sync spans of a Python process name the Python function that made the
+/// call (`code.function`, `code.filepath`).
+#[test]
+fn native_calls_name_the_python_function_that_made_them() {
+    if !lens_tests::require_bpf("native_calls_name_the_python_function_that_made_them") {
+        return;
+    }
+    let Some(python) = interpreter("/root/.pyenv/versions/3.11.7/bin/python3.11") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    const CALLS: usize = 5;
+    let groups: SpanGroups = "all".parse().unwrap();
+    let rules = Arc::new(
+        ProbeRules::parse("[[probe]]\npython = \"__main__:train_step\"\ngroup = \"step\"\n")
+            .unwrap(),
+    );
+    let mut session = Session::new(TraceOptions {
+        span_groups: groups.clone(),
+        kernel_logs: false,
+        overhead_budget: None,
+    })
+    .unwrap();
+    session.set_rules(rules.clone());
+    let script = script().with_file_name("native_calls.py");
+    let argv: Vec<OsString> = vec![
+        python.into_os_string(),
+        script.clone().into_os_string(),
+        lens_tests::fake_lib_dir().into_os_string(),
+        CALLS.to_string().into(),
+    ];
+    session.exec(&argv).unwrap();
+    // With LENS_FAKE_SYNC_MS unset the fake sync sleeps 5 ms (a quarter of 20).
+    let mut builder = SpanBuilder::new(groups, SpanLog::default()).with_rules(rules);
+    session
+        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
+        .unwrap();
+    let log = builder.into_exporter();
+    let file = AttrValue::from(script.to_string_lossy().into_owned());
+    for (name, function) in [
+        ("nccl.all_reduce", "reduce_gradients"),
+        ("cuda.device_synchronize", "wait_for_gpu"),
+    ] {
+        let spans: Vec<_> = log.named(name).collect();
+        assert_eq!(spans.len(), CALLS, "{name}");
+        for span in spans {
+            assert_eq!(
+                span.attr(semconv::CODE_FUNCTION),
+                Some(&AttrValue::from(function)),
+                "{span:?}"
+            );
+            assert_eq!(span.attr(semconv::CODE_FILEPATH), Some(&file));
+        }
+    }
+    assert_eq!(log.named(names::STEP).count(), CALLS);
+}

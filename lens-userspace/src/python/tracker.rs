@@ -28,8 +28,8 @@ struct OpenCall {
 
 struct ProcessState {
     reader: Option<CodeReader>,
-    /// The main script's path: the file of the outermost `<module>` frame of the main
-    /// thread (what `__main__` rules match).
+    /// The main script's path: the file of the main thread's outermost frame when it is
+    /// a module body (what `__main__` rules match).
     main_script: Option<Arc<str>>,
     threads: HashMap<u32, ThreadCalls>,
 }
@@ -134,6 +134,13 @@ impl PythonTracker {
         );
     }
 
+    /// (qualified name, file) of code object `code` in `pid`, if it can be read.
+    pub fn name_code(&mut self, pid: u32, code: u64) -> Option<(String, String)> {
+        let reader = self.processes.get_mut(&pid)?.reader.as_mut()?;
+        let name = reader.name(code)?;
+        Some((name.qualname.to_string(), name.filename.to_string()))
+    }
+
     pub fn knows(&self, pid: u32) -> bool {
         self.processes.contains_key(&pid)
     }
@@ -169,11 +176,13 @@ impl PythonTracker {
             .rev()
             .map(|frame| (*frame, reader.name(frame.code).cloned()))
             .collect();
-        if tid == tgid && process.main_script.is_none() {
-            process.main_script = names
-                .iter()
-                .find(|(_, name)| name.as_ref().is_some_and(|n| &*n.qualname == "<module>"))
-                .and_then(|(_, name)| name.as_ref().map(|n| n.filename.clone()));
+        // The main thread's outermost frame is the script's body once it runs (during
+        // start-up it is `site`'s or an import's: followed, not kept).
+        if tid == tgid
+            && let Some((_, Some(outermost))) = names.first()
+            && &*outermost.qualname == "<module>"
+        {
+            process.main_script = Some(outermost.filename.clone());
         }
         let main_script = process.main_script.clone();
         let now: Vec<OpenCall> = names

@@ -93,6 +93,9 @@ pub struct SpanBuilder<E: SpanExporter> {
     processes: HashMap<u32, ProcessSpans>,
     /// Collective spans held until their completion and the other ranks are known.
     collectives: Collectives,
+    /// Per thread, the Python function that made its next native call: (the call's
+    /// start, function, file).
+    python_callers: HashMap<(u32, u32), (u64, String, String)>,
     exporter: E,
 }
 
@@ -104,6 +107,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             ids: IdSource::new(),
             processes: HashMap::new(),
             collectives: Collectives::default(),
+            python_callers: HashMap::new(),
             exporter,
         }
     }
@@ -128,6 +132,18 @@ impl<E: SpanExporter> SpanBuilder<E> {
     ) -> &std::collections::BTreeMap<crate::events::CollectiveOp, super::stragglers::OpStragglers>
     {
         self.collectives.stragglers()
+    }
+
+    /// `code.function` and `code.filepath` of the Python function that made the call
+    /// `timing` describes, when the session named it.
+    fn python_caller_of(&mut self, timing: &CallTiming) -> Attributes {
+        match self.python_callers.remove(&(timing.tgid, timing.tid)) {
+            Some((at_ns, function, file)) if at_ns == timing.start_ns => vec![
+                (semconv::CODE_FUNCTION, function.into()),
+                (semconv::CODE_FILEPATH, file.into()),
+            ],
+            _ => Attributes::new(),
+        }
     }
 
     /// Sends spans the collective tracker released, each through its process (held
@@ -542,6 +558,7 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 comm,
                 stream,
                 result,
+                ..
             } => {
                 let mut attributes: Attributes = vec![
                     (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
@@ -576,6 +593,7 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                     attributes.push((semconv::DL_RANK, c.rank.into()));
                     attributes.push((semconv::DL_WORLD_SIZE, c.nranks.into()));
                 }
+                attributes.extend(self.python_caller_of(timing));
                 let Some(record) = self.call_record(timing, op.span_name(), attributes, *result)
                 else {
                     return;
@@ -600,8 +618,10 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 kind,
                 handle,
                 result,
+                ..
             } => {
-                let attributes = vec![(semconv::CUDA_SYNC_KIND, kind.name().into())];
+                let mut attributes = vec![(semconv::CUDA_SYNC_KIND, kind.name().into())];
+                attributes.extend(self.python_caller_of(timing));
                 self.on_call(timing, kind.span_name(), attributes, *result);
                 if *result == 0 {
                     let released =
@@ -664,6 +684,16 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 self.on_call(timing, names::NCCL_COMM_INIT, attributes, *result);
             }
             // The session turns samples into rule calls first.
+            ProbeEvent::PythonCaller {
+                tgid,
+                tid,
+                at_ns,
+                function,
+                file,
+            } => {
+                self.python_callers
+                    .insert((*tgid, *tid), (*at_ns, function.clone(), file.clone()));
+            }
             ProbeEvent::Group { .. }
             | ProbeEvent::PyStack { .. }
             | ProbeEvent::LinkMapChanged { .. }

@@ -141,6 +141,7 @@ impl Run {
             comm: 0xC0FFEE00,
             stream: 0,
             result: 0,
+            python_caller: 0,
         });
         self
     }
@@ -525,4 +526,45 @@ fn a_call_after_the_optimizer_returned_is_between_steps() {
     let call = log.named("nccl.all_reduce").next().unwrap();
     assert_eq!(call.parent, Some(job.id), "{}", log.outline(&[]));
     assert!(log.misnested().is_empty(), "{:#?}", log.misnested());
+}
+
+#[test]
+fn a_call_named_by_its_python_caller_carries_the_function_and_file() {
+    let mut run = Run::new("per_step", true);
+    run.step(1);
+    let at = run.now + 1_000_000;
+    run.builder.on_event(&ProbeEvent::PythonCaller {
+        tgid: PID,
+        tid: PID,
+        at_ns: at,
+        function: "Trainer.reduce_gradients".into(),
+        file: "/src/trainer.py".into(),
+    });
+    let sync = |start_ns: u64| ProbeEvent::SyncWait {
+        timing: CallTiming {
+            tgid: PID,
+            tid: PID,
+            start_ns,
+            end_ns: start_ns + 500,
+        },
+        kind: crate::events::SyncKind::Device,
+        handle: 0,
+        result: 0,
+        python_caller: 1,
+    };
+    run.builder.on_event(&sync(at));
+    // The next call of the thread has no caller of its own: none carried over.
+    run.builder.on_event(&sync(at + 2_000_000));
+    let log = run.end(5, Some(ExitStatus::Exited(0)));
+    let syncs: Vec<_> = log.named("cuda.device_synchronize").collect();
+    assert_eq!(syncs.len(), 2);
+    assert_eq!(
+        syncs[0].attr(semconv::CODE_FUNCTION),
+        Some(&AttrValue::from("Trainer.reduce_gradients"))
+    );
+    assert_eq!(
+        syncs[0].attr(semconv::CODE_FILEPATH),
+        Some(&AttrValue::from("/src/trainer.py"))
+    );
+    assert_eq!(syncs[1].attr(semconv::CODE_FUNCTION), None);
 }
