@@ -268,6 +268,7 @@ fn a_late_rank_is_named_with_its_lateness() {
         .unwrap();
     let early_pid = *pids.iter().find(|pid| **pid != late_pid).unwrap();
     let mut true_skews = Vec::new();
+    let mut skew_errors = Vec::new();
     for rank_spans in &spans {
         assert_eq!(rank_spans.len(), STEPS);
         for (seq, span) in rank_spans.iter().enumerate() {
@@ -282,12 +283,14 @@ fn a_late_rank_is_named_with_its_lateness() {
             let skew = span
                 .int_attr(semconv::DL_COLLECTIVE_ARRIVAL_SKEW_NS)
                 .unwrap();
-            // The measured skew is the true one ± 10 % (in fact to the probe's latency).
+            // The measured skew is the true one ± 10 %. (The fixture reads its clock inside
+            // the call: its first call, which looks its hook up, reads it later.)
             assert!(
-                (skew - true_skew).abs() <= true_skew / 10 && (skew - true_skew).abs() < 200_000,
+                (skew - true_skew).abs() <= true_skew / 10,
                 "seq {seq}: measured {skew} ns, true {true_skew} ns"
             );
             true_skews.push(true_skew);
+            skew_errors.push((skew - true_skew).abs());
             let wait = span.int_attr(semconv::DL_COLLECTIVE_WAIT_NS).unwrap();
             if span.pid == late_pid {
                 assert_eq!(wait, 0);
@@ -296,6 +299,10 @@ fn a_late_rank_is_named_with_its_lateness() {
             }
         }
     }
+    // Typically the probe's latency apart.
+    skew_errors.sort_unstable();
+    let median_error = skew_errors[skew_errors.len() / 2];
+    assert!(median_error < 100_000, "skew errors {skew_errors:?} ns");
     // The schedule made rank 1 late by LATE_MS (± 10 %: the ranks' own wake-ups jitter).
     true_skews.sort_unstable();
     let median = true_skews[true_skews.len() / 2];
