@@ -250,7 +250,7 @@ mod tests {
         assert_eq!(
             parse(&["bench", "--only", "trainer,gpu"]),
             Err(
-                "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput, budget)"
+                "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput, budget, python)"
                     .to_owned()
             )
         );
