@@ -118,7 +118,9 @@ pub struct Collectives {
     held: BTreeMap<u64, Held>,
     next_serial: u64,
     /// Collectives no event was recorded after yet, by (process, stream).
-    unbound: HashMap<(u32, u64), Vec<u64>>,
+    unbound: HashMap<(u32, u64), BTreeSet<u64>>,
+    /// Every held collective, by (process, stream): what a stream synchronize completes.
+    by_stream: HashMap<(u32, u64), BTreeSet<u64>>,
     /// Collectives by the event recorded after them, by (process, event).
     bound: HashMap<(u32, u64), Vec<u64>>,
     /// Traced processes that initialised each communicator (by id hash).
@@ -182,20 +184,40 @@ impl Collectives {
                 waiting_for_ranks,
             },
         );
-        let unbound = self.unbound.entry((pid, stream)).or_default();
-        unbound.retain(|serial| self.held.contains_key(serial));
-        unbound.push(serial);
+        self.unbound
+            .entry((pid, stream))
+            .or_default()
+            .insert(serial);
+        self.by_stream
+            .entry((pid, stream))
+            .or_default()
+            .insert(serial);
         let mut ready = Vec::new();
         if let Some(matched) = matched {
             self.apply_match(&matched, &mut ready);
         }
         while self.held.len() > MAX_HELD {
-            let Some((_, oldest)) = self.held.pop_first() else {
+            let Some(oldest) = self.held.keys().next().copied() else {
                 break;
             };
-            ready.push(oldest.finish());
+            ready.extend(self.take(oldest).map(Held::finish));
         }
         ready
+    }
+
+    /// Stops holding `serial`: out of every index.
+    fn take(&mut self, serial: u64) -> Option<Held> {
+        let held = self.held.remove(&serial)?;
+        let key = (held.record.pid, held.stream);
+        for index in [&mut self.unbound, &mut self.by_stream] {
+            if let Some(serials) = index.get_mut(&key) {
+                serials.remove(&serial);
+                if serials.is_empty() {
+                    index.remove(&key);
+                }
+            }
+        }
+        Some(held)
     }
 
     /// `cudaEventRecord(event, stream)` in `pid`: the event now stands for the
@@ -264,14 +286,13 @@ impl Collectives {
         let serials: Vec<u64> = match kind {
             SyncKind::Event => self.bound.remove(&(pid, handle)).unwrap_or_default(),
             SyncKind::Stream | SyncKind::Device => self
-                .held
+                .by_stream
                 .iter()
-                .filter(|(_, held)| {
-                    held.record.pid == pid
-                        && held.end.is_none()
-                        && (kind == SyncKind::Device || held.stream == handle)
+                .filter(|((p, stream), _)| {
+                    *p == pid && (kind == SyncKind::Device || *stream == handle)
                 })
-                .map(|(serial, _)| *serial)
+                .flat_map(|(_, serials)| serials.iter().copied())
+                .filter(|serial| self.held.get(serial).is_some_and(|h| h.end.is_none()))
                 .collect(),
         };
         for serial in &serials {
@@ -316,7 +337,6 @@ impl Collectives {
         }
         self.members.retain(|_, members| !members.is_empty());
         self.sequence.retain(|(p, _), _| *p != pid);
-        self.unbound.retain(|(p, _), _| *p != pid);
         self.bound.retain(|(p, _), _| *p != pid);
         let (matched, alone) = self.matcher.rank_gone(pid);
         let mut ready = Vec::new();
@@ -338,9 +358,7 @@ impl Collectives {
         // Matches still waiting that this process had arrived in: its span goes now,
         // theirs when the match completes or expires.
         for serial in own {
-            if let Some(held) = self.held.remove(&serial) {
-                ready.push(held.finish());
-            }
+            ready.extend(self.take(serial).map(Held::finish));
         }
         ready
     }
@@ -374,7 +392,7 @@ impl Collectives {
         let mut ready = Vec::new();
         for serial in serials {
             if self.held.get(&serial).is_some_and(Held::ready)
-                && let Some(held) = self.held.remove(&serial)
+                && let Some(held) = self.take(serial)
             {
                 ready.push(held.finish());
             }
