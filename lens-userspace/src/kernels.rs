@@ -211,7 +211,9 @@ fn read_c_string(pid: u32, address: u64) -> Option<String> {
     let mut bytes = Vec::new();
     let mut chunk = [0u8; 256];
     while bytes.len() < MAX_NAME_BYTES {
-        let read = mem.read_at(&mut chunk, address + bytes.len() as u64).ok()?;
+        let read = mem
+            .read_at(&mut chunk, address.checked_add(bytes.len() as u64)?)
+            .ok()?;
         if read == 0 {
             return None;
         }

@@ -74,15 +74,6 @@ fn trace(python: &Path) -> (SpanLog, Vec<String>, Vec<Truth>) {
         python.file_name().unwrap().to_string_lossy()
     ));
     let _ = std::fs::remove_file(&truth_path);
-    let groups: SpanGroups = "all".parse().unwrap();
-    let rules = Arc::new(ProbeRules::parse(RULES).unwrap());
-    let mut session = Session::new(TraceOptions {
-        span_groups: groups.clone(),
-        kernel_logs: false,
-        overhead_budget: None,
-    })
-    .unwrap();
-    session.set_rules(rules.clone());
     let argv: Vec<OsString> = vec![
         "env".into(),
         format!("TRAIN_TRUTH={}", truth_path.display()).into(),
@@ -91,15 +82,7 @@ fn trace(python: &Path) -> (SpanLog, Vec<String>, Vec<Truth>) {
         STEPS.to_string().into(),
         EVAL_EVERY.to_string().into(),
     ];
-    session.exec(&argv).unwrap();
-    let mut builder = SpanBuilder::new(groups, SpanLog::default()).with_rules(rules);
-    let report = session
-        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
-        .unwrap();
-    assert_eq!(
-        report.child_exit,
-        Some(lens_probe::target::ExitStatus::Exited(0))
-    );
+    let (log, unmatched) = run_traced(RULES, &argv);
     let truth = std::fs::read_to_string(&truth_path)
         .unwrap()
         .lines()
@@ -113,11 +96,32 @@ fn trace(python: &Path) -> (SpanLog, Vec<String>, Vec<Truth>) {
         })
         .collect();
     let _ = std::fs::remove_file(&truth_path);
-    (
-        builder.into_exporter(),
-        session.unmatched_python_rules(),
-        truth,
-    )
+    (log, unmatched, truth)
+}
+
+/// Runs `argv` under lens-probe (`all`, every process traced from its start) with the
+/// config `rules`; it must exit 0. Returns the spans and the warnings about Python rules
+/// never called.
+fn run_traced(rules: &str, argv: &[OsString]) -> (SpanLog, Vec<String>) {
+    let groups: SpanGroups = "all".parse().unwrap();
+    let rules = Arc::new(ProbeRules::parse(rules).unwrap());
+    let mut session = Session::new(TraceOptions {
+        span_groups: groups.clone(),
+        kernel_logs: false,
+        overhead_budget: None,
+    })
+    .unwrap();
+    session.set_rules(rules.clone());
+    session.exec(argv).unwrap();
+    let mut builder = SpanBuilder::new(groups, SpanLog::default()).with_rules(rules);
+    let report = session
+        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
+        .unwrap();
+    assert_eq!(
+        report.child_exit,
+        Some(lens_probe::target::ExitStatus::Exited(0))
+    );
+    (builder.into_exporter(), session.unmatched_python_rules())
 }
 
 /// Each span's ends are within 3 ms of the call's (the sampling interval is 1 ms of the
@@ -243,18 +247,6 @@ fn native_calls_name_the_python_function_that_made_them() {
     };
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     const CALLS: usize = 5;
-    let groups: SpanGroups = "all".parse().unwrap();
-    let rules = Arc::new(
-        ProbeRules::parse("[[probe]]\npython = \"__main__:train_step\"\ngroup = \"step\"\n")
-            .unwrap(),
-    );
-    let mut session = Session::new(TraceOptions {
-        span_groups: groups.clone(),
-        kernel_logs: false,
-        overhead_budget: None,
-    })
-    .unwrap();
-    session.set_rules(rules.clone());
     let script = script().with_file_name("native_calls.py");
     let argv: Vec<OsString> = vec![
         python.into_os_string(),
@@ -262,13 +254,10 @@ fn native_calls_name_the_python_function_that_made_them() {
         lens_tests::fake_lib_dir().into_os_string(),
         CALLS.to_string().into(),
     ];
-    session.exec(&argv).unwrap();
-    // With LENS_FAKE_SYNC_MS unset the fake sync sleeps 5 ms (a quarter of 20).
-    let mut builder = SpanBuilder::new(groups, SpanLog::default()).with_rules(rules);
-    session
-        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
-        .unwrap();
-    let log = builder.into_exporter();
+    let (log, _) = run_traced(
+        "[[probe]]\npython = \"__main__:train_step\"\ngroup = \"step\"\n",
+        &argv,
+    );
     let file = AttrValue::from(script.to_string_lossy().into_owned());
     for (name, function) in [
         ("nccl.all_reduce", "reduce_gradients"),

@@ -46,8 +46,8 @@ impl CodeReader {
         }
         let key = (
             code,
-            self.u64_at(code + self.layout.qualname)?,
-            self.u64_at(code + self.layout.filename)?,
+            self.u64_at(code.checked_add(self.layout.qualname)?)?,
+            self.u64_at(code.checked_add(self.layout.filename)?)?,
         );
         if !self.names.contains_key(&key) {
             let name = CodeName {
@@ -70,11 +70,12 @@ impl CodeReader {
 
     /// A compact ASCII `str` object's text (names and paths are; others are skipped).
     fn ascii(&self, object: u64) -> Option<String> {
-        let length = self.u64_at(object + self.layout.str_length)?;
+        // Pointers come from the target's memory, sampled mid-update at times: any value.
+        let length = self.u64_at(object.checked_add(self.layout.str_length)?)?;
         // Only the low byte: 3.12+ leave the padding after it uninitialised.
         let mut state = [0u8; 1];
         self.mem
-            .read_exact_at(&mut state, object + self.layout.str_state)
+            .read_exact_at(&mut state, object.checked_add(self.layout.str_state)?)
             .ok()?;
         if state[0] & self.layout.str_state_mask != self.layout.str_state_compact_ascii
             || length > MAX_STRING_BYTES
@@ -83,8 +84,31 @@ impl CodeReader {
         }
         let mut text = vec![0u8; length as usize];
         self.mem
-            .read_exact_at(&mut text, object + self.layout.str_data)
+            .read_exact_at(&mut text, object.checked_add(self.layout.str_data)?)
             .ok()?;
         String::from_utf8(text).ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::python::runtime::CodeLayout;
+
+    #[test]
+    fn any_pointer_a_sample_holds_is_read_or_refused_never_a_panic() {
+        let layout = CodeLayout {
+            qualname: 128,
+            filename: 112,
+            str_length: 16,
+            str_state: 32,
+            str_data: 40,
+            str_state_mask: 0x7c,
+            str_state_compact_ascii: 0x64,
+        };
+        let mut reader = CodeReader::open(std::process::id(), layout).unwrap();
+        for code in [0, 1, u64::MAX, u64::MAX - 100, 0x10, 1 << 63] {
+            assert_eq!(reader.name(code), None, "{code:#x}");
+        }
     }
 }
