@@ -1012,6 +1012,21 @@ fn python_thread_state(offsets: &PyOffsets, tid: u32) -> u64 {
     0
 }
 
+/// The innermost Python frame of thread `tid` (Some(0) when it runs none); `None` when it
+/// is no Python thread of the process.
+#[inline(always)]
+fn innermost_frame(offsets: &PyOffsets, tid: u32) -> Option<u64> {
+    let state = python_thread_state(offsets, tid);
+    if state == 0 {
+        return None;
+    }
+    let frame = read_user_u64(state + offsets.tstate_frame as u64);
+    if offsets.cframe_current_frame != PY_NO_FIELD && frame != 0 {
+        return Some(read_user_u64(frame + offsets.cframe_current_frame as u64));
+    }
+    Some(frame)
+}
+
 /// The code object of the innermost Python frame of the calling thread, in a sampled
 /// CPython process (0 otherwise, or when the thread runs no Python).
 #[inline(always)]
@@ -1021,14 +1036,7 @@ fn python_caller(pid_tgid: u64) -> u64 {
     let Some(offsets) = (unsafe { PY_TARGETS.get(&tgid) }).copied() else {
         return 0;
     };
-    let state = python_thread_state(&offsets, pid_tgid as u32);
-    if state == 0 {
-        return 0;
-    }
-    let mut frame = read_user_u64(state + offsets.tstate_frame as u64);
-    if offsets.cframe_current_frame != PY_NO_FIELD && frame != 0 {
-        frame = read_user_u64(frame + offsets.cframe_current_frame as u64);
-    }
+    let frame = innermost_frame(&offsets, pid_tgid as u32).unwrap_or(0);
     if frame == 0 {
         return 0;
     }
@@ -1047,14 +1055,10 @@ pub fn python_sample(_ctx: PerfEventContext) -> u32 {
     let Some(offsets) = (unsafe { PY_TARGETS.get(&tgid) }).copied() else {
         return 0;
     };
-    let state = python_thread_state(&offsets, tid);
-    if state == 0 {
+    // A Python thread with no frame (idle in C) is sampled too: an empty stack ends calls.
+    let Some(mut frame) = innermost_frame(&offsets, tid) else {
         return 0;
-    }
-    let mut frame = read_user_u64(state + offsets.tstate_frame as u64);
-    if offsets.cframe_current_frame != PY_NO_FIELD && frame != 0 {
-        frame = read_user_u64(frame + offsets.cframe_current_frame as u64);
-    }
+    };
     let Some(mut entry) = EVENTS.reserve::<PyStack>(0) else {
         count_loss(LossCause::RingBufferFull);
         return 0;

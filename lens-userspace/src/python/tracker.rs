@@ -255,16 +255,7 @@ impl PythonTracker {
         if sample.calls != thread.open {
             thread.tentative = Some(sample);
         }
-        for call in &calls {
-            if let ProbeEvent::RuleCall {
-                rule,
-                at_return: false,
-                ..
-            } = call
-            {
-                self.matched.insert(*rule);
-            }
-        }
+        self.note_opened(&calls);
         calls
     }
 
@@ -300,7 +291,15 @@ impl PythonTracker {
                 .threads
                 .retain(|_, thread| !thread.open.is_empty() || thread.tentative.is_some());
         }
-        for call in &calls {
+        self.note_opened(&calls);
+        calls
+    }
+}
+
+impl PythonTracker {
+    /// The rules whose calls `calls` open have been called (`unmatched` leaves them out).
+    fn note_opened(&mut self, calls: &[ProbeEvent]) {
+        for call in calls {
             if let ProbeEvent::RuleCall {
                 rule,
                 at_return: false,
@@ -310,7 +309,6 @@ impl PythonTracker {
                 self.matched.insert(*rule);
             }
         }
-        calls
     }
 }
 
