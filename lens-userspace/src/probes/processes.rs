@@ -2,7 +2,7 @@
 //! tracepoints: no tracefs needed), with the `task_struct` field offsets they need read
 //! from the running kernel's BTF.
 use aya::{Ebpf, EbpfLoader, programs::RawTracePoint};
-use btf_rs::{Btf, Type};
+use btf_rs::{Backend, Btf, Type};
 use log::warn;
 
 use crate::error::{LensError, Result};
@@ -77,7 +77,7 @@ fn tracepoint_parameters(btf: &Btf, tracepoint: &str) -> Option<usize> {
 
 /// Reads the layout from the running kernel's BTF.
 pub fn kernel_layout() -> Result<KernelLayout> {
-    let btf = Btf::from_file(KERNEL_BTF).map_err(|e| btf_error(e.to_string()))?;
+    let btf = Btf::from_file_with_backend(KERNEL_BTF, Backend::Mmap).map_err(|e| btf_error(e.to_string()))?;
     Ok(KernelLayout {
         tgid_offset: member_offset(&btf, "task_struct", "tgid")?,
         exit_code_offset: member_offset(&btf, "task_struct", "exit_code")?,
