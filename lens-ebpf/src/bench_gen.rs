@@ -17,15 +17,10 @@
 //! Each event is an `ncclAllReduce` as its return probe would send it (float32, sum, a
 //! communicator and a stream, start and end stamps). The program returns how many of
 //! them did not fit in the ring buffer (lost); the caller adds those up.
-use aya_ebpf::{
-    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
-    helpers::bpf_ktime_get_ns,
-    macros::raw_tracepoint,
-    programs::RawTracePointContext,
-};
-use lens_common::{Event, EventKind, ProbeId, limits};
+use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::raw_tracepoint, programs::RawTracePointContext};
+use lens_common::{Event, EventKind, ProbeId};
 
-use crate::programs::EVENTS;
+use crate::programs::{EVENTS, submit_flags};
 
 /// Events one run writes at most (the loop's bound for the verifier).
 const MAX_EVENTS_PER_RUN: u64 = 64;
@@ -34,17 +29,6 @@ const COMM: u64 = 0xC0FF_EE00;
 const STREAM: u64 = 0x5000;
 const FLOAT32: i32 = 7;
 const SUM: i32 = 0;
-
-/// The probes' wakeup policy (`submit_flags` in programs.rs): no wakeup until enough
-/// data waits, then a forced one.
-#[inline(always)]
-fn submit_flags() -> u64 {
-    if EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= limits::WAKEUP_THRESHOLD_BYTES {
-        BPF_RB_FORCE_WAKEUP as u64
-    } else {
-        BPF_RB_NO_WAKEUP as u64
-    }
-}
 
 #[raw_tracepoint(tracepoint = "lens_bench")]
 pub fn bench_emit(ctx: RawTracePointContext) -> i32 {

@@ -195,11 +195,19 @@ fn count_call(pid_tgid: u64, probe: u32) {
     }
 }
 
-/// Batched wakeups: the reader is woken only once enough data waits; it also drains
-/// on a short timer, so nothing stays behind.
+/// Bytes one event takes in the ring buffer (its 8-byte record header included).
+const EVENT_RECORD_BYTES: u64 = (core::mem::size_of::<Event>() as u64 + 8 + 7) & !7;
+
+/// Batched wakeups: the reader is woken each time the data waiting crosses a multiple of
+/// the threshold, so once per 256 KiB however far it lags; it also drains on a timer,
+/// so nothing stays behind. (A wakeup is an interrupt raised on the probed thread's CPU,
+/// a VM exit on a virtual machine: woken on every event past the threshold, a lagging
+/// reader made each probed collective cost ~5 µs more.)
 #[inline(always)]
-fn submit_flags() -> u64 {
-    if EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= limits::WAKEUP_THRESHOLD_BYTES {
+pub(crate) fn submit_flags() -> u64 {
+    let waiting = EVENTS.query(BPF_RB_AVAIL_DATA as u64);
+    let threshold = limits::WAKEUP_THRESHOLD_BYTES;
+    if (waiting + EVENT_RECORD_BYTES) / threshold != waiting / threshold {
         BPF_RB_FORCE_WAKEUP as u64
     } else {
         BPF_RB_NO_WAKEUP as u64

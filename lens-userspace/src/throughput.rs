@@ -8,7 +8,7 @@
 //! events into the same `EVENTS` ring buffer, with the probes' wakeup policy, and returns
 //! how many did not fit. A producer thread runs it at a paced rate; the calling thread
 //! drains the ring buffer as [`Session`](crate::session::Session) does (woken by the
-//! kernel past the wakeup threshold, and every 20 ms), decodes every record with
+//! kernel past the wakeup threshold, and every 50 ms), decodes every record with
 //! [`events::decode`] and feeds the sink (the CLI's chain: summary and span builder).
 //!
 //! Used by `cargo xtask bench` (through `lens-userspace/examples/throughput.rs`) and by
@@ -46,9 +46,6 @@ pub const EVENT_COUNT: u64 = 1 << 20;
 /// What the generated events look like once decoded (bench_gen.rs writes these).
 pub const EVENT_COMM: u64 = 0xC0FF_EE00;
 pub const EVENT_STREAM: u64 = 0x5000;
-
-/// The same drain interval as the session's (`session::DRAIN_INTERVAL`).
-const DRAIN_INTERVAL: Duration = Duration::from_millis(20);
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Options {
@@ -101,7 +98,7 @@ pub struct Report {
     pub consumer_cpu_s: f64,
     /// CPU time of the producer thread (the generator runs in it, in the kernel), s.
     pub producer_cpu_s: f64,
-    /// Drains on a wakeup from the kernel, and on the 20 ms timer.
+    /// Drains on a wakeup from the kernel, and on the session's drain timer.
     pub wakeup_drains: u64,
     pub timer_drains: u64,
 }
@@ -306,7 +303,7 @@ fn produce(
     })
 }
 
-/// The consumer, as `Session::run` drains: on the kernel's wakeup or every 20 ms, until
+/// The consumer, as `Session::run` drains: on the kernel's wakeup or every 50 ms, until
 /// the producer is done; then one last drain.
 async fn consume(
     ring: RingBuf<MapData>,
@@ -316,7 +313,7 @@ async fn consume(
     let cpu0 = thread_cpu();
     // SAFETY: the ring buffer owns its fd and keeps it open while inside the AsyncFd.
     let mut ring = unsafe { AsyncFd::register(ring) }.map_err(|e| e.into_parts().1)?;
-    let mut tick = tokio::time::interval(DRAIN_INTERVAL);
+    let mut tick = tokio::time::interval(crate::session::DRAIN_INTERVAL);
     let mut report = Report::default();
     let produced = loop {
         tokio::select! {

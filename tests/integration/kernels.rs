@@ -55,7 +55,7 @@ fn trace_trainer(kernels: &str) -> (SpanLog, Summary, KernelState) {
         kernels.into(),
         "LENS_FAKE_BACKWARD_MS=1".into(),
         // Kernel stubs are named through the live process's maps: a run of a few ms can
-        // end before its events are drained (every 20 ms), which leaves them unnamed.
+        // end before its events are drained (every 50 ms), which leaves them unnamed.
         "TRAINER_EXIT_DELAY_MS=300".into(),
         lens_tests::torch_trainer().into_os_string(),
         STEPS.to_string().into(),

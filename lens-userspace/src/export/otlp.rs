@@ -15,7 +15,7 @@ use std::{
     sync::{
         Arc, OnceLock,
         atomic::{AtomicU64, AtomicUsize, Ordering},
-        mpsc::{self, Receiver, RecvTimeoutError, Sender},
+        mpsc::{self, Receiver, Sender, TryRecvError},
     },
     thread::JoinHandle,
     time::{Duration, Instant, SystemTime},
@@ -48,6 +48,8 @@ const QUEUE_SPANS: usize = 16_384;
 const BATCH_SPANS: usize = 512;
 /// A process's spans wait at most this long before they are sent.
 const BATCH_DELAY: Duration = Duration::from_secs(1);
+/// How long the export thread sleeps when nobody wakes it.
+const IDLE_WAKE: Duration = Duration::from_millis(250);
 /// The longest one export call may take.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long everything still to send may take once lens-probe is finishing; what is
@@ -201,12 +203,23 @@ impl OtelPipeline {
             let _ = queue.send(Message::ProbeMetrics(Box::new(probe)));
         }
         if let Some(worker) = self.worker.take() {
+            // The queue is closed: the thread sends what is left and ends.
+            worker.thread().unpark();
             let _ = worker.join();
         }
         ExportStats {
             exported: self.counters.exported.load(Ordering::Relaxed),
             dropped_queue_full: self.counters.dropped_queue_full.load(Ordering::Relaxed),
             failed: self.counters.failed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The export thread sleeps between batches rather than waking for every span
+    /// queued (a futex wake and a context switch per span was a quarter of lens-probe's
+    /// CPU on a fast PyTorch loop): senders wake it for a full batch or a control message.
+    fn wake_export_thread(&self) {
+        if let Some(worker) = &self.worker {
+            worker.thread().unpark();
         }
     }
 
@@ -312,6 +325,7 @@ impl SpanExporter for OtelPipeline {
         let metrics = Box::new(ProcessMetrics::new(resource.clone()));
         if let Some(queue) = &self.queue {
             let _ = queue.send(Message::MetricsStarted(info.pid, metrics.reader.clone()));
+            self.wake_export_thread();
         }
         self.processes.insert(
             info.pid,
@@ -340,7 +354,7 @@ impl SpanExporter for OtelPipeline {
                 .fetch_add(1, Ordering::Relaxed);
             return;
         }
-        self.counters.queued.fetch_add(1, Ordering::Relaxed);
+        let queued = self.counters.queued.fetch_add(1, Ordering::Relaxed) + 1;
         if queue
             .send(Message::Span(pid, resource, Box::new(data)))
             .is_err()
@@ -348,6 +362,10 @@ impl SpanExporter for OtelPipeline {
             self.counters
                 .dropped_queue_full
                 .fetch_add(1, Ordering::Relaxed);
+        }
+        // A batch's worth waiting: send it now (else the thread wakes on its own timer).
+        if queued >= BATCH_SPANS {
+            self.wake_export_thread();
         }
     }
 
@@ -372,6 +390,7 @@ impl SpanExporter for OtelPipeline {
         if let Some(queue) = &self.queue {
             let _ = queue.send(Message::ProcessEnded(pid, metrics));
         }
+        self.wake_export_thread();
     }
 }
 
@@ -576,7 +595,16 @@ fn export_thread(
         }
     };
     loop {
-        let message = queue.recv_timeout(BATCH_DELAY / 4);
+        let message = match queue.try_recv() {
+            Ok(message) => Ok(message),
+            Err(TryRecvError::Empty) => {
+                // Woken for a full batch, a control message or the end (see
+                // `OtelPipeline::wake_export_thread`), else on this timer.
+                std::thread::park_timeout(IDLE_WAKE);
+                Err(TryRecvError::Empty)
+            }
+            Err(TryRecvError::Disconnected) => Err(TryRecvError::Disconnected),
+        };
         match message {
             Ok(Message::Span(pid, resource, data)) => {
                 counters.queued.fetch_sub(1, Ordering::Relaxed);
@@ -602,8 +630,8 @@ fn export_thread(
                 }
             }
             Ok(Message::ProbeMetrics(probe)) => send_metrics(&probe.reader, &mut sink),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => {
+            Err(TryRecvError::Empty) => {}
+            Err(TryRecvError::Disconnected) => {
                 for (_, (resource, batch, _)) in batches.drain() {
                     send(batch, &resource, &mut sink);
                 }

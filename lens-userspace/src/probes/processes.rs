@@ -77,7 +77,8 @@ fn tracepoint_parameters(btf: &Btf, tracepoint: &str) -> Option<usize> {
 
 /// Reads the layout from the running kernel's BTF.
 pub fn kernel_layout() -> Result<KernelLayout> {
-    let btf = Btf::from_file_with_backend(KERNEL_BTF, Backend::Mmap).map_err(|e| btf_error(e.to_string()))?;
+    let btf = Btf::from_file_with_backend(KERNEL_BTF, Backend::Mmap)
+        .map_err(|e| btf_error(e.to_string()))?;
     Ok(KernelLayout {
         tgid_offset: member_offset(&btf, "task_struct", "tgid")?,
         exit_code_offset: member_offset(&btf, "task_struct", "exit_code")?,

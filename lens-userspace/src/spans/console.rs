@@ -178,7 +178,10 @@ impl<W: Write> SpanExporter for ConsoleTree<W> {
         }
         process.printed.extend(depths);
         process.pending.retain(|s| !below.contains(&s.id));
-        let _ = writeln!(self.out, "{}", lines.join("\n"));
+        // One write per tree (stderr is unbuffered: `writeln!` would make two).
+        let mut text = lines.join("\n");
+        text.push('\n');
+        let _ = self.out.write_all(text.as_bytes());
     }
 
     fn process_ended(&mut self, pid: u32) {

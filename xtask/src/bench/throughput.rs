@@ -300,18 +300,18 @@ impl ThroughputBlock {
              CPU) runs the BPF program \
              `bench_emit` (lens-ebpf/src/bench_gen.rs, never loaded by lens-probe) with \
              `BPF_PROG_TEST_RUN`, 64 events a run, paced to R; each event is an `ncclAllReduce` \
-             written into the `EVENTS` ring buffer with the probes' wakeup policy (no wakeup \
-             below 256 KiB waiting, a forced one above). The main thread (pinned to CPU 0: \
+             written into the `EVENTS` ring buffer with the probes' wakeup policy (a forced \
+             wakeup each time the data waiting crosses a multiple of 256 KiB, none otherwise). The main thread (pinned to CPU 0: \
              unpinned, the kernel wakes it on the producer's CPU and the two share one core) \
              drains it as \
-             lens-probe's session does (on a wakeup, or every 20 ms; `events::decode`, then the \
+             lens-probe's session does (on a wakeup, or every 50 ms; `events::decode`, then the \
              summary and the span builder), from lens-probe's own BPF object \
              (`lens_probe::throughput`). Lost = not written (ring buffer full) + not received + \
              undecodable. A rate is held when nothing was lost and at least {:.0} % of it \
-             arrived: producer, consumer and export thread share the two cores. Past 256 KiB \
-             waiting every event forces a wakeup, which slows the producer down whenever the \
-             consumer lags: back-pressure, as on a probed thread, rather than loss (unpaced \
-             the producer spent {} ns of CPU per event{}, median).\n",
+             arrived: producer, consumer and export thread share the two cores. The probes \
+             never wait for the reader: a reader slower than the producer loses events (counted), \
+             it does not slow the traced job down (unpaced the producer spent {} ns of CPU per \
+             event{}, median).\n",
             self.duration_s,
             self.rounds,
             if self.rounds == 1 { "" } else { "s" },
