@@ -215,6 +215,10 @@ impl SpanArena {
         self.training_seen = true;
         let group = self.export_group(parent).unwrap_or(SpanGroup::Step);
         let mut record = self.record(ids.next(), name, group, parent, tid, start_ns, end_ns);
+        // One allocation for the call's attributes and the few a collective's completion
+        // and rank match add later (growing it step by step was a tenth of the consumer's
+        // time at a million collectives a second).
+        record.attributes.reserve_exact(attributes.len() + 8);
         record.attributes.extend(attributes);
         if let Some(message) = error {
             record.status = SpanStatus::Error(message);

@@ -3,7 +3,7 @@
 //! (docs/collectives.md has the rules), and until the same collective's calls on the
 //! other traced ranks have arrived (`stragglers`). Then the span ends at the inferred
 //! completion and goes out.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use super::{
     SpanRecord,
@@ -113,14 +113,82 @@ impl Held {
     }
 }
 
+/// Held spans by serial. Serials are handed out in order and mostly leave in order, so a
+/// window of slots from the oldest held serial: O(1) by serial, no tree to rebalance and
+/// no large value moved on insert or remove (a `BTreeMap` of them was most of the
+/// consumer's time at a million collectives a second).
+#[derive(Default)]
+struct HeldSpans {
+    /// The serial of `slots[0]`.
+    first: u64,
+    slots: VecDeque<Option<Held>>,
+    len: usize,
+}
+
+impl HeldSpans {
+    fn slot(&self, serial: u64) -> Option<usize> {
+        let index = usize::try_from(serial.checked_sub(self.first)?).ok()?;
+        (index < self.slots.len()).then_some(index)
+    }
+
+    /// Holds `held` under `serial`, which is newer than every serial held so far.
+    fn insert(&mut self, serial: u64, held: Held) {
+        if self.slots.is_empty() {
+            self.first = serial;
+        }
+        let index = (serial - self.first) as usize;
+        if self.slots.len() <= index {
+            self.slots.resize_with(index + 1, || None);
+        }
+        if self.slots[index].replace(held).is_none() {
+            self.len += 1;
+        }
+    }
+
+    fn get(&self, serial: &u64) -> Option<&Held> {
+        self.slots[self.slot(*serial)?].as_ref()
+    }
+
+    fn get_mut(&mut self, serial: &u64) -> Option<&mut Held> {
+        let index = self.slot(*serial)?;
+        self.slots[index].as_mut()
+    }
+
+    fn remove(&mut self, serial: &u64) -> Option<Held> {
+        let index = self.slot(*serial)?;
+        let held = self.slots[index].take()?;
+        self.len -= 1;
+        while let Some(None) = self.slots.front() {
+            self.slots.pop_front();
+            self.first += 1;
+        }
+        Some(held)
+    }
+
+    fn oldest(&self) -> Option<u64> {
+        // The front slot is always occupied (emptied ones are popped).
+        self.slots.front().map(|_| self.first)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (u64, &Held)> {
+        (self.first..)
+            .zip(&self.slots)
+            .filter_map(|(serial, slot)| Some((serial, slot.as_ref()?)))
+    }
+}
+
 #[derive(Default)]
 pub struct Collectives {
-    held: BTreeMap<u64, Held>,
+    held: HeldSpans,
     next_serial: u64,
     /// Collectives no event was recorded after yet, by (process, stream).
-    unbound: HashMap<(u32, u64), BTreeSet<u64>>,
+    unbound: HashMap<(u32, u64), VecDeque<u64>>,
     /// Every held collective, by (process, stream): what a stream synchronize completes.
-    by_stream: HashMap<(u32, u64), BTreeSet<u64>>,
+    by_stream: HashMap<(u32, u64), VecDeque<u64>>,
     /// Collectives by the event recorded after them, by (process, event).
     bound: HashMap<(u32, u64), Vec<u64>>,
     /// Traced processes that initialised each communicator (by id hash).
@@ -184,20 +252,21 @@ impl Collectives {
                 waiting_for_ranks,
             },
         );
+        // Serials in order, oldest first: each list stays sorted by pushing at the back.
         self.unbound
             .entry((pid, stream))
             .or_default()
-            .insert(serial);
+            .push_back(serial);
         self.by_stream
             .entry((pid, stream))
             .or_default()
-            .insert(serial);
+            .push_back(serial);
         let mut ready = Vec::new();
         if let Some(matched) = matched {
             self.apply_match(&matched, &mut ready);
         }
         while self.held.len() > MAX_HELD {
-            let Some(oldest) = self.held.keys().next().copied() else {
+            let Some(oldest) = self.held.oldest() else {
                 break;
             };
             ready.extend(self.take(oldest).map(Held::finish));
@@ -211,7 +280,12 @@ impl Collectives {
         let key = (held.record.pid, held.stream);
         for index in [&mut self.unbound, &mut self.by_stream] {
             if let Some(serials) = index.get_mut(&key) {
-                serials.remove(&serial);
+                // Mostly the oldest: collectives on a stream complete in order.
+                if serials.front() == Some(&serial) {
+                    serials.pop_front();
+                } else if let Ok(at) = serials.binary_search(&serial) {
+                    serials.remove(at);
+                }
                 if serials.is_empty() {
                     index.remove(&key);
                 }
@@ -310,7 +384,7 @@ impl Collectives {
             .held
             .iter()
             .filter(|(_, held)| held.returned_ns < cutoff)
-            .map(|(serial, _)| *serial)
+            .map(|(serial, _)| serial)
             .collect();
         if old.is_empty() {
             return Vec::new();
@@ -353,7 +427,7 @@ impl Collectives {
             .held
             .iter()
             .filter(|(_, held)| held.record.pid == pid)
-            .map(|(serial, _)| *serial)
+            .map(|(serial, _)| serial)
             .collect();
         // Matches still waiting that this process had arrived in: its span goes now,
         // theirs when the match completes or expires.
