@@ -518,7 +518,11 @@ pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
         _pad: 0,
         handle: event.handle,
     };
-    let _ = COLLECTIVE_STREAMS.insert(&stream, &1, 0);
+    // Marked once: an LRU update allocates a new element even for a key already there.
+    // SAFETY: only presence is read.
+    if unsafe { COLLECTIVE_STREAMS.get(&stream) }.is_none() {
+        let _ = COLLECTIVE_STREAMS.insert(&stream, &1, 0);
+    }
     event.python_caller = python_caller(pid_tgid);
     remember_entry(&ctx, pid_tgid, &event);
     0
