@@ -2,7 +2,9 @@
 //! (communicator id hash + the collective's number on it), its arrival skew (last
 //! enqueue − first) and the rank that came last. Ranks on one node share
 //! `CLOCK_MONOTONIC`, so their enqueue times compare directly (docs/collectives.md).
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use foldhash::HashMap;
 
 use serde::Serialize;
 
