@@ -50,9 +50,9 @@ use crate::{
     target::{self, ExitStatus, ProcessInfo},
 };
 
-/// How often the ring buffer is drained when no wakeup came (wakeups are batched; past
-/// 256 KiB waiting, or for a control event, the kernel wakes the reader at once). Each
-/// wakeup of an idle loop costs tens of µs on a VM: at 20 ms they were a sixth of
+/// How often the ring buffer is drained when no wakeup came (wakeups are batched: the
+/// kernel wakes the reader once per 256 KiB of events, and at once for a control event).
+/// Each wakeup of an idle loop costs tens of µs on a VM: at 20 ms they were a sixth of
 /// lens-probe's CPU on a fast loop.
 pub(crate) const DRAIN_INTERVAL: Duration = Duration::from_millis(50);
 /// How often the kernel's call counters (launches) of running targets are read.
