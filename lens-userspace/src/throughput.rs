@@ -190,17 +190,7 @@ pub fn run(options: Options, sink: &mut dyn EventSink) -> Result<Report> {
     // The object and maps lens-probe loads, the same way.
     let mut ebpf = attach::load_object(false)?;
     let ring = attach::take_event_ring(&mut ebpf)?;
-    let program: &mut RawTracePoint = ebpf
-        .program_mut(PROGRAM)
-        .ok_or(LensError::MissingInObject {
-            kind: "program",
-            name: PROGRAM,
-        })?
-        .try_into()
-        .map_err(|source| LensError::Program {
-            program: PROGRAM,
-            source,
-        })?;
+    let program: &mut RawTracePoint = attach::program_mut(&mut ebpf, PROGRAM)?;
     program.load().map_err(|source| LensError::Program {
         program: PROGRAM,
         source,

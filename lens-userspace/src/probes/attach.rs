@@ -86,17 +86,24 @@ pub fn take_event_ring(ebpf: &mut Ebpf) -> Result<aya::maps::RingBuf<aya::maps::
 }
 
 fn uprobe_mut(ebpf: &mut Ebpf, program: Program) -> Result<&mut UProbe> {
-    let missing = LensError::MissingInObject {
-        kind: "program",
-        name: program.name(),
-    };
-    let Some(prog) = ebpf.program_mut(program.name()) else {
-        return Err(missing);
-    };
-    prog.try_into().map_err(|source| LensError::Program {
-        program: program.name(),
-        source,
-    })
+    program_mut(ebpf, program.name())
+}
+
+/// The object's program `name` as the program type `P` (`UProbe`, `RawTracePoint`…).
+pub fn program_mut<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or(LensError::MissingInObject {
+            kind: "program",
+            name,
+        })?
+        .try_into()
+        .map_err(|source| LensError::Program {
+            program: name,
+            source,
+        })
 }
 
 /// What happened to one probe on one library.

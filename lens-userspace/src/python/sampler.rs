@@ -27,14 +27,7 @@ pub fn start(ebpf: &mut Ebpf) -> Result<()> {
         program: PROGRAM,
         source,
     };
-    let program: &mut PerfEvent = ebpf
-        .program_mut(PROGRAM)
-        .ok_or(LensError::MissingInObject {
-            kind: "program",
-            name: PROGRAM,
-        })?
-        .try_into()
-        .map_err(program_error)?;
+    let program: &mut PerfEvent = crate::probes::attach::program_mut(ebpf, PROGRAM)?;
     program.load().map_err(program_error)?;
     let cpus = online_cpus().map_err(|(_, error)| LensError::Io(error))?;
     for cpu in cpus {
