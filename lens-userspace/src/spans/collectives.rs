@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 // integer keys (SipHash was a twelfth of the consumer's time at a million collectives a
 // second).
 use foldhash::HashMap;
+use slab::Slab;
 
 use super::{
     SpanRecord,
@@ -119,70 +120,72 @@ impl Held {
 }
 
 /// Held spans by serial. Serials are handed out in order and mostly leave in order, so a
-/// window of slots from the oldest held serial: O(1) by serial, no tree to rebalance and
-/// no large value moved on insert or remove (a `BTreeMap` of them was most of the
-/// consumer's time at a million collectives a second).
+/// window of slots from the oldest held serial: O(1) by serial, no tree to rebalance (a
+/// `BTreeMap` of spans was most of the consumer's time at a million collectives a
+/// second). The window spans every serial since the oldest held one, released or not
+/// (one collective nothing completes keeps it open for up to [`HOLD_LIMIT_NS`]), so a slot
+/// is a key into a slab of the held spans, which never holds more than are held.
 #[derive(Default)]
 struct HeldSpans {
-    /// The serial of `slots[0]`.
+    /// The serial of `window[0]`.
     first: u64,
-    slots: VecDeque<Option<Held>>,
-    len: usize,
+    window: VecDeque<Option<usize>>,
+    spans: Slab<Held>,
 }
 
 impl HeldSpans {
-    fn slot(&self, serial: u64) -> Option<usize> {
+    fn key(&self, serial: u64) -> Option<usize> {
         let index = usize::try_from(serial.checked_sub(self.first)?).ok()?;
-        (index < self.slots.len()).then_some(index)
+        *self.window.get(index)?
     }
 
     /// Holds `held` under `serial`, which is newer than every serial held so far.
     fn insert(&mut self, serial: u64, held: Held) {
-        if self.slots.is_empty() {
+        if self.window.is_empty() {
             self.first = serial;
         }
         let index = (serial - self.first) as usize;
-        if self.slots.len() <= index {
-            self.slots.resize_with(index + 1, || None);
+        if self.window.len() <= index {
+            self.window.resize(index + 1, None);
         }
-        if self.slots[index].replace(held).is_none() {
-            self.len += 1;
+        let key = self.spans.insert(held);
+        if let Some(replaced) = self.window[index].replace(key) {
+            self.spans.remove(replaced);
         }
     }
 
     fn get(&self, serial: &u64) -> Option<&Held> {
-        self.slots[self.slot(*serial)?].as_ref()
+        self.spans.get(self.key(*serial)?)
     }
 
     fn get_mut(&mut self, serial: &u64) -> Option<&mut Held> {
-        let index = self.slot(*serial)?;
-        self.slots[index].as_mut()
+        let key = self.key(*serial)?;
+        self.spans.get_mut(key)
     }
 
     fn remove(&mut self, serial: &u64) -> Option<Held> {
-        let index = self.slot(*serial)?;
-        let held = self.slots[index].take()?;
-        self.len -= 1;
-        while let Some(None) = self.slots.front() {
-            self.slots.pop_front();
+        let index = usize::try_from(serial.checked_sub(self.first)?).ok()?;
+        let key = self.window.get_mut(index)?.take()?;
+        while let Some(None) = self.window.front() {
+            self.window.pop_front();
             self.first += 1;
         }
-        Some(held)
+        Some(self.spans.remove(key))
     }
 
     fn oldest(&self) -> Option<u64> {
         // The front slot is always occupied (emptied ones are popped).
-        self.slots.front().map(|_| self.first)
+        self.window.front().map(|_| self.first)
     }
 
     fn len(&self) -> usize {
-        self.len
+        self.spans.len()
     }
 
     fn iter(&self) -> impl Iterator<Item = (u64, &Held)> {
         (self.first..)
-            .zip(&self.slots)
-            .filter_map(|(serial, slot)| Some((serial, slot.as_ref()?)))
+            .zip(&self.window)
+            .filter_map(|(serial, key)| Some((serial, self.spans.get((*key)?)?)))
     }
 }
 
@@ -625,6 +628,36 @@ mod tests {
         );
         let stats = &collectives.stragglers()[&op];
         assert_eq!(stats.last_by_rank, BTreeMap::from([(1, 1)]));
+    }
+
+    #[test]
+    fn one_stuck_span_keeps_only_itself_held_while_later_ones_leave() {
+        let mut collectives = Collectives::default();
+        // Serial 0 on a stream nothing completes; 1000 more on another, each synced.
+        collectives.add(call(7, 0, 10, 20), CollectiveOp::AllReduce, S, None);
+        for i in 1..=1000u64 {
+            collectives.add(
+                call(7, i, 10 * i, 10 * i + 5),
+                CollectiveOp::AllReduce,
+                E,
+                None,
+            );
+            let done = collectives.sync_returned(7, SyncKind::Stream, E, 10 * i + 8);
+            assert_eq!(done.len(), 1);
+        }
+        assert_eq!(collectives.held.len(), 1);
+        assert_eq!(collectives.held.oldest(), Some(0));
+        assert!(
+            collectives.held.spans.capacity() <= 4,
+            "the slab holds what is held, not the window"
+        );
+        let done = collectives.sync_returned(7, SyncKind::Stream, S, 20_000);
+        assert_eq!(done.len(), 1);
+        assert_eq!(collectives.held.len(), 0);
+        assert!(
+            collectives.held.window.is_empty(),
+            "the window closes behind it"
+        );
     }
 
     #[test]
