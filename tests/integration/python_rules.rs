@@ -1,8 +1,11 @@
 //! Python rules through the real sampler: a pure-Python training loop
 //! (tests/fixtures/python/train_loop.py) whose `train_step`, `evaluate` and
 //! `save_checkpoint` functions a config names, run on every CPython 3.10–3.13 pyenv has
-//! here and on Debian's python3.11. The spans must come out with the right counts,
-//! nesting, iterations and lengths (each end within a couple of sampling intervals).
+//! here and on Debian's python3.11; and the same loop with the steps and evaluations as
+//! methods of a class (`train_lib:Trainer.train_step`: on 3.10, whose code objects have
+//! no qualified name, the class comes from the source). The spans must come out with the
+//! right counts, nesting, iterations and lengths (each end within a couple of sampling
+//! intervals).
 use std::{
     ffi::OsString,
     path::{Path, PathBuf},
@@ -39,6 +42,70 @@ python = "not_a_module:train"
 group = "step"
 "#;
 
+/// The same for `train_loop.py`'s `trainer` mode: methods by their qualified names. The
+/// module function `train_step` is not called there, and must not match the method.
+const METHOD_RULES: &str = r#"
+[[probe]]
+python = "train_lib:Trainer.train_step"
+group = "step"
+
+[[probe]]
+python = "train_lib:Trainer.evaluate"
+group = "evaluate"
+
+[[probe]]
+python = "train_lib:save_checkpoint"
+group = "checkpoint"
+
+[[probe]]
+python = "train_lib:train_step"
+group = "step"
+
+[[probe]]
+python = "not_a_module:train"
+group = "step"
+"#;
+
+/// What the loop calls: module functions, or a `Trainer`'s methods.
+#[derive(Clone, Copy, Debug)]
+enum Calls {
+    Functions,
+    Methods,
+}
+
+impl Calls {
+    fn rules(self) -> &'static str {
+        match self {
+            Calls::Functions => RULES,
+            Calls::Methods => METHOD_RULES,
+        }
+    }
+
+    /// `train_loop.py`'s arguments after STEPS EVAL_EVERY.
+    fn mode(self) -> &'static [&'static str] {
+        match self {
+            Calls::Functions => &[],
+            Calls::Methods => &["trainer"],
+        }
+    }
+
+    /// `code.function` of a step's and an evaluation's spans.
+    fn step_and_evaluation(self) -> (&'static str, &'static str) {
+        match self {
+            Calls::Functions => ("train_step", "evaluate"),
+            Calls::Methods => ("Trainer.train_step", "Trainer.evaluate"),
+        }
+    }
+
+    /// The rules never called.
+    fn unmatched(self) -> &'static [&'static str] {
+        match self {
+            Calls::Functions => &["not_a_module:train"],
+            Calls::Methods => &["train_lib:train_step", "not_a_module:train"],
+        }
+    }
+}
+
 fn script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures/python/train_loop.py")
@@ -65,16 +132,16 @@ fn interpreter(path: &str) -> Option<PathBuf> {
 /// One call as the fixture timed it: (function, start, end), `CLOCK_MONOTONIC` ns.
 type Truth = (String, u64, u64);
 
-/// Traces `python train_loop.py STEPS EVAL_EVERY` with the rules; returns the spans, the
-/// warnings about rules never called, and the calls as the fixture timed them.
-fn trace(python: &Path) -> (SpanLog, Vec<String>, Vec<Truth>) {
+/// Traces `python train_loop.py STEPS EVAL_EVERY [MODE]` with the rules; returns the
+/// spans, the warnings about rules never called, and the calls as the fixture timed them.
+fn trace(python: &Path, calls: Calls) -> (SpanLog, Vec<String>, Vec<Truth>) {
     let truth_path = std::env::temp_dir().join(format!(
-        "lens-python-truth-{}-{}",
+        "lens-python-truth-{}-{}-{calls:?}",
         std::process::id(),
         python.file_name().unwrap().to_string_lossy()
     ));
     let _ = std::fs::remove_file(&truth_path);
-    let argv: Vec<OsString> = vec![
+    let mut argv: Vec<OsString> = vec![
         "env".into(),
         format!("TRAIN_TRUTH={}", truth_path.display()).into(),
         python.as_os_str().to_owned(),
@@ -82,7 +149,8 @@ fn trace(python: &Path) -> (SpanLog, Vec<String>, Vec<Truth>) {
         STEPS.to_string().into(),
         EVAL_EVERY.to_string().into(),
     ];
-    let (log, unmatched) = run_traced(RULES, &argv);
+    argv.extend(calls.mode().iter().map(OsString::from));
+    let (log, unmatched) = run_traced(calls.rules(), &argv);
     let truth = std::fs::read_to_string(&truth_path)
         .unwrap()
         .lines()
@@ -147,12 +215,13 @@ fn assert_matches_truth(kind: &str, spans: &[&SpanRecord], truth: &[Truth]) {
 /// sessions on two cores would make each wait.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn check(python: &str) {
+fn check(python: &str, calls: Calls) {
     let Some(python) = interpreter(python) else {
         return;
     };
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (log, unmatched, truth) = trace(&python);
+    let (log, unmatched, truth) = trace(&python, calls);
+    let (step_function, evaluation_function) = calls.step_and_evaluation();
     let steps: Vec<_> = log.named(names::STEP).collect();
     assert_eq!(
         steps.len(),
@@ -164,7 +233,7 @@ fn check(python: &str) {
         assert_eq!(step.int_attr(semconv::DL_ITERATION), Some(i as i64));
         assert_eq!(
             step.attr(semconv::CODE_FUNCTION),
-            Some(&AttrValue::from("train_step"))
+            Some(&AttrValue::from(step_function))
         );
         let Some(AttrValue::Str(file)) = step.attr(semconv::CODE_FILEPATH) else {
             panic!("no file: {step:?}");
@@ -176,6 +245,10 @@ fn check(python: &str) {
     let evaluations: Vec<_> = log.named(names::EVALUATE).collect();
     assert_eq!(evaluations.len(), STEPS / EVAL_EVERY);
     for evaluation in &evaluations {
+        assert_eq!(
+            evaluation.attr(semconv::CODE_FUNCTION),
+            Some(&AttrValue::from(evaluation_function))
+        );
         assert!(
             steps
                 .iter()
@@ -191,8 +264,10 @@ fn check(python: &str) {
     for span in steps.iter().chain(&evaluations) {
         assert_eq!(span.parent, Some(job.id), "{span:?}");
     }
-    assert_eq!(unmatched.len(), 1, "{unmatched:?}");
-    assert!(unmatched[0].contains("not_a_module:train"), "{unmatched:?}");
+    assert_eq!(unmatched.len(), calls.unmatched().len(), "{unmatched:?}");
+    for (warning, rule) in unmatched.iter().zip(calls.unmatched()) {
+        assert!(warning.contains(rule), "{unmatched:?}");
+    }
 }
 
 #[test]
@@ -200,7 +275,10 @@ fn python_3_10_functions_become_spans() {
     if !lens_tests::require_bpf("python_3_10_functions_become_spans") {
         return;
     }
-    check("/root/.pyenv/versions/3.10.13/bin/python3.10");
+    check(
+        "/root/.pyenv/versions/3.10.13/bin/python3.10",
+        Calls::Functions,
+    );
 }
 
 #[test]
@@ -208,7 +286,10 @@ fn python_3_11_functions_become_spans() {
     if !lens_tests::require_bpf("python_3_11_functions_become_spans") {
         return;
     }
-    check("/root/.pyenv/versions/3.11.7/bin/python3.11");
+    check(
+        "/root/.pyenv/versions/3.11.7/bin/python3.11",
+        Calls::Functions,
+    );
 }
 
 #[test]
@@ -216,7 +297,10 @@ fn python_3_12_functions_become_spans() {
     if !lens_tests::require_bpf("python_3_12_functions_become_spans") {
         return;
     }
-    check("/root/.pyenv/versions/3.12.1/bin/python3.12");
+    check(
+        "/root/.pyenv/versions/3.12.1/bin/python3.12",
+        Calls::Functions,
+    );
 }
 
 #[test]
@@ -224,7 +308,10 @@ fn python_3_13_functions_become_spans() {
     if !lens_tests::require_bpf("python_3_13_functions_become_spans") {
         return;
     }
-    check("/root/.pyenv/versions/3.13.0/bin/python3.13");
+    check(
+        "/root/.pyenv/versions/3.13.0/bin/python3.13",
+        Calls::Functions,
+    );
 }
 
 #[test]
@@ -232,7 +319,52 @@ fn debian_python_3_11_functions_become_spans() {
     if !lens_tests::require_bpf("debian_python_3_11_functions_become_spans") {
         return;
     }
-    check("/usr/bin/python3.11");
+    check("/usr/bin/python3.11", Calls::Functions);
+}
+
+/// `module:Class.method` rules: 3.10 names methods from the module's source.
+#[test]
+fn python_3_10_methods_become_spans() {
+    if !lens_tests::require_bpf("python_3_10_methods_become_spans") {
+        return;
+    }
+    check(
+        "/root/.pyenv/versions/3.10.13/bin/python3.10",
+        Calls::Methods,
+    );
+}
+
+#[test]
+fn python_3_11_methods_become_spans() {
+    if !lens_tests::require_bpf("python_3_11_methods_become_spans") {
+        return;
+    }
+    check(
+        "/root/.pyenv/versions/3.11.7/bin/python3.11",
+        Calls::Methods,
+    );
+}
+
+#[test]
+fn python_3_12_methods_become_spans() {
+    if !lens_tests::require_bpf("python_3_12_methods_become_spans") {
+        return;
+    }
+    check(
+        "/root/.pyenv/versions/3.12.1/bin/python3.12",
+        Calls::Methods,
+    );
+}
+
+#[test]
+fn python_3_13_methods_become_spans() {
+    if !lens_tests::require_bpf("python_3_13_methods_become_spans") {
+        return;
+    }
+    check(
+        "/root/.pyenv/versions/3.13.0/bin/python3.13",
+        Calls::Methods,
+    );
 }
 
 /// Collective and sync spans of a Python process name the Python function that made the

@@ -14,6 +14,9 @@ pub struct CodeLayout {
     /// `co_qualname` (3.11+) or `co_name` (3.10), and `co_filename`: `str` pointers.
     pub qualname: u64,
     pub filename: u64,
+    /// 3.10: `co_firstlineno` (an `int`), whose line in the source names the class a
+    /// method is in (`python::source`); `None` where `co_qualname` does.
+    pub firstlineno: Option<u64>,
     /// `PyASCIIObject.length`, `.state`, and where a compact ASCII string's text starts.
     pub str_length: u64,
     pub str_state: u64,
@@ -41,10 +44,16 @@ const BY_THREAD_POINTER: u32 = 1;
 
 /// `str` layout: length, state, text of a compact ASCII string (48 with the 3.10/3.11
 /// `wstr` pointer, 40 after).
-const fn code_layout(qualname: u64, filename: u64, str_data: u64) -> CodeLayout {
+const fn code_layout(
+    qualname: u64,
+    filename: u64,
+    firstlineno: Option<u64>,
+    str_data: u64,
+) -> CodeLayout {
     CodeLayout {
         qualname,
         filename,
+        firstlineno,
         str_length: 16,
         str_state: 32,
         str_data,
@@ -60,24 +69,24 @@ const fn code_layout(qualname: u64, filename: u64, str_data: u64) -> CodeLayout 
 const LAYOUTS: [Layout; 4] = [
     Layout {
         minor: 10,
-        // `co_name`: 3.10 has no `co_qualname`.
+        // `co_name` and `co_firstlineno`: 3.10 has no `co_qualname`.
         offsets: offsets(32, 8, 8, 176, BY_THREAD_POINTER, 24, NONE, 32, 24, 352),
-        code: code_layout(112, 104, 48),
+        code: code_layout(112, 104, Some(40), 48),
     },
     Layout {
         minor: 11,
         offsets: offsets(40, 16, 8, 160, BY_TID, 56, 8, 32, 48, 72),
-        code: code_layout(128, 112, 48),
+        code: code_layout(128, 112, None, 48),
     },
     Layout {
         minor: 12,
         offsets: offsets(40, 72, 8, 144, BY_TID, 56, 0, 0, 8, 72),
-        code: code_layout(128, 112, 40),
+        code: code_layout(128, 112, None, 40),
     },
     Layout {
         minor: 13,
         offsets: offsets(632, 7344, 8, 160, BY_TID, 72, NONE, 0, 8, 72),
-        code: code_layout(128, 112, 40),
+        code: code_layout(128, 112, None, 40),
     },
 ];
 
