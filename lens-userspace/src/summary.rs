@@ -7,7 +7,7 @@ use lens_common::ProbeId;
 use serde::Serialize;
 
 use crate::{
-    events::{CollectiveOp, ProbeEvent, SyncKind},
+    events::{CollectiveOp, PhaseSignal, ProbeEvent, SyncKind},
     sink::{EventSink, ProcessEnd},
     target::{ExitStatus, ProcessInfo},
 };
@@ -62,6 +62,26 @@ pub struct ProcessSummary {
     pub calls: BTreeMap<ProbeId, u64>,
     pub exit: Option<ExitStatus>,
     pub ended: bool,
+    /// A training signal or call was seen (not only library loads and the grad-mode
+    /// toggles of `import torch`).
+    active: bool,
+}
+
+impl ProcessSummary {
+    /// Whether the process did anything a training job does: a compiler, a linker,
+    /// `ldconfig` or an inductor worker (which imports torch) did not, and gets no block.
+    pub fn trained(&self) -> bool {
+        self.active
+            || self.calls.iter().any(|(probe, count)| {
+                *count > 0
+                    && !matches!(
+                        probe,
+                        ProbeId::DlDebugState
+                            | ProbeId::CudaRegisterFunction
+                            | ProbeId::TorchGradMode
+                    )
+            })
+    }
 }
 
 impl ProcessSummary {
@@ -154,6 +174,18 @@ impl EventSink for Summary {
 
     fn on_event(&mut self, event: &ProbeEvent) {
         let process = self.processes.entry(event.tgid()).or_default();
+        process.active |= match event {
+            ProbeEvent::Phase { signal, .. } => !matches!(signal, PhaseSignal::GradMode { .. }),
+            ProbeEvent::Collective { .. }
+            | ProbeEvent::SyncWait { .. }
+            | ProbeEvent::CommInit { .. }
+            | ProbeEvent::GlooCall { .. }
+            | ProbeEvent::Group { .. }
+            | ProbeEvent::EventRecorded { .. }
+            | ProbeEvent::EventQueryComplete { .. }
+            | ProbeEvent::RuleCall { .. } => true,
+            _ => false,
+        };
         match event {
             ProbeEvent::Collective {
                 timing, op, result, ..
@@ -257,7 +289,16 @@ impl Summary {
         } else if self.processes.is_empty() {
             out.push_str("lens-probe: no traced process\n");
         }
-        for (pid, process) in &self.processes {
+        let quiet = self.processes.values().filter(|p| !p.trained()).count();
+        if quiet > 0 {
+            let _ = writeln!(
+                out,
+                "lens-probe: {quiet} traced process{} without training activity (launchers, \
+                 compilers, helpers): no summary",
+                if quiet == 1 { "" } else { "es" }
+            );
+        }
+        for (pid, process) in self.processes.iter().filter(|(_, p)| p.trained()) {
             let name = process.process.as_ref().map_or("?", |p| p.name.as_str());
             let state = match (process.ended, process.exit) {
                 (false, _) => "still running".to_string(),
@@ -378,6 +419,7 @@ impl Summary {
         let processes: Vec<serde_json::Value> = self
             .processes
             .iter()
+            .filter(|(_, process)| process.trained())
             .map(|(pid, process)| {
                 let calls: BTreeMap<&str, u64> = process
                     .calls
@@ -415,6 +457,7 @@ impl Summary {
             .collect();
         serde_json::json!({
             "processes": processes,
+            "processes_without_training": self.processes.values().filter(|p| !p.trained()).count(),
             "losses": losses,
         })
     }
@@ -476,6 +519,61 @@ mod tests {
         let text = summary.render(&Losses::default());
         assert!(text.contains("all_reduce"), "{text}");
         assert!(text.contains("no events lost"), "{text}");
+    }
+
+    #[test]
+    fn processes_that_never_trained_get_no_block() {
+        let mut summary = Summary::default();
+        for (pid, name) in [(1, "python"), (2, "cc1plus"), (3, "ldconfig")] {
+            summary.on_process_start(&ProcessInfo {
+                pid,
+                name: name.into(),
+                command_line: vec![name.into()],
+                traced_from_start: true,
+                rank: None,
+                view: Default::default(),
+            });
+        }
+        // `import torch` in a compile worker toggles grad mode: not training.
+        summary.on_event(&ProbeEvent::Phase {
+            tgid: 2,
+            tid: 2,
+            at_ns: 1,
+            launches: 0,
+            epoch: 1,
+            signal: PhaseSignal::GradMode { enabled: false },
+        });
+        summary.on_event(&ProbeEvent::Phase {
+            tgid: 1,
+            tid: 1,
+            at_ns: 1,
+            launches: 0,
+            epoch: 1,
+            signal: PhaseSignal::BackwardStart,
+        });
+        for pid in 1..=3 {
+            summary.on_process_end(&ProcessEnd {
+                pid,
+                exit: Some(ExitStatus::Exited(0)),
+                calls: [(ProbeId::DlDebugState, 3)].into_iter().collect(),
+            });
+        }
+        let text = summary.render(&Losses::default());
+        assert!(
+            text.contains("lens-probe summary: pid 1 (python)"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("cc1plus") && !text.contains("ldconfig"),
+            "{text}"
+        );
+        assert!(
+            text.contains("2 traced processes without training activity"),
+            "{text}"
+        );
+        let json = summary.to_json(&Losses::default());
+        assert_eq!(json["processes"].as_array().map(Vec::len), Some(1));
+        assert_eq!(json["processes_without_training"], 2);
     }
 
     #[test]

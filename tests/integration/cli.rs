@@ -76,20 +76,24 @@ fn exit_codes_of_processes_it_did_not_start_are_reported() {
     if !lens_tests::require_bpf("exit_codes_of_processes_it_did_not_start_are_reported") {
         return;
     }
-    // Two grandchildren of lens-probe (their parent, the shell, reaps them): one exits 7,
-    // one is killed by SIGKILL. Only the kernel's exit tracepoint sees how.
-    let output = lens_probe(&[
-        "--exec",
-        "--",
-        "sh",
-        "-c",
-        "sh -c 'exit 7'; sh -c 'kill -KILL $$'; exit 0",
-    ]);
+    // Two grandchildren of lens-probe (their parent, the shell, reaps them), both
+    // training: one exits 7, one is killed by SIGKILL. Only the kernel's exit tracepoint
+    // sees how. The shells never train: they get no summary block.
+    let trainer = lens_tests::trainer();
+    let script = format!(
+        "TRAINER_EXIT_CODE=7 '{t}' 1; TRAINER_KILL_SELF=1 '{t}' 1; exit 0",
+        t = trainer.display()
+    );
+    let output = lens_probe(&["--exec", "--", "sh", "-c", &script]);
     let err = stderr(&output);
     assert_eq!(output.status.code(), Some(0), "{err}");
-    assert!(err.contains("(sh), exited 7\n"), "{err}");
-    assert!(err.contains("(sh), killed by signal 9\n"), "{err}");
-    assert!(err.contains("(sh), exited 0\n"), "{err}");
+    assert!(err.contains("(trainer), exited 7\n"), "{err}");
+    assert!(err.contains("(trainer), killed by signal 9\n"), "{err}");
+    assert!(!err.contains("(sh), exited"), "{err}");
+    assert!(
+        err.contains("lens-probe: 1 traced process without training activity"),
+        "{err}"
+    );
 }
 
 #[test]
