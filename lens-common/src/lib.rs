@@ -73,10 +73,23 @@ pub enum ProbeId {
     /// constructors call for every kernel; it pairs the host stub (what launches pass)
     /// with the kernel's mangled name, also in libraries shipped without symbols.
     CudaRegisterFunction = 39,
+    /// libtorch_python's PLT stub of `c10::AutogradState::set_tls_state(AutogradState)`:
+    /// called from there only by the `torch.inference_mode()` guard (entry and exit);
+    /// grad mode is bit 0 of the state. The engine's own per-node calls (libtorch_cpu)
+    /// do not go through it.
+    TorchInferenceMode = 40,
+    /// safetensors' `serialize_file` (Python `save_file`, `save_model`, transformers'
+    /// `save_pretrained`), entry to return: one checkpoint file written. Rust names carry
+    /// a hash, so the symbol is a glob.
+    SafetensorsSerializeFile = 41,
+    /// safetensors' `safe_open(...)` constructed: a file read (`load_file`) begins.
+    SafetensorsOpen = 42,
+    /// `safe_open.__exit__` returned: that read ended.
+    SafetensorsClose = 43,
 }
 
 impl ProbeId {
-    pub const COUNT: usize = 40;
+    pub const COUNT: usize = 44;
 
     pub const ALL: [ProbeId; Self::COUNT] = [
         ProbeId::CudaLaunchKernel,
@@ -119,6 +132,10 @@ impl ProbeId {
         ProbeId::CudaEventRecordWithFlags,
         ProbeId::CudaEventQuery,
         ProbeId::CudaRegisterFunction,
+        ProbeId::TorchInferenceMode,
+        ProbeId::SafetensorsSerializeFile,
+        ProbeId::SafetensorsOpen,
+        ProbeId::SafetensorsClose,
     ];
 
     /// A kernel or graph launch: counted in the kernel, never sent as an event, and the
@@ -238,6 +255,16 @@ impl ProbeId {
             ProbeId::CudaEventRecordWithFlags => "cudaEventRecordWithFlags",
             ProbeId::CudaEventQuery => "cudaEventQuery",
             ProbeId::CudaRegisterFunction => "__cudaRegisterFunction",
+            ProbeId::TorchInferenceMode => "_ZN3c1013AutogradState13set_tls_stateES0_@plt",
+            ProbeId::SafetensorsSerializeFile => {
+                "_ZN16safetensors_rust27__pyfunction_serialize_file17h*E"
+            }
+            ProbeId::SafetensorsOpen => {
+                "_ZN16safetensors_rust9safe_open20__pymethod___new____17h*E"
+            }
+            ProbeId::SafetensorsClose => {
+                "_ZN16safetensors_rust9safe_open21__pymethod___exit____17h*E"
+            }
         }
     }
 }

@@ -799,6 +799,23 @@ pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
     0
 }
 
+/// `torch::autograd::Engine::execute(roots, inputs, keep_graph, create_graph,
+/// accumulate_grad, outputs)` entered: sent at once with `accumulate_grad`, which tells
+/// a backward pass (`.backward()`) from `torch.autograd.grad` (graph capture). The
+/// function returns a vector by value, so the hidden return pointer takes rdi and
+/// `accumulate_grad` is the seventh integer argument, the first on the stack.
+#[uprobe]
+pub fn torch_backward_entry(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+        return 0;
+    };
+    event.count = arg_u64(&ctx, 6) & 0xff;
+    event.epoch = next_epoch(pid_tgid);
+    event.launches = launches_so_far(pid_tgid);
+    emit(&event, submit_flags());
+    0
+}
+
 /// `record_function_enter_new(const std::string& name, ...)`: the name is read here, in
 /// the kernel, while the string is alive. The function returns a class by value, so the
 /// hidden return pointer takes rdi and `name` is the second argument. libstdc++'s

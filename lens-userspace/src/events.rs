@@ -165,11 +165,21 @@ impl TorchScope {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(tag = "signal", rename_all = "snake_case")]
 pub enum PhaseSignal {
-    ScopeEnter { scope: TorchScope, name: String },
+    ScopeEnter {
+        scope: TorchScope,
+        name: String,
+    },
     ScopeExit,
+    /// `Engine::execute` with `accumulate_grad`: `.backward()`, a backward pass.
     BackwardStart,
+    /// `Engine::execute` without it: `torch.autograd.grad` (AOTAutograd's graph
+    /// capture, a gradient penalty), not a backward pass of the step.
+    GradientStart,
+    /// The return of either.
     BackwardEnd,
-    GradMode { enabled: bool },
+    GradMode {
+        enabled: bool,
+    },
     CheckpointWriteStart,
     CheckpointWriteEnd,
     CheckpointReadStart,
@@ -577,13 +587,24 @@ fn phase_signal(probe: ProbeId, raw: &Event) -> Option<PhaseSignal> {
             }
         }
         (ProbeId::TorchScopeExit, false) => PhaseSignal::ScopeExit,
-        (ProbeId::TorchBackward, false) => PhaseSignal::BackwardStart,
+        // `accumulate_grad`, read from the stack by the entry program.
+        (ProbeId::TorchBackward, false) if raw.count & 0xff != 0 => PhaseSignal::BackwardStart,
+        (ProbeId::TorchBackward, false) => PhaseSignal::GradientStart,
         (ProbeId::TorchBackward, true) => PhaseSignal::BackwardEnd,
         // `bool` in the low byte of the first argument register.
         (ProbeId::TorchGradMode, false) => PhaseSignal::GradMode {
             enabled: raw.count & 0xff != 0,
         },
-        (ProbeId::CheckpointWriterOpen, false) => PhaseSignal::CheckpointWriteStart,
+        // The `AutogradState` passed by value: grad mode is its first bit.
+        (ProbeId::TorchInferenceMode, false) => PhaseSignal::GradMode {
+            enabled: raw.count & 1 != 0,
+        },
+        (ProbeId::CheckpointWriterOpen | ProbeId::SafetensorsSerializeFile, false) => {
+            PhaseSignal::CheckpointWriteStart
+        }
+        (ProbeId::SafetensorsSerializeFile, true) => PhaseSignal::CheckpointWriteEnd,
+        (ProbeId::SafetensorsOpen, false) => PhaseSignal::CheckpointReadStart,
+        (ProbeId::SafetensorsClose, true) => PhaseSignal::CheckpointReadEnd,
         (ProbeId::CheckpointWriterClose, true) => PhaseSignal::CheckpointWriteEnd,
         (ProbeId::CheckpointReaderOpen, false) => PhaseSignal::CheckpointReadStart,
         (ProbeId::CheckpointReaderClose, true) => PhaseSignal::CheckpointReadEnd,

@@ -18,6 +18,7 @@ pub enum Program {
     DlDebugState,
     PhaseMark,
     PhaseMarkReturn,
+    TorchBackwardEntry,
     TorchScopeEnter,
     TimedCallEntry,
     DriverLaunch,
@@ -31,7 +32,7 @@ pub enum Program {
 }
 
 impl Program {
-    pub const ALL: [Program; 18] = [
+    pub const ALL: [Program; 19] = [
         Program::CountOnly,
         Program::NcclGroup,
         Program::NcclCollectiveEntry,
@@ -41,6 +42,7 @@ impl Program {
         Program::DlDebugState,
         Program::PhaseMark,
         Program::PhaseMarkReturn,
+        Program::TorchBackwardEntry,
         Program::TorchScopeEnter,
         Program::TimedCallEntry,
         Program::DriverLaunch,
@@ -63,6 +65,7 @@ impl Program {
             Program::DlDebugState => "dl_debug_state",
             Program::PhaseMark => "phase_mark",
             Program::PhaseMarkReturn => "phase_mark_return",
+            Program::TorchBackwardEntry => "torch_backward_entry",
             Program::TorchScopeEnter => "torch_scope_enter",
             Program::TimedCallEntry => "timed_call_entry",
             Program::DriverLaunch => "driver_launch",
@@ -161,7 +164,9 @@ const fn with_aliases(mut spec: ProbeSpec, aliases: &'static [&'static str]) -> 
     spec
 }
 
-use LibraryKind::{C10, CudaDriver, CudaRuntime, DynamicLoader, Nccl, TorchCpu};
+use LibraryKind::{
+    C10, CudaDriver, CudaRuntime, DynamicLoader, Nccl, Safetensors, TorchCpu, TorchPython,
+};
 use Program::*;
 
 pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
@@ -309,7 +314,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     mark(
         ProbeId::TorchBackward,
         TorchCpu,
-        Some(PhaseMark),
+        Some(TorchBackwardEntry),
         Some(PhaseMarkReturn),
         STEP_PHASES,
     ),
@@ -437,6 +442,34 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         CudaRegisterFunction,
         false,
         &[SpanGroup::Step],
+    ),
+    mark(
+        ProbeId::TorchInferenceMode,
+        TorchPython,
+        Some(PhaseMark),
+        None,
+        &[SpanGroup::Evaluate],
+    ),
+    mark(
+        ProbeId::SafetensorsSerializeFile,
+        Safetensors,
+        Some(PhaseMark),
+        Some(PhaseMarkReturn),
+        &[SpanGroup::Checkpoint],
+    ),
+    mark(
+        ProbeId::SafetensorsOpen,
+        Safetensors,
+        Some(PhaseMark),
+        None,
+        &[SpanGroup::LoadCheckpoint],
+    ),
+    mark(
+        ProbeId::SafetensorsClose,
+        Safetensors,
+        None,
+        Some(PhaseMarkReturn),
+        &[SpanGroup::LoadCheckpoint],
     ),
 ];
 

@@ -22,19 +22,25 @@ pub enum LibraryKind {
     TorchCpu,
     /// PyTorch's core `libc10.so`: grad mode.
     C10,
+    /// PyTorch's Python bindings `libtorch_python.so`: the inference-mode guard.
+    TorchPython,
+    /// safetensors' extension module `_safetensors_rust.abi3.so`: checkpoint files.
+    Safetensors,
     /// Any other file (library or program) a configured probe rule names
     /// (`crate::config`): only the rules' probes go there.
     Configured,
 }
 
 impl LibraryKind {
-    pub const ALL: [LibraryKind; 6] = [
+    pub const ALL: [LibraryKind; 8] = [
         LibraryKind::CudaRuntime,
         LibraryKind::CudaDriver,
         LibraryKind::Nccl,
         LibraryKind::DynamicLoader,
         LibraryKind::TorchCpu,
         LibraryKind::C10,
+        LibraryKind::TorchPython,
+        LibraryKind::Safetensors,
     ];
 
     /// Recognises a library by its file name (any version suffix).
@@ -49,6 +55,10 @@ impl LibraryKind {
             Some(LibraryKind::TorchCpu)
         } else if name == "libc10.so" {
             Some(LibraryKind::C10)
+        } else if name == "libtorch_python.so" {
+            Some(LibraryKind::TorchPython)
+        } else if name.starts_with("_safetensors_rust.") && name.ends_with(".so") {
+            Some(LibraryKind::Safetensors)
         } else if name.starts_with("ld-linux") && name.contains(".so") {
             Some(LibraryKind::DynamicLoader)
         } else {
@@ -64,6 +74,8 @@ impl LibraryKind {
             LibraryKind::DynamicLoader => "ld.so",
             LibraryKind::TorchCpu => "libtorch_cpu",
             LibraryKind::C10 => "libc10",
+            LibraryKind::TorchPython => "libtorch_python",
+            LibraryKind::Safetensors => "safetensors",
             LibraryKind::Configured => "the library",
         }
     }

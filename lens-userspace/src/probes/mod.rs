@@ -4,6 +4,7 @@ pub mod attach;
 pub mod calibrate;
 pub mod catalog;
 pub mod library;
+pub mod plt;
 pub mod processes;
 pub mod rules;
 pub mod symbols;

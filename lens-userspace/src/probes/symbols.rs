@@ -80,9 +80,44 @@ impl Symbols {
 ///
 /// The symbols' addresses are remembered per GNU build-id, so the same library seen
 /// through different files (containers, node mode) is scanned once.
+///
+/// A name ending in [`super::plt::SUFFIX`] (`name@plt`) is the library's PLT stub for
+/// the import `name` (see `probes::plt`); a name with `*` is a glob (Rust names end in a
+/// hash of the build), of which the first match (by name) is taken.
 pub fn resolve_symbols(path: &Path, wanted: &[&str]) -> Result<Symbols> {
     static MEMO: Memo = Mutex::new(None);
-    resolve(path, wanted, CHUNK, Some(&MEMO))
+    let (stubs, names): (Vec<&str>, Vec<&str>) = wanted
+        .iter()
+        .partition(|name| name.ends_with(super::plt::SUFFIX));
+    let (globs, plain): (Vec<&str>, Vec<&str>) = names.iter().partition(|name| name.contains('*'));
+    let mut symbols = resolve(path, &plain, CHUNK, Some(&MEMO))?;
+    if !globs.is_empty() {
+        let patterns: Vec<SymbolPattern> = globs.iter().map(|g| SymbolPattern::new(g)).collect();
+        let pattern_refs: Vec<&SymbolPattern> = patterns.iter().collect();
+        let matches = resolve_matching(path, &pattern_refs, &vec![1; globs.len()])?;
+        for (glob, found) in globs.iter().zip(matches.found) {
+            if let Some((_, symbol)) = found.into_iter().next() {
+                symbols.found.insert(glob.to_string(), symbol);
+            }
+        }
+    }
+    if !stubs.is_empty() {
+        let imports: Vec<&str> = stubs
+            .iter()
+            .map(|name| name.trim_end_matches(super::plt::SUFFIX))
+            .collect();
+        for (name, offset) in super::plt::stub_offsets(path, &imports)? {
+            symbols.found.insert(
+                format!("{name}{}", super::plt::SUFFIX),
+                Symbol {
+                    offset,
+                    version: None,
+                    other_versions: Vec::new(),
+                },
+            );
+        }
+    }
+    Ok(symbols)
 }
 
 /// [`resolve_symbols`], offsets only.

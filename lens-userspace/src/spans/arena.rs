@@ -88,6 +88,15 @@ impl SpanArena {
         }
     }
 
+    /// Where a call made inside open span `parent` is shown: the exported span it hangs
+    /// on and the group it takes (see [`Self::call_record`]).
+    pub fn placement_in(&self, parent: SpanId) -> Placement {
+        Placement {
+            parent: self.export_parent(Some(parent)),
+            group: self.export_group(Some(parent)).unwrap_or(SpanGroup::Step),
+        }
+    }
+
     /// The group of the nearest enabled span at or above `parent` (detail spans take it).
     fn export_group(&self, parent: Option<SpanId>) -> Option<SpanGroup> {
         let id = self.export_parent(parent)?;
@@ -224,5 +233,21 @@ impl SpanArena {
             record.status = SpanStatus::Error(message);
         }
         record
+    }
+}
+
+/// Where a call's span is shown: its exported parent and the group it carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub parent: Option<SpanId>,
+    pub group: SpanGroup,
+}
+
+impl Placement {
+    /// Moves `record` (a call's span) there.
+    pub fn apply(self, record: &mut SpanRecord) {
+        record.parent = self.parent;
+        record.group = self.group;
+        record.set_attr(semconv::NEMO_SPAN_GROUP, self.group.name());
     }
 }

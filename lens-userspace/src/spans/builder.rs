@@ -8,7 +8,7 @@ use std::{
 
 use super::{
     AttrValue, Attributes, SpanExporter, SpanId, SpanRecord,
-    arena::{IdSource, SpanArena},
+    arena::{IdSource, Placement, SpanArena},
     collectives::{CollectiveComm, Collectives},
     monotonic_now_ns, names,
     phases::{ProcessContext, ThreadPhases},
@@ -51,7 +51,29 @@ struct ProcessSpans {
     ruled: BTreeSet<SpanGroup>,
     /// `dl.iteration` of the next step a rule opens.
     rule_iteration: u64,
+    /// Calls made while their thread's phase was not known yet (see
+    /// `ThreadPhases::current_phase`), by span id; placed by time once it is.
+    unplaced: HashMap<SpanId, HeldCall>,
+    /// Released spans of such calls, waiting for their placement.
+    waiting: Vec<SpanRecord>,
+    /// Placements decided for calls the collective tracker still holds.
+    placed: HashMap<SpanId, Placement>,
 }
+
+/// A call whose phase was not known when it arrived.
+#[derive(Clone, Copy, Debug)]
+struct HeldCall {
+    /// The thread whose phases place it (its own, or the loop thread's).
+    owner: u32,
+    start_ns: u64,
+}
+
+/// Calls held for placement per process, at most: past it the oldest are placed where
+/// they would be shown now (memory stays bounded whatever the job does).
+const MAX_HELD_CALLS: usize = 4096;
+/// A call held this long is placed with what is known (a phase that never resolves:
+/// a step whose backward never comes).
+const HELD_CALL_TIMEOUT_NS: u64 = 30_000_000_000;
 
 /// Routes a process's finished spans: to the exporter once it is exporting, else held.
 struct ProcessOutput<'a> {
@@ -149,10 +171,17 @@ impl<E: SpanExporter> SpanBuilder<E> {
     /// Sends spans the collective tracker released, each through its process (held
     /// there while the process has not shown training).
     fn send_released(&mut self, spans: Vec<SpanRecord>) {
-        for span in spans {
+        for mut span in spans {
             let Some(process) = self.processes.get_mut(&span.pid) else {
                 continue;
             };
+            if process.unplaced.contains_key(&span.id) {
+                process.waiting.push(span);
+                continue;
+            }
+            if let Some(placement) = process.placed.remove(&span.id) {
+                placement.apply(&mut span);
+            }
             let mut output = ProcessOutput {
                 exporting: process.exporting,
                 held: &mut process.held,
@@ -160,6 +189,78 @@ impl<E: SpanExporter> SpanBuilder<E> {
             };
             output.export(span);
             process.export_if_training(&mut self.exporter, &self.groups);
+        }
+    }
+
+    /// Places the held calls of `pid` that `which` selects (owner thread, start), each in
+    /// the phase of its owner thread that holds its start, else where it was shown when
+    /// it arrived; those already released go out.
+    fn place_held(&mut self, pid: u32, which: impl Fn(u32, u64) -> bool) {
+        let Some(process) = self.processes.get_mut(&pid) else {
+            return;
+        };
+        let chosen: Vec<(SpanId, HeldCall)> = process
+            .unplaced
+            .iter()
+            .filter(|(_, call)| which(call.owner, call.start_ns))
+            .map(|(id, call)| (*id, *call))
+            .collect();
+        if chosen.is_empty() {
+            return;
+        }
+        for (id, call) in &chosen {
+            process.unplaced.remove(id);
+            let placement = process
+                .threads
+                .get(&call.owner)
+                .and_then(|thread| thread.phase_at(call.start_ns));
+            if let Some(placement) = placement {
+                process.placed.insert(*id, placement);
+            }
+        }
+        let (ready, still): (Vec<SpanRecord>, Vec<SpanRecord>) = process
+            .waiting
+            .drain(..)
+            .partition(|span| !process.unplaced.contains_key(&span.id));
+        process.waiting = still;
+        self.send_released(ready);
+    }
+
+    /// Past [`MAX_HELD_CALLS`] held in `pid`, the oldest quarter is placed now; past
+    /// [`HELD_CALL_TIMEOUT_NS`], any.
+    fn bound_held(&mut self, pid: u32, now_ns: u64) {
+        let Some(process) = self.processes.get(&pid) else {
+            return;
+        };
+        let mut threshold = now_ns.saturating_sub(HELD_CALL_TIMEOUT_NS);
+        if process.unplaced.len() > MAX_HELD_CALLS {
+            let mut starts: Vec<u64> = process.unplaced.values().map(|c| c.start_ns).collect();
+            starts.sort_unstable();
+            threshold = threshold.max(starts[starts.len() / 4]);
+        }
+        if process.unplaced.values().any(|c| c.start_ns <= threshold) {
+            self.place_held(pid, |_, start| start <= threshold);
+        }
+    }
+
+    /// The held calls of `tid` (as owner) go to their phases once its phase is known.
+    fn place_when_known(&mut self, pid: u32, tid: u32) {
+        let known = self.processes.get_mut(&pid).is_some_and(|process| {
+            let Some(thread) = process.threads.get(&tid) else {
+                return true;
+            };
+            let ctx = ProcessContext {
+                arena: &mut process.arena,
+                ids: &mut self.ids,
+                out: &mut crate::spans::SpanLog::default(),
+                job: process.job,
+                model_init: &mut process.model_init,
+                ruled: &process.ruled,
+            };
+            thread.current_phase(&ctx).is_some()
+        });
+        if known {
+            self.place_held(pid, |owner, _| owner == tid);
         }
     }
 
@@ -213,6 +314,9 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 communicators: HashMap::new(),
                 ruled: BTreeSet::new(),
                 rule_iteration: 0,
+                unplaced: HashMap::new(),
+                waiting: Vec::new(),
+                placed: HashMap::new(),
             },
         );
     }
@@ -233,6 +337,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
         // Its collectives go out with what is known before its spans close.
         let released = self.collectives.process_ended(pid);
         self.send_released(released);
+        self.place_held(pid, |_, _| true);
         let Some(mut process) = self.processes.remove(&pid) else {
             return;
         };
@@ -366,10 +471,12 @@ impl<E: SpanExporter> SpanBuilder<E> {
         }
         // Threads come and go (workers, per-step helpers): keep state only for those
         // with something open.
-        if thread.is_idle() && process.loop_thread != Some(tid) {
+        let idle = thread.is_idle() && process.loop_thread != Some(tid);
+        process.export_if_training(&mut self.exporter, &self.groups);
+        self.place_when_known(tgid, tid);
+        if idle && let Some(process) = self.processes.get_mut(&tgid) {
             process.threads.remove(&tid);
         }
-        process.export_if_training(&mut self.exporter, &self.groups);
     }
 
     /// Entry or return of a function a configured rule names: a span of the rule's
@@ -460,10 +567,12 @@ impl<E: SpanExporter> SpanBuilder<E> {
         if process.loop_thread.is_none() && thread.is_active() {
             process.loop_thread = Some(tid);
         }
-        if thread.is_idle() && process.loop_thread != Some(tid) {
+        let idle = thread.is_idle() && process.loop_thread != Some(tid);
+        process.export_if_training(&mut self.exporter, &self.groups);
+        self.place_when_known(*tgid, tid);
+        if idle && let Some(process) = self.processes.get_mut(tgid) {
             process.threads.remove(&tid);
         }
-        process.export_if_training(&mut self.exporter, &self.groups);
     }
 
     fn on_call(
@@ -476,6 +585,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
         if let Some(record) = self.call_record(timing, name, attributes, result) {
             self.send_released(vec![record]);
         }
+        self.bound_held(timing.tgid, timing.end_ns);
     }
 
     /// The span of a call, child of the phase its thread (or the loop thread) is in.
@@ -487,12 +597,13 @@ impl<E: SpanExporter> SpanBuilder<E> {
         result: i32,
     ) -> Option<SpanRecord> {
         let process = self.processes.get_mut(&timing.tgid)?;
-        let own = process.threads.get(&timing.tid).filter(|t| t.is_active());
-        let thread = own.or_else(|| {
-            process
-                .loop_thread
-                .and_then(|tid| process.threads.get(&tid))
-        });
+        let own = process
+            .threads
+            .get(&timing.tid)
+            .filter(|t| t.is_active())
+            .map(|_| timing.tid);
+        let owner = own.or(process.loop_thread);
+        let thread = owner.and_then(|tid| process.threads.get(&tid));
         let mut output = ProcessOutput {
             exporting: process.exporting,
             held: &mut process.held,
@@ -506,16 +617,19 @@ impl<E: SpanExporter> SpanBuilder<E> {
             model_init: &mut process.model_init,
             ruled: &process.ruled,
         };
-        let parent = match thread {
-            Some(thread) => thread.innermost(&ctx),
-            None => ctx.model_init.unwrap_or(ctx.job),
+        let phase = match thread {
+            Some(thread) => thread.current_phase(&ctx),
+            None => Some(ctx.model_init.unwrap_or(ctx.job)),
         };
+        // Not known yet: shown where it would be now unless a phase that begins later
+        // turns out to hold it.
+        let parent = phase.unwrap_or_else(|| ctx.model_init.unwrap_or(ctx.job));
         let mut attributes = attributes;
         let error = (result != 0).then(|| format!("{name} returned {result}"));
         if result != 0 {
             attributes.push((semconv::DL_CALL_RESULT, result.into()));
         }
-        Some(ctx.arena.call_record(
+        let record = ctx.arena.call_record(
             ctx.ids,
             name,
             Some(parent),
@@ -524,7 +638,19 @@ impl<E: SpanExporter> SpanBuilder<E> {
             timing.end_ns,
             attributes,
             error,
-        ))
+        );
+        if phase.is_none()
+            && let Some(owner) = owner
+        {
+            process.unplaced.insert(
+                record.id,
+                HeldCall {
+                    owner,
+                    start_ns: timing.start_ns,
+                },
+            );
+        }
+        Some(record)
     }
 }
 
@@ -605,6 +731,7 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 });
                 let released = self.collectives.add(record, *op, *stream, comm);
                 self.send_released(released);
+                self.bound_held(timing.tgid, timing.end_ns);
             }
             ProbeEvent::GlooCall { timing, op } => {
                 let attributes = vec![
@@ -712,9 +839,12 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
         if self.processes.get(&pid).is_some_and(|p| p.exporting) {
             self.exporter.process_calls(pid, calls);
         }
-        // Read periodically while processes run: collectives held too long go out.
-        let released = self.collectives.expire(monotonic_now_ns());
+        // Read periodically while processes run: collectives held too long go out, and
+        // calls whose phase never became known.
+        let now = monotonic_now_ns();
+        let released = self.collectives.expire(now);
         self.send_released(released);
+        self.bound_held(pid, now);
     }
 
     fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 
 use super::{
     Attributes, SpanEvent, SpanExporter, SpanId,
-    arena::{IdSource, SpanArena},
+    arena::{IdSource, Placement, SpanArena},
     names,
 };
 use crate::{
@@ -69,6 +69,40 @@ struct Step {
     optimizer_end: Option<u64>,
 }
 
+/// A span of this thread's phases with its time range, kept for a while after it ended:
+/// calls held until their phase was known are placed by time (see `phase_at`).
+#[derive(Clone, Copy, Debug)]
+struct Interval {
+    span: SpanId,
+    start: u64,
+    end: Option<u64>,
+    /// Where a call inside it is shown.
+    placement: Placement,
+}
+
+/// How many recent phase spans `phase_at` can place a held call in.
+const RECENT_INTERVALS: usize = 32;
+
+/// An evaluation loop that may be starting: grad mode off between steps.
+#[derive(Clone, Copy, Debug)]
+struct EvalCandidate {
+    /// Where the evaluation starts if confirmed.
+    start: u64,
+    /// A batch was fetched before grad mode went off (transformers' `evaluation_loop`
+    /// fetches outside its per-batch `no_grad`): the candidate outlives the switch back
+    /// on and is confirmed by the next fetch unless a backward pass comes first.
+    fetched_first: bool,
+}
+
+#[derive(Debug)]
+struct Evaluate {
+    span: SpanId,
+    /// Grad mode was switched back on at this time: the loop may be over, or may go on
+    /// (a batch per `no_grad` block, a recompile toggling grad mode). It ends here when
+    /// the next other phase begins, else it goes on when grad mode goes off again.
+    ended_at: Option<u64>,
+}
+
 /// A `checkpoint` or `load_checkpoint` span: files written/read back to back share it.
 #[derive(Debug)]
 struct FileSpan {
@@ -85,15 +119,32 @@ pub(super) struct ThreadPhases {
     syncing: bool,
     scopes: Vec<TorchScope>,
     grad_enabled: bool,
+    /// When grad mode was last switched on.
+    grad_on_at: u64,
     /// End of the last top-level phase (step, evaluate, checkpoint); a step starts here
     /// unless a batch fetch came later.
     boundary: Option<u64>,
-    /// Start of the last DataLoader fetch since `boundary`, outside evaluation.
+    /// Start of the first DataLoader fetch since `boundary`, outside evaluation.
     pending_fetch: Option<u64>,
-    /// Grad mode was switched off between steps at this time: evaluation if a batch is
-    /// fetched before it is switched back on.
-    eval_candidate: Option<u64>,
-    evaluate: Option<SpanId>,
+    /// Start of the first DataLoader fetch since the last training work (a backward
+    /// pass, an optimizer step): a `no_grad` block after it may be an evaluation batch.
+    /// Unlike `pending_fetch` it does not depend on the step probes being in.
+    fetch_since_training: Option<u64>,
+    /// Grad mode was switched off between steps: evaluation if a batch is fetched next.
+    eval_candidate: Option<EvalCandidate>,
+    evaluate: Option<Evaluate>,
+    /// An `Optimizer.step` scope entered at this time whose span is not open yet: a
+    /// closure (`optimizer.step(closure)`, as Lightning calls it) may first run the last
+    /// microbatch's forward and backward inside it.
+    optimizer_pending: Option<u64>,
+    /// The backward pass running now was started by such a closure: the optimizer
+    /// begins where it ends.
+    closure_backward: bool,
+    /// Per `Engine::execute` call running on this thread, outermost first: whether it
+    /// is a backward pass (`accumulate_grad`) or `torch.autograd.grad`.
+    engine_calls: Vec<bool>,
+    /// Recent phase spans with their times, oldest first.
+    recent: std::collections::VecDeque<Interval>,
     step: Option<Step>,
     checkpoint: Option<FileSpan>,
     load_checkpoint: Option<FileSpan>,
@@ -111,10 +162,16 @@ impl ThreadPhases {
             syncing: !traced_from_start,
             scopes: Vec::new(),
             grad_enabled: true,
+            grad_on_at: 0,
             boundary: None,
             pending_fetch: None,
+            fetch_since_training: None,
             eval_candidate: None,
             evaluate: None,
+            optimizer_pending: None,
+            closure_backward: false,
+            engine_calls: Vec::new(),
+            recent: std::collections::VecDeque::new(),
             step: None,
             checkpoint: None,
             load_checkpoint: None,
@@ -142,10 +199,13 @@ impl ThreadPhases {
             && self.scopes.is_empty()
             && self.grad_enabled
             && self.pending_fetch.is_none()
+            && self.fetch_since_training.is_none()
             && self.eval_candidate.is_none()
             && self.checkpoint.is_none()
             && self.load_checkpoint.is_none()
             && self.backward_depth == 0
+            && self.engine_calls.is_empty()
+            && self.optimizer_pending.is_none()
             && self.rule_spans.is_empty()
     }
 
@@ -155,10 +215,53 @@ impl ThreadPhases {
             .any(|s| matches!(s, TorchScope::OptimizerStep | TorchScope::OptimizerZeroGrad))
     }
 
+    fn in_optimizer_step_scope(&self) -> bool {
+        self.scopes.contains(&TorchScope::OptimizerStep)
+    }
+
     fn step_running(&self) -> bool {
         self.step
             .as_ref()
             .is_some_and(|s| s.optimizer_end.is_none())
+    }
+
+    /// Opens a phase span and remembers its time range for `phase_at`.
+    fn open_phase(
+        &mut self,
+        ctx: &mut ProcessContext<'_>,
+        name: &'static str,
+        group: SpanGroup,
+        parent: SpanId,
+        at: u64,
+    ) -> SpanId {
+        let span = ctx.open(name, group, parent, self.tid, at);
+        if self.recent.len() == RECENT_INTERVALS {
+            self.recent.pop_front();
+        }
+        let placement = ctx.arena.placement_in(span);
+        self.recent.push_back(Interval {
+            span,
+            start: at,
+            end: None,
+            placement,
+        });
+        span
+    }
+
+    fn note_closed(&mut self, span: SpanId, at: u64) {
+        if let Some(interval) = self.recent.iter_mut().rev().find(|i| i.span == span) {
+            interval.end = Some(at);
+        }
+    }
+
+    fn close_phase(&mut self, ctx: &mut ProcessContext<'_>, span: SpanId, at: u64) {
+        ctx.close(span, at);
+        self.note_closed(span, at);
+    }
+
+    fn truncate_phase(&mut self, ctx: &mut ProcessContext<'_>, span: SpanId, at: u64) {
+        ctx.truncate(span, at);
+        self.note_closed(span, at);
     }
 
     /// The innermost open span of this thread: where a call made now belongs.
@@ -169,8 +272,8 @@ impl ThreadPhases {
         if let Some((_, span)) = self.rule_spans.last() {
             return *span;
         }
-        if let Some(evaluate) = self.evaluate {
-            return evaluate;
+        if let Some(evaluate) = self.evaluate.as_ref().filter(|e| e.ended_at.is_none()) {
+            return evaluate.span;
         }
         // A complete step (its optimizer work returned) ends there: a call after it (a
         // logging all-reduce, a barrier) is between steps, not inside the last one.
@@ -183,11 +286,68 @@ impl ThreadPhases {
         ctx.model_init.unwrap_or(ctx.job)
     }
 
+    /// Where a call made now belongs, or `None` while that is not known yet: between
+    /// phases (a forward pass runs before the backward that opens its step), while an
+    /// `Optimizer.step` may still run a closure, or after an evaluation batch (more may
+    /// come). Such calls are held and placed by time once it is (`phase_at`).
+    pub fn current_phase(&self, ctx: &ProcessContext<'_>) -> Option<SpanId> {
+        if self.checkpoint.is_some()
+            || self.load_checkpoint.is_some()
+            || !self.rule_spans.is_empty()
+        {
+            return Some(self.innermost(ctx));
+        }
+        if let Some(evaluate) = &self.evaluate {
+            return evaluate.ended_at.is_none().then_some(evaluate.span);
+        }
+        if let Some(step) = self.step.as_ref().filter(|s| s.optimizer_end.is_none()) {
+            if self.optimizer_pending.is_some() && step.optimizer.is_none() {
+                return None;
+            }
+            return Some(self.innermost(ctx));
+        }
+        let in_loop = self.is_active()
+            || self.pending_fetch.is_some()
+            || self.eval_candidate.is_some()
+            || self.optimizer_pending.is_some();
+        (!in_loop).then(|| self.innermost(ctx))
+    }
+
+    /// The innermost phase span of this thread whose time range holds `at` (open ones
+    /// reach to now), among the recent ones.
+    pub fn phase_at(&self, at: u64) -> Option<Placement> {
+        // Open spans that are over in all but name: a complete step (its optimizer work
+        // returned) and an evaluation whose grad mode came back on.
+        let ended = |span: SpanId| {
+            let step = self
+                .step
+                .as_ref()
+                .filter(|s| s.span == span || s.optimizer == Some(span))
+                .and_then(|s| s.optimizer_end);
+            let evaluate = self
+                .evaluate
+                .as_ref()
+                .filter(|e| e.span == span)
+                .and_then(|e| e.ended_at);
+            step.or(evaluate)
+        };
+        self.recent
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| {
+                i.start <= at && i.end.or_else(|| ended(i.span)).is_none_or(|end| at <= end)
+            })
+            .max_by_key(|(index, i)| (i.start, *index))
+            .map(|(_, i)| i.placement)
+    }
+
     pub fn on_signal(&mut self, ctx: &mut ProcessContext<'_>, at: u64, signal: &PhaseSignal) {
         // A group configured rules took over: torch's signals for it are not used.
         let ruled = |group| ctx.ruled.contains(&group);
         let taken = match signal {
-            PhaseSignal::BackwardStart | PhaseSignal::BackwardEnd => ruled(SpanGroup::Step),
+            PhaseSignal::BackwardStart | PhaseSignal::GradientStart | PhaseSignal::BackwardEnd => {
+                ruled(SpanGroup::Step)
+            }
             PhaseSignal::GradMode { .. } => ruled(SpanGroup::Evaluate),
             PhaseSignal::CheckpointWriteStart | PhaseSignal::CheckpointWriteEnd => {
                 ruled(SpanGroup::Checkpoint)
@@ -204,26 +364,37 @@ impl ThreadPhases {
             signal,
             PhaseSignal::CheckpointWriteStart | PhaseSignal::CheckpointWriteEnd
         ) {
-            Self::settle_files(&mut self.checkpoint, &mut self.boundary, ctx);
+            self.settle_files(ctx, SpanGroup::Checkpoint);
         }
         if !matches!(
             signal,
             PhaseSignal::CheckpointReadStart | PhaseSignal::CheckpointReadEnd
         ) {
-            Self::settle_files(&mut self.load_checkpoint, &mut self.boundary, ctx);
+            self.settle_files(ctx, SpanGroup::LoadCheckpoint);
         }
         match signal {
             PhaseSignal::ScopeEnter { scope, .. } => self.scope_enter(ctx, at, *scope),
             PhaseSignal::ScopeExit => {
                 if !ctx.ruled.contains(&SpanGroup::Step) {
-                    self.scope_exit(at);
+                    self.scope_exit(ctx, at);
                 } else {
                     self.scopes.pop();
                 }
             }
-            PhaseSignal::BackwardStart => self.backward_start(ctx, at),
-            PhaseSignal::BackwardEnd => self.backward_end(ctx, at),
-            PhaseSignal::GradMode { enabled } => self.grad_mode(ctx, at, *enabled),
+            PhaseSignal::BackwardStart => {
+                self.engine_calls.push(true);
+                self.backward_start(ctx, at);
+            }
+            // `torch.autograd.grad` (AOTAutograd's graph capture, a gradient penalty):
+            // not a backward pass of the step.
+            PhaseSignal::GradientStart => self.engine_calls.push(false),
+            PhaseSignal::BackwardEnd => {
+                // An end without its start began before we attached.
+                if self.engine_calls.pop() == Some(true) {
+                    self.backward_end(ctx, at);
+                }
+            }
+            PhaseSignal::GradMode { enabled } => self.grad_mode(at, *enabled),
             PhaseSignal::CheckpointWriteStart => self.file_open(ctx, at, SpanGroup::Checkpoint),
             PhaseSignal::CheckpointWriteEnd => Self::file_close(&mut self.checkpoint, at),
             PhaseSignal::CheckpointReadStart => self.file_open(ctx, at, SpanGroup::LoadCheckpoint),
@@ -234,20 +405,32 @@ impl ThreadPhases {
     fn scope_enter(&mut self, ctx: &mut ProcessContext<'_>, at: u64, scope: TorchScope) {
         self.scopes.push(scope);
         match scope {
-            TorchScope::DataLoaderNext => {
-                if self.evaluate.is_some() {
-                    // An evaluation batch.
-                } else if let Some(start) = self.eval_candidate {
-                    self.evaluate_begins(ctx, start);
-                } else if !self.step_running() {
-                    self.pending_fetch = Some(at);
-                }
-            }
+            TorchScope::DataLoaderNext => self.batch_fetched(ctx, at),
             TorchScope::OptimizerStep if ctx.ruled.contains(&SpanGroup::Step) => {}
-            TorchScope::OptimizerStep => self.optimizer_begins(ctx, at),
+            TorchScope::OptimizerStep => self.optimizer_scope_enter(ctx, at),
             TorchScope::OptimizerZeroGrad => {
-                // zero_grad right after step: still the optimizer's work.
-                if let Some(step) = self.step.as_mut().filter(|s| s.optimizer.is_some()) {
+                let nested = self.scopes.len() > 1 && self.in_optimizer_step_scope();
+                // A running step whose backward passes are done reaches `zero_grad` with
+                // no `Optimizer.step` scope seen: the update ran without one
+                // (`torch.compile(opt.step)`), between the last backward and here.
+                if let Some(step) = self.step.as_ref()
+                    && step.optimizer.is_none()
+                    && step.optimizer_end.is_none()
+                    && step.microbatches > 0
+                    && self.backward_depth == 0
+                    && self.optimizer_pending.is_none()
+                    && !nested
+                {
+                    let since = step.last_backward_end;
+                    self.optimizer_begins(ctx, since);
+                }
+                // zero_grad right after step: still the optimizer's work. Not after a
+                // fetch (the next batch's), nor inside another `Optimizer.step` (the next
+                // step's closure, as Lightning runs it).
+                if let Some(step) = self.step.as_mut().filter(|s| s.optimizer.is_some())
+                    && self.pending_fetch.is_none()
+                    && !nested
+                {
                     step.optimizer_end = None;
                 }
             }
@@ -255,7 +438,55 @@ impl ThreadPhases {
         }
     }
 
-    fn scope_exit(&mut self, at: u64) {
+    /// A DataLoader fetch: an evaluation batch, the first batch of the next step, or
+    /// the next microbatch of the running one.
+    fn batch_fetched(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
+        self.fetch_since_training.get_or_insert(at);
+        if let Some(evaluate) = &self.evaluate {
+            // With grad mode on again the loop may be over: this batch may be the next
+            // step's (or the evaluation's next, if grad mode goes off again).
+            if evaluate.ended_at.is_some() && self.pending_fetch.is_none() {
+                self.pending_fetch = Some(at);
+            }
+        } else if let Some(candidate) = self.eval_candidate {
+            self.evaluate_begins(ctx, candidate.start);
+        } else if !self.step_running() {
+            // A complete step is over once the next batch is fetched: optimizer work
+            // after this (a zero_grad) belongs to the next.
+            self.finish_step(ctx);
+            if self.pending_fetch.is_none() {
+                self.pending_fetch = Some(at);
+            }
+        }
+    }
+
+    /// `Optimizer.step` entered. Its span opens when it is known where the update
+    /// begins: at the end of a closure's backward pass if one runs first, else here.
+    fn optimizer_scope_enter(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
+        self.fetch_since_training = None;
+        if self.syncing {
+            return;
+        }
+        if self.evaluate.as_ref().is_some_and(|e| e.ended_at.is_some()) {
+            // Training again (without backward probes, the first sign of it).
+            self.end_evaluation(ctx, at);
+        }
+        match self.step.as_mut() {
+            // More optimizer work of the same step (a second optimizer).
+            Some(step) if step.optimizer.is_some() && self.pending_fetch.is_none() => {
+                step.optimizer_end = None;
+            }
+            Some(step) if step.optimizer.is_some() => {
+                self.finish_step(ctx);
+                self.optimizer_pending.get_or_insert(at);
+            }
+            _ => {
+                self.optimizer_pending.get_or_insert(at);
+            }
+        }
+    }
+
+    fn scope_exit(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
         let Some(scope) = self.scopes.pop() else {
             // Entered before we attached.
             return;
@@ -271,11 +502,20 @@ impl ThreadPhases {
             self.syncing = false;
             self.boundary = Some(at);
             self.pending_fetch = None;
+            self.optimizer_pending = None;
             return;
         }
+        if scope == TorchScope::OptimizerStep
+            && !self.in_optimizer_step_scope()
+            && let Some(start) = self.optimizer_pending.take()
+        {
+            // No closure ran a backward pass: the update began at the scope's entry.
+            self.optimizer_begins(ctx, start);
+        }
+        let nested = self.in_optimizer_step_scope();
         match self.step.as_mut() {
-            Some(step) if step.optimizer.is_some() => step.optimizer_end = Some(at),
-            None if self.pending_fetch.is_none() => {
+            Some(step) if step.optimizer.is_some() && !nested => step.optimizer_end = Some(at),
+            None if self.pending_fetch.is_none() && !nested => {
                 // zero_grad between steps (top of the loop): the next step starts after it.
                 self.boundary = Some(self.boundary.map_or(at, |b| b.max(at)));
             }
@@ -283,14 +523,22 @@ impl ThreadPhases {
         }
     }
 
-    /// A step begins with its first backward pass; it started at the last batch fetch
+    /// A step begins with its first backward pass; it started at the first batch fetch
     /// before it (or at the previous phase's end, when batches come from elsewhere).
     fn backward_start(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
         self.backward_depth += 1;
-        if self.backward_depth > 1 || self.syncing || self.evaluate.is_some() {
+        self.fetch_since_training = None;
+        if self.backward_depth > 1 || self.syncing {
             return;
         }
+        // The step takes over from an evaluation that was over, or a candidate.
+        self.eval_candidate = None;
+        self.end_evaluation(ctx, at);
         self.backward_start = at;
+        // A closure's backward inside `Optimizer.step`, before its update: the last
+        // microbatch of the step.
+        self.closure_backward = self.optimizer_pending.is_some()
+            && self.step.as_ref().is_none_or(|s| s.optimizer.is_none());
         if self.step_running() {
             // Another microbatch of the same step, or a closure optimizer (LBFGS) running
             // backward inside its step.
@@ -304,15 +552,15 @@ impl ThreadPhases {
             (None, None) => at,
         };
         ctx.end_model_init(start);
-        let span = ctx.open(names::STEP, SpanGroup::Step, ctx.job, self.tid, start);
+        let span = self.open_phase(ctx, names::STEP, SpanGroup::Step, ctx.job, start);
         ctx.arena
             .set_attr(span, semconv::DL_ITERATION, self.iteration);
         self.iteration += 1;
-        let forward_backward = ctx.open(
+        let forward_backward = self.open_phase(
+            ctx,
             names::FORWARD_BACKWARD,
             SpanGroup::ForwardBackward,
             span,
-            self.tid,
             start,
         );
         self.step = Some(Step {
@@ -356,6 +604,11 @@ impl ThreadPhases {
         );
         step.microbatches += 1;
         step.last_backward_end = at;
+        if std::mem::take(&mut self.closure_backward) {
+            // The closure's backward is done: what follows in `Optimizer.step` is the update.
+            self.optimizer_pending = None;
+            self.optimizer_begins(ctx, at);
+        }
     }
 
     /// `forward_backward` ends at its last backward; `optimizer` runs from the first
@@ -364,22 +617,27 @@ impl ThreadPhases {
         if self.syncing {
             return;
         }
-        let tid = self.tid;
         let Some(step) = self.step.as_mut() else {
             return;
         };
-        if let Some(forward_backward) = step.forward_backward.take() {
-            ctx.arena.set_attr(
-                forward_backward,
-                semconv::DL_MICROBATCH_COUNT,
-                step.microbatches,
-            );
-            ctx.close(forward_backward, step.last_backward_end);
-        }
         step.optimizer_end = None;
-        if step.optimizer.is_none() {
-            step.optimizer =
-                Some(ctx.open(names::OPTIMIZER, SpanGroup::Optimizer, step.span, tid, at));
+        let (span, fb, microbatches, fb_end) = (
+            step.span,
+            step.forward_backward.take(),
+            step.microbatches,
+            step.last_backward_end,
+        );
+        let open = step.optimizer.is_none();
+        if let Some(forward_backward) = fb {
+            ctx.arena
+                .set_attr(forward_backward, semconv::DL_MICROBATCH_COUNT, microbatches);
+            self.close_phase(ctx, forward_backward, fb_end);
+        }
+        if open {
+            let optimizer = self.open_phase(ctx, names::OPTIMIZER, SpanGroup::Optimizer, span, at);
+            if let Some(step) = self.step.as_mut() {
+                step.optimizer = Some(optimizer);
+            }
         }
     }
 
@@ -390,48 +648,88 @@ impl ThreadPhases {
         };
         let end = step.optimizer_end.unwrap_or(step.last_backward_end);
         if let Some(optimizer) = step.optimizer {
-            ctx.close(optimizer, end);
+            self.close_phase(ctx, optimizer, end);
         }
-        ctx.close(step.span, end);
+        self.close_phase(ctx, step.span, end);
         self.boundary = Some(end);
     }
 
-    fn grad_mode(&mut self, ctx: &mut ProcessContext<'_>, at: u64, enabled: bool) {
+    fn grad_mode(&mut self, at: u64, enabled: bool) {
         if enabled == self.grad_enabled {
             return;
         }
         self.grad_enabled = enabled;
-        if !enabled {
-            // Inside the optimizer or between backward passes it is the step's own work.
-            if !self.in_optimizer_scope() && !self.step_running() {
-                self.eval_candidate = Some(at);
+        if enabled {
+            self.grad_on_at = at;
+        }
+        if self.in_optimizer_scope() {
+            // The optimizer's own `no_grad`: neither evaluation nor its end.
+            return;
+        }
+        if let Some(evaluate) = self.evaluate.as_mut() {
+            // Inside an evaluation loop grad mode may go on and off (per batch, around a
+            // recompile): the loop goes on until another phase begins.
+            if enabled {
+                evaluate.ended_at = Some(at);
+            } else {
+                evaluate.ended_at = None;
+                // The batch fetched meanwhile was the evaluation's.
+                self.pending_fetch = None;
             }
             return;
         }
-        self.eval_candidate = None;
-        if let Some(evaluate) = self.evaluate.take() {
-            ctx.close(evaluate, at);
-            self.boundary = Some(at);
-            self.pending_fetch = None;
+        if !enabled {
+            // Inside the optimizer or between backward passes it is the step's own work.
+            if !self.in_optimizer_scope() && !self.step_running() {
+                self.eval_candidate = Some(match self.fetch_since_training {
+                    Some(fetch) => EvalCandidate {
+                        start: fetch,
+                        fetched_first: true,
+                    },
+                    None => EvalCandidate {
+                        start: at,
+                        fetched_first: false,
+                    },
+                });
+            }
+            return;
+        }
+        // A `no_grad` block without a batch in it (an EMA update, logging) is not
+        // evaluation, unless a batch came just before it (a per-batch `no_grad`).
+        if self.eval_candidate.is_some_and(|c| !c.fetched_first) {
+            self.eval_candidate = None;
         }
     }
 
-    /// Evaluation: a DataLoader fetch with grad mode off between steps. It began when grad
-    /// mode was switched off.
+    /// Evaluation: a DataLoader fetch after grad mode went off between steps. It began
+    /// when grad mode was switched off, or at the batch fetched just before that.
     fn evaluate_begins(&mut self, ctx: &mut ProcessContext<'_>, start: u64) {
         self.finish_step(ctx);
         ctx.end_model_init(start);
-        self.evaluate = Some(ctx.open(
-            names::EVALUATE,
-            SpanGroup::Evaluate,
-            ctx.job,
-            self.tid,
-            start,
-        ));
+        let span = self.open_phase(ctx, names::EVALUATE, SpanGroup::Evaluate, ctx.job, start);
+        // Confirmed by a fetch after a per-batch `no_grad` block: the loop is over at
+        // that block's end unless grad mode goes off again.
+        let ended_at = self.grad_enabled.then_some(self.grad_on_at.max(start));
+        self.evaluate = Some(Evaluate { span, ended_at });
         self.eval_candidate = None;
+        self.pending_fetch = None;
+    }
+
+    /// Another phase begins at `at`: an evaluation loop still open ends, where grad mode
+    /// was last switched back on (or here, if it is still off).
+    fn end_evaluation(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
+        let Some(evaluate) = self.evaluate.take() else {
+            return;
+        };
+        let end = evaluate.ended_at.unwrap_or(at);
+        self.close_phase(ctx, evaluate.span, end);
+        self.boundary = Some(end);
     }
 
     fn file_open(&mut self, ctx: &mut ProcessContext<'_>, at: u64, group: SpanGroup) {
+        if self.evaluate.as_ref().is_some_and(|e| e.ended_at.is_some()) {
+            self.end_evaluation(ctx, at);
+        }
         let running_step = self.step_running();
         let slot = match group {
             SpanGroup::Checkpoint => &mut self.checkpoint,
@@ -444,7 +742,7 @@ impl ThreadPhases {
         }
         // Inside a running step (or a configured rule's span) it belongs there; otherwise it
         // is a phase of its own.
-        let parent = if running_step || !self.rule_spans.is_empty() {
+        let parent = if running_step || !self.rule_spans.is_empty() || self.evaluate.is_some() {
             self.innermost(ctx)
         } else {
             self.finish_step(ctx);
@@ -455,7 +753,7 @@ impl ThreadPhases {
             SpanGroup::Checkpoint => names::CHECKPOINT,
             _ => names::LOAD_CHECKPOINT,
         };
-        let span = ctx.open(name, group, parent, self.tid, at);
+        let span = self.open_phase(ctx, name, group, parent, at);
         let slot = match group {
             SpanGroup::Checkpoint => &mut self.checkpoint,
             _ => &mut self.load_checkpoint,
@@ -477,19 +775,22 @@ impl ThreadPhases {
 
     /// Files written (read) back to back are one checkpoint: the span ends at the last
     /// file's end once anything else happens.
-    fn settle_files(
-        slot: &mut Option<FileSpan>,
-        boundary: &mut Option<u64>,
-        ctx: &mut ProcessContext<'_>,
-    ) {
+    fn settle_files(&mut self, ctx: &mut ProcessContext<'_>, group: SpanGroup) {
+        let slot = match group {
+            SpanGroup::Checkpoint => &mut self.checkpoint,
+            _ => &mut self.load_checkpoint,
+        };
         let Some(file) = slot.take_if(|f| f.open_files == 0 && f.last_end.is_some()) else {
             return;
         };
         let end = file.last_end.unwrap_or_default();
         ctx.arena
             .set_attr(file.span, semconv::NEMO_CHECKPOINT_FILES, file.files);
-        ctx.close(file.span, end);
-        *boundary = Some(end);
+        self.close_phase(ctx, file.span, end);
+        // A checkpoint inside a step or an evaluation is not a boundary between phases.
+        if self.step.is_none() && self.evaluate.is_none() {
+            self.boundary = Some(end);
+        }
     }
 
     /// A function a configured rule names was entered: its span opens, under the
@@ -530,12 +831,18 @@ impl ThreadPhases {
         } else if top_level && self.rule_spans.is_empty() {
             self.finish_step(ctx);
         }
+        if top_level
+            && self.rule_spans.is_empty()
+            && self.evaluate.as_ref().is_some_and(|e| e.ended_at.is_some())
+        {
+            self.end_evaluation(ctx, at);
+        }
         let mut parent = self.innermost(ctx);
         if top_level && Some(parent) == *ctx.model_init {
             ctx.end_model_init(at);
             parent = ctx.job;
         }
-        let span = ctx.open(name, group, parent, self.tid, at);
+        let span = self.open_phase(ctx, name, group, parent, at);
         for (key, value) in attributes {
             ctx.arena.set_attr(span, key, value);
         }
@@ -555,11 +862,11 @@ impl ThreadPhases {
         };
         while self.rule_spans.len() > position + 1 {
             if let Some((_, span)) = self.rule_spans.pop() {
-                ctx.truncate(span, at);
+                self.truncate_phase(ctx, span, at);
             }
         }
         if let Some((_, span)) = self.rule_spans.pop() {
-            ctx.close(span, at);
+            self.close_phase(ctx, span, at);
         }
     }
 
@@ -569,16 +876,20 @@ impl ThreadPhases {
         while let Some((_, span)) = self.rule_spans.pop() {
             ctx.truncate(span, at);
         }
-        Self::settle_files(&mut self.checkpoint, &mut self.boundary, ctx);
-        Self::settle_files(&mut self.load_checkpoint, &mut self.boundary, ctx);
+        self.settle_files(ctx, SpanGroup::Checkpoint);
+        self.settle_files(ctx, SpanGroup::LoadCheckpoint);
         for file in [self.checkpoint.take(), self.load_checkpoint.take()]
             .into_iter()
             .flatten()
         {
-            ctx.truncate(file.span, at);
+            self.truncate_phase(ctx, file.span, at);
         }
         if let Some(evaluate) = self.evaluate.take() {
-            ctx.truncate(evaluate, at);
+            match evaluate.ended_at {
+                // Grad mode came back on: the loop was over.
+                Some(end) => self.close_phase(ctx, evaluate.span, end),
+                None => self.truncate_phase(ctx, evaluate.span, at),
+            }
         }
         self.finish_step(ctx);
         if let Some(step) = self.step.take() {

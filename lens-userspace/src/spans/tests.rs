@@ -568,3 +568,257 @@ fn a_call_named_by_its_python_caller_carries_the_function_and_file() {
     );
     assert_eq!(syncs[1].attr(semconv::CODE_FUNCTION), None);
 }
+
+/// transformers' `evaluation_loop`: each batch is fetched with grad mode on, then run
+/// under its own `no_grad`.
+fn eval_per_batch_no_grad(run: &mut Run, batches: u32) {
+    for _ in 0..batches {
+        run.scope(1, FETCH, 1).grad(0, false).grad(3, true);
+    }
+}
+
+#[test]
+fn an_evaluation_fetching_outside_its_no_grad_blocks_is_one_evaluate() {
+    let mut run = Run::new("per_step", true);
+    run.step(2);
+    let eval_start = run.now + 1_000_000;
+    eval_per_batch_no_grad(&mut run, 3);
+    let eval_end = run.now;
+    run.step(1);
+    eval_per_batch_no_grad(&mut run, 2);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.outline(KEYS),
+        "train.job
+  train.model_init
+  train.step dl.iteration=0
+    train.forward_backward dl.microbatch_count=2
+    train.optimizer
+  train.evaluate
+  train.step dl.iteration=1
+    train.forward_backward dl.microbatch_count=1
+    train.optimizer
+  train.evaluate
+  train.step dl.iteration=2
+    train.forward_backward dl.microbatch_count=1
+    train.optimizer
+"
+    );
+    let evaluate = log.named(names::EVALUATE).next().unwrap();
+    // From the first batch's fetch to the end of the last batch's no_grad block; the
+    // next step starts at its own fetch, after it.
+    assert_eq!((evaluate.start_ns, evaluate.end_ns), (eval_start, eval_end));
+    let step1 = log.named(names::STEP).nth(1).unwrap();
+    assert_eq!(step1.start_ns, eval_end + 1_000_000);
+    assert!(log.misnested().is_empty());
+}
+
+#[test]
+fn grad_mode_toggled_inside_an_evaluation_does_not_split_it() {
+    let mut run = Run::new("per_step", true);
+    run.step(1);
+    // A recompile inside the loop switches grad mode on and off again.
+    run.grad(1, false)
+        .scope(1, FETCH, 1)
+        .grad(1, true)
+        .grad(1, false);
+    run.scope(1, FETCH, 1).scope(1, FETCH, 1).grad(1, true);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.named(names::EVALUATE).count(),
+        1,
+        "{}",
+        log.outline(&[])
+    );
+    assert_eq!(log.named(names::STEP).count(), 2);
+}
+
+#[test]
+fn a_no_grad_block_after_the_fetch_of_a_step_is_not_evaluation() {
+    // Distillation: the teacher's forward under no_grad, then the student's backward.
+    let mut run = Run::new("per_step", true);
+    for _ in 0..3 {
+        run.scope(1, FETCH, 1)
+            .grad(1, false)
+            .grad(2, true)
+            .backward(1, 3);
+        run.scope(1, "Optimizer.step#SGD.step", 1);
+    }
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.named(names::EVALUATE).count(),
+        0,
+        "{}",
+        log.outline(&[])
+    );
+    assert_eq!(log.named(names::STEP).count(), 3);
+}
+
+/// Lightning's automatic optimization: `optimizer.step(closure)`, whose closure runs the
+/// forward, the `zero_grad` of a step's first microbatch and the backward inside the
+/// `Optimizer.step` scope; earlier microbatches of an accumulation run the closure
+/// outside it.
+fn closure_step(run: &mut Run, accum: u32) {
+    for micro in 0..accum {
+        run.scope(1, FETCH, 1);
+        let last = micro + 1 == accum;
+        if last {
+            run.at(1, scope_enter("Optimizer.step#SGD.step"))
+                .grad(0, false)
+                .grad(0, true); // torch.enable_grad() around the closure
+        }
+        if micro == 0 {
+            run.scope(1, "Optimizer.zero_grad#SGD.zero_grad", 1);
+        }
+        run.backward(1, 3);
+        if last {
+            run.grad(0, false)
+                .grad(2, true)
+                .at(0, PhaseSignal::ScopeExit);
+        }
+    }
+}
+
+#[test]
+fn a_closure_optimizer_runs_the_last_microbatch_inside_its_step() {
+    let mut run = Run::new("per_step", true);
+    closure_step(&mut run, 2);
+    closure_step(&mut run, 2);
+    closure_step(&mut run, 1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.outline(KEYS),
+        "train.job
+  train.model_init
+  train.step dl.iteration=0
+    train.forward_backward dl.microbatch_count=2
+    train.optimizer
+  train.step dl.iteration=1
+    train.forward_backward dl.microbatch_count=2
+    train.optimizer
+  train.step dl.iteration=2
+    train.forward_backward dl.microbatch_count=1
+    train.optimizer
+"
+    );
+    let steps: Vec<_> = log.named(names::STEP).cloned().collect();
+    let optimizers: Vec<_> = log.named(names::OPTIMIZER).cloned().collect();
+    let fbs: Vec<_> = log.named(names::FORWARD_BACKWARD).cloned().collect();
+    for i in 0..3 {
+        // The update starts where the closure's backward ended and the step ends with it.
+        assert_eq!(optimizers[i].start_ns, fbs[i].end_ns);
+        assert_eq!(optimizers[i].end_ns, steps[i].end_ns);
+        assert_eq!(ms(optimizers[i].end_ns - optimizers[i].start_ns), 2);
+    }
+    // The next step's zero_grad (inside its closure, after its fetch) does not stretch
+    // the step before it.
+    assert!(steps[0].end_ns < steps[1].start_ns);
+    assert!(log.misnested().is_empty());
+}
+
+#[test]
+fn calls_of_a_forward_pass_before_its_backward_belong_to_forward_backward() {
+    let mut run = Run::new("per_step", true);
+    run.step(1);
+    // FSDP2's all-gathers in the forward pass come before the backward opens the step.
+    run.scope(1, FETCH, 1);
+    run.now += 2_000_000;
+    run.allreduce(1);
+    run.backward(1, 3).scope(1, "Optimizer.step#SGD.step", 1);
+    // And one after the optimizer returned: between steps, on the job.
+    run.now += 2_000_000;
+    run.allreduce(1);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let outline = log.outline(&[]);
+    assert!(
+        outline.contains(
+            "  train.step\n    train.forward_backward\n      nccl.all_reduce\n    train.optimizer\n"
+        ),
+        "{outline}"
+    );
+    assert!(
+        outline.contains("    train.optimizer\n  nccl.all_reduce\n"),
+        "{outline}"
+    );
+    assert!(log.misnested().is_empty());
+}
+
+#[test]
+fn graph_capture_calling_autograd_grad_is_not_a_backward_pass() {
+    let mut run = Run::new("per_step", true);
+    // AOTAutograd traces the joint graph during the first forward: torch.autograd.grad.
+    run.scope(1, FETCH, 1)
+        .at(1, PhaseSignal::GradientStart)
+        .at(2, PhaseSignal::BackwardEnd);
+    run.backward(1, 3).scope(1, "Optimizer.step#SGD.step", 1);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.outline(KEYS),
+        "train.job
+  train.model_init
+  train.step dl.iteration=0
+    train.forward_backward dl.microbatch_count=1
+    train.optimizer
+  train.step dl.iteration=1
+    train.forward_backward dl.microbatch_count=1
+    train.optimizer
+"
+    );
+}
+
+#[test]
+fn without_the_step_probes_an_evaluation_starts_where_grad_mode_goes_off() {
+    // `default` groups: no backward probes, so no step consumes the training fetches.
+    let mut run = Run::new("default", true);
+    for _ in 0..2 {
+        run.scope(1, FETCH, 1)
+            .at(5, scope_enter("Optimizer.step#SGD.step"))
+            .grad(0, false)
+            .grad(1, true)
+            .at(0, PhaseSignal::ScopeExit)
+            .scope(0, "Optimizer.zero_grad#SGD.zero_grad", 1);
+    }
+    let eval_start = run.now + 1_000_000;
+    run.eval(2);
+    run.scope(1, FETCH, 1)
+        .at(5, scope_enter("Optimizer.step#SGD.step"));
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(log.outline(KEYS), "train.job\n  train.evaluate\n");
+    let evaluate = log.named(names::EVALUATE).next().unwrap();
+    assert_eq!(evaluate.start_ns, eval_start);
+}
+
+#[test]
+fn a_compiled_optimizer_step_ends_at_the_zero_grad_after_it() {
+    // `torch.compile(opt.step)` runs no `Optimizer.step` scope; `zero_grad` still comes.
+    let mut run = Run::new("per_step", true);
+    for _ in 0..3 {
+        run.scope(1, FETCH, 1)
+            .backward(2, 3)
+            .scope(4, "Optimizer.zero_grad#AdamW.zero_grad", 1);
+    }
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.outline(KEYS),
+        "train.job
+  train.model_init
+  train.step dl.iteration=0
+    train.forward_backward dl.microbatch_count=1
+    train.optimizer
+  train.step dl.iteration=1
+    train.forward_backward dl.microbatch_count=1
+    train.optimizer
+  train.step dl.iteration=2
+    train.forward_backward dl.microbatch_count=1
+    train.optimizer
+"
+    );
+    let optimizer = log.named(names::OPTIMIZER).next().unwrap();
+    // From the end of the backward to the end of zero_grad.
+    assert_eq!(ms(optimizer.end_ns - optimizer.start_ns), 5);
+    assert!(log.spans.iter().all(|s| !s.truncated()));
+}
