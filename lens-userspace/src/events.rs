@@ -138,6 +138,10 @@ pub enum TorchScope {
     OptimizerStep,
     /// `Optimizer.zero_grad#…`.
     OptimizerZeroGrad,
+    /// The start of a wrapped model's forward pass: `DistributedDataParallel.forward`,
+    /// FSDP2's `FSDP::root_pre_forward`. Where a step starts when no batch is fetched
+    /// from a DataLoader.
+    ForwardPass,
     /// Any other scope (a user's own `record_function`, profiler regions).
     Other,
 }
@@ -147,6 +151,8 @@ impl TorchScope {
     const DATALOADER_PREFIX: &str = "enumerate(DataLoader)#";
     const OPTIMIZER_STEP_PREFIX: &str = "Optimizer.step#";
     const OPTIMIZER_ZERO_GRAD_PREFIX: &str = "Optimizer.zero_grad#";
+    const FORWARD_PASS_PREFIXES: [&str; 2] =
+        ["DistributedDataParallel.forward", "FSDP::root_pre_forward"];
 
     pub fn from_name(name: &str) -> TorchScope {
         if name.starts_with(Self::DATALOADER_PREFIX) {
@@ -155,6 +161,11 @@ impl TorchScope {
             TorchScope::OptimizerStep
         } else if name.starts_with(Self::OPTIMIZER_ZERO_GRAD_PREFIX) {
             TorchScope::OptimizerZeroGrad
+        } else if Self::FORWARD_PASS_PREFIXES
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
+        {
+            TorchScope::ForwardPass
         } else {
             TorchScope::Other
         }

@@ -600,9 +600,12 @@ impl<E: SpanExporter> SpanBuilder<E> {
         let own = process
             .threads
             .get(&timing.tid)
-            .filter(|t| t.is_active())
+            .filter(|t| t.in_loop())
             .map(|_| timing.tid);
         let owner = own.or(process.loop_thread);
+        let claimed = owner
+            .and_then(|tid| process.threads.get_mut(&tid))
+            .and_then(|thread| thread.claim_for_evaluation(timing.end_ns));
         let thread = owner.and_then(|tid| process.threads.get(&tid));
         let mut output = ProcessOutput {
             exporting: process.exporting,
@@ -618,6 +621,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             ruled: &process.ruled,
         };
         let phase = match thread {
+            _ if claimed.is_some() => claimed,
             Some(thread) => thread.current_phase(&ctx),
             None => Some(ctx.model_init.unwrap_or(ctx.job)),
         };

@@ -101,6 +101,11 @@ struct Evaluate {
     /// (a batch per `no_grad` block, a recompile toggling grad mode). It ends here when
     /// the next other phase begins, else it goes on when grad mode goes off again.
     ended_at: Option<u64>,
+    /// It went on when grad mode went off again after a fetch: (where it had ended,
+    /// that fetch). If a backward pass comes before any other fetch, that was no
+    /// evaluation batch but the next step's forward (a recompile toggles grad mode): the
+    /// evaluation ended there, and the step began at the fetch.
+    resumed: Option<(u64, u64)>,
 }
 
 /// A `checkpoint` or `load_checkpoint` span: files written/read back to back share it.
@@ -306,11 +311,16 @@ impl ThreadPhases {
             }
             return Some(self.innermost(ctx));
         }
-        let in_loop = self.is_active()
+        (!self.in_loop()).then(|| self.innermost(ctx))
+    }
+
+    /// Whether this thread runs a training loop, or has begun to (a batch fetched, a
+    /// forward pass begun): calls it makes may wait for their phase.
+    pub fn in_loop(&self) -> bool {
+        self.is_active()
             || self.pending_fetch.is_some()
             || self.eval_candidate.is_some()
-            || self.optimizer_pending.is_some();
-        (!in_loop).then(|| self.innermost(ctx))
+            || self.optimizer_pending.is_some()
     }
 
     /// The innermost phase span of this thread whose time range holds `at` (open ones
@@ -360,16 +370,24 @@ impl ThreadPhases {
         if taken {
             return;
         }
-        if !matches!(
-            signal,
-            PhaseSignal::CheckpointWriteStart | PhaseSignal::CheckpointWriteEnd
-        ) {
+        // Files written (read) back to back are one checkpoint until another signal
+        // comes; grad mode is not one (`load_state_dict` copies under `no_grad` between
+        // the files of one load).
+        let grad_mode = matches!(signal, PhaseSignal::GradMode { .. });
+        if !grad_mode
+            && !matches!(
+                signal,
+                PhaseSignal::CheckpointWriteStart | PhaseSignal::CheckpointWriteEnd
+            )
+        {
             self.settle_files(ctx, SpanGroup::Checkpoint);
         }
-        if !matches!(
-            signal,
-            PhaseSignal::CheckpointReadStart | PhaseSignal::CheckpointReadEnd
-        ) {
+        if !grad_mode
+            && !matches!(
+                signal,
+                PhaseSignal::CheckpointReadStart | PhaseSignal::CheckpointReadEnd
+            )
+        {
             self.settle_files(ctx, SpanGroup::LoadCheckpoint);
         }
         match signal {
@@ -406,6 +424,7 @@ impl ThreadPhases {
         self.scopes.push(scope);
         match scope {
             TorchScope::DataLoaderNext => self.batch_fetched(ctx, at),
+            TorchScope::ForwardPass => self.forward_began(ctx, at),
             TorchScope::OptimizerStep if ctx.ruled.contains(&SpanGroup::Step) => {}
             TorchScope::OptimizerStep => self.optimizer_scope_enter(ctx, at),
             TorchScope::OptimizerZeroGrad => {
@@ -442,7 +461,8 @@ impl ThreadPhases {
     /// the next microbatch of the running one.
     fn batch_fetched(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
         self.fetch_since_training.get_or_insert(at);
-        if let Some(evaluate) = &self.evaluate {
+        if let Some(evaluate) = self.evaluate.as_mut() {
+            evaluate.resumed = None;
             // With grad mode on again the loop may be over: this batch may be the next
             // step's (or the evaluation's next, if grad mode goes off again).
             if evaluate.ended_at.is_some() && self.pending_fetch.is_none() {
@@ -458,6 +478,29 @@ impl ThreadPhases {
                 self.pending_fetch = Some(at);
             }
         }
+    }
+
+    /// A wrapped model's forward pass began: between steps, the next step starts here
+    /// unless a batch was fetched first.
+    fn forward_began(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
+        if self.evaluate.is_some() || self.eval_candidate.is_some() || self.step_running() {
+            return;
+        }
+        self.finish_step(ctx);
+        self.pending_fetch.get_or_insert(at);
+    }
+
+    /// A call made now, after the last `no_grad` block of an evaluation and before
+    /// anything else (reducing its metrics across ranks): the evaluation's, which lasts
+    /// until the call's end. `None` otherwise.
+    pub fn claim_for_evaluation(&mut self, end_ns: u64) -> Option<SpanId> {
+        if self.pending_fetch.is_some() {
+            return None;
+        }
+        let evaluate = self.evaluate.as_mut()?;
+        let ended = evaluate.ended_at?;
+        evaluate.ended_at = Some(ended.max(end_ns));
+        Some(evaluate.span)
     }
 
     /// `Optimizer.step` entered. Its span opens when it is known where the update
@@ -672,9 +715,12 @@ impl ThreadPhases {
             if enabled {
                 evaluate.ended_at = Some(at);
             } else {
+                // The batch fetched meanwhile was the evaluation's, unless a backward
+                // pass comes next.
+                if let (Some(end), Some(fetch)) = (evaluate.ended_at, self.pending_fetch.take()) {
+                    evaluate.resumed = Some((end, fetch));
+                }
                 evaluate.ended_at = None;
-                // The batch fetched meanwhile was the evaluation's.
-                self.pending_fetch = None;
             }
             return;
         }
@@ -710,7 +756,11 @@ impl ThreadPhases {
         // Confirmed by a fetch after a per-batch `no_grad` block: the loop is over at
         // that block's end unless grad mode goes off again.
         let ended_at = self.grad_enabled.then_some(self.grad_on_at.max(start));
-        self.evaluate = Some(Evaluate { span, ended_at });
+        self.evaluate = Some(Evaluate {
+            span,
+            ended_at,
+            resumed: None,
+        });
         self.eval_candidate = None;
         self.pending_fetch = None;
     }
@@ -721,7 +771,12 @@ impl ThreadPhases {
         let Some(evaluate) = self.evaluate.take() else {
             return;
         };
-        let end = evaluate.ended_at.unwrap_or(at);
+        let mut end = evaluate.ended_at.unwrap_or(at);
+        if let Some((ended, fetch)) = evaluate.resumed {
+            // What looked like another batch was the next step's forward.
+            end = ended;
+            self.pending_fetch = Some(fetch);
+        }
         self.close_phase(ctx, evaluate.span, end);
         self.boundary = Some(end);
     }

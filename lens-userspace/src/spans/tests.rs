@@ -822,3 +822,85 @@ fn a_compiled_optimizer_step_ends_at_the_zero_grad_after_it() {
     assert_eq!(ms(optimizer.end_ns - optimizer.start_ns), 5);
     assert!(log.spans.iter().all(|s| !s.truncated()));
 }
+
+#[test]
+fn a_collective_reducing_an_evaluation_s_metrics_is_the_evaluation_s() {
+    let mut run = Run::new("per_step", true);
+    run.step(1).eval(2);
+    run.now += 2_000_000;
+    run.allreduce(1);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let outline = log.outline(&[]);
+    assert!(
+        outline.contains("  train.evaluate\n    nccl.all_reduce\n"),
+        "{outline}"
+    );
+    assert!(log.misnested().is_empty(), "{outline}");
+}
+
+#[test]
+fn without_fetches_a_step_starts_at_its_wrapped_model_s_forward() {
+    let mut run = Run::new("per_step", true);
+    for _ in 0..2 {
+        // FSDP2's root pre-forward, then its all-gathers, then the backward.
+        run.scope(2, "FSDP::root_pre_forward", 1);
+        run.now += 2_000_000;
+        run.allreduce(1);
+        run.backward(1, 3).scope(1, "Optimizer.step#SGD.step", 1);
+    }
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let outline = log.outline(&[]);
+    assert_eq!(
+        outline
+            .matches("    train.forward_backward\n      nccl.all_reduce\n")
+            .count(),
+        2,
+        "{outline}"
+    );
+    assert!(log.misnested().is_empty(), "{outline}");
+}
+
+#[test]
+fn a_load_whose_files_are_read_around_load_state_dict_is_one_load() {
+    let mut run = Run::new("per_step", true);
+    run.at(1, PhaseSignal::CheckpointReadStart)
+        .at(2, PhaseSignal::CheckpointReadEnd)
+        .grad(0, false) // model.load_state_dict copies under no_grad
+        .grad(1, true)
+        .at(1, PhaseSignal::CheckpointReadStart)
+        .at(2, PhaseSignal::CheckpointReadEnd);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(
+        log.outline(&[semconv::NEMO_CHECKPOINT_FILES]),
+        "train.job
+  train.model_init
+  train.load_checkpoint nemo.checkpoint.files=2
+  train.step
+    train.forward_backward
+    train.optimizer
+"
+    );
+}
+
+#[test]
+fn a_recompile_after_an_evaluation_does_not_stretch_it_into_the_next_step() {
+    let mut run = Run::new("per_step", true);
+    run.step(1).eval(2);
+    let eval_end = run.now;
+    // The next step's forward recompiles (the grad mode changed): AOTAutograd toggles
+    // grad mode before the backward.
+    run.scope(1, FETCH, 1);
+    let step_start = run.now - 1_000_000;
+    run.grad(1, false)
+        .grad(1, true)
+        .grad(1, false)
+        .grad(1, true);
+    run.backward(1, 3).scope(1, "Optimizer.step#SGD.step", 1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let evaluate = log.named(names::EVALUATE).next().unwrap();
+    assert_eq!(evaluate.end_ns, eval_end);
+    let step = log.named(names::STEP).nth(1).unwrap();
+    assert_eq!(step.start_ns, step_start, "{}", log.outline(&[]));
+}
