@@ -318,6 +318,16 @@ pub fn torch_train_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/torch/train.py")
 }
 
+/// A training-framework script of `tests/fixtures/frameworks/` (absolute), e.g.
+/// `hf_trainer.py`: transformers, Lightning, DDP, FSDP2, DCP, torch.compile and
+/// safetensors runs that write their framework's own ground truth to `$LENS_TRUTH`.
+/// Run it with [`TorchVenv::python`] (or the venv's `torchrun`).
+pub fn framework_script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/frameworks")
+        .join(name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

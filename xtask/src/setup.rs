@@ -478,7 +478,7 @@ fn torch_venv_step(dry_run: bool) -> Result<(), String> {
     let mut pip = pip;
     run_streaming_shown(&mut pip, &pip_shown).map_err(|e| {
         format!(
-            "{e}: pip needs access to pypi.org (and ~5.3 GB of disk in {})",
+            "{e}: pip needs access to pypi.org (and ~5.8 GB of disk in {})",
             dir.display()
         )
     })?;

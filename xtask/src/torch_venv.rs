@@ -4,7 +4,7 @@
 //!
 //! Idempotence: after a successful `pip install` the requirement list is written to a
 //! stamp file inside the venv ([`STAMP`]). The venv counts as ready when the stamp lists
-//! exactly [`REQUIREMENTS`] and `python -c "import torch, nemo.lens"` works; otherwise pip
+//! exactly [`REQUIREMENTS`] and [`IMPORT_CHECK`] runs; otherwise pip
 //! is run again in place (it only fetches what is missing or different).
 
 use std::env;
@@ -23,12 +23,19 @@ pub const PYTHON_ENV: &str = "LENS_PYTHON313";
 /// tests (its `rotel-agent` binary needs the venv Python's `libpython3.13.so`).
 /// `kubernetes-validate` checks `observability/k8s/` against the Kubernetes OpenAPI
 /// schemas it ships (offline) in the deploy tests.
+/// `transformers` (its `Trainer` needs `accelerate`), `lightning` and `safetensors` are the
+/// training frameworks of the framework tests (`tests/fixtures/frameworks/`): tiny models
+/// built from configs with random weights, nothing downloaded.
 pub const REQUIREMENTS: &[&str] = &[
     "torch==2.15.0",
     "numpy==2.5.5",
     "nemo-lens[sdk]==0.1.0",
     "rotel==0.0.1a15",
     "kubernetes-validate==1.37.0",
+    "transformers==5.24.0",
+    "accelerate==1.15.0",
+    "lightning==2.6.6",
+    "safetensors==0.8.0",
 ];
 
 /// The stamp file, relative to the venv: the requirement list of the last successful
@@ -36,13 +43,14 @@ pub const REQUIREMENTS: &[&str] = &[
 pub const STAMP: &str = ".lens-requirements";
 
 /// What must import for the venv to count as ready.
-pub const IMPORT_CHECK: &str = "import torch, nemo.lens";
+pub const IMPORT_CHECK: &str =
+    "import torch, nemo.lens, transformers, accelerate, lightning, safetensors";
 
 /// The Python the venv is made with (major, minor).
 pub const PYTHON_VERSION: (u32, u32) = (3, 13);
 
 /// Roughly what a first install costs (shown to the user).
-pub const FIRST_INSTALL_COST: &str = "~5.3 GB, ~2 min";
+pub const FIRST_INSTALL_COST: &str = "~5.8 GB, ~2.5 min";
 
 /// `$LENS_TORCH_VENV`, else `$HOME/.cache/lens-probe/torch-venv`.
 pub fn venv_dir() -> PathBuf {
@@ -308,11 +316,17 @@ mod tests {
         assert!(stamp_matches(&stamp_contents()));
         assert!(stamp_matches(
             "\n torch==2.15.0\nnumpy==2.5.5 \n\nnemo-lens[sdk]==0.1.0\nrotel==0.0.1a15\n\
-             kubernetes-validate==1.37.0 "
+             kubernetes-validate==1.37.0\ntransformers==5.24.0\n accelerate==1.15.0\n\n\
+             lightning==2.6.6\nsafetensors==0.8.0 "
         ));
         // The list before kubernetes-validate was added: a venv that must be updated.
         assert!(!stamp_matches(
             "torch==2.15.0\nnumpy==2.5.5\nnemo-lens[sdk]==0.1.0\nrotel==0.0.1a15\n"
+        ));
+        // The list before the training frameworks were added: updated too.
+        assert!(!stamp_matches(
+            "torch==2.15.0\nnumpy==2.5.5\nnemo-lens[sdk]==0.1.0\nrotel==0.0.1a15\n\
+             kubernetes-validate==1.37.0\n"
         ));
         assert!(!stamp_matches(""));
         assert!(!stamp_matches(
@@ -353,7 +367,8 @@ mod tests {
             display(&pip_command(dir)),
             "/c/torch-venv/bin/python -m pip install --disable-pip-version-check \
              torch==2.15.0 numpy==2.5.5 'nemo-lens[sdk]==0.1.0' rotel==0.0.1a15 \
-             kubernetes-validate==1.37.0"
+             kubernetes-validate==1.37.0 transformers==5.24.0 accelerate==1.15.0 \
+             lightning==2.6.6 safetensors==0.8.0"
         );
         assert_eq!(venv_python(dir), Path::new("/c/torch-venv/bin/python"));
         assert_eq!(
