@@ -298,6 +298,12 @@ pub fn check_output_file(path: &Path) -> Result<(), String> {
     if path.as_os_str().is_empty() {
         return Err(format!("empty path; {EXPECTED}"));
     }
+    if std::fs::symlink_metadata(path).is_ok_and(|meta| meta.file_type().is_symlink()) {
+        // Root writing through a link in a shared directory could overwrite any file.
+        return Err(format!(
+            "is a symbolic link, which lens-probe never writes through; {EXPECTED}"
+        ));
+    }
     match std::fs::metadata(path) {
         Ok(meta) if meta.is_dir() => Err(format!("is a directory; {EXPECTED}")),
         Ok(_) => writable(path).map_err(|error| format!("cannot be written ({error}); {EXPECTED}")),

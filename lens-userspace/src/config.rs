@@ -208,6 +208,48 @@ pub struct ProbeRules {
     pub python: Vec<PythonRule>,
 }
 
+/// The largest config file read: thousands of rules fit in far less, and a bound keeps a
+/// wrong path (`/dev/zero`, a huge log) from filling memory before it is parsed.
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The contents of a config file: a regular file (a FIFO or a device is never opened
+/// for reading in a way that could block or run forever) of at most
+/// [`MAX_CONFIG_BYTES`], UTF-8.
+fn read_config_file(path: &Path) -> Result<String, String> {
+    use std::{io::Read, os::unix::fs::OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        // Opening a FIFO for reading would wait for a writer.
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|error| format!("cannot read it: {error}"))?;
+    let meta = file
+        .metadata()
+        .map_err(|error| format!("cannot read it: {error}"))?;
+    if !meta.is_file() {
+        return Err("not a regular file; expected a TOML file".into());
+    }
+    if meta.len() > MAX_CONFIG_BYTES {
+        return Err(format!(
+            "{} bytes, over the {} KiB limit of a config file",
+            meta.len(),
+            MAX_CONFIG_BYTES >> 10
+        ));
+    }
+    let mut bytes = Vec::new();
+    // A file that grows while it is read is still cut at the limit.
+    file.take(MAX_CONFIG_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|error| format!("cannot read it: {error}"))?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(format!(
+            "over the {} KiB limit of a config file",
+            MAX_CONFIG_BYTES >> 10
+        ));
+    }
+    String::from_utf8(bytes).map_err(|_| "not UTF-8 text; expected a TOML file".into())
+}
+
 impl ProbeRules {
     /// The rules of `profile` and of the config file at `path`, if any.
     pub fn load(path: Option<&Path>, profile: Profile) -> Result<ProbeRules, LensError> {
@@ -219,8 +261,7 @@ impl ProbeRules {
                 path: path.to_path_buf(),
                 reason,
             };
-            let text = std::fs::read_to_string(path)
-                .map_err(|error| invalid(format!("cannot read it: {error}")))?;
+            let text = read_config_file(path).map_err(invalid)?;
             rules
                 .add_toml(&text, &path.display().to_string())
                 .map_err(|error| match error {

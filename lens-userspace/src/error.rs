@@ -8,6 +8,9 @@ pub enum LensError {
     #[error("no process with pid {0}")]
     NoSuchProcess(u32),
 
+    #[error("pid {pid} ({name}) is a kernel thread: it runs no program to trace")]
+    KernelThread { pid: u32, name: String },
+
     #[error(
         "process {pid} ({name}) maps none of {wanted}: nothing to probe \
          (use --exec to also catch libraries it loads later)"
@@ -32,6 +35,20 @@ pub enum LensError {
         pid: u32,
         path: PathBuf,
         missing: String,
+    },
+
+    /// The kernel refused although lens-probe holds CAP_SYS_PTRACE and
+    /// CAP_DAC_READ_SEARCH: the target is beyond them (another user namespace, a
+    /// capability lens-probe lacks, a security module).
+    #[error(
+        "cannot read {path} ({reason}): lens-probe holds CAP_SYS_PTRACE and \
+         CAP_DAC_READ_SEARCH, but the kernel does not let it read pid {pid} (another user \
+         namespace, a capability lens-probe lacks, or a security module)"
+    )]
+    TargetRefused {
+        pid: u32,
+        path: PathBuf,
+        reason: String,
     },
 
     #[error("cannot drop the capabilities lens-probe no longer needs: {reason}")]
@@ -64,6 +81,15 @@ pub enum LensError {
         reason: String,
     },
 
+    /// A file lens-probe was told to write (`--pid-file`, `--summary-json`,
+    /// `--export-file`) cannot be created or written.
+    #[error("{flag} {path}: {reason}")]
+    Output {
+        flag: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
+
     /// A bad `--config` file (or a built-in profile): the rule, the field and what it takes.
     #[error("invalid config {path}: {reason}")]
     InvalidConfig { path: PathBuf, reason: String },
@@ -72,7 +98,7 @@ pub enum LensError {
     #[error("invalid value for {key} (not shown: it may hold credentials): {reason}")]
     InvalidSecretSetting { key: String, reason: String },
 
-    #[error("cannot load the BPF programs: {0}")]
+    #[error("cannot load the BPF programs: {}", error_chain(.0))]
     Load(#[from] aya::EbpfError),
 
     #[error(
@@ -83,14 +109,14 @@ pub enum LensError {
         reason: String,
     },
 
-    #[error("BPF program {program}: {source}")]
+    #[error("BPF program {program}: {}", error_chain(source))]
     Program {
         program: &'static str,
         #[source]
         source: aya::programs::ProgramError,
     },
 
-    #[error("BPF map {map}: {source}")]
+    #[error("BPF map {map}: {}", error_chain(source))]
     Map {
         map: &'static str,
         #[source]
@@ -121,10 +147,27 @@ impl LensError {
         match self {
             LensError::InvalidSetting { .. }
             | LensError::InvalidSecretSetting { .. }
-            | LensError::InvalidConfig { .. } => 2,
+            | LensError::InvalidConfig { .. }
+            | LensError::Output { .. } => 2,
             _ => 1,
         }
     }
 }
 
 pub type Result<T, E = LensError> = std::result::Result<T, E>;
+
+/// An error with its causes: aya says "`perf_event_open` failed" and keeps the errno
+/// (what a user needs to know) in its source.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}

@@ -37,7 +37,7 @@ impl CollectiveOp {
         })
     }
 
-    fn from_probe(probe: ProbeId) -> Option<CollectiveOp> {
+    pub fn from_probe(probe: ProbeId) -> Option<CollectiveOp> {
         Some(match probe {
             ProbeId::NcclAllReduce => CollectiveOp::AllReduce,
             ProbeId::NcclBroadcast => CollectiveOp::Broadcast,

@@ -14,6 +14,7 @@ pub mod groups;
 pub mod guardian;
 pub mod kernels;
 pub mod nccl;
+pub mod output;
 pub mod privileges;
 pub mod probes;
 pub mod python;

@@ -9,6 +9,7 @@ use lens_probe::{
         config::{ExportSettings, ExporterKind},
         otlp::{Destination, ExportStats, OtelPipeline},
     },
+    output::OutputFile,
     privileges,
     session::{Session, StopReason, TraceOptions},
     sink::EventPrinter,
@@ -141,8 +142,15 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     }
     // Fork before any runtime thread exists.
     if let Some(path) = &cli.pid_file {
-        std::fs::write(path, format!("{}\n", std::process::id()))?;
+        OutputFile::create("--pid-file", path)?
+            .write_all(format!("{}\n", std::process::id()).as_bytes())?;
     }
+    // Opened now, while lens-probe may still write where root may: written at exit.
+    let summary_file = cli
+        .summary_json
+        .as_deref()
+        .map(|path| OutputFile::create("--summary-json", path))
+        .transpose()?;
     let child = if cli.node {
         let running = session.watch_node(NodeFilter {
             command_line: cli.match_command_line.clone(),
@@ -217,7 +225,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             budget.windows
         );
     }
-    if let Some(path) = &cli.summary_json {
+    if let Some(file) = summary_file {
         let mut json = summary.to_json(&report.losses);
         if let Some(object) = json.as_object_mut() {
             if let Some(budget) = &report.budget {
@@ -237,7 +245,10 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             );
         }
         let json = serde_json::to_string_pretty(&json).expect("summary serialises");
-        std::fs::write(path, json + "\n")?;
+        if let Err(error) = file.write_all((json + "\n").as_bytes()) {
+            // The trace is done: the command's exit code still goes through.
+            eprintln!("lens-probe: {error}");
+        }
     }
 
     let Some(child) = child else {

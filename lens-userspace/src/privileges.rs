@@ -132,6 +132,9 @@ pub fn missing_capabilities(proc_status: &str) -> Vec<&'static str> {
 pub fn check_target(pid: u32) -> Result<()> {
     let effective = status_mask(&fs::read_to_string("/proc/self/status")?, "CapEff");
     let proc = PathBuf::from(format!("/proc/{pid}"));
+    if let Some(name) = kernel_thread(pid) {
+        return Err(LensError::KernelThread { pid, name });
+    }
     let denied = |path: PathBuf, error: io::Error| -> LensError {
         match error.raw_os_error() {
             Some(libc::ENOENT) | Some(libc::ESRCH) => LensError::NoSuchProcess(pid),
@@ -141,14 +144,18 @@ pub fn check_target(pid: u32) -> Result<()> {
                     .filter(|cap| !cap.held_in(effective))
                     .map(|cap| cap.name)
                     .collect();
-                LensError::TargetNotReadable {
-                    pid,
-                    path,
-                    missing: if missing.is_empty() {
-                        error.to_string()
-                    } else {
-                        format!("missing {}", missing.join(", "))
-                    },
+                if missing.is_empty() {
+                    LensError::TargetRefused {
+                        pid,
+                        path,
+                        reason: error.to_string(),
+                    }
+                } else {
+                    LensError::TargetNotReadable {
+                        pid,
+                        path,
+                        missing: format!("missing {}", missing.join(", ")),
+                    }
                 }
             }
             _ => LensError::ReadProc {
@@ -166,6 +173,18 @@ pub fn check_target(pid: u32) -> Result<()> {
         .and_then(|mut entries| entries.next().transpose())
         .map_err(|error| denied(map_files, error))?;
     Ok(())
+}
+
+/// The name of `pid` when it is a kernel thread (`PF_KTHREAD` in the flags of
+/// `/proc/PID/stat`, field 9): it has no program, no maps, nothing to probe.
+fn kernel_thread(pid: u32) -> Option<String> {
+    const PF_KTHREAD: u64 = 0x0020_0000;
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid ...`: comm may hold spaces and parentheses.
+    let (head, rest) = stat.rsplit_once(')')?;
+    let name = head.split_once('(')?.1.to_string();
+    let flags: u64 = rest.split_whitespace().nth(6)?.parse().ok()?;
+    (flags & PF_KTHREAD != 0).then_some(name)
 }
 
 /// Capabilities that are kept after attaching (those of them that are held), each because
@@ -616,5 +635,15 @@ mod tests {
     fn a_missing_target_is_no_such_process() {
         let error = check_target(u32::MAX - 1).unwrap_err();
         assert!(matches!(error, LensError::NoSuchProcess(_)), "{error}");
+    }
+
+    #[test]
+    fn a_kernel_thread_is_named_as_one() {
+        // kthreadd is pid 2 on Linux.
+        let error = check_target(2).unwrap_err().to_string();
+        assert_eq!(
+            error,
+            "pid 2 (kthreadd) is a kernel thread: it runs no program to trace"
+        );
     }
 }

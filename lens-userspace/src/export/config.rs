@@ -338,7 +338,7 @@ fn check_otlp_env(env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
         if let Some(value) = env(&endpoint) {
             check_otlp_endpoint(&value).map_err(|reason| LensError::InvalidSetting {
                 key: endpoint,
-                value: redact_userinfo(&value),
+                value: crate::target::redact_url_userinfo(&value),
                 reason,
             })?;
         }
@@ -442,18 +442,6 @@ pub fn check_otlp_endpoint(value: &str) -> std::result::Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// `https://user:secret@host` → `https://…@host`, for error messages.
-fn redact_userinfo(value: &str) -> String {
-    let Some((scheme, rest)) = value.split_once("://") else {
-        return value.to_string();
-    };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    match rest[..authority_end].rfind('@') {
-        Some(at) => format!("{scheme}://…{}", &rest[at..]),
-        None => value.to_string(),
-    }
 }
 
 /// `OTEL_EXPORTER_OTLP_HEADERS`: comma-separated `key=value` pairs (values

@@ -444,11 +444,9 @@ impl Sink {
                         .map_err(build_error)?,
                 ),
             },
-            Destination::File(path) => {
-                Sink::File(BufWriter::new(File::create(path).map_err(|source| {
-                    LensError::Export(format!("cannot create {}: {source}", path.display()))
-                })?))
-            }
+            Destination::File(path) => Sink::File(BufWriter::new(
+                crate::output::OutputFile::create("--export-file", path)?.into_file(),
+            )),
         })
     }
 
@@ -568,7 +566,10 @@ fn export_thread(
         if let Err(error) = sink.export_metrics(&runtime, &collected, timeout)
             && !metrics_warned
         {
-            warn!("metric export failed ({error})");
+            warn!(
+                "metric export failed ({})",
+                crate::target::redact_url_userinfo(&error.to_string())
+            );
             metrics_warned = true;
         }
     };
@@ -588,7 +589,10 @@ fn export_thread(
             Err(error) => {
                 counters.failed.fetch_add(n, Ordering::Relaxed);
                 if !warned {
-                    warn!("span export failed ({error}); spans are counted as lost");
+                    warn!(
+                        "span export failed ({}); spans are counted as lost",
+                        crate::target::redact_url_userinfo(&error.to_string())
+                    );
                     warned = true;
                 }
             }
