@@ -26,9 +26,11 @@ use crate::{budget::OverheadBudget, config::Profile, groups::SpanGroups};
 #[command(name = "lens-probe", version, about, long_about = None)]
 #[command(group = clap::ArgGroup::new("what").required(true).args(["pid", "exec", "node"]))]
 pub struct Cli {
-    /// Trace this running process (repeatable).
-    #[arg(short, long, value_name = "PID", action = ArgAction::Append,
-          allow_negative_numbers = true, value_parser = parse_pid)]
+    /// Trace these running processes: several after one --pid (space- or
+    /// comma-separated, as `$(pgrep python)` gives them) and repeatable. One that does
+    /// not train is a warning and skipped; a launcher's training descendants are traced.
+    #[arg(short, long, value_name = "PID", action = ArgAction::Append, num_args = 1..,
+          value_delimiter = ',', allow_negative_numbers = true, value_parser = parse_pid)]
     pub pid: Vec<u32>,
 
     /// Start the command given after `--` and trace it from its first instruction; exit
@@ -492,9 +494,24 @@ mod tests {
         // Errors that are not about one value keep clap's line.
         assert_eq!(
             rejected(&["--pid"]),
-            "a value is required for '--pid <PID>' but none was supplied"
+            "a value is required for '--pid <PID>...' but none was supplied"
         );
         assert!(rejected(&["--frobnicate"]).contains("'--frobnicate'"));
+    }
+
+    #[test]
+    fn several_pids_follow_one_flag_as_pgrep_prints_them() {
+        let pids = |args: &[&str]| {
+            let mut argv = vec!["lens-probe"];
+            argv.extend(args);
+            Cli::try_parse_from(argv).unwrap().pid
+        };
+        assert_eq!(pids(&["--pid", "12", "34", "56"]), [12, 34, 56]);
+        assert_eq!(pids(&["--pid", "12,34"]), [12, 34]);
+        assert_eq!(
+            pids(&["-p", "12", "-p", "34", "--duration", "5s"]),
+            [12, 34]
+        );
     }
 
     #[test]

@@ -164,10 +164,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     } else if cli.exec {
         Some(session.exec(&cli.command)?)
     } else {
-        for pid in &cli.pid {
-            privileges::check_target(*pid)?;
-            session.attach_pid(*pid)?;
-        }
+        attach_pids(session, &cli.pid)?;
         None
     };
     // Attached, and the --exec command started with what it had: keep only what is needed.
@@ -180,14 +177,14 @@ fn run(cli: Cli) -> Result<i32, LensError> {
 
     // Node mode runs for days over many processes: summaries of ended ones are dropped.
     let mut summary = if cli.node {
-        Summary::forgetting()
+        Summary::forgetting().for_groups(&cli.span_groups)
     } else {
-        Summary::default()
+        Summary::default().for_groups(&cli.span_groups)
     };
     let printer = (cli.verbose >= 1).then(|| EventPrinter::new(std::io::stderr()));
     let exporter: Box<dyn SpanExporter + '_> = match pipeline.as_mut() {
         Some(pipeline) => Box::new(pipeline),
-        None => Box::new(ConsoleTree::new(std::io::stderr())),
+        None => Box::new(ConsoleTree::new(std::io::stderr()).with_all_attributes(cli.verbose >= 1)),
     };
     let mut spans = SpanBuilder::new(cli.span_groups.clone(), exporter).with_rules(rules);
     let mut sinks = (&mut summary, (printer, &mut spans));
@@ -267,6 +264,37 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         },
     };
     Ok(exit.shell_code())
+}
+
+/// Attaches every pid given. One that does not train (it maps none of the libraries:
+/// a notebook kernel, a monitoring agent) is one warning and skipped while another
+/// remains; with a single pid, or when none trains, its error is the run's.
+fn attach_pids(session: &mut Session, pids: &[u32]) -> Result<(), LensError> {
+    let mut unique: Vec<u32> = Vec::with_capacity(pids.len());
+    for pid in pids {
+        if !unique.contains(pid) {
+            unique.push(*pid);
+        }
+    }
+    let mut attached = 0;
+    let mut last_error = None;
+    for &pid in &unique {
+        let result = privileges::check_target(pid).and_then(|()| session.attach_pid(pid));
+        match result {
+            Ok(()) => attached += 1,
+            Err(error @ (LensError::NoTracedLibraries { .. } | LensError::KernelThread { .. }))
+                if unique.len() > 1 =>
+            {
+                log::warn!("{error}: skipped");
+                last_error = Some(error);
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    match last_error {
+        Some(error) if attached == 0 => Err(error),
+        _ => Ok(()),
+    }
 }
 
 /// One line on what became of the spans; lost ones are always said.

@@ -527,22 +527,56 @@ impl Session {
     /// Attaches to the libraries `pid` maps now; later loads are caught by the dynamic
     /// loader probe. Fails when the process maps neither libcudart nor libnccl.
     pub fn attach_pid(&mut self, pid: u32) -> Result<()> {
+        if self.targets.contains_key(&pid) {
+            // Named twice, or a launcher's worker named after its launcher.
+            return Ok(());
+        }
         let info = ProcessInfo::read(pid)?;
         if !self.exports(&info) {
             return Ok(());
         }
         let libraries = self.libraries_of(pid)?;
-        let traceable = discovery::maps_training_library(&libraries)
-            || libraries.iter().any(|l| l.kind == LibraryKind::Configured)
-            || (self.python.is_some() && matches!(python::find_runtime(pid), Ok(Some(_))));
-        if !traceable {
+        if self.traceable(pid, &libraries) {
+            return self.add_running_target(info, &libraries);
+        }
+        // A launcher (torchrun's agent, mpirun, srun's step daemon, a shell): its
+        // running descendants that train are attached, each with its own rank, and it
+        // becomes a target itself so that the workers it starts later are followed.
+        let trainers: Vec<u32> = target::descendants(pid)
+            .into_iter()
+            .filter(|child| {
+                self.libraries_of(*child)
+                    .is_ok_and(|libraries| self.traceable(*child, &libraries))
+            })
+            .collect();
+        if trainers.is_empty() {
             return Err(LensError::NoTracedLibraries {
                 pid,
                 name: info.name,
                 wanted: "libcudart.so, libnccl.so, libtorch_cpu.so".into(),
             });
         }
-        self.add_running_target(info, &libraries)
+        warn!(
+            "pid {pid} ({}) is a launcher: tracing the {} of its processes that train, and \
+             the ones it starts",
+            info.name,
+            trainers.len()
+        );
+        self.add_running_target(info, &libraries)?;
+        for child in trainers {
+            // One that exits meanwhile is not an error of the run.
+            if let Err(error) = self.attach_pid(child) {
+                warn!("pid {child}: {error}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `pid`, mapping `libraries`, is something lens-probe traces.
+    fn traceable(&self, pid: u32, libraries: &[MappedLibrary]) -> bool {
+        discovery::maps_training_library(libraries)
+            || libraries.iter().any(|l| l.kind == LibraryKind::Configured)
+            || (self.python.is_some() && matches!(python::find_runtime(pid), Ok(Some(_))))
     }
 
     /// Makes running process `info` (which maps `libraries`) a target: its libraries

@@ -326,6 +326,32 @@ pub fn read_variable(pid: u32, name: &str) -> Option<String> {
         .map(|(_, value)| value)
 }
 
+/// The processes descended from `pid` now (children, theirs, …), from
+/// `/proc/PID/task/TID/children`, parents before their children.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let mut queue = vec![pid];
+    while let Some(parent) = queue.pop() {
+        let Ok(tasks) = fs::read_dir(format!("/proc/{parent}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let children = fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            for child in children
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok())
+            {
+                // Bounded: a pid seen twice (reused while reading) is not walked again.
+                if child != pid && !found.contains(&child) && found.len() < 65_536 {
+                    found.push(child);
+                    queue.push(child);
+                }
+            }
+        }
+    }
+    found
+}
+
 /// A command line with the values of secret-looking options and assignments replaced by
 /// `***`: `--api-key=X`, `--token X`, `WANDB_API_KEY=X` (as `env` takes it).
 pub fn redact_command_line(arguments: Vec<String>) -> Vec<String> {
