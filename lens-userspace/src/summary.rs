@@ -151,9 +151,37 @@ pub struct Summary {
     /// runs for days over many processes).
     pub forget_ended: bool,
     pub ended_and_forgotten: u64,
+    /// The per-call probes (collectives, launches, syncs) are not attached: the enabled
+    /// span groups do not need them. Said instead of "none seen".
+    pub per_call_unprobed: bool,
 }
 
+/// What the summary says where the per-call probes were not attached.
+const NOT_PROBED: &str = "not probed under these span groups (the step, forward_backward and optimizer groups \
+     probe them: --span-groups per_step)";
+
 impl Summary {
+    /// Says "not probed" for what `groups` leave unattached, instead of "none seen".
+    pub fn for_groups(mut self, groups: &crate::groups::SpanGroups) -> Summary {
+        use crate::groups::SpanGroup;
+        self.per_call_unprobed = ![
+            SpanGroup::Step,
+            SpanGroup::ForwardBackward,
+            SpanGroup::Optimizer,
+        ]
+        .iter()
+        .any(|group| groups.contains(*group));
+        self
+    }
+
+    fn nothing(&self, what: &str) -> String {
+        if self.per_call_unprobed {
+            format!("  {what}: {NOT_PROBED}\n")
+        } else {
+            format!("  {what}: none seen\n")
+        }
+    }
+
     /// A summary that keeps only the processes still running, and a count of the others.
     pub fn forgetting() -> Summary {
         Summary {
@@ -262,7 +290,7 @@ pub(crate) fn format_duration(ns: u64) -> String {
     }
 }
 
-fn bytes(n: u64) -> String {
+pub(crate) fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = n as f64;
     let mut unit = 0;
@@ -325,7 +353,7 @@ impl Summary {
                 );
             }
             if process.collectives.is_empty() {
-                out.push_str("  collectives: none seen\n");
+                out.push_str(&self.nothing("collectives"));
             } else {
                 let _ = writeln!(
                     out,
@@ -370,7 +398,7 @@ impl Summary {
             }
             let launches = process.launches();
             if launches.is_empty() {
-                out.push_str("  launches: none seen\n");
+                out.push_str(&self.nothing("launches"));
             } else {
                 let list: Vec<String> = launches
                     .iter()
@@ -388,7 +416,7 @@ impl Summary {
             }
             let syncs = process.sync_stats();
             if syncs.is_empty() {
-                out.push_str("  sync waits: none seen\n");
+                out.push_str(&self.nothing("sync waits"));
             } else {
                 let _ = writeln!(
                     out,
@@ -624,6 +652,29 @@ mod tests {
             summary.to_json(&Losses::default())["processes"][0]["ended"],
             false
         );
+    }
+
+    #[test]
+    fn under_default_groups_the_per_call_probes_are_said_not_probed() {
+        let mut summary = Summary::default().for_groups(&"default".parse().unwrap());
+        summary.on_event(&ProbeEvent::Phase {
+            tgid: 7,
+            tid: 7,
+            at_ns: 1,
+            launches: 0,
+            epoch: 1,
+            signal: PhaseSignal::CheckpointWriteStart,
+        });
+        let text = summary.render(&Losses::default());
+        for what in ["collectives", "launches", "sync waits"] {
+            assert!(
+                text.contains(&format!("  {what}: not probed under these span groups")),
+                "{text}"
+            );
+        }
+        assert!(text.contains("--span-groups per_step"), "{text}");
+        let summary = Summary::default().for_groups(&"per_step".parse().unwrap());
+        assert!(!summary.per_call_unprobed);
     }
 
     #[test]

@@ -211,7 +211,8 @@ fn the_console_shows_each_processs_span_tree() {
         .find_map(|l| l.strip_prefix("lens-probe: [pid ")?.split(']').next())
         .unwrap_or_else(|| panic!("no job header in {text}"));
     // The tree: one line per span, indented by depth, in start order, with its offset
-    // from the job's start, its duration and its key attributes.
+    // from the job's start, its duration and what a person reads of its attributes
+    // (short names; everything with -v).
     let tree: Vec<String> = text
         .lines()
         .filter_map(|l| l.strip_prefix(&format!("  [pid {pid}] ")))
@@ -233,23 +234,20 @@ fn the_console_shows_each_processs_span_tree() {
     assert_eq!(
         tree,
         [
-            "train.model_init cuda.launch.count=0",
-            "train.step dl.iteration=0 cuda.launch.count=4",
-            "  train.forward_backward dl.microbatch_count=1 cuda.launch.count=2",
-            "  train.optimizer cuda.launch.count=2",
-            "train.step dl.iteration=1 cuda.launch.count=4",
-            "  train.forward_backward dl.microbatch_count=1 cuda.launch.count=2",
-            "  train.optimizer cuda.launch.count=2",
-            "train.evaluate cuda.launch.count=0",
+            "train.model_init launches=0",
+            "train.step iter=0 launches=4",
+            "  train.forward_backward microbatches=1 launches=2",
+            "  train.optimizer launches=2",
+            "train.step iter=1 launches=4",
+            "  train.forward_backward microbatches=1 launches=2",
+            "  train.optimizer launches=2",
+            "train.evaluate launches=0",
         ],
         "{text}"
     );
     let job_line = format!("lens-probe: [pid {pid}] train.job ");
     let job = text.lines().find(|l| l.starts_with(&job_line)).unwrap();
-    assert!(
-        job.ends_with("process.exit.code=0  cuda.launch.count=8"),
-        "{job}"
-    );
+    assert!(job.ends_with("launches=8  exit=0"), "{job}");
 }
 
 #[test]
@@ -320,7 +318,10 @@ fn a_password_in_the_endpoint_is_never_printed_when_export_fails() {
         .args(["--span-groups", "per_step", "--exec", "--"])
         .arg(lens_tests::trainer())
         .arg("2")
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://user:hunter2@127.0.0.1:9")
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "http://user:hunter2@127.0.0.1:9",
+        )
         .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         .env("OTEL_EXPORTER_OTLP_TIMEOUT", "2000")
         .output()
@@ -329,4 +330,27 @@ fn a_password_in_the_endpoint_is_never_printed_when_export_fails() {
     assert_eq!(output.status.code(), Some(0), "{err}");
     assert!(err.contains("export failed"), "{err}");
     assert!(!err.contains("hunter2"), "{err}");
+}
+
+#[test]
+fn under_default_groups_the_summary_says_what_was_not_probed() {
+    if !lens_tests::require_bpf("under_default_groups_the_summary_says") {
+        return;
+    }
+    let output = Command::new(LENS_PROBE)
+        .args(["--exec", "--"])
+        .arg(lens_tests::trainer())
+        .arg("2")
+        .output()
+        .unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(0), "{err}");
+    for what in ["collectives", "launches", "sync waits"] {
+        assert!(
+            err.contains(&format!("  {what}: not probed under these span groups")),
+            "{err}"
+        );
+    }
+    assert!(err.contains("--span-groups per_step"), "{err}");
+    assert!(!err.contains("none seen"), "{err}");
 }

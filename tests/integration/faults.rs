@@ -468,13 +468,14 @@ fn a_probe_restarted_while_the_job_runs_resumes_at_the_next_step() {
         return;
     }
     let _serial = serial();
-    // 400 steps of ~30 ms. The first lens-probe is killed after 1 s; the kernel takes its
-    // uprobes out one by one (~0.1 s each, serialised with new attachments), so the second
-    // one (loaded before) attaches once they are gone, and sees whole steps from its first
-    // boundary on.
+    // 1200 steps of ~25 ms (~30 s). The first lens-probe is killed after 1 s; the kernel
+    // takes its uprobes out one by one (~0.1 s each, serialised with new attachments, and
+    // slower on a loaded machine: a 400-step run was over before they were), so the
+    // second one (loaded before) attaches once they are gone, and sees whole steps from
+    // its first boundary on.
     let mut second = session("per_step");
     let mut trainer = Command::new(lens_tests::torch_trainer())
-        .args(["400", "1", "0", "0"])
+        .args(["1200", "1", "0", "0"])
         .env("TRAINER_FORWARD_MS", "20")
         .env("LENS_FAKE_BACKWARD_MS", "5")
         .stdout(Stdio::null())
@@ -505,7 +506,7 @@ fn a_probe_restarted_while_the_job_runs_resumes_at_the_next_step() {
     }
     let mut builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
     second
-        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
+        .run_blocking(&mut builder, Some(Duration::from_secs(120)))
         .unwrap();
     assert!(trainer.wait().unwrap().success());
     let log = builder.into_exporter();
