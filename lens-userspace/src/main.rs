@@ -199,15 +199,17 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     {
         log::warn!("{warning}");
     }
-    if let Some(pipeline) = pipeline.as_mut() {
+    let export_stats = pipeline.as_mut().map(|pipeline| {
         let events_lost: Vec<(&'static str, u64)> = report
             .losses
             .kernel
             .iter()
             .map(|(cause, count)| (*cause, *count))
             .collect();
-        report_export(&export, pipeline.finish(&events_lost));
-    }
+        let stats = pipeline.finish(&events_lost);
+        report_export(&export, stats);
+        stats
+    });
 
     eprint!("{}", summary.render(&report.losses));
     eprint!("{}", lens_probe::spans::stragglers::render(&stragglers));
@@ -240,6 +242,18 @@ fn run(cli: Cli) -> Result<i32, LensError> {
                 "stragglers".into(),
                 serde_json::to_value(stragglers).expect("straggler stats serialise"),
             );
+            // Every loss stderr reports is here too: spans the export lost, by cause.
+            if let Some(stats) = export_stats {
+                object.insert(
+                    "export".into(),
+                    serde_json::json!({
+                        "spans_exported": stats.exported,
+                        "spans_lost": stats.lost(),
+                        "spans_dropped_queue_full": stats.dropped_queue_full,
+                        "spans_export_failed": stats.failed,
+                    }),
+                );
+            }
         }
         let json = serde_json::to_string_pretty(&json).expect("summary serialises");
         if let Err(error) = file.write_all((json + "\n").as_bytes()) {

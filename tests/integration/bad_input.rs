@@ -78,7 +78,7 @@ const TABLE: &[Row] = &[
     (&["--pid", "0"], &[], &["for --pid:", "a positive integer"]),
     (&["--pid", "-7"], &[], &["for --pid:", "a positive integer"]),
     (&["-p", "99999999999"], &[], &["for --pid:", "a positive integer"]),
-    (&["--pid"], &[], &["'--pid <PID>'", "a value is required"]),
+    (&["--pid"], &[], &["'--pid <PID>...'", "a value is required"]),
     (&["--pid", "1", "--span-groups", "steps"], &[], &["for --span-groups:", "unknown span group \"steps\"", VALID_GROUPS]),
     (&["--pid", "1", "--span-groups", ""], &[], &["for --span-groups:", "empty group name", VALID_GROUPS]),
     (&["--pid", "1", "--span-groups", "job,,step"], &[], &["for --span-groups:", VALID_GROUPS]),

@@ -314,8 +314,12 @@ fn a_password_in_the_endpoint_is_never_printed_when_export_fails() {
         return;
     }
     // Nothing listens on port 9 (discard) here: every export fails, and says so.
+    let json_path =
+        std::env::temp_dir().join(format!("lens-export-lost-{}.json", std::process::id()));
     let output = Command::new(LENS_PROBE)
-        .args(["--span-groups", "per_step", "--exec", "--"])
+        .args(["--span-groups", "per_step", "--summary-json"])
+        .arg(&json_path)
+        .args(["--exec", "--"])
         .arg(lens_tests::trainer())
         .arg("2")
         .env(
@@ -330,6 +334,21 @@ fn a_password_in_the_endpoint_is_never_printed_when_export_fails() {
     assert_eq!(output.status.code(), Some(0), "{err}");
     assert!(err.contains("export failed"), "{err}");
     assert!(!err.contains("hunter2"), "{err}");
+    // Every loss stderr reports is in the JSON too.
+    let lost: u64 = err
+        .lines()
+        .find_map(|l| l.split("; ").nth(1)?.split(" lost").next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no loss line in {err}"));
+    assert!(lost > 0, "{err}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json_path);
+    assert_eq!(json["export"]["spans_lost"].as_u64(), Some(lost), "{json}");
+    assert_eq!(
+        json["export"]["spans_export_failed"].as_u64(),
+        Some(lost),
+        "{json}"
+    );
 }
 
 #[test]
