@@ -465,25 +465,45 @@ fn args(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| s.to_string()).collect()
 }
 
+/// Runs `script` on `ranks` ranks, traced, with the arguments `args` makes from the
+/// run's scratch directory; `None` where the venv or BPF is missing (a skip, or a
+/// failure under CI=true).
+fn traced(
+    test: &str,
+    script: &'static str,
+    ranks: u32,
+    args: impl FnOnce(&Path) -> Vec<String>,
+) -> Option<Run> {
+    let venv = setup(test)?;
+    let dir = temp_dir(test);
+    let launch = Launch {
+        script,
+        args: args(&dir),
+        ranks,
+    };
+    Some(trace(&venv, test, &dir, &launch))
+}
+
+/// Every check of `run` against the framework's truth, reported together.
+fn assert_matches_truth(test: &str, run: &Run) {
+    let fails = check(run);
+    report(test, run, fails);
+}
+
 // ---- transformers ---------------------------------------------------------------------
 
 #[test]
 fn hf_trainer_steps_and_evaluations() {
     let test = "hf_trainer_steps_and_evaluations";
-    let Some(venv) = setup(test) else { return };
-    let dir = temp_dir("hf");
-    let out = dir.join("out");
-    let launch = Launch {
-        script: "hf_trainer.py",
-        args: args(&[out.to_str().unwrap(), "--no-save"]),
-        ranks: 1,
+    let Some(run) = traced(test, "hf_trainer.py", 1, |dir| {
+        args(&[dir.join("out").to_str().unwrap(), "--no-save"])
+    }) else {
+        return;
     };
-    let run = trace(&venv, test, &dir, &launch);
     let truth = &run.truths[0];
     assert_eq!(intervals(truth, "steps").len(), 8, "the run's own shape");
     assert_eq!(truth["on_evaluate"].as_u64(), Some(3));
-    let fails = check(&run);
-    report(test, &run, fails);
+    assert_matches_truth(test, &run);
 }
 
 #[test]
@@ -491,19 +511,17 @@ fn hf_trainer_steps_and_evaluations() {
             JSON files (config, generation_config, trainer_state) give no native signal"]
 fn hf_trainer_checkpoints() {
     let test = "hf_trainer_checkpoints";
-    let Some(venv) = setup(test) else { return };
-    let dir = temp_dir("hf-save");
-    let out = dir.join("out");
-    let launch = Launch {
-        script: "hf_trainer.py",
-        args: args(&[out.to_str().unwrap()]),
-        ranks: 1,
+    let Some(run) = traced(test, "hf_trainer.py", 1, |dir| {
+        args(&[dir.join("out").to_str().unwrap()])
+    }) else {
+        return;
     };
-    let run = trace(&venv, test, &dir, &launch);
-    let truth = &run.truths[0];
-    assert_eq!(intervals(truth, "saves").len(), 2, "the run's own shape");
-    let fails = check(&run);
-    report(test, &run, fails);
+    assert_eq!(
+        intervals(&run.truths[0], "saves").len(),
+        2,
+        "the run's own shape"
+    );
+    assert_matches_truth(test, &run);
 }
 
 // ---- Lightning ------------------------------------------------------------------------
@@ -511,31 +529,21 @@ fn hf_trainer_checkpoints() {
 #[test]
 fn lightning_fit_with_accumulation_and_validation() {
     let test = "lightning_fit_with_accumulation_and_validation";
-    let Some(venv) = setup(test) else { return };
-    let dir = temp_dir("lightning");
-    let launch = Launch {
-        script: "lightning_fit.py",
-        args: vec![],
-        ranks: 1,
+    let Some(run) = traced(test, "lightning_fit.py", 1, |_| vec![]) else {
+        return;
     };
-    let run = trace(&venv, test, &dir, &launch);
-    let fails = check(&run);
-    report(test, &run, fails);
+    assert_matches_truth(test, &run);
 }
 
 #[test]
 fn lightning_fit_validating_under_inference_mode() {
     let test = "lightning_fit_validating_under_inference_mode";
-    let Some(venv) = setup(test) else { return };
-    let dir = temp_dir("lightning-inference");
-    let launch = Launch {
-        script: "lightning_fit.py",
-        args: args(&["--validate-inference"]),
-        ranks: 1,
+    let Some(run) = traced(test, "lightning_fit.py", 1, |_| {
+        args(&["--validate-inference"])
+    }) else {
+        return;
     };
-    let run = trace(&venv, test, &dir, &launch);
-    let fails = check(&run);
-    report(test, &run, fails);
+    assert_matches_truth(test, &run);
 }
 
 // ---- torch.distributed over gloo, 2 ranks under torchrun ------------------------------
@@ -543,29 +551,18 @@ fn lightning_fit_validating_under_inference_mode() {
 #[test]
 fn ddp_two_gloo_ranks() {
     let test = "ddp_two_gloo_ranks";
-    let Some(venv) = setup(test) else { return };
-    let dir = temp_dir("ddp");
-    let launch = Launch {
-        script: "ddp_train.py",
-        args: vec![],
-        ranks: 2,
+    let Some(run) = traced(test, "ddp_train.py", 2, |_| vec![]) else {
+        return;
     };
-    let run = trace(&venv, test, &dir, &launch);
-    let fails = check(&run);
-    report(test, &run, fails);
+    assert_matches_truth(test, &run);
 }
 
 #[test]
 fn fsdp2_two_gloo_ranks() {
     let test = "fsdp2_two_gloo_ranks";
-    let Some(venv) = setup(test) else { return };
-    let dir = temp_dir("fsdp2");
-    let launch = Launch {
-        script: "fsdp2_train.py",
-        args: vec![],
-        ranks: 2,
+    let Some(run) = traced(test, "fsdp2_train.py", 2, |_| vec![]) else {
+        return;
     };
-    let run = trace(&venv, test, &dir, &launch);
     let mut fails = check(&run);
     // FSDP2 all-gathers each layer's parameters in forward and again in backward: every
     // one of them is inside its step's forward_backward.
@@ -603,32 +600,24 @@ fn fsdp2_two_gloo_ranks() {
 #[ignore = "issue 15 open: DCP saves are not one train.checkpoint from planning to metadata (its files are opened by Python, its tensors written through streams)"]
 fn dcp_save_and_load_two_gloo_ranks() {
     let test = "dcp_save_and_load_two_gloo_ranks";
-    let Some(venv) = setup(test) else { return };
-    let dir = temp_dir("dcp");
-    let launch = Launch {
-        script: "dcp_checkpoint.py",
-        args: args(&[dir.join("ckpt").to_str().unwrap()]),
-        ranks: 2,
+    let Some(run) = traced(test, "dcp_checkpoint.py", 2, |dir| {
+        args(&[dir.join("ckpt").to_str().unwrap()])
+    }) else {
+        return;
     };
-    let run = trace(&venv, test, &dir, &launch);
-    let fails = check(&run);
-    report(test, &run, fails);
+    assert_matches_truth(test, &run);
 }
 
 #[test]
 #[ignore = "issue 15 open: as dcp_save_and_load_two_gloo_ranks, and the writes come from a background thread"]
 fn dcp_async_save_two_gloo_ranks() {
     let test = "dcp_async_save_two_gloo_ranks";
-    let Some(venv) = setup(test) else { return };
-    let dir = temp_dir("dcp-async");
-    let launch = Launch {
-        script: "dcp_checkpoint.py",
-        args: args(&[dir.join("ckpt").to_str().unwrap(), "--async"]),
-        ranks: 2,
+    let Some(run) = traced(test, "dcp_checkpoint.py", 2, |dir| {
+        args(&[dir.join("ckpt").to_str().unwrap(), "--async"])
+    }) else {
+        return;
     };
-    let run = trace(&venv, test, &dir, &launch);
-    let fails = check(&run);
-    report(test, &run, fails);
+    assert_matches_truth(test, &run);
 }
 
 // ---- torch.compile --------------------------------------------------------------------
@@ -636,31 +625,19 @@ fn dcp_async_save_two_gloo_ranks() {
 #[test]
 fn compiled_model_steps_and_eval() {
     let test = "compiled_model_steps_and_eval";
-    let Some(venv) = setup(test) else { return };
-    let dir = temp_dir("compile");
-    let launch = Launch {
-        script: "compile_train.py",
-        args: vec![],
-        ranks: 1,
+    let Some(run) = traced(test, "compile_train.py", 1, |_| vec![]) else {
+        return;
     };
-    let run = trace(&venv, test, &dir, &launch);
-    let fails = check(&run);
-    report(test, &run, fails);
+    assert_matches_truth(test, &run);
 }
 
 #[test]
 fn compiled_model_and_optimizer_step() {
     let test = "compiled_model_and_optimizer_step";
-    let Some(venv) = setup(test) else { return };
-    let dir = temp_dir("compile-opt");
-    let launch = Launch {
-        script: "compile_train.py",
-        args: args(&["--compile-opt"]),
-        ranks: 1,
+    let Some(run) = traced(test, "compile_train.py", 1, |_| args(&["--compile-opt"])) else {
+        return;
     };
-    let run = trace(&venv, test, &dir, &launch);
-    let fails = check(&run);
-    report(test, &run, fails);
+    assert_matches_truth(test, &run);
 }
 
 // ---- safetensors ----------------------------------------------------------------------
