@@ -1,7 +1,11 @@
 //! Span trees from the fake libtorch trainer (tests/README.md has its exact call
 //! sequence) through real uprobes: whole trees asserted, the group gate counted in
 //! attached uprobes, attaching mid-run, a killed job.
-use std::{ffi::OsString, time::Duration};
+use std::{
+    ffi::OsString,
+    sync::{RwLock, RwLockReadGuard, RwLockWriteGuard},
+    time::Duration,
+};
 
 use lens_common::ProbeId;
 use lens_probe::{
@@ -11,6 +15,20 @@ use lens_probe::{
     spans::{SpanBuilder, SpanLog, SpanStatus, names},
 };
 use lens_tests::torch_trainer_argv as trainer;
+
+/// The overhead-budget test runs alone: with another session of this process tracing
+/// its own trainer on the same fake libraries at the same time, it once saw 1001 steps
+/// for 1000 (issue 16, row 14: two instances sharing the libraries' inodes is the lead,
+/// not yet explained). The other tests share the lock and still run side by side.
+static ALONE: RwLock<()> = RwLock::new(());
+
+fn shared() -> RwLockReadGuard<'static, ()> {
+    ALONE.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn alone() -> RwLockWriteGuard<'static, ()> {
+    ALONE.write().unwrap_or_else(|e| e.into_inner())
+}
 
 fn session(spec: &str) -> Session {
     Session::new(TraceOptions {
@@ -50,6 +68,7 @@ fn per_step_gives_the_exact_tree() {
     if !lens_tests::require_bpf("per_step_gives_the_exact_tree") {
         return;
     }
+    let _guard = shared();
     // 4 steps of 2 microbatches, evaluation after steps 2 and 4, a checkpoint after 3,
     // a checkpoint loaded before training.
     let (log, _) = trace(
@@ -96,6 +115,7 @@ fn default_groups_give_job_evaluate_checkpoint_and_attach_no_step_probes() {
     if !lens_tests::require_bpf("default_groups_give_job_evaluate_checkpoint") {
         return;
     }
+    let _guard = shared();
     let argv = trainer(&[("TRAINER_DISTRIBUTED", "1")], &["4", "2", "2", "3"]);
     let (log, session) = trace("default", &argv);
     assert_eq!(
@@ -136,6 +156,7 @@ fn uprobes_attached_grow_with_the_preset() {
     if !lens_tests::require_bpf("uprobes_attached_grow_with_the_preset") {
         return;
     }
+    let _guard = shared();
     let count = |spec: &str| {
         let (_, session) = trace(spec, &trainer(&[], &["1", "1", "0", "0"]));
         session.attacher().uprobe_count()
@@ -160,6 +181,7 @@ fn collectives_during_backward_are_children_of_forward_backward() {
     if !lens_tests::require_bpf("collectives_during_backward") {
         return;
     }
+    let _guard = shared();
     let (log, _) = trace(
         "per_step",
         &trainer(&[("TRAINER_DISTRIBUTED", "1")], &["2", "2", "0", "0"]),
@@ -194,6 +216,7 @@ fn attaching_mid_run_reports_whole_steps_only() {
     if !lens_tests::require_bpf("attaching_mid_run_reports_whole_steps_only") {
         return;
     }
+    let _guard = shared();
     // ~60 ms steps; attach after ~5 of them (the probes loaded beforehand). 150 steps:
     // the attach may queue seconds behind the kernel's removal of other tests' uprobes.
     const STEPS: usize = 150;
@@ -250,6 +273,7 @@ fn a_killed_job_has_an_error_status_and_truncated_open_spans() {
     if !lens_tests::require_bpf("a_killed_job_has_an_error_status") {
         return;
     }
+    let _guard = shared();
     // 2 s forward passes: the first backward (which opens step 0) at ~2 s, the second
     // at ~4 s; killed at 3 s, inside the second forward, with a second of margin.
     let mut session = session("per_step");
@@ -284,6 +308,7 @@ fn phase_spans_carry_the_launches_counted_in_the_kernel() {
     if !lens_tests::require_bpf("phase_spans_carry_the_launches_counted_in_the_kernel") {
         return;
     }
+    let _guard = shared();
     // 3 kernel launches in each forward pass and in each optimizer step, 2 microbatches;
     // evaluation (no launches) after steps 2 and 4.
     let (log, _) = trace(
@@ -322,6 +347,7 @@ fn an_overhead_budget_samples_the_launch_probes_and_stays_under_it() {
     if !lens_tests::require_bpf("an_overhead_budget_samples_the_launch_probes") {
         return;
     }
+    let _guard = alone();
     // 100 launches of 2 µs in each forward and optimizer step, ~8 ms steps: with the launch
     // probes in all the time they would cost a few % of the time; the budget is 1%.
     let mut session = Session::new(TraceOptions {
