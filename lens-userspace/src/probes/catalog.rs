@@ -97,7 +97,7 @@ pub struct ProbeSpec {
 
 /// Per-call detail: collectives, launches and sync waits become children of the step's
 /// phases, so only the step-level groups need them.
-const STEP_DETAIL: &[SpanGroup] = &[
+pub const STEP_DETAIL: &[SpanGroup] = &[
     SpanGroup::Step,
     SpanGroup::ForwardBackward,
     SpanGroup::Optimizer,

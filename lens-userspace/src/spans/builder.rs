@@ -58,6 +58,9 @@ struct ProcessSpans {
     waiting: Vec<SpanRecord>,
     /// Placements decided for calls the collective tracker still holds.
     placed: HashMap<SpanId, Placement>,
+    /// The earliest start among `unplaced` (`u64::MAX` when none): the per-call bound
+    /// check reads this instead of walking every held call.
+    oldest_held_ns: u64,
 }
 
 /// A call whose phase was not known when it arrived.
@@ -218,6 +221,12 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 process.placed.insert(*id, placement);
             }
         }
+        process.oldest_held_ns = process
+            .unplaced
+            .values()
+            .map(|call| call.start_ns)
+            .min()
+            .unwrap_or(u64::MAX);
         let (ready, still): (Vec<SpanRecord>, Vec<SpanRecord>) = process
             .waiting
             .drain(..)
@@ -238,7 +247,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             starts.sort_unstable();
             threshold = threshold.max(starts[starts.len() / 4]);
         }
-        if process.unplaced.values().any(|c| c.start_ns <= threshold) {
+        if process.oldest_held_ns <= threshold {
             self.place_held(pid, |_, start| start <= threshold);
         }
     }
@@ -246,6 +255,10 @@ impl<E: SpanExporter> SpanBuilder<E> {
     /// The held calls of `tid` (as owner) go to their phases once its phase is known.
     fn place_when_known(&mut self, pid: u32, tid: u32) {
         let known = self.processes.get_mut(&pid).is_some_and(|process| {
+            if process.unplaced.is_empty() {
+                // Nothing held: the phase signals' common case costs nothing more.
+                return false;
+            }
             let Some(thread) = process.threads.get(&tid) else {
                 return true;
             };
@@ -317,6 +330,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 unplaced: HashMap::new(),
                 waiting: Vec::new(),
                 placed: HashMap::new(),
+                oldest_held_ns: u64::MAX,
             },
         );
     }
@@ -653,6 +667,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                     start_ns: timing.start_ns,
                 },
             );
+            process.oldest_held_ns = process.oldest_held_ns.min(timing.start_ns);
         }
         Some(record)
     }

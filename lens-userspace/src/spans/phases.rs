@@ -428,7 +428,8 @@ impl ThreadPhases {
             TorchScope::OptimizerStep if ctx.ruled.contains(&SpanGroup::Step) => {}
             TorchScope::OptimizerStep => self.optimizer_scope_enter(ctx, at),
             TorchScope::OptimizerZeroGrad => {
-                let nested = self.scopes.len() > 1 && self.in_optimizer_step_scope();
+                // Inside another `Optimizer.step` (this scope itself is a zero_grad).
+                let nested = self.in_optimizer_step_scope();
                 // A running step whose backward passes are done reaches `zero_grad` with
                 // no `Optimizer.step` scope seen: the update ran without one
                 // (`torch.compile(opt.step)`), between the last backward and here.
@@ -510,10 +511,8 @@ impl ThreadPhases {
         if self.syncing {
             return;
         }
-        if self.evaluate.as_ref().is_some_and(|e| e.ended_at.is_some()) {
-            // Training again (without backward probes, the first sign of it).
-            self.end_evaluation(ctx, at);
-        }
+        // Training again (without backward probes, the first sign of it).
+        self.end_finished_evaluation(ctx, at);
         match self.step.as_mut() {
             // More optimizer work of the same step (a second optimizer).
             Some(step) if step.optimizer.is_some() && self.pending_fetch.is_none() => {
@@ -725,8 +724,8 @@ impl ThreadPhases {
             return;
         }
         if !enabled {
-            // Inside the optimizer or between backward passes it is the step's own work.
-            if !self.in_optimizer_scope() && !self.step_running() {
+            // Between backward passes it is the step's own work.
+            if !self.step_running() {
                 self.eval_candidate = Some(match self.fetch_since_training {
                     Some(fetch) => EvalCandidate {
                         start: fetch,
@@ -765,6 +764,14 @@ impl ThreadPhases {
         self.pending_fetch = None;
     }
 
+    /// Another phase begins at `at`: an evaluation whose grad mode is back on ends (one
+    /// still under `no_grad` goes on: the new phase is inside it).
+    fn end_finished_evaluation(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
+        if self.evaluate.as_ref().is_some_and(|e| e.ended_at.is_some()) {
+            self.end_evaluation(ctx, at);
+        }
+    }
+
     /// Another phase begins at `at`: an evaluation loop still open ends, where grad mode
     /// was last switched back on (or here, if it is still off).
     fn end_evaluation(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
@@ -782,15 +789,9 @@ impl ThreadPhases {
     }
 
     fn file_open(&mut self, ctx: &mut ProcessContext<'_>, at: u64, group: SpanGroup) {
-        if self.evaluate.as_ref().is_some_and(|e| e.ended_at.is_some()) {
-            self.end_evaluation(ctx, at);
-        }
+        self.end_finished_evaluation(ctx, at);
         let running_step = self.step_running();
-        let slot = match group {
-            SpanGroup::Checkpoint => &mut self.checkpoint,
-            _ => &mut self.load_checkpoint,
-        };
-        if let Some(file) = slot.as_mut() {
+        if let Some(file) = self.file_slot(group).as_mut() {
             file.open_files += 1;
             file.files += 1;
             return;
@@ -809,16 +810,20 @@ impl ThreadPhases {
             _ => names::LOAD_CHECKPOINT,
         };
         let span = self.open_phase(ctx, name, group, parent, at);
-        let slot = match group {
-            SpanGroup::Checkpoint => &mut self.checkpoint,
-            _ => &mut self.load_checkpoint,
-        };
-        *slot = Some(FileSpan {
+        *self.file_slot(group) = Some(FileSpan {
             span,
             open_files: 1,
             files: 1,
             last_end: None,
         });
+    }
+
+    /// The open checkpoint (`Checkpoint`) or load (`LoadCheckpoint`) of this thread.
+    fn file_slot(&mut self, group: SpanGroup) -> &mut Option<FileSpan> {
+        match group {
+            SpanGroup::Checkpoint => &mut self.checkpoint,
+            _ => &mut self.load_checkpoint,
+        }
     }
 
     fn file_close(slot: &mut Option<FileSpan>, at: u64) {
@@ -831,11 +836,10 @@ impl ThreadPhases {
     /// Files written (read) back to back are one checkpoint: the span ends at the last
     /// file's end once anything else happens.
     fn settle_files(&mut self, ctx: &mut ProcessContext<'_>, group: SpanGroup) {
-        let slot = match group {
-            SpanGroup::Checkpoint => &mut self.checkpoint,
-            _ => &mut self.load_checkpoint,
-        };
-        let Some(file) = slot.take_if(|f| f.open_files == 0 && f.last_end.is_some()) else {
+        let Some(file) = self
+            .file_slot(group)
+            .take_if(|f| f.open_files == 0 && f.last_end.is_some())
+        else {
             return;
         };
         let end = file.last_end.unwrap_or_default();
@@ -886,11 +890,8 @@ impl ThreadPhases {
         } else if top_level && self.rule_spans.is_empty() {
             self.finish_step(ctx);
         }
-        if top_level
-            && self.rule_spans.is_empty()
-            && self.evaluate.as_ref().is_some_and(|e| e.ended_at.is_some())
-        {
-            self.end_evaluation(ctx, at);
+        if top_level && self.rule_spans.is_empty() {
+            self.end_finished_evaluation(ctx, at);
         }
         let mut parent = self.innermost(ctx);
         if top_level && Some(parent) == *ctx.model_init {
