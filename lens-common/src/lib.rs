@@ -86,10 +86,16 @@ pub enum ProbeId {
     SafetensorsOpen = 42,
     /// `safe_open.__exit__` returned: that read ended.
     SafetensorsClose = 43,
+    /// libc's `open(path, flags, ...)` (`open64`: one function) with `O_CREAT`: a file
+    /// created, whoever writes it (Python's `open`, `fopen`, Rust's `File::create`).
+    /// Attached to the traced processes only, never node-wide.
+    FileOpen = 44,
+    /// libc's `openat(dirfd, path, flags, ...)` with `O_CREAT`.
+    FileOpenAt = 45,
 }
 
 impl ProbeId {
-    pub const COUNT: usize = 44;
+    pub const COUNT: usize = 46;
 
     pub const ALL: [ProbeId; Self::COUNT] = [
         ProbeId::CudaLaunchKernel,
@@ -136,6 +142,8 @@ impl ProbeId {
         ProbeId::SafetensorsSerializeFile,
         ProbeId::SafetensorsOpen,
         ProbeId::SafetensorsClose,
+        ProbeId::FileOpen,
+        ProbeId::FileOpenAt,
     ];
 
     /// A kernel or graph launch: counted in the kernel, never sent as an event, and the
@@ -265,6 +273,8 @@ impl ProbeId {
             ProbeId::SafetensorsClose => {
                 "_ZN16safetensors_rust9safe_open21__pymethod___exit____17h*E"
             }
+            ProbeId::FileOpen => "open",
+            ProbeId::FileOpenAt => "openat",
         }
     }
 }
@@ -716,6 +726,15 @@ pub mod maps {
     pub const RUNTIME_RANGES: &str = "RUNTIME_RANGES";
     pub const KERNEL_REGISTRY: &str = "KERNEL_REGISTRY";
     pub const PY_TARGETS: &str = "PY_TARGETS";
+    /// Targets stopped at a library load (tgid → CLOCK_MONOTONIC ns of the stop): the
+    /// guardian continues the ones lens-probe leaves there too long.
+    pub const STOPPED: &str = "STOPPED";
+    /// Python processes with a framework's save (load) function running on a thread
+    /// (tgid → 1): the collective and sync entries of each of their threads take a
+    /// Python stack sample first, so a call made after the save returned is not taken
+    /// for one of its own, and a save DCP's `async_save` runs on a background thread is
+    /// seen at that thread's first collective, not a sampling interval of CPU later.
+    pub const PY_SAVING: &str = "PY_SAVING";
 }
 
 /// Sizes of the kernel-side maps.

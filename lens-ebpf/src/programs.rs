@@ -26,6 +26,11 @@ pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(limits::RING_BUFFER_
 #[map(name = "TARGETS")]
 static TARGETS: HashMap<u32, TargetConfig> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
 
+/// Targets this program stopped at a library load (tgid → when), until lens-probe (or,
+/// past a bound, its guardian) continues them.
+#[map(name = "STOPPED")]
+static STOPPED: HashMap<u32, u64> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
 #[map(name = "CALL_COUNTS")]
 static CALL_COUNTS: PerCpuHashMap<CallKey, u64> =
     PerCpuHashMap::with_max_entries(limits::MAX_CALL_COUNTERS, 0);
@@ -69,6 +74,21 @@ static KERNEL_REGISTRY: LruHashMap<HandleKey, u64> =
 /// Traced CPython processes (tgid → where their interpreter state is).
 #[map(name = "PY_TARGETS")]
 static PY_TARGETS: HashMap<u32, PyOffsets> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Python processes inside a framework save (`maps::PY_SAVING`).
+#[map(name = "PY_SAVING")]
+static PY_SAVING: HashMap<u32, u8> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Sends the thread's Python stack before a collective or sync entry while the loader
+/// has its process inside a framework save: whether the call is the save's is then read.
+#[inline(always)]
+fn sample_if_saving() {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: only presence is read.
+    if unsafe { PY_SAVING.get(&((pid_tgid >> 32) as u32)) }.is_some() {
+        send_python_stack(pid_tgid, true);
+    }
+}
 
 /// Per Python thread, a hash of the stack last sent (low bit: sent once, to be sent again
 /// at the next sample): an unchanged stack is not sent a third time.
@@ -467,6 +487,7 @@ pub fn nccl_group(ctx: ProbeContext) -> u32 {
 /// Entry of an NCCL collective or point-to-point call: decode its arguments by shape.
 #[uprobe]
 pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
+    sample_if_saving();
     let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::Collective) else {
         return 0;
     };
@@ -655,6 +676,7 @@ pub fn cuda_event_query_return(ctx: RetProbeContext) -> u32 {
 /// Entry of a CUDA synchronisation call; `handle` is the stream or event waited on.
 #[uprobe]
 pub fn cuda_sync_entry(ctx: ProbeContext) -> u32 {
+    sample_if_saving();
     let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::SyncWait) else {
         return 0;
     };
@@ -757,6 +779,8 @@ pub fn dl_debug_state(ctx: ProbeContext) -> u32 {
         // The stop is queued before the loader can see the event, so its SIGCONT always
         // comes after it (a SIGCONT discards a pending stop).
         debug!(&ctx, "lens: stopping {} for attach", event.tgid);
+        // SAFETY: the helper only reads the clock.
+        let _ = STOPPED.insert(&event.tgid, &unsafe { bpf_ktime_get_ns() }, 0);
         // SAFETY: signals the current process, which is the traced target.
         unsafe { generated::bpf_send_signal(SIGSTOP) };
     }
@@ -778,6 +802,46 @@ pub fn phase_mark(ctx: ProbeContext) -> u32 {
         return 0;
     };
     event.count = arg_u64(&ctx, 0);
+    event.epoch = next_epoch(pid_tgid);
+    event.launches = launches_so_far(pid_tgid);
+    emit(&event, submit_flags());
+    0
+}
+
+/// libc's `open(path, flags)` / `openat(dirfd, path, flags)` entered: a file created
+/// (`O_CREAT`) is sent as a mark (a checkpoint's file); any other open sends nothing and
+/// counts nothing, nor does a creation under `/dev/` or `/proc/` (POSIX semaphores in
+/// `/dev/shm`, which progress bars create, are no checkpoint files).
+#[uprobe]
+pub fn file_open_entry(ctx: ProbeContext) -> u32 {
+    const O_CREAT: u64 = 0o100;
+    // Both registers are read, then one chosen: the verifier takes context loads at
+    // constant offsets only, which a branch between two loads can be merged out of.
+    let (open_path, open_flags) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1));
+    let (openat_path, openat_flags) = (ctx.arg::<u64>(1), ctx.arg::<u64>(2));
+    let (path, flags) = if probe_id(&ctx) == ProbeId::FileOpenAt as u32 {
+        (openat_path, openat_flags)
+    } else {
+        (open_path, open_flags)
+    };
+    if flags.unwrap_or(0) & O_CREAT == 0 {
+        return 0;
+    }
+    // SAFETY: reading the traced thread's memory through the checked helper.
+    let prefix =
+        unsafe { bpf_probe_read_user(path.unwrap_or(0) as *const [u8; 6]) }.unwrap_or([0; 6]);
+    if prefix[..5] == *b"/dev/" || prefix == *b"/proc/" {
+        return 0;
+    }
+    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+        return 0;
+    };
+    // The Python stack first (stamped before the mark): the loader knows whether the
+    // framework save that may have created it is still running.
+    send_python_stack(pid_tgid, true);
+    // SAFETY: the helper only reads the clock.
+    event.start_ns = unsafe { bpf_ktime_get_ns() };
+    event.end_ns = event.start_ns;
     event.epoch = next_epoch(pid_tgid);
     event.launches = launches_so_far(pid_tgid);
     emit(&event, submit_flags());
@@ -844,6 +908,7 @@ pub fn torch_scope_enter(ctx: ProbeContext) -> u32 {
 /// (gloo collectives: the tensors live behind C++ vectors).
 #[uprobe]
 pub fn timed_call_entry(ctx: ProbeContext) -> u32 {
+    sample_if_saving();
     let Some((pid_tgid, event)) = begin_call(&ctx, EventKind::Collective) else {
         return 0;
     };
@@ -1077,20 +1142,28 @@ fn python_caller(pid_tgid: u64) -> u64 {
 /// from the thread's last one. docs/python.md.
 #[perf_event]
 pub fn python_sample(_ctx: PerfEventContext) -> u32 {
-    let pid_tgid = bpf_get_current_pid_tgid();
+    send_python_stack(bpf_get_current_pid_tgid(), false);
+    0
+}
+
+/// Sends the current thread's Python stack (a CPython target's): from the sampler only
+/// when it changed (`forced` false), or at once (a file created: which Python call
+/// created it is then exact, not sampled).
+#[inline(always)]
+fn send_python_stack(pid_tgid: u64, forced: bool) {
     let tgid = (pid_tgid >> 32) as u32;
     let tid = pid_tgid as u32;
     // SAFETY: copied out before the map can change under us.
     let Some(offsets) = (unsafe { PY_TARGETS.get(&tgid) }).copied() else {
-        return 0;
+        return;
     };
     // A Python thread with no frame (idle in C) is sampled too: an empty stack ends calls.
     let Some(mut frame) = innermost_frame(&offsets, tid) else {
-        return 0;
+        return;
     };
     let Some(mut entry) = EVENTS.reserve::<PyStack>(0) else {
         count_loss(LossCause::RingBufferFull);
-        return 0;
+        return;
     };
     let stack = entry.as_mut_ptr();
     // Walk up to PY_MAX_WALK frames from the innermost, keeping the outermost
@@ -1135,17 +1208,20 @@ pub fn python_sample(_ctx: PerfEventContext) -> u32 {
     // takes a change two samples agree on: one can catch the chain mid-update); then not
     // again until it changes. The low bit of the remembered hash: the second is due.
     let hash = hash & !1;
-    // SAFETY: copied out.
-    let last = unsafe { PY_LAST_STACK.get(&tid) }.copied();
-    let remember = match last {
-        Some(last) if last & !1 == hash && last & 1 == 0 => {
-            entry.discard(0);
-            return 0;
-        }
-        Some(last) if last & !1 == hash => hash,
-        _ => hash | 1,
-    };
-    let _ = PY_LAST_STACK.insert(&tid, &remember, 0);
+    // A forced sample leaves the sampler's record alone: its next change is still sent.
+    if !forced {
+        // SAFETY: copied out.
+        let last = unsafe { PY_LAST_STACK.get(&tid) }.copied();
+        let remember = match last {
+            Some(last) if last & !1 == hash && last & 1 == 0 => {
+                entry.discard(0);
+                return;
+            }
+            Some(last) if last & !1 == hash => hash,
+            _ => hash | 1,
+        };
+        let _ = PY_LAST_STACK.insert(&tid, &remember, 0);
+    }
     // SAFETY: the reserved record, filled before it is submitted.
     unsafe {
         (*stack).kind = EventKind::PyStack as u32;
@@ -1159,5 +1235,4 @@ pub fn python_sample(_ctx: PerfEventContext) -> u32 {
     // Delivered at once: the loader names the frames from the process's memory, which a
     // process that exits soon after takes with it.
     entry.submit(BPF_RB_FORCE_WAKEUP as u64);
-    0
 }

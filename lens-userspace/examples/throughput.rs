@@ -118,7 +118,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         }
         Exporter::File => {
             let mut pipeline =
-                OtelPipeline::start(Destination::File(args.export_file.clone()), None)?;
+                OtelPipeline::start(Destination::File(args.export_file.clone()), None, None)?;
             let mut spans = SpanBuilder::new(args.span_groups.clone(), &mut pipeline);
             let report = throughput::run(options, &mut (&mut summary, &mut spans))?;
             drop(spans);

@@ -111,6 +111,17 @@ pub struct Cli {
     #[arg(long, value_name = "STRATEGY", env = "NEMO_LENS_EXPORT_STRATEGY")]
     pub export_strategy: Option<String>,
 
+    /// Keep span batches the OTLP collector could not take in this directory (created,
+    /// mode 0700) and send them, oldest first, when it answers again, in this run or the
+    /// next one that uses the directory.
+    #[arg(long, value_name = "DIR", env = "LENS_PROBE_SPOOL_DIR")]
+    pub spool_dir: Option<PathBuf>,
+
+    /// The spool's size bound (default 1GiB): past it the oldest batches are dropped,
+    /// counted as lost.
+    #[arg(long, value_name = "SIZE", env = "LENS_PROBE_SPOOL_MAX")]
+    pub spool_max: Option<String>,
+
     /// For single_rank: the rank that exports; -1 (default) is the last rank.
     #[arg(
         long,

@@ -199,7 +199,98 @@ pub struct PythonRule {
     pub qualname: String,
     pub group: SpanGroup,
     pub name: &'static str,
+    /// One of [`FRAMEWORK_SAVE_RULES`]: the call bounds the checkpoint (load) span the
+    /// file signals make, it takes no group over, and it is never reported unmatched.
+    pub framework: bool,
 }
+
+/// The save and load functions of the frameworks people train with: their calls bound
+/// `train.checkpoint` / `train.load_checkpoint` (`docs/spans.md`, "checkpoint"), so a save
+/// is one span from its start, Python work and collectives included, to its end. Only
+/// names read in each project's source at the versions `docs/spans.md` lists.
+const FRAMEWORK_SAVE_RULES: &str = r#"
+# transformers/trainer.py, transformers/modeling_utils.py
+[[probe]]
+python = "transformers.trainer:Trainer._save_checkpoint"
+group = "checkpoint"
+[[probe]]
+python = "transformers.trainer:Trainer.save_model"
+group = "checkpoint"
+[[probe]]
+python = "transformers.modeling_utils:PreTrainedModel.save_pretrained"
+group = "checkpoint"
+[[probe]]
+python = "transformers.trainer:Trainer._load_from_checkpoint"
+group = "load_checkpoint"
+[[probe]]
+python = "transformers.trainer:Trainer._load_optimizer_and_scheduler"
+group = "load_checkpoint"
+[[probe]]
+python = "transformers.trainer:Trainer._load_rng_state"
+group = "load_checkpoint"
+# lightning/pytorch/trainer/trainer.py, .../connectors/checkpoint_connector.py
+[[probe]]
+python = "lightning.pytorch.trainer.trainer:Trainer.save_checkpoint"
+group = "checkpoint"
+[[probe]]
+python = "pytorch_lightning.trainer.trainer:Trainer.save_checkpoint"
+group = "checkpoint"
+[[probe]]
+python = "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector.restore"
+group = "load_checkpoint"
+[[probe]]
+python = "pytorch_lightning.trainer.connectors.checkpoint_connector:_CheckpointConnector.restore"
+group = "load_checkpoint"
+# safetensors/torch.py
+[[probe]]
+python = "safetensors.torch:save_file"
+group = "checkpoint"
+[[probe]]
+python = "safetensors.torch:save_model"
+group = "checkpoint"
+[[probe]]
+python = "safetensors.torch:load_file"
+group = "load_checkpoint"
+[[probe]]
+python = "safetensors.torch:load_model"
+group = "load_checkpoint"
+# torch/distributed/checkpoint/state_dict_saver.py, state_dict_loader.py
+[[probe]]
+python = "torch.distributed.checkpoint.state_dict_saver:save"
+group = "checkpoint"
+[[probe]]
+python = "torch.distributed.checkpoint.state_dict_saver:async_save"
+group = "checkpoint"
+[[probe]]
+python = "torch.distributed.checkpoint.state_dict_loader:load"
+group = "load_checkpoint"
+# torch/distributed/checkpoint/state_dict.py: the state gathered before a save or a load
+# (the span that follows starts there), and a loaded state put into model and optimizer
+[[probe]]
+python = "torch.distributed.checkpoint.state_dict:get_state_dict"
+group = "checkpoint"
+[[probe]]
+python = "torch.distributed.checkpoint.state_dict:set_state_dict"
+group = "load_checkpoint"
+[[probe]]
+python = "torch.distributed.checkpoint.state_dict:set_model_state_dict"
+group = "load_checkpoint"
+[[probe]]
+python = "torch.distributed.checkpoint.state_dict:set_optimizer_state_dict"
+group = "load_checkpoint"
+"#;
+
+/// DCP's `async_save`: its span lasts until the background thread's `save` that it
+/// started has returned.
+pub const DCP_ASYNC_SAVE: (&str, &str) = (
+    "torch.distributed.checkpoint.state_dict_saver",
+    "async_save",
+);
+
+/// DCP's `get_state_dict`: what a save or a load begins with, so the checkpoint (load)
+/// that follows it at once starts with it; alone it is no span.
+pub const DCP_GET_STATE_DICT: (&str, &str) =
+    ("torch.distributed.checkpoint.state_dict", "get_state_dict");
 
 /// Every configured rule of a run: the profile's, then the file's.
 #[derive(Clone, Debug, Default)]
@@ -269,7 +360,18 @@ impl ProbeRules {
                     other => other,
                 })?;
         }
+        // Last, so the user's rules keep their numbers.
+        let first = rules.python.len();
+        rules.add_toml(FRAMEWORK_SAVE_RULES, "built-in framework rules")?;
+        for rule in &mut rules.python[first..] {
+            rule.framework = true;
+        }
         Ok(rules)
+    }
+
+    /// Whether any rule was written by the user or a profile (not built in).
+    pub fn has_configured(&self) -> bool {
+        !self.native.is_empty() || self.python.iter().any(|rule| !rule.framework)
     }
 
     /// Parses `text` (a config file's contents, or a profile's) and adds its rules.
@@ -299,7 +401,12 @@ impl ProbeRules {
             .native
             .iter()
             .map(|rule| (&rule.origin, rule.group))
-            .chain(self.python.iter().map(|rule| (&rule.origin, rule.group)))
+            .chain(
+                self.python
+                    .iter()
+                    .filter(|rule| !rule.framework)
+                    .map(|rule| (&rule.origin, rule.group)),
+            )
             .filter(|(_, group)| !groups.contains(*group));
         for (origin, group) in groups_off {
             warnings.push(format!(
@@ -470,6 +577,7 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
                 qualname,
                 group,
                 name,
+                framework: false,
             }))
         }
         (Some(symbol), None) => {
@@ -774,7 +882,8 @@ mod tests {
         for profile in Profile::ALL {
             let rules = ProbeRules::load(None, profile).unwrap();
             assert!(rules.native.is_empty(), "{profile}");
-            assert_eq!(rules.python.is_empty(), profile == Profile::Pytorch);
+            assert_eq!(rules.has_configured(), profile != Profile::Pytorch);
+            assert!(rules.python.iter().any(|rule| rule.framework));
         }
         assert_eq!("nemo_rl".parse::<Profile>(), Ok(Profile::NemoRl));
         assert_eq!("Megatron".parse::<Profile>(), Ok(Profile::Megatron));

@@ -195,6 +195,9 @@ pub enum PhaseSignal {
     CheckpointWriteEnd,
     CheckpointReadStart,
     CheckpointReadEnd,
+    /// A file created (libc `open`/`openat` with `O_CREAT`): counted by the checkpoint
+    /// open on the thread, if any; never a phase of its own.
+    FileCreated,
 }
 
 /// Where and when: common to every event.
@@ -372,6 +375,22 @@ impl ProbeEvent {
             | ProbeEvent::PyStack { tgid, .. }
             | ProbeEvent::PythonCaller { tgid, .. } => *tgid,
             ProbeEvent::ProcessForked { child, .. } => *child,
+        }
+    }
+
+    /// (tgid, tid, start) of a native call or phase mark a thread made.
+    pub fn thread_start(&self) -> Option<(u32, u32, u64)> {
+        match self {
+            ProbeEvent::Collective { timing, .. }
+            | ProbeEvent::SyncWait { timing, .. }
+            | ProbeEvent::Group { timing, .. }
+            | ProbeEvent::GlooCall { timing, .. } => {
+                Some((timing.tgid, timing.tid, timing.start_ns))
+            }
+            ProbeEvent::Phase {
+                tgid, tid, at_ns, ..
+            } => Some((*tgid, *tid, *at_ns)),
+            _ => None,
         }
     }
 
@@ -619,6 +638,7 @@ fn phase_signal(probe: ProbeId, raw: &Event) -> Option<PhaseSignal> {
         (ProbeId::CheckpointWriterClose, true) => PhaseSignal::CheckpointWriteEnd,
         (ProbeId::CheckpointReaderOpen, false) => PhaseSignal::CheckpointReadStart,
         (ProbeId::CheckpointReaderClose, true) => PhaseSignal::CheckpointReadEnd,
+        (ProbeId::FileOpen | ProbeId::FileOpenAt, false) => PhaseSignal::FileCreated,
         _ => return None,
     })
 }

@@ -3,6 +3,7 @@
 //! The data path reads top to bottom: [`probes`] (what to attach, where) → kernel events
 //! → [`events`] (decode) → [`sink`] consumers such as the [`summary`]. A [`session`]
 //! drives it for the processes in [`target`].
+pub mod attach_status;
 pub mod budget;
 pub mod cli;
 pub mod config;

@@ -8,6 +8,7 @@ use lens_probe::{
     export::{
         config::{ExportSettings, ExporterKind},
         otlp::{Destination, ExportStats, OtelPipeline},
+        spool::Spool,
     },
     output::OutputFile,
     privileges,
@@ -120,13 +121,29 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     };
     let mut pipeline = match export.exporter {
         ExporterKind::Console => None,
-        ExporterKind::Otlp => Some(OtelPipeline::start(
-            Destination::otlp_from_env()?,
-            export.service_name.clone(),
-        )?),
+        ExporterKind::Otlp => {
+            // Opened now, while lens-probe may still create a directory where root may.
+            let spool = export
+                .spool
+                .as_ref()
+                .map(|config| {
+                    Spool::open(config).map_err(|reason| LensError::Output {
+                        flag: "--spool-dir",
+                        path: config.dir.clone(),
+                        reason,
+                    })
+                })
+                .transpose()?;
+            Some(OtelPipeline::start(
+                Destination::otlp_from_env()?,
+                export.service_name.clone(),
+                spool,
+            )?)
+        }
         ExporterKind::File => Some(OtelPipeline::start(
             Destination::File(export.export_file.clone().unwrap_or_default()),
             export.service_name.clone(),
+            None,
         )?),
     };
     // Never dropped: its uprobes are let go by a child after we exit (see `exit_now`).
@@ -167,6 +184,10 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         attach_pids(session, &cli.pid)?;
         None
     };
+    // Node mode says what it traces in its own line, and runs for days: no status line.
+    if !cli.node {
+        session.show_attach_status();
+    }
     // Attached, and the --exec command started with what it had: keep only what is needed.
     privileges::drop_unneeded(cli.node);
     log::info!(
@@ -213,6 +234,13 @@ fn run(cli: Cli) -> Result<i32, LensError> {
 
     eprint!("{}", summary.render(&report.losses));
     eprint!("{}", lens_probe::spans::stragglers::render(&stragglers));
+    let late_attaches = session.late_attaches();
+    if late_attaches > 0 {
+        eprintln!(
+            "lens-probe: {late_attaches} library loads attached late (the guardian let their \
+             process go on while lens-probe was held up): their first calls were not seen"
+        );
+    }
     if let Some(budget) = &report.budget {
         eprintln!(
             "lens-probe: overhead budget {}%: launch probes cost an estimated {:.2}% \
@@ -242,6 +270,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
                 "stragglers".into(),
                 serde_json::to_value(stragglers).expect("straggler stats serialise"),
             );
+            object.insert("late_attaches".into(), late_attaches.into());
             // Every loss stderr reports is here too: spans the export lost, by cause.
             if let Some(stats) = export_stats {
                 object.insert(
@@ -251,6 +280,10 @@ fn run(cli: Cli) -> Result<i32, LensError> {
                         "spans_lost": stats.lost(),
                         "spans_dropped_queue_full": stats.dropped_queue_full,
                         "spans_export_failed": stats.failed,
+                        "spans_spooled": stats.spooled,
+                        "spans_sent_from_spool": stats.replayed,
+                        "spans_dropped_spool_full": stats.spool_dropped,
+                        "spans_left_in_spool": stats.left_in_spool,
                     }),
                 );
             }
@@ -320,12 +353,28 @@ fn report_export(settings: &ExportSettings, stats: ExportStats) {
     if stats.lost() == 0 {
         eprintln!("lens-probe: {} spans exported to {target}", stats.exported);
     } else {
+        let spool_full = if stats.spool_dropped > 0 {
+            format!(", {} dropped from a full spool", stats.spool_dropped)
+        } else {
+            String::new()
+        };
         eprintln!(
-            "lens-probe: {} spans exported to {target}; {} lost ({} queue full, {} export failed)",
+            "lens-probe: {} spans exported to {target}; {} lost ({} queue full, {} export \
+             failed{spool_full})",
             stats.exported,
             stats.lost(),
             stats.dropped_queue_full,
             stats.failed
+        );
+    }
+    if let Some(spool) = &settings.spool {
+        eprintln!(
+            "lens-probe: spool {}: {} spans kept there this run, {} sent from it, {} waiting \
+             there for the next run",
+            spool.dir.display(),
+            stats.spooled,
+            stats.replayed,
+            stats.left_in_spool
         );
     }
 }

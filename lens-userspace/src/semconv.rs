@@ -22,6 +22,8 @@ pub const SLURM_NNODES: &str = "slurm.nnodes";
 pub const SLURM_NTASKS: &str = "slurm.ntasks";
 pub const SLURM_PARTITION: &str = "slurm.partition";
 pub const SLURM_CLUSTER_NAME: &str = "slurm.cluster.name";
+/// lens-probe's own (NeMo Lens has none): the job step a task belongs to (`srun`).
+pub const SLURM_STEP_ID: &str = "slurm.step.id";
 
 // ---- Kubernetes (k8s.*), OpenTelemetry semconv -----------------------------------------
 pub const K8S_NAMESPACE_NAME: &str = "k8s.namespace.name";

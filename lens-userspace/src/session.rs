@@ -3,7 +3,7 @@
 //!
 //! Data path: probe (kernel) → ring buffer → [`events::decode`] → sink.
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     ffi::OsString,
     os::fd::OwnedFd,
     sync::Arc,
@@ -21,7 +21,7 @@ use lens_common::{
     CODE_RANGES, CallKey, CodeRanges, Event, HandleKey, InflightKey, KernelKey, LaunchTotals,
     LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps, settings,
 };
-use log::{info, warn};
+use log::{debug, info, warn};
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
@@ -29,6 +29,7 @@ use tokio::{
 };
 
 use crate::{
+    attach_status::{AttachStatus, Traced},
     budget::{Action, BudgetController, BudgetReport, OverheadBudget},
     config::ProbeRules,
     discovery::{self, NodeFilter},
@@ -42,6 +43,7 @@ use crate::{
     probes::{
         attach::{self, Attacher},
         calibrate,
+        files::FileProbes,
         library::{self, LibraryKind, MappedLibrary},
     },
     python::{self, PythonTracker},
@@ -143,6 +145,19 @@ pub struct Session {
     guardian: Option<Guardian>,
     /// Python rules: their sampled stacks become rule calls (`python`).
     python: Option<PythonTracker>,
+    /// Library loads attached after the guardian had continued their target.
+    late_attaches: u64,
+    /// The console line on what is traced (`show_attach_status`), off by default.
+    attach_status: Option<AttachStatus>,
+    /// Node mode: candidates paused until they are attached (`hold_candidates`).
+    held_candidates: std::collections::HashSet<u32>,
+    /// Framework save calls open per process (what `PY_SAVING` says to the kernel).
+    saving_depth: HashMap<u32, u32>,
+    /// File-creation probes, one set per traced process (`probes::files`).
+    file_probes: FileProbes,
+    /// Targets that are forks still running their parent's program (DataLoader and
+    /// compile workers): they get no file-creation probes of their own.
+    fork_images: HashSet<u32>,
     /// Launches are counted per kernel (the `step` group is on): the names, and what
     /// was read of each counter so far.
     kernels: Option<KernelCounters>,
@@ -229,6 +244,12 @@ impl Session {
             launch_estimates: HashMap::new(),
             guardian: None,
             python: None,
+            late_attaches: 0,
+            attach_status: None,
+            held_candidates: std::collections::HashSet::new(),
+            saving_depth: HashMap::new(),
+            file_probes: FileProbes::default(),
+            fork_images: HashSet::new(),
             // Launches per kernel, for the steps' top kernels: only when steps are on
             // (off, the launch probes skip that map update).
             kernels: kernel_names.then(KernelCounters::default),
@@ -370,7 +391,11 @@ impl Session {
     }
 
     /// Tells `guardian` about every target from now on.
-    pub fn set_guardian(&mut self, guardian: Guardian) {
+    pub fn set_guardian(&mut self, mut guardian: Guardian) {
+        if let Some(aya::maps::Map::HashMap(map)) = self.ebpf.map(maps::STOPPED) {
+            use std::os::fd::{AsFd, AsRawFd};
+            guardian.share_stops(map.fd().as_fd().as_raw_fd());
+        }
         self.guardian = Some(guardian);
     }
 
@@ -397,9 +422,14 @@ impl Session {
         if python.is_empty() {
             return;
         }
+        let tracker_rules_configured = python.iter().any(|rule| !rule.framework);
         match python::sampler::start(&mut self.ebpf) {
             Ok(()) => self.python = Some(PythonTracker::new(python)),
-            Err(error) => warn!("Python rules: cannot start the sampler: {error}"),
+            Err(error) if tracker_rules_configured => {
+                warn!("Python rules: cannot start the sampler: {error}")
+            }
+            // Only the built-in framework rules: saves are then bounded by their files.
+            Err(error) => info!("Python stacks are not sampled: {error}"),
         }
     }
 
@@ -440,6 +470,18 @@ impl Session {
         self.python
             .as_ref()
             .map_or_else(Vec::new, PythonTracker::unmatched)
+    }
+
+    /// Counts the files `pid` creates (for checkpoints) if it maps what writes them
+    /// (libtorch, safetensors) and is no fork running its parent's program: compilers,
+    /// linkers and data workers create files too, and get no probes.
+    fn probe_file_creation(&mut self, pid: u32, libraries: &[MappedLibrary]) {
+        let writes_checkpoints = libraries
+            .iter()
+            .any(|l| matches!(l.kind, LibraryKind::TorchCpu | LibraryKind::Safetensors));
+        if writes_checkpoints && !self.fork_images.contains(&pid) {
+            self.file_probes.attach(&mut self.ebpf, pid, &self.groups);
+        }
     }
 
     /// Samples `pid`'s Python threads if it runs a CPython and Python rules exist.
@@ -536,12 +578,10 @@ impl Session {
             return Ok(());
         }
         let libraries = self.libraries_of(pid)?;
-        if self.traceable(pid, &libraries) {
-            return self.add_running_target(info, &libraries);
-        }
-        // A launcher (torchrun's agent, mpirun, srun's step daemon, a shell): its
-        // running descendants that train are attached, each with its own rank, and it
-        // becomes a target itself so that the workers it starts later are followed.
+        // Its running descendants that train are attached too, each with its own rank:
+        // the workers of a launcher (torchrun's agent, which maps torch itself, mpirun,
+        // srun's step daemon, a shell), as `--exec` would have followed them. It is a
+        // target itself so that the ones it starts later are followed.
         let trainers: Vec<u32> = target::descendants(pid)
             .into_iter()
             .filter(|child| {
@@ -549,19 +589,27 @@ impl Session {
                     .is_ok_and(|libraries| self.traceable(*child, &libraries))
             })
             .collect();
-        if trainers.is_empty() {
+        let traceable = self.traceable(pid, &libraries);
+        if trainers.is_empty() && !traceable {
             return Err(LensError::NoTracedLibraries {
                 pid,
                 name: info.name,
                 wanted: "libcudart.so, libnccl.so, libtorch_cpu.so".into(),
             });
         }
-        warn!(
-            "pid {pid} ({}) is a launcher: tracing the {} of its processes that train, and \
-             the ones it starts",
-            info.name,
-            trainers.len()
-        );
+        // Workers run programs of their own (another command line); a trainer's forked
+        // data workers run its own.
+        let launched = trainers.iter().any(|child| {
+            ProcessInfo::read(*child).is_ok_and(|c| c.command_line != info.command_line)
+        });
+        if launched {
+            warn!(
+                "pid {pid} ({}) is a launcher: tracing the {} of its processes that train, \
+                 and the ones it starts",
+                info.name,
+                trainers.len()
+            );
+        }
         self.add_running_target(info, &libraries)?;
         for child in trainers {
             // One that exits meanwhile is not an error of the run.
@@ -576,7 +624,11 @@ impl Session {
     fn traceable(&self, pid: u32, libraries: &[MappedLibrary]) -> bool {
         discovery::maps_training_library(libraries)
             || libraries.iter().any(|l| l.kind == LibraryKind::Configured)
-            || (self.python.is_some() && matches!(python::find_runtime(pid), Ok(Some(_))))
+            || (self
+                .python
+                .as_ref()
+                .is_some_and(PythonTracker::has_configured)
+                && matches!(python::find_runtime(pid), Ok(Some(_))))
     }
 
     /// Makes running process `info` (which maps `libraries`) a target: its libraries
@@ -594,6 +646,7 @@ impl Session {
         }
         self.set_runtime_ranges(pid);
         self.sample_python(pid);
+        self.probe_file_creation(pid, libraries);
         self.set_target(pid, TargetConfig::default())?;
         // Before `run` the exit watch starts there; during it, here.
         let pidfd = match self.exit_tx {
@@ -712,6 +765,7 @@ impl Session {
                     },
                 );
                 // It maps what its parent mapped.
+                self.fork_images.insert(child);
                 self.attach_libraries_of(child);
             }
             // Gone already (a short-lived helper): nothing to trace.
@@ -725,6 +779,11 @@ impl Session {
 
     /// A traced process runs a new program: tell the sinks what it is now.
     fn on_exec(&mut self, pid: u32, sink: &mut dyn EventSink) {
+        self.fork_images.remove(&pid);
+        // A fork handled before its exec (torchrun's python starting a worker) was given
+        // its parent's interpreter: the new program's is elsewhere (another load
+        // address), found again at its library loads.
+        self.forget_python(pid, sink);
         // The new program's launches count from 0, its epochs too; its libraries are new.
         if let Ok(mut totals) = self.launch_totals_map() {
             let _ = totals.remove(&pid);
@@ -748,6 +807,10 @@ impl Session {
             let info = target.info.clone();
             if !self.exports(&info) {
                 self.finish_target(pid, None, sink);
+            } else {
+                // A program with the interpreter inside (a static python) maps it now;
+                // a libpython is found at the library loads that follow.
+                self.sample_python(pid);
             }
         }
     }
@@ -767,8 +830,62 @@ impl Session {
             self.consider_candidate(pid, sink);
         }
         if stopped {
-            target::resume(pid);
+            self.resume_from_load(pid);
         }
+    }
+
+    /// Lets `pid`, stopped at a library load, go on. If its stop is no longer in the
+    /// kernel's map, the guardian ended it first (lens-probe was held up past
+    /// `guardian::MAX_HOLD`): what loaded then was attached late, and is counted.
+    fn resume_from_load(&mut self, pid: u32) {
+        let removed = match self.ebpf.map_mut(maps::STOPPED) {
+            Some(map) => BpfHashMap::<_, u32, u64>::try_from(map)
+                .map(|mut stops| stops.remove(&pid).is_ok())
+                .unwrap_or(true),
+            None => true,
+        };
+        if !removed {
+            self.late_attaches += 1;
+            warn!(
+                "pid {pid} waited over {} ms at a library load: lens-probe's guardian let it \
+                 go on, and its new library's first calls were not seen (attached late)",
+                crate::guardian::MAX_HOLD.as_millis()
+            );
+        }
+        target::resume(pid);
+    }
+
+    /// Prints a line on stderr when what is traced changes (`attach_status`): the
+    /// seconds of a job's start, spent attaching, are not silent.
+    pub fn show_attach_status(&mut self) {
+        self.attach_status = Some(AttachStatus::default());
+    }
+
+    fn print_attach_status(&mut self) {
+        let Some(status) = self.attach_status.as_mut() else {
+            return;
+        };
+        // The dynamic loader's probe is how lens-probe follows library loads, not what
+        // the job is traced in.
+        let traced_in = || {
+            self.attacher
+                .attachments()
+                .iter()
+                .filter(|a| a.library.kind != LibraryKind::DynamicLoader)
+        };
+        let traced = Traced {
+            processes: self.targets.len(),
+            libraries: traced_in().count(),
+            uprobes: traced_in().map(|a| a.attached().count()).sum(),
+        };
+        if let Some(line) = status.due(traced, std::time::Instant::now()) {
+            eprintln!("{line}");
+        }
+    }
+
+    /// Library loads whose target the guardian continued before lens-probe had attached.
+    pub fn late_attaches(&self) -> u64 {
+        self.late_attaches
     }
 
     /// Attaches to every library `pid` maps that is not probed yet; records its use.
@@ -777,18 +894,19 @@ impl Session {
             Ok(libraries) => {
                 self.attacher
                     .use_libraries(pid, libraries.iter().map(|l| l.file));
-                for library in libraries {
+                for library in &libraries {
                     if !self.attacher.is_attached(library.file) {
                         info!(
                             "pid {pid} loaded {}: attaching",
                             library.shown_path.display()
                         );
                         self.attacher
-                            .attach_library(&mut self.ebpf, &library, &self.groups);
+                            .attach_library(&mut self.ebpf, library, &self.groups);
                     }
                 }
                 self.set_runtime_ranges(pid);
                 self.sample_python(pid);
+                self.probe_file_creation(pid, &libraries);
             }
             Err(error) => info!("pid {pid}: {error}"),
         }
@@ -855,24 +973,38 @@ impl Session {
     /// Node mode: `pid` changed its libraries; trace it if it is a training process that
     /// passes the filter.
     fn consider_candidate(&mut self, pid: u32, sink: &mut dyn EventSink) {
-        let Ok(libraries) = self.libraries_of(pid) else {
-            return;
+        let libraries = match self.libraries_of(pid) {
+            Ok(libraries) => libraries,
+            Err(error) => {
+                debug!("node: pid {pid} not considered: {error}");
+                return;
+            }
         };
         if !discovery::maps_training_library(&libraries) {
+            debug!("node: pid {pid} maps no training library yet");
             return;
         }
-        let Ok(mut info) = ProcessInfo::read(pid) else {
-            return;
+        let mut info = match ProcessInfo::read(pid) {
+            Ok(info) => info,
+            Err(error) => {
+                debug!("node: pid {pid} not considered: {error}");
+                return;
+            }
         };
-        if !self.node.as_ref().is_some_and(|f| f.matches(&info)) || !self.exports(&info) {
+        if !self.node.as_ref().is_some_and(|f| f.matches(&info)) {
+            debug!("node: pid {pid} ({}) does not match the filter", info.name);
+            return;
+        }
+        if !self.exports(&info) {
             return;
         }
         // Seen as it loads its first training library: its job starts here, before any of
         // its events can arrive (they flow as soon as it is in the kernel's map).
         info.traced_from_start = true;
         sink.on_process_start(&info);
-        // Paused while its probes go in (milliseconds), so that its first steps are seen.
-        let stopped = target::stop(pid);
+        // Paused while its probes go in (milliseconds), so that its first steps are seen
+        // (already, when its load came in a batch with others: `hold_candidates`).
+        let stopped = self.held_candidates.remove(&pid) || target::stop(pid);
         let registered = self.add_running_target(info.clone(), &libraries);
         if stopped {
             target::resume(pid);
@@ -944,6 +1076,7 @@ impl Session {
                     self.read_kernel_counts(&marked, false, sink);
                 }
             }
+            self.hold_candidates(&batch);
             for decoded in batch {
                 match decoded {
                     Ok(ProbeEvent::LinkMapChanged {
@@ -968,12 +1101,17 @@ impl Session {
                     }
                     Ok(sample @ ProbeEvent::PyStack { .. }) => {
                         if let Some(tracker) = self.python.as_mut() {
-                            for call in tracker.on_sample(&sample) {
-                                sink.on_event(&call);
-                            }
+                            let calls = tracker.on_sample(&sample);
+                            self.deliver_rule_calls(calls, sink);
                         }
                     }
                     Ok(event) => {
+                        if let (Some(tracker), Some((tgid, tid, at))) =
+                            (self.python.as_mut(), event.thread_start())
+                        {
+                            let calls = tracker.settle_framework_calls(tgid, tid, at);
+                            self.deliver_rule_calls(calls, sink);
+                        }
                         if let Some(caller) = self.python_caller(&event) {
                             sink.on_event(&caller);
                         }
@@ -985,11 +1123,105 @@ impl Session {
                     }
                 }
             }
+            // Held candidates that did not become targets go on.
+            for pid in self.held_candidates.drain() {
+                target::resume(pid);
+            }
             if let Some(tracker) = self.python.as_mut() {
-                for call in tracker.confirm(crate::spans::monotonic_now_ns(), None) {
-                    sink.on_event(&call);
+                let calls = tracker.confirm(crate::spans::monotonic_now_ns(), None);
+                self.deliver_rule_calls(calls, sink);
+            }
+        }
+    }
+
+    /// Node mode: every new training process (matching the filter) whose library load is
+    /// in `batch` is paused before any of them is attached. Attaching one takes long
+    /// enough (hundreds of ms for libtorch's probes the first time) for another started
+    /// beside it, a job's second rank, to run its start unseen, or its whole life (a
+    /// short job: seen, one SLURM task of two missing). `consider_candidate` resumes each.
+    fn hold_candidates(&mut self, batch: &[std::result::Result<ProbeEvent, events::DecodeError>]) {
+        let Some(filter) = self.node.as_ref() else {
+            return;
+        };
+        let mut hold = Vec::new();
+        for event in batch.iter().flatten() {
+            let ProbeEvent::LinkMapChanged {
+                tgid,
+                traced: false,
+                ..
+            } = event
+            else {
+                continue;
+            };
+            if self.targets.contains_key(tgid) || hold.contains(tgid) {
+                continue;
+            }
+            let trains = self
+                .libraries_of(*tgid)
+                .is_ok_and(|libraries| discovery::maps_training_library(&libraries));
+            if trains && ProcessInfo::read(*tgid).is_ok_and(|info| filter.matches(&info)) {
+                hold.push(*tgid);
+            }
+        }
+        for pid in hold {
+            if target::stop(pid) {
+                self.held_candidates.insert(pid);
+            }
+        }
+    }
+
+    /// Stops sampling `pid`'s Python threads; the calls they were in end now.
+    fn forget_python(&mut self, pid: u32, sink: &mut dyn EventSink) {
+        let Some(tracker) = self.python.as_mut() else {
+            return;
+        };
+        if !tracker.knows(pid) {
+            return;
+        }
+        python::sampler::remove_target(&mut self.ebpf, pid);
+        let calls = tracker.confirm(0, Some(pid));
+        self.deliver_rule_calls(calls, sink);
+        if let Some(tracker) = self.python.as_mut() {
+            tracker.forget(pid);
+        }
+    }
+
+    /// Hands Python rule calls to `sink`, keeping the kernel's `PY_SAVING` (processes
+    /// inside a framework save, whose collective and sync entries take a stack sample)
+    /// in step.
+    fn deliver_rule_calls(&mut self, calls: Vec<ProbeEvent>, sink: &mut dyn EventSink) {
+        for call in &calls {
+            if let ProbeEvent::RuleCall {
+                tgid,
+                rule,
+                at_return,
+                ..
+            } = call
+                && self.python.as_ref().is_some_and(|t| t.is_framework(*rule))
+            {
+                let depth = self.saving_depth.entry(*tgid).or_default();
+                let was = *depth;
+                *depth = if *at_return {
+                    depth.saturating_sub(1)
+                } else {
+                    *depth + 1
+                };
+                let now = *depth;
+                if now == 0 {
+                    self.saving_depth.remove(tgid);
+                }
+                if (was == 0) != (now == 0)
+                    && let Some(map) = self.ebpf.map_mut(maps::PY_SAVING)
+                    && let Ok(mut saving) = BpfHashMap::<_, u32, u8>::try_from(map)
+                {
+                    let _ = if now > 0 {
+                        saving.insert(*tgid, 1, 0)
+                    } else {
+                        saving.remove(tgid)
+                    };
                 }
             }
+            sink.on_event(call);
         }
     }
 
@@ -1001,13 +1233,7 @@ impl Session {
         if let Ok(mut targets) = self.targets_map() {
             let _ = targets.remove(&pid);
         }
-        if let Some(tracker) = self.python.as_mut() {
-            python::sampler::remove_target(&mut self.ebpf, pid);
-            for call in tracker.confirm(0, Some(pid)) {
-                sink.on_event(&call);
-            }
-            tracker.forget(pid);
-        }
+        self.forget_python(pid, sink);
         self.read_kernel_counts(&[pid], true, sink);
         self.forget_kernel_counts(pid);
         let mut calls = self.take_call_counts(pid);
@@ -1021,6 +1247,8 @@ impl Session {
         if self.node.is_some() {
             self.attacher.release(&mut self.ebpf, pid);
         }
+        self.file_probes.release(&mut self.ebpf, pid);
+        self.fork_images.remove(&pid);
         if Some(pid) == self.child {
             self.child_exit = exit;
         }
@@ -1033,6 +1261,17 @@ impl Session {
     fn forget_kernel_state(&mut self, pid: u32) {
         if let Ok(mut totals) = self.launch_totals_map() {
             let _ = totals.remove(&pid);
+        }
+        if let Some(map) = self.ebpf.map_mut(maps::STOPPED)
+            && let Ok(mut stops) = BpfHashMap::<_, u32, u64>::try_from(map)
+        {
+            let _ = stops.remove(&pid);
+        }
+        if self.saving_depth.remove(&pid).is_some()
+            && let Some(map) = self.ebpf.map_mut(maps::PY_SAVING)
+            && let Ok(mut saving) = BpfHashMap::<_, u32, u8>::try_from(map)
+        {
+            let _ = saving.remove(&pid);
         }
         if let Some(map) = self.ebpf.map_mut(maps::RUNTIME_RANGES)
             && let Ok(mut ranges) = BpfHashMap::<_, u32, CodeRanges>::try_from(map)
@@ -1309,7 +1548,10 @@ impl Session {
                     self.drain(guard.get_inner_mut(), sink);
                     guard.clear_ready();
                 }
-                _ = tick.tick() => self.drain(ring.get_mut(), sink),
+                _ = tick.tick() => {
+                    self.drain(ring.get_mut(), sink);
+                    self.print_attach_status();
+                }
                 // Under a budget its tick reads the counters (and scales the launches).
                 _ = counts_tick.tick(), if self.budget.is_none() => {
                     for (pid, calls) in self.call_counts() {

@@ -79,6 +79,8 @@ impl ProcessSummary {
                         ProbeId::DlDebugState
                             | ProbeId::CudaRegisterFunction
                             | ProbeId::TorchGradMode
+                            | ProbeId::FileOpen
+                            | ProbeId::FileOpenAt
                     )
             })
     }

@@ -192,7 +192,7 @@ impl RankInfo {
 /// ([`RANK_VARIABLES`]) and its resource (`export/resource.rs`) are made of. Everything
 /// else in `/proc/PID/environ` is dropped as it is read, so it cannot reach telemetry, a
 /// log or a summary. None of these names looks like a secret ([`looks_secret`]).
-pub const ENVIRONMENT_ALLOW_LIST: [&str; 33] = [
+pub const ENVIRONMENT_ALLOW_LIST: [&str; 35] = [
     // Rank, world size, local rank: torchrun, SLURM, Open MPI.
     "RANK",
     "WORLD_SIZE",
@@ -221,6 +221,8 @@ pub const ENVIRONMENT_ALLOW_LIST: [&str; 33] = [
     "SLURM_NODELIST",
     "SLURM_NNODES",
     "SLURM_PARTITION",
+    "SLURM_JOB_PARTITION",
+    "SLURM_STEP_ID",
     "SLURM_CLUSTER_NAME",
     // Kubernetes (the downward API variables Lens reads).
     "KUBERNETES_SERVICE_HOST",
@@ -607,9 +609,37 @@ fn stop_signals() -> libc::sigset_t {
     }
 }
 
+/// Set when SIGINT or SIGTERM arrives once the run loop's handlers are in (they take the
+/// signal; long synchronous work, attaching thousands of probes, looks here).
+static STOP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether SIGINT or SIGTERM came: pending (held during start-up) or taken by the run
+/// loop's handlers. Work that can take long (attaching) stops early when it did.
+pub fn stop_requested() -> bool {
+    if STOP_REQUESTED.load(std::sync::atomic::Ordering::Relaxed) {
+        return true;
+    }
+    // SAFETY: sigpending fills a local set; sigismember reads it.
+    unsafe {
+        let mut pending: libc::sigset_t = std::mem::zeroed();
+        libc::sigpending(&mut pending) == 0
+            && (libc::sigismember(&pending, libc::SIGINT) == 1
+                || libc::sigismember(&pending, libc::SIGTERM) == 1)
+    }
+}
+
 /// Blocks SIGINT and SIGTERM in the calling thread and the threads it starts later; they
 /// wait, pending, for [`release_stop_signals`]. Call first thing, before any thread.
 pub fn hold_stop_signals() {
+    for signal in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the action only stores to an atomic (async-signal-safe); the run loop's
+        // own handlers (tokio's, through the same registry) still run.
+        let _ = unsafe {
+            signal_hook_registry::register(signal, || {
+                STOP_REQUESTED.store(true, std::sync::atomic::Ordering::Relaxed)
+            })
+        };
+    }
     let set = stop_signals();
     // SAFETY: changes this thread's signal mask only.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };

@@ -149,7 +149,7 @@ const TABLE: &[Row] = &[
     (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_HEADERS", "k=%zz")], &["for OTEL_EXPORTER_OTLP_HEADERS", "bad percent-encoding", HEADERS]),
     (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "k=caf%C3%A9")], &["for OTEL_EXPORTER_OTLP_TRACES_HEADERS", "not visible ASCII", HEADERS]),
     (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "k")], &["for OTEL_EXPORTER_OTLP_METRICS_HEADERS", HEADERS]),
-    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")], &["for OTEL_EXPORTER_OTLP_COMPRESSION:", "uncompressed", "unset it"]),
+    (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd")], &["for OTEL_EXPORTER_OTLP_COMPRESSION:", "gzip only", "unset it"]),
     (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "none")], &["for OTEL_EXPORTER_OTLP_TRACES_COMPRESSION:", "unset it"]),
     (&["--pid", "1"], &[OTLP, ("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "")], &["for OTEL_EXPORTER_OTLP_METRICS_COMPRESSION:", "unset it"]),
     (&["--pid", "1"], &[OTLP, ("OTEL_METRIC_EXPORT_INTERVAL", "abc")], &["for OTEL_METRIC_EXPORT_INTERVAL:", "a positive whole number of milliseconds, such as 60000"]),

@@ -243,7 +243,11 @@ fn a_late_rank_is_named_with_its_lateness() {
     let truth_path = scratch("truth-ranks");
     let observed_path = scratch("observed-ranks");
     // Both ranks on one schedule that starts well after lens-probe has attached; rank 1
-    // calls every all-reduce LATE_MS after rank 0.
+    // calls every all-reduce LATE_MS after rank 0. An earlier test binary's lens-probe
+    // instances let their uprobes go one by one after they exit (~0.1 s each), and an
+    // attach queues behind that: past the epoch, a rank runs its calls back to back and
+    // ends before the other reaches them (seen after the cli tests: unmatched calls).
+    lens_tests::wait_for_lens_probe_teardown();
     let epoch = monotonic_now_ns() + 3_000_000_000;
     let script = format!(
         "export COLLECTIVE_EPOCH_NS={epoch} COLLECTIVE_PERIOD_MS={PERIOD_MS}; \

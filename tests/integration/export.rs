@@ -1,16 +1,18 @@
 //! Export end to end: lens-probe sends to a real OTLP collector (rotel, from PyPI) over
 //! gRPC and over HTTP, and the assertions are on what the collector received and
 //! printed; the OTLP JSON file exporter; one trace per run across ranks; a collector that
-//! is down; bad settings.
+//! is down, hangs, or answers slowly; bad settings.
 use std::{
     collections::BTreeMap,
     net::TcpListener,
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
 use lens_tests::{FileSpan, otlp_file_spans as file_spans};
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use serde_json::Value;
 
 const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
@@ -731,30 +733,20 @@ fn a_collector_that_hangs_fills_a_bounded_queue_and_the_probe_goes_on() {
             held.push(stream);
         }
     });
-    // ~2 600 fast steps of 7 spans each: more than the 16 384-span queue.
+    // ~4 000 fast steps of 7 spans each: more than the 16 384-span queue and the 8
+    // exports of 512 spans that wait for their timeout meanwhile.
     let output = Command::new("/usr/bin/time")
         .args(["-f", "maxrss_kib=%M", LENS_PROBE])
         .env(
             "OTEL_EXPORTER_OTLP_ENDPOINT",
             format!("http://127.0.0.1:{port}"),
         )
-        .args(["--span-groups", "per_step", "--exec", "--", "env"])
-        .args([
-            "TRAINER_DISTRIBUTED=1",
-            "TRAINER_FORWARD_MS=0",
-            "TRAINER_INIT_MS=0",
-        ])
-        .args(["LENS_FAKE_BACKWARD_MS=0", "LENS_FAKE_COLLECTIVE_MS=0"])
-        .arg(lens_tests::torch_trainer())
-        .args(["2600", "2", "0", "0"])
+        .args(fast_trainer(4000))
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(0), "{stderr}");
-    let line = stderr
-        .lines()
-        .find(|l| l.contains("spans exported to the OTLP endpoint"))
-        .unwrap_or_else(|| panic!("no export line: {stderr}"));
+    let line = export_line(&stderr);
     // `0 spans exported to the OTLP endpoint; L lost (Q queue full, F export failed)`
     let numbers: Vec<u64> = line
         .split(|c: char| !c.is_ascii_digit())
@@ -766,7 +758,7 @@ fn a_collector_that_hangs_fills_a_bounded_queue_and_the_probe_goes_on() {
     assert_eq!(exported, 0, "{line}");
     assert!(queue_full > 0, "the queue overflowed: {line}");
     assert_eq!(lost, queue_full + failed);
-    assert!(lost >= 2600 * 7, "every span is accounted for: {line}");
+    assert!(lost >= 4000 * 7, "every span is accounted for: {line}");
     let rss_kib: u64 = stderr
         .lines()
         .find_map(|l| l.strip_prefix("maxrss_kib="))
@@ -861,4 +853,258 @@ fn launch_counts_become_metrics_while_the_job_runs() {
     };
     assert_eq!(last("kernel_ex"), Some(4));
     assert_eq!(last("graph"), Some(4));
+}
+
+/// What the slow collector of [`a_slow_collector_loses_nothing_and_busy_answers_are_retried`]
+/// received.
+#[derive(Debug, Default)]
+struct SlowCollectorLog {
+    /// Spans in the requests it accepted.
+    spans: u64,
+    /// Requests answered 503 (to be retried).
+    refused: u64,
+    /// Requests whose body was gzipped.
+    gzipped: u64,
+}
+
+/// An OTLP/HTTP collector that answers each trace request after `delay` (a busy but
+/// healthy backend), and, with `refuse_first`, the first one with `503` and
+/// `Retry-After: 1`.
+fn slow_collector(delay: Duration, refuse_first: bool) -> (u16, Arc<Mutex<SlowCollectorLog>>) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let log = Arc::new(Mutex::new(SlowCollectorLog::default()));
+    let shared = Arc::clone(&log);
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let log = Arc::clone(&shared);
+            // A connection per export in flight: each answered on its own thread.
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut stream = stream;
+                loop {
+                    let mut request_line = String::new();
+                    if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let (mut length, mut gzip) = (0usize, false);
+                    loop {
+                        let mut header = String::new();
+                        reader.read_line(&mut header).unwrap();
+                        let header = header.trim_end().to_ascii_lowercase();
+                        if header.is_empty() {
+                            break;
+                        }
+                        if let Some(value) = header.strip_prefix("content-length:") {
+                            length = value.trim().parse().unwrap();
+                        }
+                        gzip |= header == "content-encoding: gzip";
+                    }
+                    let mut body = vec![0; length];
+                    reader.read_exact(&mut body).unwrap();
+                    let refuse = {
+                        let mut log = log.lock().unwrap();
+                        let first = refuse_first && log.refused == 0 && log.spans == 0;
+                        log.refused += u64::from(first);
+                        first
+                    };
+                    if refuse {
+                        let _ = stream.write_all(
+                            b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n\
+                              Content-Length: 0\r\n\r\n",
+                        );
+                        continue;
+                    }
+                    std::thread::sleep(delay);
+                    if gzip {
+                        let mut plain = Vec::new();
+                        flate2::read::GzDecoder::new(&body[..])
+                            .read_to_end(&mut plain)
+                            .unwrap();
+                        body = plain;
+                    }
+                    let request = <ExportTraceServiceRequest as prost::Message>::decode(&body[..])
+                        .expect("an OTLP trace request");
+                    let spans: usize = request
+                        .resource_spans
+                        .iter()
+                        .flat_map(|r| &r.scope_spans)
+                        .map(|s| s.spans.len())
+                        .sum();
+                    {
+                        let mut log = log.lock().unwrap();
+                        log.spans += spans as u64;
+                        log.gzipped += u64::from(gzip);
+                    }
+                    let _ = stream.write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\n\
+                          Content-Length: 0\r\n\r\n",
+                    );
+                }
+            });
+        }
+    });
+    (port, log)
+}
+
+#[test]
+fn a_slow_collector_loses_nothing_and_busy_answers_are_retried() {
+    let name = "a_slow_collector_loses_nothing";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    // Every answer takes 3 s (under the 10 s export timeout): exports overlap instead
+    // of waiting for each other. The first answer is 503 + Retry-After: the batch is
+    // sent again, not lost. Bodies are gzipped, as the standard variable asks.
+    let (port, log) = slow_collector(Duration::from_secs(3), true);
+    let output = Command::new(LENS_PROBE)
+        .env(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            format!("http://127.0.0.1:{port}/v1/traces"),
+        )
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        .env("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+        // Metrics go nowhere that answers: only the spans are counted here.
+        .env(
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+            "http://127.0.0.1:9/v1/metrics",
+        )
+        .args(fast_trainer(300))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let line = export_line(&stderr);
+    assert!(!line.contains("lost"), "{line}");
+    let exported: u64 = line
+        .split_whitespace()
+        .find_map(|word| word.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(exported >= 300 * 7, "{line}");
+    let log = log.lock().unwrap();
+    assert_eq!(log.spans, exported, "the collector counted {log:?}: {line}");
+    assert_eq!(log.refused, 1, "{log:?}");
+    assert!(log.gzipped > 0, "{log:?}");
+}
+
+/// `lens-probe --span-groups per_step --exec` of the fake distributed trainer's `steps`
+/// steps as fast as it goes (7 spans each).
+fn fast_trainer(steps: u32) -> Vec<String> {
+    let steps = steps.to_string();
+    [
+        "--span-groups",
+        "per_step",
+        "--exec",
+        "--",
+        "env",
+        "TRAINER_DISTRIBUTED=1",
+        "TRAINER_FORWARD_MS=0",
+        "TRAINER_INIT_MS=0",
+        "LENS_FAKE_BACKWARD_MS=0",
+        "LENS_FAKE_COLLECTIVE_MS=0",
+    ]
+    .into_iter()
+    .map(String::from)
+    .chain([lens_tests::torch_trainer().display().to_string(), steps])
+    .chain(["2", "0", "0"].map(String::from))
+    .collect()
+}
+
+/// `N spans exported to the OTLP endpoint[; L lost (…)]`, the exit's export line.
+fn export_line(stderr: &str) -> &str {
+    stderr
+        .lines()
+        .find(|l| l.contains("spans exported to the OTLP endpoint"))
+        .unwrap_or_else(|| panic!("no export line: {stderr}"))
+}
+
+/// The fake trainer's `steps` fast steps traced with spans to the OTLP/HTTP endpoint at
+/// `port` and the spool `spool`.
+fn traced_to_port_with_spool(port: u16, spool: &Path, steps: u32) -> (String, i32) {
+    let output = Command::new(LENS_PROBE)
+        .env(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            format!("http://127.0.0.1:{port}/v1/traces"),
+        )
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        .env(
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+            "http://127.0.0.1:9/v1/metrics",
+        )
+        .arg("--spool-dir")
+        .arg(spool)
+        .args(["--span-groups", "per_step", "--exec", "--", "env"])
+        .args(["TRAINER_FORWARD_MS=0", "TRAINER_INIT_MS=0"])
+        .args(["LENS_FAKE_BACKWARD_MS=0"])
+        .arg(lens_tests::torch_trainer())
+        .args([&steps.to_string(), "2", "0", "0"])
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+        output.status.code().unwrap_or(-1),
+    )
+}
+
+/// `lens-probe: spool DIR: K spans kept there this run, S sent from it, W waiting there
+/// for the next run` → (K, S, W).
+fn spool_line(stderr: &str) -> (u64, u64, u64) {
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("lens-probe: spool "))
+        .unwrap_or_else(|| panic!("no spool line: {stderr}"));
+    let (_, counts) = line
+        .split_once(": ")
+        .unwrap()
+        .1
+        .split_once(": ")
+        .unwrap_or(("", line));
+    let numbers: Vec<u64> = counts
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    let [kept, sent, waiting] = numbers[..] else {
+        panic!("{line}");
+    };
+    (kept, sent, waiting)
+}
+
+fn exported_count(stderr: &str) -> u64 {
+    let line = export_line(stderr);
+    assert!(!line.contains("lost"), "{line}");
+    line.split_whitespace()
+        .find_map(|word| word.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"))
+}
+
+#[test]
+fn a_collector_down_then_back_gets_every_span_from_the_spool() {
+    let name = "a_collector_down_then_back";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let spool = temp_path("spool-dir");
+    let _ = std::fs::remove_dir_all(&spool);
+    // Run 1: nothing listens on the endpoint. Every batch fails (after the exporter's
+    // retries) and waits in the spool; none is lost.
+    let (stderr, code) = traced_to_port_with_spool(free_port(), &spool, 200);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(exported_count(&stderr), 0, "{stderr}");
+    let (kept, sent, waiting) = spool_line(&stderr);
+    // A step, its forward-backward and its optimizer span each step.
+    assert!(kept >= 200 * 3, "{stderr}");
+    assert_eq!((sent, waiting), (0, kept), "{stderr}");
+    // Run 2 (a new lens-probe, as after a restart): the collector answers. What run 1
+    // left is sent first, then this run's own spans; the spool ends empty.
+    let (port, log) = slow_collector(Duration::ZERO, false);
+    let (stderr, code) = traced_to_port_with_spool(port, &spool, 20);
+    assert_eq!(code, 0, "{stderr}");
+    let exported = exported_count(&stderr);
+    assert_eq!(spool_line(&stderr), (0, kept, 0), "{stderr}");
+    assert!(exported >= kept + 20 * 3, "{stderr}");
+    assert_eq!(log.lock().unwrap().spans, exported, "{stderr}");
+    let left = std::fs::read_dir(&spool).unwrap().count();
+    assert_eq!(left, 0, "files left in the spool");
+    let _ = std::fs::remove_dir_all(&spool);
 }

@@ -420,6 +420,8 @@ fn sigterm_flushes_and_exits_0_within_5_s() {
         return;
     }
     let _serial = serial();
+    // It stops lens-probe 1.5 s in: another run's teardown must not slow its attach.
+    wait_for_teardown();
     let dir = std::env::temp_dir().join(format!("lens-faults-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let spans = dir.join("spans.jsonl");
@@ -549,16 +551,38 @@ fn a_burst_beyond_the_ring_buffer_is_counted_as_lost_never_hidden() {
         .arg(dir.join("spans.jsonl"))
         .arg("--summary-json")
         .arg(&summary)
-        .args(["--exec", "--", "sh", "-c"])
-        .arg(format!(
-            "sleep 1; {} collective {calls}",
-            lens_tests::hammer().display()
-        ))
+        .args(["--exec", "--"])
+        .arg(lens_tests::hammer())
+        .args(["collective", &calls.to_string()])
+        .env("HAMMER_START_DELAY_MS", "1500")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1200));
+    // Once the hammer was let go after its libraries were attached (it sleeps before its
+    // loop), lens-probe is stopped: the loop's events fill the ring buffer meanwhile.
+    // (A target is never held at a library load while lens-probe is stopped.)
+    let hammer_exe = std::fs::canonicalize(lens_tests::hammer()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let sleeping = std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            let pid: Option<u32> = e.file_name().to_str().and_then(|n| n.parse().ok());
+            pid.is_some_and(|pid| {
+                std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|p| p == hammer_exe)
+                    && std::fs::read_to_string(format!("/proc/{pid}/maps"))
+                        .is_ok_and(|maps| maps.contains("libnccl"))
+                    && state_of(pid) == Some('S')
+            })
+        });
+        if sleeping {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the hammer never started its pause"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // SAFETY: plain signals to our child.
     unsafe { libc::kill(probe.id() as i32, libc::SIGSTOP) };
     std::thread::sleep(Duration::from_millis(2000));
@@ -591,4 +615,200 @@ fn a_burst_beyond_the_ring_buffer_is_counted_as_lost_never_hidden() {
     // Said at exit in words too.
     assert!(err.contains("events lost (ring_buffer_full "), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Waits until no lens-probe process of this test binary's is left: the one that lets
+/// an ended run's probes go (the kernel takes ~0.1 s per uprobe) would slow the next
+/// test's attaching.
+fn wait_for_teardown() {
+    wait_for_no_lens_probe();
+}
+
+/// Waits for it at the end of a test, even one that fails.
+struct TeardownAfter;
+
+impl Drop for TeardownAfter {
+    fn drop(&mut self) {
+        wait_for_no_lens_probe();
+    }
+}
+
+fn wait_for_no_lens_probe() {
+    // By name: an exiting process lets its descriptors (the probes) go after its memory,
+    // and with it the link behind /proc/PID/exe.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        let running = std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|comm| comm.trim() == "lens-probe")
+        });
+        if !running {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn sigint_during_a_long_attach_stops_within_seconds() {
+    if !lens_tests::require_bpf("sigint_during_a_long_attach_stops_within_seconds") {
+        return;
+    }
+    let Some(venv) = lens_tests::torch_venv("sigint_during_a_long_attach_stops_within_seconds")
+    else {
+        return;
+    };
+    let _serial = serial();
+    // Another run's teardown (the kernel's removal of its probes) slows every attach.
+    wait_for_teardown();
+    let _teardown = TeardownAfter;
+    // A rule matching 4096 functions of libtorch_cpu: ~8192 uprobes, minutes to attach.
+    let dir = std::env::temp_dir().join(format!("lens-long-attach-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("rules.toml");
+    std::fs::write(
+        &config,
+        "[[probe]]\nlibrary = \"libtorch_cpu.so\"\nsymbol = \"_ZN*\"\ngroup = \"step\"\n\
+         max_matches = 4096\n",
+    )
+    .unwrap();
+    let mut probe = Command::new(LENS_PROBE)
+        .args(["-v", "--span-groups", "per_step", "--config"])
+        .arg(&config)
+        .args(["--exec", "--"])
+        .arg(&venv.python)
+        .args(["-c", "import torch, time; time.sleep(120)"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until it attaches to libtorch_cpu (the rule's library), then stop it.
+    let stderr = probe.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut lines = Vec::new();
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if line.contains("libtorch_cpu.so: attaching") {
+                let _ = tx.send(None);
+            }
+            lines.push(line);
+        }
+        let _ = tx.send(Some(lines));
+    });
+    let attaching = rx.recv_timeout(Duration::from_secs(120));
+    assert!(
+        matches!(attaching, Ok(None)),
+        "lens-probe never attached to libtorch_cpu: {attaching:?}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: plain kill(2) of our child.
+    unsafe { libc::kill(probe.id() as i32, libc::SIGINT) };
+    let sent = Instant::now();
+    let status = probe.wait().unwrap();
+    let took = sent.elapsed();
+    let lines = rx
+        .recv_timeout(Duration::from_secs(10))
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    // Attaching all of them takes minutes (169 s measured); stopping, a few seconds at
+    // most even on a loaded machine (the kernel's removal of the probes that were in
+    // happens after lens-probe is gone).
+    assert!(
+        took < Duration::from_secs(15),
+        "SIGINT took {took:?} to stop lens-probe:\n{}",
+        lines.join("\n")
+    );
+    // The command's own code goes through (python interrupted by the SIGINT passed on).
+    assert!(
+        matches!(status.code(), Some(1 | 130)),
+        "{status:?}\n{}",
+        lines.join("\n")
+    );
+    wait_for_teardown();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("stopping:") && l.contains("were not probed")),
+        "no line saying what was not probed:\n{}",
+        lines.join("\n")
+    );
+}
+
+#[test]
+fn a_target_held_at_a_library_load_goes_on_within_a_second_while_lens_probe_is_stopped() {
+    if !lens_tests::require_bpf("a_target_held_at_a_library_load_goes_on") {
+        return;
+    }
+    let _serial = serial();
+    wait_for_teardown();
+    let _teardown = TeardownAfter;
+    // A single-threaded target (stopped at each library load until lens-probe attached)
+    // that loads a library after 2 s; lens-probe is SIGSTOPped before that.
+    let script = "import time, sys\ntime.sleep(2)\nimport ctypes\n\
+                  print('loaded', flush=True)\ntime.sleep(0.5)\n";
+    let mut probe = Command::new(LENS_PROBE)
+        .args([
+            "--span-groups",
+            "per_step",
+            "--exec",
+            "--",
+            "python3",
+            "-c",
+            script,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let stdout = probe.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send((line, Instant::now()));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(1000));
+    // SAFETY: plain signals to our child.
+    unsafe { libc::kill(probe.id() as i32, libc::SIGSTOP) };
+    let stopped_at = Instant::now();
+    let loaded = rx.recv_timeout(Duration::from_secs(20));
+    // SAFETY: as above.
+    unsafe { libc::kill(probe.id() as i32, libc::SIGCONT) };
+    let held = stopped_at.elapsed();
+    let output = probe.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let (line, at) = loaded.unwrap_or_else(|_| {
+        panic!("the target never went on while lens-probe was stopped:\n{stderr}")
+    });
+    assert_eq!(line, "loaded");
+    // The load comes ~2 s after the start; the guardian lets it go ≤ 0.5 s after it (its
+    // check every 0.1 s), so well before lens-probe was continued (≥ 20 s would be
+    // the old behaviour: as long as lens-probe stays stopped).
+    let waited = at.duration_since(started);
+    assert!(
+        waited < Duration::from_secs(8),
+        "the target went on {waited:?} after its start, lens-probe held {held:?}:\n{stderr}"
+    );
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("attached late"),
+        "the late attach is not reported:\n{stderr}"
+    );
+    // And counted in the exit summary.
+    assert!(
+        stderr.contains("library loads attached late"),
+        "the late attaches are not counted at exit:\n{stderr}"
+    );
+    wait_for_teardown();
 }

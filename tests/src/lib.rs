@@ -122,7 +122,8 @@ fn under_ci() -> bool {
 }
 
 /// Applies the skip rule: panics under CI, otherwise prints `SKIP <test>: <reason>`.
-fn skip(test_name: &str, what: &str, reason: &str) {
+/// `what`: the component that is missing (for tests of components of their own).
+pub fn skip(test_name: &str, what: &str, reason: &str) {
     if under_ci() {
         panic!("{test_name}: {what} unavailable under CI=true: {reason}");
     }

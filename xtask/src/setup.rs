@@ -29,12 +29,13 @@ pub fn run(dry_run: bool) -> Result<(), String> {
     pypi_wheels(dry_run)?;
     gcc(dry_run)?;
     torch_venv_step(dry_run)?;
+    slurm(dry_run)?;
     println!("xtask setup: done in {:.1}s", start.elapsed().as_secs_f64());
     Ok(())
 }
 
 /// The number of steps, for the `[n/STEPS]` prefix.
-const STEPS: u32 = 5;
+const STEPS: u32 = 6;
 
 fn step(n: u32, what: &str, msg: impl AsRef<str>) {
     println!("  [{n}/{STEPS}] {what}: {}", msg.as_ref());
@@ -500,6 +501,68 @@ fn torch_venv_step(dry_run: bool) -> Result<(), String> {
             torch_venv::stamp_path(&dir).display()
         ),
     );
+    Ok(())
+}
+
+// ---- 6. SLURM ---------------------------------------------------------------------------
+
+/// The daemons the real-SLURM test (`tests/integration/slurm.rs`) starts.
+const SLURM_DAEMONS: [&str; 3] = ["slurmctld", "slurmd", "munged"];
+
+/// Where Debian puts them (`find_program` follows PATH, which may lack the sbin ones).
+fn find_daemon(name: &str) -> Option<std::path::PathBuf> {
+    toolchain::find_program(name).or_else(|| {
+        ["/usr/sbin", "/sbin"]
+            .iter()
+            .map(|dir| Path::new(dir).join(name))
+            .find(|path| path.is_file())
+    })
+}
+
+fn slurm(dry_run: bool) -> Result<(), String> {
+    let what = "SLURM (slurm-wlm, munge: the prolog/epilog test)";
+    let missing: Vec<&str> = SLURM_DAEMONS
+        .into_iter()
+        .filter(|name| find_daemon(name).is_none())
+        .collect();
+    if missing.is_empty() {
+        step(6, what, "already installed");
+        return Ok(());
+    }
+    let args = ["install", "-y", "slurm-wlm", "munge"];
+    let install = apt_get(&args);
+    step(
+        6,
+        what,
+        format!(
+            "{} missing; running `{}`",
+            missing.join(", "),
+            toolchain::display_command(&install)
+        ),
+    );
+    if dry_run {
+        return Ok(());
+    }
+    let fail = || {
+        "slurmctld, slurmd or munged is missing and `apt-get install -y slurm-wlm munge` failed: \
+         install Debian's slurm-wlm and munge, then rerun `cargo xtask setup`"
+            .to_owned()
+    };
+    if toolchain::find_program("apt-get").is_none() {
+        return Err(fail());
+    }
+    if run_streaming(&mut apt_get(&args)).is_err() {
+        step(6, what, "retrying after `apt-get update`");
+        run_streaming(&mut apt_get(&["update"])).map_err(|_| fail())?;
+        run_streaming(&mut apt_get(&args)).map_err(|_| fail())?;
+    }
+    if SLURM_DAEMONS
+        .into_iter()
+        .any(|name| find_daemon(name).is_none())
+    {
+        return Err(fail());
+    }
+    step(6, what, "installed");
     Ok(())
 }
 

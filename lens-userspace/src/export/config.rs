@@ -31,7 +31,10 @@ use std::{fmt, path::PathBuf};
 
 use opentelemetry_otlp::Protocol;
 
-use super::strategy::ExportStrategy;
+use super::{
+    spool::{DEFAULT_MAX_BYTES, SpoolConfig, parse_size},
+    strategy::ExportStrategy,
+};
 use crate::{
     cli::{self, Cli},
     error::{LensError, Result},
@@ -78,6 +81,8 @@ pub struct ExportSettings {
     /// `OTEL_SERVICE_NAME` of lens-probe's environment: the service name of targets that
     /// do not set their own (see [`super::resource::detect`]).
     pub service_name: Option<String>,
+    /// `--spool-dir` / `--spool-max` (OTLP only).
+    pub spool: Option<SpoolConfig>,
 }
 
 // Variables, as NeMo Lens and the OpenTelemetry SDK name them.
@@ -125,6 +130,14 @@ const EXPORT_SAMPLE_RATE: Setting = Setting {
 const EXPORT_FILE: Setting = Setting {
     flag: "--export-file",
     variable: ENV_EXPORT_FILE,
+};
+const SPOOL_DIR: Setting = Setting {
+    flag: "--spool-dir",
+    variable: "LENS_PROBE_SPOOL_DIR",
+};
+const SPOOL_MAX: Setting = Setting {
+    flag: "--spool-max",
+    variable: "LENS_PROBE_SPOOL_MAX",
 };
 
 /// A value and the name it is reported under: the variable when it came from there, else
@@ -258,11 +271,36 @@ impl ExportSettings {
             other => other,
         };
 
+        let spool_dir = cli.spool_dir.as_ref().map(|p| p.to_string_lossy());
+        let spool_dir = SPOOL_DIR.get(spool_dir.as_deref(), env);
+        let spool_max = SPOOL_MAX.get(cli.spool_max.as_deref(), env);
+        let max_bytes = match &spool_max {
+            Some(given) => parse_size(&given.value).map_err(|reason| given.invalid(reason))?,
+            None => DEFAULT_MAX_BYTES,
+        };
+        let spool = match (spool_dir, spool_max) {
+            (Some(dir), _) if exporter != ExporterKind::Otlp => {
+                return Err(dir.invalid(
+                    "a spool keeps what an OTLP collector could not take: \
+                                        it needs the otlp exporter",
+                ));
+            }
+            (None, Some(max)) => {
+                return Err(max.invalid("needs --spool-dir DIR (or LENS_PROBE_SPOOL_DIR)"));
+            }
+            (Some(dir), _) => Some(SpoolConfig {
+                dir: PathBuf::from(dir.value),
+                max_bytes,
+            }),
+            (None, None) => None,
+        };
+
         Ok(ExportSettings {
             exporter,
             export_file,
             strategy,
             service_name: non_empty(env(ENV_SERVICE_NAME)),
+            spool,
         })
     }
 }
@@ -362,12 +400,13 @@ fn check_otlp_env(env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
             })?;
         }
         let compression = otlp_variable(signal, "COMPRESSION");
-        if let Some(value) = env(&compression) {
+        if let Some(value) = env(&compression).filter(|value| value != "gzip") {
             return Err(LensError::InvalidSetting {
                 key: compression,
                 value,
-                reason: "this lens-probe sends OTLP uncompressed (its exporter has no gzip or \
-                         zstd, and takes no \"none\"): unset it"
+                reason: "this lens-probe compresses OTLP with gzip only (its exporter has no \
+                         zstd, and takes no \"none\"): set gzip, or unset it to send \
+                         uncompressed"
                     .into(),
             });
         }
@@ -589,7 +628,43 @@ mod tests {
                 export_file: None,
                 strategy: ExportStrategy::SingleRank { rank: -1 },
                 service_name: None,
+                spool: None,
             }
+        );
+    }
+
+    #[test]
+    fn a_spool_is_for_otlp_and_its_size_reads_as_people_write_it() {
+        let otlp = (ENV_OTLP_ENDPOINT, "http://collector:4317");
+        let s = settings(&["--spool-dir", "/var/spool/lens"], &[otlp]).unwrap();
+        assert_eq!(
+            s.spool,
+            Some(SpoolConfig {
+                dir: PathBuf::from("/var/spool/lens"),
+                max_bytes: 1 << 30
+            })
+        );
+        let s = settings(
+            &[],
+            &[
+                otlp,
+                ("LENS_PROBE_SPOOL_DIR", "/s"),
+                ("LENS_PROBE_SPOOL_MAX", "200MiB"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(s.spool.map(|s| s.max_bytes), Some(200 << 20));
+        let message = error(&["--spool-dir", "/s"], &[]);
+        assert!(
+            message.contains("--spool-dir") && message.contains("otlp exporter"),
+            "{message}"
+        );
+        let message = error(&["--spool-max", "1GiB"], &[otlp]);
+        assert!(message.contains("needs --spool-dir"), "{message}");
+        let message = error(&["--spool-dir", "/s", "--spool-max", "huge"], &[otlp]);
+        assert!(
+            message.contains("--spool-max") && message.contains("1GiB"),
+            "{message}"
         );
     }
 
@@ -761,7 +836,7 @@ mod tests {
             (ENV_OTLP_ENDPOINT, "collector:4317"),
             ("OTEL_EXPORTER_OTLP_TIMEOUT", "10s"),
             ("OTEL_EXPORTER_OTLP_HEADERS", "token"),
-            ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd"),
             (ENV_OTLP_PROTOCOL, "thrift"),
         ];
         for (key, value) in bad {
@@ -783,6 +858,7 @@ mod tests {
             ),
             (ENV_OTLP_TRACES_PROTOCOL, "http/json"),
             (ENV_METRIC_EXPORT_INTERVAL, "15000"),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
         ];
         assert!(settings(&[], &good).is_ok());
     }

@@ -7,4 +7,5 @@ pub mod config;
 pub mod metrics;
 pub mod otlp;
 pub mod resource;
+pub mod spool;
 pub mod strategy;

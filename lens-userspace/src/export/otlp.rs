@@ -5,7 +5,10 @@
 //! variables) or writes them as OTLP JSON lines to a file.
 //!
 //! The probe never waits for the backend: when the queue is full a span is dropped and
-//! counted, and a failed export counts its spans; both are reported at exit.
+//! counted, and a failed export counts its spans; both are reported at exit. A slow
+//! backend is not a lost one: up to [`IN_FLIGHT`] exports run at once, each retried
+//! with backoff by opentelemetry-otlp when the answer says to (gRPC `UNAVAILABLE` or
+//! `RESOURCE_EXHAUSTED`, HTTP 429/502/503/504, `Retry-After` honoured) within its timeout.
 use std::{
     borrow::Cow,
     collections::HashMap,
@@ -35,6 +38,7 @@ use opentelemetry_sdk::{
 use super::{
     metrics::{self, ProbeMetrics, ProcessMetrics, SharedReader},
     resource,
+    spool::Spool,
 };
 use crate::{
     error::{LensError, Result},
@@ -50,8 +54,12 @@ const BATCH_SPANS: usize = 512;
 const BATCH_DELAY: Duration = Duration::from_secs(1);
 /// How long the export thread sleeps when nobody wakes it.
 const IDLE_WAKE: Duration = Duration::from_millis(250);
-/// The longest one export call may take.
+/// The longest one export call may take, its retries included.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Span exports running at once against an OTLP endpoint: a collector that takes 3 s
+/// to answer still takes 8 batches (4096 spans) every 3 s, more than a training job
+/// makes; beyond this the queue fills and spans are dropped, counted.
+const IN_FLIGHT: usize = 8;
 /// How long everything still to send may take once lens-probe is finishing; what is
 /// left after that is counted as lost.
 const FLUSH_BUDGET: Duration = Duration::from_secs(10);
@@ -76,17 +84,26 @@ impl Destination {
 /// What happened to the spans handed to the pipeline.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExportStats {
-    /// Accepted by the backend (or written to the file).
+    /// Accepted by the backend (or written to the file), spooled ones sent again included.
     pub exported: u64,
     /// Dropped because the queue was full (the backend could not keep up).
     pub dropped_queue_full: u64,
-    /// In an export that failed (backend unreachable, rejected, timed out).
+    /// In an export that failed (backend unreachable, rejected, timed out) and could
+    /// not be spooled.
     pub failed: u64,
+    /// Written to the spool when their export failed (`--spool-dir`).
+    pub spooled: u64,
+    /// Sent from the spool, this run's or an earlier one's.
+    pub replayed: u64,
+    /// Pushed out of a full spool, or unreadable there: lost.
+    pub spool_dropped: u64,
+    /// Still in the spool at exit, for the next lens-probe that uses it.
+    pub left_in_spool: u64,
 }
 
 impl ExportStats {
     pub fn lost(&self) -> u64 {
-        self.dropped_queue_full + self.failed
+        self.dropped_queue_full + self.failed + self.spool_dropped
     }
 }
 
@@ -95,6 +112,11 @@ struct Counters {
     exported: AtomicU64,
     dropped_queue_full: AtomicU64,
     failed: AtomicU64,
+    spooled: AtomicU64,
+    replayed: AtomicU64,
+    spool_dropped: AtomicU64,
+    /// The first failed span export was said (once per run).
+    failure_warned: std::sync::atomic::AtomicBool,
     /// Spans sent to the export thread and not yet taken by it (the queue's bound).
     queued: AtomicUsize,
     /// Set when lens-probe finishes: the flush must be done by then.
@@ -102,6 +124,24 @@ struct Counters {
 }
 
 impl Counters {
+    /// Counts what became of a batch of `spans`; the first failure is said once.
+    fn record_export(&self, spans: u64, result: std::result::Result<(), String>) {
+        match result {
+            Ok(()) => {
+                self.exported.fetch_add(spans, Ordering::Relaxed);
+            }
+            Err(error) => {
+                self.failed.fetch_add(spans, Ordering::Relaxed);
+                if !self.failure_warned.swap(true, Ordering::Relaxed) {
+                    warn!(
+                        "span export failed ({}); spans are counted as lost",
+                        crate::target::redact_url_userinfo(&error)
+                    );
+                }
+            }
+        }
+    }
+
     /// How long the next export may take: [`EXPORT_TIMEOUT`], less once finishing.
     fn export_timeout(&self) -> Duration {
         self.flush_deadline
@@ -138,6 +178,8 @@ pub struct OtelPipeline {
     queue: Option<Sender<Message>>,
     worker: Option<JoinHandle<()>>,
     counters: Arc<Counters>,
+    /// Where failed span batches wait (`--spool-dir`, OTLP only).
+    spool: Option<Arc<Spool>>,
     processes: HashMap<u32, ProcessExport>,
     /// `CLOCK_REALTIME - CLOCK_MONOTONIC`: kernel timestamps to wall-clock time.
     realtime_offset_ns: i128,
@@ -151,14 +193,31 @@ pub struct OtelPipeline {
 impl OtelPipeline {
     /// Starts the export thread; fails (before anything is traced) if the exporter
     /// cannot be built, e.g. a malformed endpoint.
-    pub fn start(destination: Destination, service_name: Option<String>) -> Result<OtelPipeline> {
+    /// `spool`: where batches an OTLP endpoint could not take wait (ignored for a file).
+    pub fn start(
+        destination: Destination,
+        service_name: Option<String>,
+        spool: Option<Spool>,
+    ) -> Result<OtelPipeline> {
         let (queue, receiver) = mpsc::channel();
         let counters = Arc::new(Counters::default());
         let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
         let worker_counters = Arc::clone(&counters);
+        let spool = spool
+            .filter(|_| matches!(destination, Destination::Otlp(_)))
+            .map(Arc::new);
+        let worker_spool = spool.clone();
         let worker = std::thread::Builder::new()
             .name("lens-export".into())
-            .spawn(move || export_thread(destination, receiver, worker_counters, ready_tx))?;
+            .spawn(move || {
+                export_thread(
+                    destination,
+                    worker_spool,
+                    receiver,
+                    worker_counters,
+                    ready_tx,
+                )
+            })?;
         ready_rx
             .recv()
             .unwrap_or_else(|_| Err(LensError::Export("export thread failed to start".into())))?;
@@ -170,6 +229,7 @@ impl OtelPipeline {
             queue: Some(queue),
             worker: Some(worker),
             counters,
+            spool,
             processes: HashMap::new(),
             realtime_offset_ns: realtime_ns - monotonic_now_ns() as i128,
             fallback_run_id: resource::random_run_id(),
@@ -207,10 +267,15 @@ impl OtelPipeline {
             worker.thread().unpark();
             let _ = worker.join();
         }
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
         ExportStats {
-            exported: self.counters.exported.load(Ordering::Relaxed),
-            dropped_queue_full: self.counters.dropped_queue_full.load(Ordering::Relaxed),
-            failed: self.counters.failed.load(Ordering::Relaxed),
+            exported: load(&self.counters.exported),
+            dropped_queue_full: load(&self.counters.dropped_queue_full),
+            failed: load(&self.counters.failed),
+            spooled: load(&self.counters.spooled),
+            replayed: load(&self.counters.replayed),
+            spool_dropped: load(&self.counters.spool_dropped),
+            left_in_spool: self.spool.as_ref().map_or(0, |spool| spool.spans()),
         }
     }
 
@@ -400,27 +465,245 @@ impl Drop for OtelPipeline {
     }
 }
 
+/// Keeps a batch whose export failed (`error`) in `spool`, counted; the first time,
+/// says where spans now wait.
+fn spool_batch(
+    spool: &Spool,
+    resource: &Resource,
+    batch: &[SpanData],
+    error: &str,
+    counters: &Counters,
+) -> std::result::Result<(), String> {
+    let evicted = spool.keep(resource, batch)?;
+    counters
+        .spooled
+        .fetch_add(batch.len() as u64, Ordering::Relaxed);
+    if evicted > 0 {
+        counters.spool_dropped.fetch_add(evicted, Ordering::Relaxed);
+        warn!(
+            "the spool {} is full: its oldest {evicted} spans were dropped",
+            spool.dir().display()
+        );
+    }
+    if !counters.failure_warned.swap(true, Ordering::Relaxed) {
+        warn!(
+            "span export failed ({}); spans wait in the spool {} and are sent when the \
+             collector answers",
+            crate::target::redact_url_userinfo(error),
+            spool.dir().display()
+        );
+    }
+    Ok(())
+}
+
 /// The backend, as the export thread drives it.
 enum Sink {
     Otlp {
-        spans: Box<opentelemetry_otlp::SpanExporter>,
+        spans: SpanExporters,
         metrics: Box<opentelemetry_otlp::MetricExporter>,
     },
     File(BufWriter<File>),
 }
 
+/// [`IN_FLIGHT`] OTLP span exporters, one per export running: each takes the resource
+/// of the process whose batch it sends, so they are not shared between exports.
+struct SpanExporters {
+    idle: Arc<std::sync::Mutex<Vec<opentelemetry_otlp::SpanExporter>>>,
+    /// One permit per idle exporter.
+    permits: Arc<tokio::sync::Semaphore>,
+    spool: Option<Arc<Spool>>,
+    /// A task is sending the spool's batches (one at a time, oldest first).
+    replaying: Arc<std::sync::atomic::AtomicBool>,
+    /// When the spool's last batch failed again: the next try waits [`REPLAY_AFTER`].
+    replay_failed_at: Arc<std::sync::Mutex<Option<Instant>>>,
+}
+
+/// How long sending from the spool waits after the collector refused one of its batches.
+const REPLAY_AFTER: Duration = Duration::from_secs(2);
+
+/// Exports `batch` with one of the pool's exporters, within the export timeout.
+async fn export_batch(
+    exporter: &mut opentelemetry_otlp::SpanExporter,
+    resource: &Resource,
+    batch: Vec<SpanData>,
+    counters: &Counters,
+) -> std::result::Result<(), String> {
+    exporter.set_resource(resource);
+    let timeout = counters.export_timeout();
+    if timeout.is_zero() {
+        return Err("no time left to send at exit".to_string());
+    }
+    match tokio::time::timeout(timeout, exporter.export(batch)).await {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(_) => Err("timed out".to_string()),
+    }
+}
+
+impl SpanExporters {
+    fn build(
+        build: impl Fn() -> std::result::Result<
+            opentelemetry_otlp::SpanExporter,
+            opentelemetry_otlp::ExporterBuildError,
+        >,
+        spool: Option<Arc<Spool>>,
+    ) -> std::result::Result<SpanExporters, opentelemetry_otlp::ExporterBuildError> {
+        let exporters = (0..IN_FLIGHT)
+            .map(|_| build())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(SpanExporters {
+            idle: Arc::new(std::sync::Mutex::new(exporters)),
+            permits: Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)),
+            spool,
+            replaying: Arc::default(),
+            replay_failed_at: Arc::default(),
+        })
+    }
+
+    /// Takes an idle exporter and its permit, waiting only while [`IN_FLIGHT`] exports
+    /// already run (`wait` false: not at all).
+    fn take(
+        &self,
+        runtime: &tokio::runtime::Runtime,
+        wait: bool,
+    ) -> Option<(
+        opentelemetry_otlp::SpanExporter,
+        tokio::sync::OwnedSemaphorePermit,
+    )> {
+        let permits = Arc::clone(&self.permits);
+        let permit = if wait {
+            runtime.block_on(permits.acquire_owned()).ok()?
+        } else {
+            permits.try_acquire_owned().ok()?
+        };
+        let exporter = self.idle.lock().ok()?.pop()?;
+        Some((exporter, permit))
+    }
+
+    /// Starts exporting `batch` on `runtime`, waiting only while [`IN_FLIGHT`] exports
+    /// already run; `counters` learn the outcome when it ends. A batch that fails is
+    /// spooled, if there is a spool.
+    fn spawn(
+        &self,
+        runtime: &tokio::runtime::Runtime,
+        resource: &Arc<Resource>,
+        batch: Vec<SpanData>,
+        counters: &Arc<Counters>,
+    ) {
+        let Some((mut exporter, permit)) = self.take(runtime, true) else {
+            return;
+        };
+        let (idle, counters) = (Arc::clone(&self.idle), Arc::clone(counters));
+        let (resource, spool) = (Arc::clone(resource), self.spool.clone());
+        runtime.spawn(async move {
+            let spans = batch.len() as u64;
+            // Kept for the spool in case the export fails.
+            let copy = spool.as_ref().map(|_| batch.clone());
+            let result = match export_batch(&mut exporter, &resource, batch, &counters).await {
+                Err(error) if let (Some(spool), Some(copy)) = (&spool, copy) => {
+                    spool_batch(spool, &resource, &copy, &error, &counters)
+                        .map(|()| None)
+                        .map_err(|why| format!("{error}; not spooled: {why}"))
+                }
+                result => result.map(|()| Some(spans)),
+            };
+            match result {
+                Ok(Some(exported)) => counters.record_export(exported, Ok(())),
+                // Spooled: not exported yet, not lost.
+                Ok(None) => {}
+                Err(error) => counters.record_export(spans, Err(error)),
+            }
+            if let Ok(mut idle) = idle.lock() {
+                idle.push(exporter);
+            }
+            drop(permit);
+        });
+    }
+
+    /// Sends the spool's batches, oldest first, one at a time on a task of its own, if
+    /// none is running, an exporter is free, and the collector did not refuse the last
+    /// one less than [`REPLAY_AFTER`] ago. The task goes on until the spool is empty or
+    /// a batch fails (it stays, for the next try).
+    fn replay(&self, runtime: &tokio::runtime::Runtime, counters: &Arc<Counters>) {
+        let Some(spool) = self.spool.clone() else {
+            return;
+        };
+        let recently_failed = self
+            .replay_failed_at
+            .lock()
+            .ok()
+            .and_then(|at| *at)
+            .is_some_and(|at| at.elapsed() < REPLAY_AFTER);
+        if recently_failed || spool.spans() == 0 || counters.flush_deadline.get().is_some() {
+            return;
+        }
+        if self.replaying.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Some((mut exporter, permit)) = self.take(runtime, false) else {
+            self.replaying.store(false, Ordering::Release);
+            return;
+        };
+        let (idle, counters) = (Arc::clone(&self.idle), Arc::clone(counters));
+        let replaying = Arc::clone(&self.replaying);
+        let failed_at = Arc::clone(&self.replay_failed_at);
+        runtime.spawn(async move {
+            while let Some(next) = spool.oldest() {
+                let batch = match next {
+                    Ok(batch) => batch,
+                    Err((spans, error)) => {
+                        counters.spool_dropped.fetch_add(spans, Ordering::Relaxed);
+                        warn!("a spooled batch could not be read ({error}): its {spans} spans are lost");
+                        continue;
+                    }
+                };
+                let spans = batch.spans.len() as u64;
+                let sent =
+                    export_batch(&mut exporter, &batch.resource, batch.spans, &counters).await;
+                if sent.is_err() {
+                    if let Ok(mut at) = failed_at.lock() {
+                        *at = Some(Instant::now());
+                    }
+                    break;
+                }
+                spool.sent(batch.sequence);
+                counters.exported.fetch_add(spans, Ordering::Relaxed);
+                counters.replayed.fetch_add(spans, Ordering::Relaxed);
+            }
+            if let Ok(mut idle) = idle.lock() {
+                idle.push(exporter);
+            }
+            drop(permit);
+            replaying.store(false, Ordering::Release);
+        });
+    }
+
+    /// Waits until every export started has ended (each is bounded by its timeout,
+    /// which the flush deadline shortens), then shuts the exporters down.
+    fn finish(&self, runtime: &tokio::runtime::Runtime, timeout: Duration) {
+        let _ = runtime.block_on(self.permits.acquire_many(IN_FLIGHT as u32));
+        if let Ok(mut idle) = self.idle.lock() {
+            for exporter in idle.iter_mut() {
+                let _ = exporter.shutdown_with_timeout(timeout);
+            }
+        }
+    }
+}
+
 impl Sink {
-    fn build(destination: &Destination) -> Result<Sink> {
+    fn build(destination: &Destination, spool: Option<Arc<Spool>>) -> Result<Sink> {
         let build_error =
             |e: opentelemetry_otlp::ExporterBuildError| LensError::Export(e.to_string());
         Ok(match destination {
             Destination::Otlp(Protocol::Grpc) => Sink::Otlp {
-                spans: Box::new(
-                    opentelemetry_otlp::SpanExporter::builder()
-                        .with_tonic()
-                        .build()
-                        .map_err(build_error)?,
-                ),
+                spans: SpanExporters::build(
+                    || {
+                        opentelemetry_otlp::SpanExporter::builder()
+                            .with_tonic()
+                            .build()
+                    },
+                    spool,
+                )
+                .map_err(build_error)?,
                 metrics: Box::new(
                     opentelemetry_otlp::MetricExporter::builder()
                         .with_tonic()
@@ -429,13 +712,16 @@ impl Sink {
                 ),
             },
             Destination::Otlp(protocol) => Sink::Otlp {
-                spans: Box::new(
-                    opentelemetry_otlp::SpanExporter::builder()
-                        .with_http()
-                        .with_protocol(*protocol)
-                        .build()
-                        .map_err(build_error)?,
-                ),
+                spans: SpanExporters::build(
+                    || {
+                        opentelemetry_otlp::SpanExporter::builder()
+                            .with_http()
+                            .with_protocol(*protocol)
+                            .build()
+                    },
+                    spool,
+                )
+                .map_err(build_error)?,
                 metrics: Box::new(
                     opentelemetry_otlp::MetricExporter::builder()
                         .with_http()
@@ -450,40 +736,47 @@ impl Sink {
         })
     }
 
+    /// Sends `batch` (to an endpoint: starts sending it) and counts the outcome.
     fn export(
         &mut self,
         runtime: &tokio::runtime::Runtime,
-        resource: &Resource,
+        resource: &Arc<Resource>,
         batch: Vec<SpanData>,
-        timeout: Duration,
-    ) -> std::result::Result<(), String> {
+        counters: &Arc<Counters>,
+    ) {
         match self {
-            Sink::Otlp {
-                spans: exporter, ..
-            } => {
-                exporter.set_resource(resource);
-                runtime
-                    .block_on(async { tokio::time::timeout(timeout, exporter.export(batch)).await })
-                    .map_err(|_| "timed out".to_string())?
-                    .map_err(|e| e.to_string())
-            }
+            Sink::Otlp { spans, .. } => spans.spawn(runtime, resource, batch, counters),
             Sink::File(out) => {
-                use opentelemetry_proto::{
-                    tonic::collector::trace::v1::ExportTraceServiceRequest,
-                    transform::{
-                        common::tonic::ResourceAttributesWithSchema,
-                        trace::tonic::group_spans_by_resource_and_scope,
-                    },
+                let spans = batch.len() as u64;
+                let result = if counters.export_timeout().is_zero() {
+                    Err("no time left to send at exit".to_string())
+                } else {
+                    Self::write_spans(out, resource, batch)
                 };
-                let request = ExportTraceServiceRequest {
-                    resource_spans: group_spans_by_resource_and_scope(
-                        batch,
-                        &ResourceAttributesWithSchema::from(resource),
-                    ),
-                };
-                write_json_line(out, &request)
+                counters.record_export(spans, result);
             }
         }
+    }
+
+    fn write_spans(
+        out: &mut BufWriter<File>,
+        resource: &Resource,
+        batch: Vec<SpanData>,
+    ) -> std::result::Result<(), String> {
+        use opentelemetry_proto::{
+            tonic::collector::trace::v1::ExportTraceServiceRequest,
+            transform::{
+                common::tonic::ResourceAttributesWithSchema,
+                trace::tonic::group_spans_by_resource_and_scope,
+            },
+        };
+        let request = ExportTraceServiceRequest {
+            resource_spans: group_spans_by_resource_and_scope(
+                batch,
+                &ResourceAttributesWithSchema::from(resource),
+            ),
+        };
+        write_json_line(out, &request)
     }
 
     fn export_metrics(
@@ -521,11 +814,15 @@ fn write_json_line(
 /// The export thread: owns the backend and a tokio runtime to drive it.
 fn export_thread(
     destination: Destination,
+    spool: Option<Arc<Spool>>,
     queue: Receiver<Message>,
     counters: Arc<Counters>,
     ready: mpsc::Sender<Result<()>>,
 ) {
-    let runtime = match tokio::runtime::Builder::new_current_thread()
+    // One worker thread: the exports it runs go on while this thread waits for spans.
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("lens-export-io")
         .enable_all()
         .build()
     {
@@ -538,7 +835,7 @@ fn export_thread(
     // Built inside the runtime: the gRPC channel spawns its connection task there.
     let sink = {
         let _guard = runtime.enter();
-        Sink::build(&destination)
+        Sink::build(&destination, spool)
     };
     let mut sink = match sink {
         Ok(sink) => {
@@ -573,30 +870,8 @@ fn export_thread(
             metrics_warned = true;
         }
     };
-    let mut warned = false;
-    let mut send = |batch: Vec<SpanData>, resource: &Resource, sink: &mut Sink| {
-        let n = batch.len() as u64;
-        let timeout = counters.export_timeout();
-        let result = if timeout.is_zero() {
-            Err("no time left to send at exit".to_string())
-        } else {
-            sink.export(&runtime, resource, batch, timeout)
-        };
-        match result {
-            Ok(()) => {
-                counters.exported.fetch_add(n, Ordering::Relaxed);
-            }
-            Err(error) => {
-                counters.failed.fetch_add(n, Ordering::Relaxed);
-                if !warned {
-                    warn!(
-                        "span export failed ({}); spans are counted as lost",
-                        crate::target::redact_url_userinfo(&error.to_string())
-                    );
-                    warned = true;
-                }
-            }
-        }
+    let send = |batch: Vec<SpanData>, resource: &Arc<Resource>, sink: &mut Sink| {
+        sink.export(&runtime, resource, batch, &counters);
     };
     loop {
         let message = match queue.try_recv() {
@@ -634,13 +909,18 @@ fn export_thread(
                 }
             }
             Ok(Message::ProbeMetrics(probe)) => send_metrics(&probe.reader, &mut sink),
-            Err(TryRecvError::Empty) => {}
+            // Nothing queued: a moment to send what the spool holds.
+            Err(TryRecvError::Empty) => {
+                if let Sink::Otlp { spans, .. } = &sink {
+                    spans.replay(&runtime, &counters);
+                }
+            }
             Err(TryRecvError::Disconnected) => {
                 for (_, (resource, batch, _)) in batches.drain() {
                     send(batch, &resource, &mut sink);
                 }
-                if let Sink::Otlp { spans, .. } = &mut sink {
-                    let _ = spans.shutdown_with_timeout(counters.export_timeout());
+                if let Sink::Otlp { spans, .. } = &sink {
+                    spans.finish(&runtime, counters.export_timeout());
                 }
                 return;
             }

@@ -81,14 +81,18 @@ const ENV_CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 const ENV_SLURM_JOB_ID: &str = "SLURM_JOB_ID";
 const ENV_KUBERNETES_SERVICE_HOST: &str = "KUBERNETES_SERVICE_HOST";
 
-/// `nemo.lens.resources.slurm`: variable → attribute, after `slurm.job.id`.
-const SLURM_ATTRIBUTES: [(&str, &str); 6] = [
+/// `nemo.lens.resources.slurm`: variable → attribute, after `slurm.job.id`, the first
+/// set one winning. Lens reads `SLURM_PARTITION`, which is only an input of sbatch and
+/// srun: the tasks of a real job have `SLURM_JOB_PARTITION` (seen under slurmd 22.05).
+const SLURM_ATTRIBUTES: [(&str, &str); 8] = [
     ("SLURM_JOB_NAME", semconv::SLURM_JOB_NAME),
     ("SLURM_NODELIST", semconv::SLURM_NODELIST),
     ("SLURM_NNODES", semconv::SLURM_NNODES),
     ("SLURM_NTASKS", semconv::SLURM_NTASKS),
     ("SLURM_PARTITION", semconv::SLURM_PARTITION),
+    ("SLURM_JOB_PARTITION", semconv::SLURM_PARTITION),
     ("SLURM_CLUSTER_NAME", semconv::SLURM_CLUSTER_NAME),
+    ("SLURM_STEP_ID", semconv::SLURM_STEP_ID),
 ];
 
 /// `nemo.lens.resources.kubernetes`: variable → attribute, the first set one winning
@@ -213,7 +217,9 @@ pub fn detect_view(
     if let Some(job_id) = env.get(ENV_SLURM_JOB_ID) {
         attributes.push((semconv::SLURM_JOB_ID, job_id.into()));
         for (variable, name) in SLURM_ATTRIBUTES {
-            if let Some(value) = env.get(variable) {
+            if let Some(value) = env.get(variable)
+                && !attributes.iter().any(|(k, _)| *k == name)
+            {
                 attributes.push((name, value.into()));
             }
         }
@@ -642,6 +648,18 @@ mod tests {
                 (semconv::SLURM_PARTITION, &AttrValue::from("batch")),
             ]
         );
+        // A real task: the partition is SLURM_JOB_PARTITION's.
+        let task = detect_in(
+            &root,
+            &[
+                ("SLURM_JOB_ID", "7"),
+                ("SLURM_JOB_PARTITION", "gpu"),
+                ("SLURM_STEP_ID", "2"),
+            ],
+            "",
+        );
+        assert_eq!(str_attr(&task, semconv::SLURM_PARTITION), Some("gpu"));
+        assert_eq!(str_attr(&task, semconv::SLURM_STEP_ID), Some("2"));
         // Rank from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; the run is the job.
         assert_eq!(int_attr(&r, semconv::DL_RANK), Some(9));
         assert_eq!(int_attr(&r, semconv::DL_WORLD_SIZE), Some(32));

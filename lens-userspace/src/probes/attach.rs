@@ -600,7 +600,18 @@ impl Attacher {
                 string.is_some_and(|arg| arg.kind == ArgType::StdString),
             );
             let mut offsets = HashSet::new();
-            for (name, place) in places {
+            let total = places.len();
+            for (done, (name, place)) in places.into_iter().enumerate() {
+                // Thousands of probes take minutes (~20 ms each): a stop request ends it.
+                if crate::target::stop_requested() {
+                    warn!(
+                        "stopping: {} of the {total} functions {symbol} matches in {} were \
+                         not probed",
+                        total - done,
+                        library.shown_path.display()
+                    );
+                    return;
+                }
                 // Aliases of one function fire once.
                 if !offsets.insert(place.offset) {
                     continue;
@@ -843,6 +854,11 @@ fn attach_spec(
     links: &mut Vec<(Program, UProbeLinkId)>,
 ) {
     for (symbol, place) in places {
+        // Each uprobe can wait for the kernel (seconds, while another tracer's teardown
+        // runs): a stop request ends the attaching.
+        if crate::target::stop_requested() {
+            return;
+        }
         let offset = place.offset;
         for program in spec.entry.into_iter().chain(spec.exit) {
             let result = uprobe_mut(ebpf, program).and_then(|uprobe| {

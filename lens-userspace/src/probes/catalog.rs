@@ -29,10 +29,11 @@ pub enum Program {
     CudaEventQueryEntry,
     CudaEventQueryReturn,
     CudaRegisterFunction,
+    FileOpenEntry,
 }
 
 impl Program {
-    pub const ALL: [Program; 19] = [
+    pub const ALL: [Program; 20] = [
         Program::CountOnly,
         Program::NcclGroup,
         Program::NcclCollectiveEntry,
@@ -52,6 +53,7 @@ impl Program {
         Program::CudaEventQueryEntry,
         Program::CudaEventQueryReturn,
         Program::CudaRegisterFunction,
+        Program::FileOpenEntry,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -75,6 +77,7 @@ impl Program {
             Program::CudaEventQueryEntry => "cuda_event_query_entry",
             Program::CudaEventQueryReturn => "cuda_event_query_return",
             Program::CudaRegisterFunction => "cuda_register_function",
+            Program::FileOpenEntry => "file_open_entry",
         }
     }
 }
@@ -165,7 +168,7 @@ const fn with_aliases(mut spec: ProbeSpec, aliases: &'static [&'static str]) -> 
 }
 
 use LibraryKind::{
-    C10, CudaDriver, CudaRuntime, DynamicLoader, Nccl, Safetensors, TorchCpu, TorchPython,
+    C10, CudaDriver, CudaRuntime, DynamicLoader, Libc, Nccl, Safetensors, TorchCpu, TorchPython,
 };
 use Program::*;
 
@@ -471,6 +474,22 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         Some(PhaseMarkReturn),
         &[SpanGroup::LoadCheckpoint],
     ),
+    // Files created: what a checkpoint's `nemo.checkpoint.files` counts. libc is mapped by
+    // every process of the node, so these go on each target alone (`probes::files`).
+    mark(
+        ProbeId::FileOpen,
+        Libc,
+        Some(FileOpenEntry),
+        None,
+        &[SpanGroup::Checkpoint],
+    ),
+    mark(
+        ProbeId::FileOpenAt,
+        Libc,
+        Some(FileOpenEntry),
+        None,
+        &[SpanGroup::Checkpoint],
+    ),
 ];
 
 /// A `c10d::ProcessGroupGloo` collective: timed call, child of the phase it runs in.
@@ -537,8 +556,10 @@ mod tests {
     #[test]
     fn per_step_attaches_everything() {
         let groups: SpanGroups = "per_step".parse().unwrap();
+        // libc's probes go on each target alone (`probes::files`), not through `ALL`.
         let total: usize = LibraryKind::ALL
             .into_iter()
+            .chain([LibraryKind::Libc])
             .map(|kind| enabled_for(kind, &groups).count())
             .sum();
         assert_eq!(total, ProbeId::COUNT);

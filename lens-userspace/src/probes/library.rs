@@ -26,6 +26,9 @@ pub enum LibraryKind {
     TorchPython,
     /// safetensors' extension module `_safetensors_rust.abi3.so`: checkpoint files.
     Safetensors,
+    /// The C library `libc.so.6`: file creation. Every process maps it, so its probes
+    /// go on each traced process alone (`probes::files`), never through `ALL`.
+    Libc,
     /// Any other file (library or program) a configured probe rule names
     /// (`crate::config`): only the rules' probes go there.
     Configured,
@@ -76,6 +79,7 @@ impl LibraryKind {
             LibraryKind::C10 => "libc10",
             LibraryKind::TorchPython => "libtorch_python",
             LibraryKind::Safetensors => "safetensors",
+            LibraryKind::Libc => "libc",
             LibraryKind::Configured => "the library",
         }
     }
@@ -167,6 +171,32 @@ pub fn find_libraries_with(
         }
     })?;
     Ok(libraries_in_with(pid, &parse_maps(&text), configured))
+}
+
+/// The C library `pid` maps (`libc.so.6`), if any.
+pub fn find_libc(pid: u32) -> Result<Option<MappedLibrary>> {
+    let maps_path = PathBuf::from(format!("/proc/{pid}/maps"));
+    let text = fs::read_to_string(&maps_path).map_err(|source| LensError::ReadProc {
+        path: maps_path.clone(),
+        source,
+    })?;
+    Ok(parse_maps(&text)
+        .into_iter()
+        .find(|entry| {
+            Path::new(&entry.path)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|name| name.starts_with("libc.so") || name.starts_with("libc-2."))
+        })
+        .map(|entry| MappedLibrary {
+            kind: LibraryKind::Libc,
+            file: entry.file,
+            shown_path: PathBuf::from(&entry.path),
+            open_path: PathBuf::from(format!(
+                "/proc/{pid}/map_files/{:x}-{:x}",
+                entry.start, entry.end
+            )),
+        }))
 }
 
 pub fn libraries_in(pid: u32, entries: &[MapsEntry]) -> Vec<MappedLibrary> {

@@ -3,6 +3,7 @@
 pub mod attach;
 pub mod calibrate;
 pub mod catalog;
+pub mod files;
 pub mod library;
 pub mod plt;
 pub mod processes;

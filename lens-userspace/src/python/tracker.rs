@@ -52,6 +52,9 @@ struct Tentative {
 struct ThreadCalls {
     open: Vec<OpenCall>,
     tentative: Option<Tentative>,
+    /// The last sample's time, launches and epoch: where the calls of a thread that
+    /// exits without another sample end.
+    last: (u64, u64, u64),
 }
 
 /// A tentative sample no later one contradicted after this long is taken (the stack has
@@ -91,6 +94,19 @@ impl PythonTracker {
         }
     }
 
+    /// Whether rule `index` is a built-in framework save (load) rule.
+    pub fn is_framework(&self, index: u32) -> bool {
+        self.rules
+            .iter()
+            .any(|rule| rule.index == index && rule.framework)
+    }
+
+    /// Whether a rule of the user's (or a profile's) is among them: then a process that
+    /// runs CPython is traced for it alone.
+    pub fn has_configured(&self) -> bool {
+        self.rules.iter().any(|rule| !rule.framework)
+    }
+
     /// `pid`'s interpreter cannot be read: true the first time (warn then).
     pub fn refused(&mut self, pid: u32) -> bool {
         self.refused.insert(pid)
@@ -104,7 +120,7 @@ impl PythonTracker {
         };
         self.rules
             .iter()
-            .filter(|rule| !self.matched.contains(&rule.index))
+            .filter(|rule| !rule.framework && !self.matched.contains(&rule.index))
             .map(|rule| {
                 format!(
                     "{}: python = \"{}:{}\": {why}",
@@ -224,6 +240,7 @@ impl PythonTracker {
             sample.calls.iter().map(|c| c.rule).collect::<Vec<_>>()
         );
         let thread = process.threads.entry(*tid).or_default();
+        thread.last = (*at_ns, *launches, *epoch);
         let mut calls = Vec::new();
         if let Some(tentative) = thread.tentative.take() {
             // What both samples agree on: open calls either still shows stay; calls both
@@ -259,6 +276,78 @@ impl PythonTracker {
         calls
     }
 
+    /// Thread `tid` of `tgid` made a native call (or phase mark) at `at_ns`: a tentative
+    /// sample from before it that only changes framework calls is taken now. The thread
+    /// ran on after it without another sample (it blocked, in a barrier, say), and a
+    /// framework call's span must end before that call begins; a glitched sample costs
+    /// such a span nothing (a call seen again joins it). The process's other threads'
+    /// earlier such samples are taken first, in time order: DCP's `async_save` (its
+    /// caller's sample) comes before the `save` its background thread runs.
+    pub fn settle_framework_calls(&mut self, tgid: u32, tid: u32, at_ns: u64) -> Vec<ProbeEvent> {
+        let Some(process) = self.processes.get(&tgid) else {
+            return Vec::new();
+        };
+        let mut earlier: Vec<(u64, u32)> = process
+            .threads
+            .iter()
+            .filter_map(|(other, thread)| {
+                let sampled = thread.tentative.as_ref()?.at_ns;
+                (*other != tid && sampled < at_ns).then_some((sampled, *other))
+            })
+            .collect();
+        earlier.sort_unstable();
+        let mut calls = Vec::new();
+        for (_, other) in earlier {
+            calls.extend(self.settle_thread(tgid, other, at_ns));
+        }
+        calls.extend(self.settle_thread(tgid, tid, at_ns));
+        calls
+    }
+
+    fn settle_thread(&mut self, tgid: u32, tid: u32, at_ns: u64) -> Vec<ProbeEvent> {
+        let Some(thread) = self
+            .processes
+            .get_mut(&tgid)
+            .and_then(|process| process.threads.get_mut(&tid))
+        else {
+            return Vec::new();
+        };
+        let Some(tentative) = thread.tentative.as_ref().filter(|t| t.at_ns < at_ns) else {
+            return Vec::new();
+        };
+        let framework = |call: &OpenCall| {
+            self.rules
+                .iter()
+                .any(|rule| rule.index == call.rule && rule.framework)
+        };
+        let changed_only_framework = thread
+            .open
+            .iter()
+            .filter(|call| !tentative.calls.contains(call))
+            .chain(
+                tentative
+                    .calls
+                    .iter()
+                    .filter(|call| !thread.open.contains(call)),
+            )
+            .all(framework);
+        if !changed_only_framework {
+            return Vec::new();
+        }
+        let Some(tentative) = thread.tentative.take() else {
+            return Vec::new();
+        };
+        let target = tentative
+            .calls
+            .iter()
+            .copied()
+            .zip(tentative.files.iter().cloned())
+            .collect();
+        let calls = transition(tgid, tid, &mut thread.open, target, &tentative);
+        self.note_opened(&calls);
+        calls
+    }
+
     /// Tentative samples no later one contradicted by `now_ns` are taken (all of
     /// `pid`'s, with `pid`: it ended).
     pub fn confirm(&mut self, now_ns: u64, pid: Option<u32>) -> Vec<ProbeEvent> {
@@ -268,9 +357,29 @@ impl PythonTracker {
                 continue;
             }
             for (tid, thread) in &mut process.threads {
-                let due = thread.tentative.as_ref().is_some_and(|tentative| {
-                    pid.is_some() || now_ns.saturating_sub(tentative.at_ns) >= CONFIRM_AFTER_NS
-                });
+                // A thread that ended (a save's background writer, a worker) while in
+                // calls: they ended at its last sample.
+                let gone = pid.is_none()
+                    && !thread.open.is_empty()
+                    && !std::path::Path::new(&format!("/proc/{tgid}/task/{tid}")).exists();
+                if gone {
+                    let (at_ns, launches, epoch) = thread.last;
+                    let at_ns = thread
+                        .tentative
+                        .as_ref()
+                        .map_or(at_ns, |t| t.at_ns.min(at_ns));
+                    thread.tentative = Some(Tentative {
+                        calls: Vec::new(),
+                        at_ns,
+                        launches,
+                        epoch,
+                        files: Vec::new(),
+                    });
+                }
+                let due = gone
+                    || thread.tentative.as_ref().is_some_and(|tentative| {
+                        pid.is_some() || now_ns.saturating_sub(tentative.at_ns) >= CONFIRM_AFTER_NS
+                    });
                 if due && let Some(tentative) = thread.tentative.take() {
                     let target = tentative
                         .calls

@@ -44,6 +44,8 @@ impl IdSource {
 struct OpenSpan {
     record: SpanRecord,
     enabled: bool,
+    /// The latest end among the calls made inside it so far.
+    calls_end: u64,
 }
 
 #[derive(Debug)]
@@ -142,8 +144,32 @@ impl SpanArena {
         self.training_seen |= !matches!(group, SpanGroup::Job | SpanGroup::ModelInit);
         let record = self.record(id, name, group, parent, tid, start_ns, start_ns);
         let enabled = self.groups.contains(group);
-        self.open.insert(id, OpenSpan { record, enabled });
+        self.open.insert(
+            id,
+            OpenSpan {
+                record,
+                enabled,
+                calls_end: 0,
+            },
+        );
         id
+    }
+
+    /// Moves open span `id`'s start back to `start_ns` if that is earlier: a span whose
+    /// first signal came late (a sampled Python call). Returns whether it moved.
+    pub fn move_start(&mut self, id: SpanId, start_ns: u64) -> bool {
+        match self.open.get_mut(&id) {
+            Some(open) if start_ns < open.record.start_ns => {
+                open.record.start_ns = start_ns;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The latest end among the calls made inside open span `id` (0: none yet).
+    pub fn calls_end(&self, id: SpanId) -> u64 {
+        self.open.get(&id).map_or(0, |open| open.calls_end)
     }
 
     pub fn set_attr(&mut self, id: SpanId, key: &'static str, value: impl Into<AttrValue>) {
@@ -170,6 +196,7 @@ impl SpanArena {
         let Some(OpenSpan {
             mut record,
             enabled,
+            ..
         }) = self.open.remove(&id)
         else {
             return;
@@ -222,6 +249,9 @@ impl SpanArena {
         error: Option<String>,
     ) -> SpanRecord {
         self.training_seen = true;
+        if let Some(open) = parent.and_then(|parent| self.open.get_mut(&parent)) {
+            open.calls_end = open.calls_end.max(end_ns);
+        }
         let group = self.export_group(parent).unwrap_or(SpanGroup::Step);
         let mut record = self.record(ids.next(), name, group, parent, tid, start_ns, end_ns);
         // One allocation for the call's attributes and the few a collective's completion

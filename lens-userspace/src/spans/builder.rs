@@ -14,7 +14,7 @@ use super::{
     phases::{ProcessContext, ThreadPhases},
 };
 use crate::{
-    config::{ArgType, NativeRule, ProbeRules},
+    config::{ArgType, DCP_ASYNC_SAVE, DCP_GET_STATE_DICT, NativeRule, ProbeRules},
     events::{CallTiming, ProbeEvent},
     groups::{SpanGroup, SpanGroups},
     semconv,
@@ -61,6 +61,48 @@ struct ProcessSpans {
     /// The earliest start among `unplaced` (`u64::MAX` when none): the per-call bound
     /// check reads this instead of walking every held call.
     oldest_held_ns: u64,
+    /// A DCP `async_save` whose writing goes on in a background thread.
+    async_save: Option<AsyncSave>,
+}
+
+/// An `async_save` whose writer was never seen (its `save` too short to be sampled, or
+/// it failed to start): the span is what the call itself did.
+fn close_unwritten_async_save(ctx: &mut ProcessContext<'_>, save: AsyncSave) {
+    if save.writer.is_some() {
+        return;
+    }
+    let (files, created) = save.caller_files.unwrap_or_default();
+    let count = if created > 0 { created } else { files };
+    ctx.arena
+        .set_attr(save.span, semconv::NEMO_CHECKPOINT_FILES, count);
+    ctx.arena.close(save.span, save.caller_end, false, ctx.out);
+}
+
+/// What a framework's save (load) function is to the span it bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FrameworkCall {
+    /// The save (load) itself: the span lasts while it runs.
+    Save,
+    /// DCP's `async_save`: the span lasts until the background `save` it starts returns.
+    AsyncSave,
+    /// DCP's `get_state_dict`: the save or load that follows at once starts with it.
+    Prelude,
+}
+
+/// A checkpoint begun by DCP's `async_save` on one thread and written by the `save` it
+/// starts on another: one span, ended when the later of the two calls returns.
+#[derive(Clone, Copy, Debug)]
+struct AsyncSave {
+    span: SpanId,
+    caller: u32,
+    /// `async_save` has returned, with what it counted (`FileSpan::counts`) and where
+    /// it ended.
+    caller_files: Option<(u32, u32)>,
+    caller_end: u64,
+    /// The background thread carrying the span on, once its `save` began.
+    writer: Option<u32>,
+    /// The background `save` returned (at, its counts) before `async_save` did.
+    written: Option<(u64, (u32, u32))>,
 }
 
 /// A call whose phase was not known when it arrived.
@@ -270,7 +312,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 model_init: &mut process.model_init,
                 ruled: &process.ruled,
             };
-            thread.current_phase(&ctx).is_some()
+            thread.current_phase(&ctx, None).is_some()
         });
         if known {
             self.place_held(pid, |owner, _| owner == tid);
@@ -331,6 +373,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 waiting: Vec::new(),
                 placed: HashMap::new(),
                 oldest_held_ns: u64::MAX,
+                async_save: None,
             },
         );
     }
@@ -375,6 +418,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             exporting,
             held,
             ruled,
+            async_save,
             ..
         } = &mut process;
         if !*exporting && !arena.training_seen() {
@@ -397,6 +441,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
             model_init,
             ruled,
         };
+        if let Some(save) = async_save.take()
+            && save.writer.is_none()
+        {
+            close_unwritten_async_save(&mut ctx, save);
+        }
         let mut tids: Vec<u32> = threads.keys().copied().collect();
         tids.sort_unstable();
         for tid in tids {
@@ -519,6 +568,20 @@ impl<E: SpanExporter> SpanBuilder<E> {
         let (index, group, name, attributes) = if let Some(rule) = self.rules.native_rule(*rule) {
             let attributes = (!at_return).then(|| rule_attributes(rule, args, text.as_deref()));
             (rule.index, rule.group, rule.name, attributes)
+        } else if let Some(rule) = self.rules.python_rule(*rule)
+            && rule.framework
+        {
+            let name = (rule.module.as_str(), rule.qualname.as_str());
+            let function = format!("{}:{}", rule.module, rule.qualname);
+            let kind = if name == DCP_ASYNC_SAVE {
+                FrameworkCall::AsyncSave
+            } else if name == DCP_GET_STATE_DICT {
+                FrameworkCall::Prelude
+            } else {
+                FrameworkCall::Save
+            };
+            self.on_framework_call(event, rule.group, function, kind);
+            return;
         } else if let Some(rule) = self.rules.python_rule(*rule) {
             let attributes = (!at_return).then(|| {
                 let mut attributes: Attributes =
@@ -589,6 +652,135 @@ impl<E: SpanExporter> SpanBuilder<E> {
         }
     }
 
+    /// Entry or return of a framework's save (load) function (sampled): it bounds the
+    /// checkpoint (load) span of its thread (`ThreadPhases::save_call_enter`). DCP's
+    /// `async_save` hands its span to the `save` it starts on a background thread.
+    fn on_framework_call(
+        &mut self,
+        event: &ProbeEvent,
+        group: SpanGroup,
+        function: String,
+        kind: FrameworkCall,
+    ) {
+        let is_async = kind == FrameworkCall::AsyncSave;
+        let ProbeEvent::RuleCall {
+            tgid,
+            tid,
+            at_ns,
+            launches,
+            epoch,
+            at_return,
+            ..
+        } = event
+        else {
+            return;
+        };
+        let Some(process) = self.processes.get_mut(tgid) else {
+            return;
+        };
+        let (at, tid, at_return) = (*at_ns, *tid, *at_return);
+        process
+            .arena
+            .launches_mut()
+            .record_mark(at, *launches, *epoch);
+        let traced_from_start = process.traced_from_start;
+        let job = process.job;
+        let mut output = ProcessOutput {
+            exporting: process.exporting,
+            held: &mut process.held,
+            out: &mut self.exporter,
+        };
+        let mut ctx = ProcessContext {
+            arena: &mut process.arena,
+            ids: &mut self.ids,
+            out: &mut output,
+            job,
+            model_init: &mut process.model_init,
+            ruled: &process.ruled,
+        };
+        let thread = process
+            .threads
+            .entry(tid)
+            .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
+        let pending = process.async_save;
+        match (at_return, pending) {
+            (false, _) if kind == FrameworkCall::Prelude => thread.save_prelude(at),
+            (true, _) if kind == FrameworkCall::Prelude => {}
+            // The background writer of an `async_save` begins: it carries the span on.
+            (false, Some(save))
+                if group == SpanGroup::Checkpoint
+                    && save.writer.is_none()
+                    && save.caller != tid =>
+            {
+                thread.adopt_file_span(save.span, group);
+                process.async_save = Some(AsyncSave {
+                    writer: Some(tid),
+                    ..save
+                });
+            }
+            (false, _) => {
+                let attributes = vec![(semconv::CODE_FUNCTION, function.into())];
+                thread.save_call_enter(&mut ctx, at, group, attributes);
+                if is_async && let Some(span) = thread.file_span(group) {
+                    // One still waiting for a writer never got one: it was what it did.
+                    if let Some(orphan) = process.async_save.take() {
+                        close_unwritten_async_save(&mut ctx, orphan);
+                    }
+                    process.async_save = Some(AsyncSave {
+                        span,
+                        caller: tid,
+                        caller_files: None,
+                        caller_end: at,
+                        writer: None,
+                        written: None,
+                    });
+                }
+            }
+            (true, Some(save)) if save.writer == Some(tid) => {
+                match save.caller_files {
+                    // `async_save` returned first: the span ends with the writer.
+                    Some(files) => {
+                        thread.end_adopted(&mut ctx, at, group, files);
+                        process.async_save = None;
+                    }
+                    None => {
+                        let files = thread.take_file_span(group).map_or((0, 0), |f| f.counts());
+                        process.async_save = Some(AsyncSave {
+                            written: Some((at, files)),
+                            ..save
+                        });
+                    }
+                }
+            }
+            (true, Some(save)) if save.caller == tid && is_async => {
+                thread.save_call_return(at, group);
+                match (save.writer, save.written) {
+                    // The writer finished first: the span is the caller's again.
+                    (_, Some((end, files))) => {
+                        thread.save_call_return(end, group);
+                        thread.add_files(group, files);
+                        process.async_save = None;
+                    }
+                    // The writer goes on (or has not been sampled yet): it ends the span.
+                    (_, None) => {
+                        let files = thread.take_file_span(group).map_or((0, 0), |f| f.counts());
+                        process.async_save = Some(AsyncSave {
+                            caller_files: Some(files),
+                            caller_end: at,
+                            ..save
+                        });
+                    }
+                }
+            }
+            (true, _) => thread.save_call_return(at, group),
+        }
+        if process.loop_thread.is_none() && thread.is_active() {
+            process.loop_thread = Some(tid);
+        }
+        process.export_if_training(&mut self.exporter, &self.groups);
+        self.place_when_known(*tgid, tid);
+    }
+
     fn on_call(
         &mut self,
         timing: &CallTiming,
@@ -636,7 +828,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
         };
         let phase = match thread {
             _ if claimed.is_some() => claimed,
-            Some(thread) => thread.current_phase(&ctx),
+            Some(thread) => thread.current_phase(&ctx, Some(timing.start_ns)),
             None => Some(ctx.model_init.unwrap_or(ctx.job)),
         };
         // Not known yet: shown where it would be now unless a phase that begins later

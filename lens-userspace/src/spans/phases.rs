@@ -108,13 +108,73 @@ struct Evaluate {
     resumed: Option<(u64, u64)>,
 }
 
-/// A `checkpoint` or `load_checkpoint` span: files written/read back to back share it.
+/// A `checkpoint` or `load_checkpoint` span: files written/read back to back share it,
+/// and so do the calls of a framework's save (load) function around them.
 #[derive(Debug)]
-struct FileSpan {
-    span: SpanId,
+pub(super) struct FileSpan {
+    pub span: SpanId,
     open_files: u32,
-    files: u32,
+    pub files: u32,
     last_end: Option<u64>,
+    /// Framework save (load) calls open in it (`save_call_enter`).
+    calls: u32,
+    /// Files created while it was open (libc `open` with `O_CREAT`): what it counts
+    /// where that probe is in (a `torch.save` to a stream, DCP's per-item writes, is no
+    /// file; a JSON file written by Python is one).
+    created: u32,
+    /// Of those, the ones since the last writer (reader) returned, with no writer open:
+    /// not the checkpoint's if its framework call turns out to have returned before
+    /// them (the process exits right after a save, before a sample shows it returned).
+    created_since_writer: u32,
+}
+
+impl FileSpan {
+    /// Opened by a file writer (reader) that is still open.
+    fn opened_by_writer(span: SpanId) -> FileSpan {
+        FileSpan {
+            open_files: 1,
+            files: 1,
+            calls: 0,
+            ..FileSpan::opened_by_call(span)
+        }
+    }
+
+    /// Opened by a framework's save (load) call that is still running.
+    fn opened_by_call(span: SpanId) -> FileSpan {
+        FileSpan {
+            span,
+            open_files: 0,
+            files: 0,
+            last_end: None,
+            calls: 1,
+            created: 0,
+            created_since_writer: 0,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.open_files == 0 && self.calls == 0
+    }
+
+    /// `nemo.checkpoint.files`: the files created if any were seen, else the writers
+    /// (readers) that opened.
+    fn file_count(&self) -> u32 {
+        if self.created > 0 {
+            self.created
+        } else {
+            self.files
+        }
+    }
+
+    /// What it counted: (writers or readers, files created).
+    pub fn counts(&self) -> (u32, u32) {
+        (self.files, self.created)
+    }
+
+    fn add_counts(&mut self, (files, created): (u32, u32)) {
+        self.files += files;
+        self.created += created;
+    }
 }
 
 #[derive(Debug)]
@@ -158,6 +218,9 @@ pub(super) struct ThreadPhases {
     backward_start: u64,
     /// Spans of configured probe rules open on this thread, outermost first: (rule, span).
     rule_spans: Vec<(u32, SpanId)>,
+    /// When a save's or load's preparation (DCP's `get_state_dict`) was first sampled:
+    /// the checkpoint (load) that follows before any other phase starts there.
+    prelude: Option<u64>,
 }
 
 impl ThreadPhases {
@@ -184,6 +247,7 @@ impl ThreadPhases {
             backward_depth: 0,
             backward_start: 0,
             rule_spans: Vec::new(),
+            prelude: None,
         }
     }
 
@@ -269,9 +333,24 @@ impl ThreadPhases {
         self.note_closed(span, at);
     }
 
+    /// The open checkpoint (load) of this thread that holds a call starting at `at`
+    /// (`None`: now): not one whose files and framework calls all ended before (it waits
+    /// only to see whether more files follow).
+    fn file_holding(&self, at: Option<u64>) -> Option<&FileSpan> {
+        self.checkpoint
+            .as_ref()
+            .or(self.load_checkpoint.as_ref())
+            .filter(|file| !(file.idle() && at.is_some_and(|at| file.last_end < Some(at))))
+    }
+
     /// The innermost open span of this thread: where a call made now belongs.
     pub fn innermost(&self, ctx: &ProcessContext<'_>) -> SpanId {
-        if let Some(file) = self.checkpoint.as_ref().or(self.load_checkpoint.as_ref()) {
+        self.innermost_at(ctx, None)
+    }
+
+    /// As `innermost`, for a call that starts at `at` (`None`: now).
+    fn innermost_at(&self, ctx: &ProcessContext<'_>, at: Option<u64>) -> SpanId {
+        if let Some(file) = self.file_holding(at) {
             return file.span;
         }
         if let Some((_, span)) = self.rule_spans.last() {
@@ -294,13 +373,11 @@ impl ThreadPhases {
     /// Where a call made now belongs, or `None` while that is not known yet: between
     /// phases (a forward pass runs before the backward that opens its step), while an
     /// `Optimizer.step` may still run a closure, or after an evaluation batch (more may
-    /// come). Such calls are held and placed by time once it is (`phase_at`).
-    pub fn current_phase(&self, ctx: &ProcessContext<'_>) -> Option<SpanId> {
-        if self.checkpoint.is_some()
-            || self.load_checkpoint.is_some()
-            || !self.rule_spans.is_empty()
-        {
-            return Some(self.innermost(ctx));
+    /// come). Such calls are held and placed by time once it is (`phase_at`). `at`: the
+    /// call's start (`None`: now).
+    pub fn current_phase(&self, ctx: &ProcessContext<'_>, at: Option<u64>) -> Option<SpanId> {
+        if self.file_holding(at).is_some() || !self.rule_spans.is_empty() {
+            return Some(self.innermost_at(ctx, at));
         }
         if let Some(evaluate) = &self.evaluate {
             return evaluate.ended_at.is_none().then_some(evaluate.span);
@@ -309,15 +386,19 @@ impl ThreadPhases {
             if self.optimizer_pending.is_some() && step.optimizer.is_none() {
                 return None;
             }
-            return Some(self.innermost(ctx));
+            return Some(self.innermost_at(ctx, at));
         }
-        (!self.in_loop()).then(|| self.innermost(ctx))
+        (!self.in_loop()).then(|| self.innermost_at(ctx, at))
     }
 
     /// Whether this thread runs a training loop, or has begun to (a batch fetched, a
     /// forward pass begun): calls it makes may wait for their phase.
     pub fn in_loop(&self) -> bool {
         self.is_active()
+            // A background thread writing a checkpoint (DCP's `async_save`): its calls
+            // are the checkpoint's, not the loop thread's phase's.
+            || self.checkpoint.is_some()
+            || self.load_checkpoint.is_some()
             || self.pending_fetch.is_some()
             || self.eval_candidate.is_some()
             || self.optimizer_pending.is_some()
@@ -339,7 +420,12 @@ impl ThreadPhases {
                 .as_ref()
                 .filter(|e| e.span == span)
                 .and_then(|e| e.ended_at);
-            step.or(evaluate)
+            let file = [&self.checkpoint, &self.load_checkpoint]
+                .into_iter()
+                .flatten()
+                .find(|f| f.span == span && f.idle())
+                .and_then(|f| f.last_end);
+            step.or(evaluate).or(file)
         };
         self.recent
             .iter()
@@ -365,6 +451,7 @@ impl ThreadPhases {
             PhaseSignal::CheckpointReadStart | PhaseSignal::CheckpointReadEnd => {
                 ruled(SpanGroup::LoadCheckpoint)
             }
+            PhaseSignal::FileCreated => false,
             PhaseSignal::ScopeEnter { .. } | PhaseSignal::ScopeExit => false,
         };
         if taken {
@@ -373,14 +460,21 @@ impl ThreadPhases {
         // Files written (read) back to back are one checkpoint until another signal
         // comes; grad mode is not one (`load_state_dict` copies under `no_grad` between
         // the files of one load).
-        let grad_mode = matches!(signal, PhaseSignal::GradMode { .. });
+        let grad_mode = matches!(
+            signal,
+            PhaseSignal::GradMode { .. } | PhaseSignal::FileCreated
+        );
+        if !grad_mode && !Self::is_file_signal(signal) {
+            // Another phase began: what was prepared was not for a checkpoint.
+            self.prelude = None;
+        }
         if !grad_mode
             && !matches!(
                 signal,
                 PhaseSignal::CheckpointWriteStart | PhaseSignal::CheckpointWriteEnd
             )
         {
-            self.settle_files(ctx, SpanGroup::Checkpoint);
+            self.settle_files(ctx, SpanGroup::Checkpoint, at);
         }
         if !grad_mode
             && !matches!(
@@ -388,7 +482,7 @@ impl ThreadPhases {
                 PhaseSignal::CheckpointReadStart | PhaseSignal::CheckpointReadEnd
             )
         {
-            self.settle_files(ctx, SpanGroup::LoadCheckpoint);
+            self.settle_files(ctx, SpanGroup::LoadCheckpoint, at);
         }
         match signal {
             PhaseSignal::ScopeEnter { scope, .. } => self.scope_enter(ctx, at, *scope),
@@ -417,6 +511,17 @@ impl ThreadPhases {
             PhaseSignal::CheckpointWriteEnd => Self::file_close(&mut self.checkpoint, at),
             PhaseSignal::CheckpointReadStart => self.file_open(ctx, at, SpanGroup::LoadCheckpoint),
             PhaseSignal::CheckpointReadEnd => Self::file_close(&mut self.load_checkpoint, at),
+            // Counted while the checkpoint writes: a file created after its writers and
+            // framework calls all returned (a log, the job's own output at exit) is not
+            // the checkpoint's.
+            PhaseSignal::FileCreated => {
+                if let Some(file) = self.checkpoint.as_mut().filter(|f| !f.idle()) {
+                    file.created += 1;
+                    if file.open_files == 0 {
+                        file.created_since_writer += 1;
+                    }
+                }
+            }
         }
     }
 
@@ -788,16 +893,47 @@ impl ThreadPhases {
         self.boundary = Some(end);
     }
 
+    fn is_file_signal(signal: &PhaseSignal) -> bool {
+        matches!(
+            signal,
+            PhaseSignal::CheckpointWriteStart
+                | PhaseSignal::CheckpointWriteEnd
+                | PhaseSignal::CheckpointReadStart
+                | PhaseSignal::CheckpointReadEnd
+        )
+    }
+
+    /// A save's or load's preparation was entered (`at`: its first sample): the next
+    /// checkpoint (load) starts there unless another phase begins first.
+    pub fn save_prelude(&mut self, at: u64) {
+        let earliest = at.saturating_sub(crate::python::sampler::SAMPLE_INTERVAL.as_nanos() as u64);
+        // Not before the last phase ended (a complete step ends where its optimizer did).
+        let step_end = self.step.as_ref().and_then(|s| s.optimizer_end);
+        let floor = self.boundary.max(step_end).unwrap_or(0);
+        self.prelude.get_or_insert(earliest.max(floor));
+    }
+
     fn file_open(&mut self, ctx: &mut ProcessContext<'_>, at: u64, group: SpanGroup) {
         self.end_finished_evaluation(ctx, at);
-        let running_step = self.step_running();
         if let Some(file) = self.file_slot(group).as_mut() {
             file.open_files += 1;
             file.files += 1;
             return;
         }
-        // Inside a running step (or a configured rule's span) it belongs there; otherwise it
-        // is a phase of its own.
+        let span = self.open_file_span(ctx, at, group);
+        *self.file_slot(group) = Some(FileSpan::opened_by_writer(span));
+    }
+
+    /// Opens the span of a checkpoint (load) beginning at `at`: inside a running step (or
+    /// a configured rule's span, or an evaluation) it belongs there; otherwise it is a
+    /// phase of its own.
+    fn open_file_span(
+        &mut self,
+        ctx: &mut ProcessContext<'_>,
+        at: u64,
+        group: SpanGroup,
+    ) -> SpanId {
+        let running_step = self.step_running();
         let parent = if running_step || !self.rule_spans.is_empty() || self.evaluate.is_some() {
             self.innermost(ctx)
         } else {
@@ -809,13 +945,79 @@ impl ThreadPhases {
             SpanGroup::Checkpoint => names::CHECKPOINT,
             _ => names::LOAD_CHECKPOINT,
         };
-        let span = self.open_phase(ctx, name, group, parent, at);
-        *self.file_slot(group) = Some(FileSpan {
-            span,
-            open_files: 1,
-            files: 1,
-            last_end: None,
-        });
+        let start = self.prelude.take().map_or(at, |prelude| prelude.min(at));
+        self.open_phase(ctx, name, group, parent, start)
+    }
+
+    /// A framework's save (load) function (`config::FRAMEWORK_SAVE_RULES`) was entered:
+    /// `at` is the first Python sample showing it, so it began within the sample interval
+    /// before. Its span starts there (not before the last phase's end), or an open one
+    /// (its file already began: samples arrive a sample later than native signals) is
+    /// moved there; files and calls until it returns are its.
+    pub fn save_call_enter(
+        &mut self,
+        ctx: &mut ProcessContext<'_>,
+        at: u64,
+        group: SpanGroup,
+        attributes: Attributes,
+    ) {
+        let earliest = at.saturating_sub(crate::python::sampler::SAMPLE_INTERVAL.as_nanos() as u64);
+        if let Some(file) = self.file_slot(group).as_mut() {
+            file.calls += 1;
+            let span = file.span;
+            let start = earliest.max(self.boundary.unwrap_or(0));
+            if ctx.arena.move_start(span, start)
+                && let Some(interval) = self.recent.iter_mut().rev().find(|i| i.span == span)
+            {
+                interval.start = interval.start.min(start);
+            }
+            return;
+        }
+        self.end_finished_evaluation(ctx, at);
+        self.finish_step(ctx);
+        let start = earliest.max(self.boundary.unwrap_or(0)).min(at);
+        let span = self.open_file_span(ctx, start, group);
+        for (key, value) in attributes {
+            ctx.arena.set_attr(span, key, value);
+        }
+        *self.file_slot(group) = Some(FileSpan::opened_by_call(span));
+    }
+
+    /// The framework call returned (`at`: the first sample without it). A call already
+    /// ended by another phase's signal (its sample came after that signal) is ignored.
+    pub fn save_call_return(&mut self, at: u64, group: SpanGroup) {
+        if let Some(file) = self.file_slot(group).as_mut().filter(|f| f.calls > 0) {
+            file.calls -= 1;
+            file.last_end = Some(file.last_end.map_or(at, |end| end.max(at)));
+        }
+    }
+
+    /// The open checkpoint (load) span of this thread, taken out: DCP's `async_save`
+    /// hands its span to the background thread that writes it.
+    pub fn take_file_span(&mut self, group: SpanGroup) -> Option<FileSpan> {
+        self.file_slot(group).take()
+    }
+
+    /// The span of this thread's open checkpoint (load), if any.
+    pub fn file_span(&self, group: SpanGroup) -> Option<SpanId> {
+        match group {
+            SpanGroup::Checkpoint => self.checkpoint.as_ref(),
+            _ => self.load_checkpoint.as_ref(),
+        }
+        .map(|file| file.span)
+    }
+
+    /// Files other threads wrote into this thread's open checkpoint (load).
+    pub fn add_files(&mut self, group: SpanGroup, counts: (u32, u32)) {
+        if let Some(file) = self.file_slot(group).as_mut() {
+            file.add_counts(counts);
+        }
+    }
+
+    /// This thread (DCP's background writer) carries on `span`, opened by another thread:
+    /// its files and calls are the span's until its framework call returns.
+    pub fn adopt_file_span(&mut self, span: SpanId, group: SpanGroup) {
+        *self.file_slot(group) = Some(FileSpan::opened_by_call(span));
     }
 
     /// The open checkpoint (`Checkpoint`) or load (`LoadCheckpoint`) of this thread.
@@ -830,25 +1032,59 @@ impl ThreadPhases {
         if let Some(file) = slot.as_mut().filter(|f| f.open_files > 0) {
             file.open_files -= 1;
             file.last_end = Some(at);
+            file.created_since_writer = 0;
         }
     }
 
     /// Files written (read) back to back are one checkpoint: the span ends at the last
-    /// file's end once anything else happens.
-    fn settle_files(&mut self, ctx: &mut ProcessContext<'_>, group: SpanGroup) {
+    /// file's end once anything else happens (`at`). A framework call still open then has
+    /// returned (its sample is yet to come): it ends at `at`.
+    fn settle_files(&mut self, ctx: &mut ProcessContext<'_>, group: SpanGroup, at: u64) {
+        if let Some(file) = self
+            .file_slot(group)
+            .as_mut()
+            .filter(|f| f.calls > 0 && f.open_files == 0)
+        {
+            file.calls = 0;
+            file.last_end = Some(file.last_end.map_or(at, |end| end.max(at)));
+        }
         let Some(file) = self
             .file_slot(group)
-            .take_if(|f| f.open_files == 0 && f.last_end.is_some())
+            .take_if(|f| f.idle() && f.last_end.is_some())
         else {
             return;
         };
         let end = file.last_end.unwrap_or_default();
+        self.close_file_span(ctx, &file, end);
+    }
+
+    fn close_file_span(&mut self, ctx: &mut ProcessContext<'_>, file: &FileSpan, end: u64) {
+        // Its end may come from a sample (a framework call's return, its thread's last
+        // sample): the calls made inside it, DCP's last metadata broadcast, still count.
+        let end = end.max(ctx.arena.calls_end(file.span));
         ctx.arena
-            .set_attr(file.span, semconv::NEMO_CHECKPOINT_FILES, file.files);
+            .set_attr(file.span, semconv::NEMO_CHECKPOINT_FILES, file.file_count());
         self.close_phase(ctx, file.span, end);
         // A checkpoint inside a step or an evaluation is not a boundary between phases.
         if self.step.is_none() && self.evaluate.is_none() {
             self.boundary = Some(end);
+        }
+    }
+
+    /// Ends an adopted span (`adopt_file_span`) when this thread's framework call returns:
+    /// a background thread has no other signal that would settle it. `files`: those the
+    /// other threads wrote into it.
+    pub fn end_adopted(
+        &mut self,
+        ctx: &mut ProcessContext<'_>,
+        at: u64,
+        group: SpanGroup,
+        counts: (u32, u32),
+    ) {
+        if let Some(mut file) = self.file_slot(group).take() {
+            file.add_counts(counts);
+            let end = file.last_end.map_or(at, |end| end.max(at));
+            self.close_file_span(ctx, &file, end);
         }
     }
 
@@ -932,8 +1168,19 @@ impl ThreadPhases {
         while let Some((_, span)) = self.rule_spans.pop() {
             ctx.truncate(span, at);
         }
-        self.settle_files(ctx, SpanGroup::Checkpoint);
-        self.settle_files(ctx, SpanGroup::LoadCheckpoint);
+        // A framework call whose return no sample showed (the process ended right after
+        // it): it returned after its last file; what came after is not its.
+        for file in [&mut self.checkpoint, &mut self.load_checkpoint]
+            .into_iter()
+            .flatten()
+            .filter(|f| f.calls > 0 && f.open_files == 0 && f.last_end.is_some())
+        {
+            file.calls = 0;
+            file.created -= file.created_since_writer;
+            file.created_since_writer = 0;
+        }
+        self.settle_files(ctx, SpanGroup::Checkpoint, at);
+        self.settle_files(ctx, SpanGroup::LoadCheckpoint, at);
         for file in [self.checkpoint.take(), self.load_checkpoint.take()]
             .into_iter()
             .flatten()

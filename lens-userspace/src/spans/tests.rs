@@ -904,3 +904,176 @@ fn a_recompile_after_an_evaluation_does_not_stretch_it_into_the_next_step() {
     let step = log.named(names::STEP).nth(1).unwrap();
     assert_eq!(step.start_ns, step_start, "{}", log.outline(&[]));
 }
+
+/// The index of the built-in framework rule naming `module:qualname`.
+fn framework_rule(rules: &crate::config::ProbeRules, name: &str) -> u32 {
+    rules
+        .python
+        .iter()
+        .find(|r| r.framework && format!("{}:{}", r.module, r.qualname) == name)
+        .unwrap_or_else(|| panic!("no built-in rule {name}"))
+        .index
+}
+
+impl Run {
+    fn with_framework_rules(groups: &str) -> (Run, std::sync::Arc<crate::config::ProbeRules>) {
+        let rules = std::sync::Arc::new(
+            crate::config::ProbeRules::load(None, crate::config::Profile::default()).unwrap(),
+        );
+        let mut run = Run::new(groups, true);
+        run.builder = std::mem::replace(
+            &mut run.builder,
+            SpanBuilder::new(SpanGroups::default(), SpanLog::default()),
+        )
+        .with_rules(rules.clone());
+        (run, rules)
+    }
+
+    /// A sampled framework call of thread `tid` entered (`at_return` false) or
+    /// returned, `ms` from now.
+    fn framework(&mut self, ms: u64, tid: u32, rule: u32, at_return: bool) -> &mut Self {
+        self.now += ms * 1_000_000;
+        self.builder.on_event(&ProbeEvent::RuleCall {
+            tgid: PID,
+            tid,
+            at_ns: self.now,
+            launches: self.launches,
+            epoch: self.epoch,
+            rule,
+            at_return,
+            args: [0; lens_common::RULE_ARGS],
+            text: None,
+            ret: 0,
+        });
+        self
+    }
+
+    fn on_thread(&mut self, ms: u64, tid: u32, signal: PhaseSignal) -> &mut Self {
+        self.now += ms * 1_000_000;
+        self.epoch += 1;
+        self.builder.on_event(&ProbeEvent::Phase {
+            tgid: PID,
+            tid,
+            at_ns: self.now,
+            launches: self.launches,
+            epoch: self.epoch,
+            signal,
+        });
+        self
+    }
+}
+
+#[test]
+fn a_framework_save_is_one_checkpoint_from_its_first_sample_to_its_return() {
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let save = framework_rule(&rules, "transformers.trainer:Trainer._save_checkpoint");
+    run.step(1);
+    let step_end = run.now;
+    // Sampled 5 ms after the step ended: it began within the interval before.
+    run.framework(5, PID, save, false);
+    let save_start = run.now - 1_000_000;
+    run.at(20, PhaseSignal::FileCreated) // config.json, by Python
+        .at(30, PhaseSignal::CheckpointWriteStart)
+        .at(0, PhaseSignal::FileCreated)
+        .at(10, PhaseSignal::CheckpointWriteEnd)
+        .at(2, PhaseSignal::FileCreated) // trainer_state.json
+        .framework(1, PID, save, true);
+    let save_end = run.now;
+    // A log created after the save returned is not its file, nor a checkpoint.
+    run.at(3, PhaseSignal::FileCreated);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let checkpoints: Vec<_> = log.named(names::CHECKPOINT).collect();
+    assert_eq!(checkpoints.len(), 1, "{}", log.outline(&[]));
+    let checkpoint = checkpoints[0];
+    assert!(save_start > step_end);
+    assert_eq!(
+        (checkpoint.start_ns, checkpoint.end_ns),
+        (save_start, save_end)
+    );
+    assert_eq!(checkpoint.int_attr(semconv::NEMO_CHECKPOINT_FILES), Some(3));
+    assert!(log.misnested().is_empty(), "{}", log.outline(&[]));
+}
+
+#[test]
+fn a_framework_call_sampled_after_its_file_began_moves_the_span_back() {
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let save_model = framework_rule(&rules, "safetensors.torch:save_model");
+    let save_file = framework_rule(&rules, "safetensors.torch:save_file");
+    run.step(1);
+    // safetensors' native write began before the sample that shows save_model arrived.
+    run.at(2, PhaseSignal::CheckpointWriteStart)
+        .at(0, PhaseSignal::FileCreated)
+        .framework(1, PID, save_model, false);
+    let start = run.now - 1_000_000;
+    run.at(3, PhaseSignal::CheckpointWriteEnd)
+        .framework(1, PID, save_model, true)
+        // save_file right after: the same checkpoint.
+        .framework(1, PID, save_file, false)
+        .at(1, PhaseSignal::CheckpointWriteStart)
+        .at(0, PhaseSignal::FileCreated)
+        .at(2, PhaseSignal::CheckpointWriteEnd)
+        .framework(1, PID, save_file, true);
+    let end = run.now;
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let checkpoint = log.named(names::CHECKPOINT).next().unwrap();
+    assert_eq!(log.named(names::CHECKPOINT).count(), 1);
+    assert_eq!((checkpoint.start_ns, checkpoint.end_ns), (start, end));
+    assert_eq!(checkpoint.int_attr(semconv::NEMO_CHECKPOINT_FILES), Some(2));
+}
+
+#[test]
+fn the_next_phase_ends_a_framework_call_whose_return_is_not_sampled_yet() {
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let save = framework_rule(
+        &rules,
+        "lightning.pytorch.trainer.trainer:Trainer.save_checkpoint",
+    );
+    run.step(1).framework(2, PID, save, false);
+    run.checkpoint();
+    // The next step's fetch comes before the sample showing the save gone.
+    run.scope(1, FETCH, 1);
+    let fetch = run.now - 1_000_000;
+    run.framework(0, PID, save, true)
+        .backward(1, 2)
+        .scope(1, "Optimizer.step#SGD.step", 1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let checkpoint = log.named(names::CHECKPOINT).next().unwrap();
+    assert_eq!(checkpoint.end_ns, fetch, "{}", log.outline(&[]));
+    assert_eq!(log.named(names::STEP).count(), 2);
+}
+
+#[test]
+fn a_dcp_async_save_is_one_span_until_its_background_writer_returns() {
+    const WRITER: u32 = PID + 7;
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let async_save = framework_rule(
+        &rules,
+        "torch.distributed.checkpoint.state_dict_saver:async_save",
+    );
+    let save = framework_rule(&rules, "torch.distributed.checkpoint.state_dict_saver:save");
+    run.step(1).framework(2, PID, async_save, false);
+    let start = run.now - 1_000_000;
+    run.framework(3, WRITER, save, false)
+        .framework(2, PID, async_save, true)
+        // Training goes on while the writer writes.
+        .step(1)
+        .on_thread(0, WRITER, PhaseSignal::FileCreated)
+        .on_thread(5, WRITER, PhaseSignal::FileCreated)
+        .framework(4, WRITER, save, true);
+    let end = run.now;
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let checkpoints: Vec<_> = log.named(names::CHECKPOINT).collect();
+    assert_eq!(checkpoints.len(), 1, "{}", log.outline(&[]));
+    assert_eq!(
+        (checkpoints[0].start_ns, checkpoints[0].end_ns),
+        (start, end)
+    );
+    assert_eq!(
+        checkpoints[0].int_attr(semconv::NEMO_CHECKPOINT_FILES),
+        Some(2)
+    );
+    assert_eq!(log.named(names::STEP).count(), 3);
+}

@@ -1,0 +1,602 @@
+//! The on-disk spool (`--spool-dir`): span batches an OTLP collector could not take (down,
+//! refusing, timing out after the exporter's retries) wait there as files and are sent
+//! again, oldest first, once it answers. At its size bound (`--spool-max`) the oldest
+//! files go, their spans counted as lost. A later lens-probe with the same directory
+//! sends what an earlier one left (killed, or stopped while the collector was down)
+//! before anything else of its own spool.
+//!
+//! A file is one batch of one process: its resource and its spans, as JSON
+//! (`SpooledBatch`), named `{sequence:020}-{spans}.json` so that the order and the span
+//! count are read from the directory listing alone. Files are written to a temporary
+//! name and renamed, so a crash leaves whole batches or none.
+use std::{
+    borrow::Cow,
+    collections::BTreeMap,
+    fs,
+    io::Write,
+    os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt},
+    path::{Path, PathBuf},
+    sync::Mutex,
+    time::{Duration, SystemTime},
+};
+
+use opentelemetry::{
+    InstrumentationScope, KeyValue, Value,
+    trace::{Event, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState},
+};
+use opentelemetry_sdk::{
+    Resource,
+    trace::{SpanData, SpanEvents, SpanLinks},
+};
+use serde::{Deserialize, Serialize};
+
+/// `--spool-max` when not given.
+pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
+
+/// Where the spool is and how large it may grow.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpoolConfig {
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+}
+
+/// A size as people write it: `1GiB`, `500MiB`, `64M`, `4096` (bytes); K/M/G/T are
+/// binary multiples with or without `iB`/`B`.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| "expected a size such as 1GiB, 500MiB or 4096 (bytes)".to_string())?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => {
+            return Err(format!(
+                "unknown unit {unit:?}; expected KiB, MiB, GiB or TiB"
+            ));
+        }
+    };
+    let bytes = number
+        .checked_mul(1 << shift)
+        .ok_or_else(|| "too large".to_string())?;
+    if bytes < 1 << 20 {
+        return Err("at least 1MiB (one batch of spans can take several hundred KiB)".into());
+    }
+    Ok(bytes)
+}
+
+/// One spooled file, as the directory listing names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Entry {
+    bytes: u64,
+    spans: u64,
+}
+
+#[derive(Debug, Default)]
+struct Files {
+    by_sequence: BTreeMap<u64, Entry>,
+    bytes: u64,
+    spans: u64,
+    next_sequence: u64,
+}
+
+/// A batch taken out of the spool to be sent again: [`Spool::sent`] removes it.
+pub struct Spooled {
+    pub sequence: u64,
+    pub resource: Resource,
+    pub spans: Vec<SpanData>,
+}
+
+#[derive(Debug)]
+pub struct Spool {
+    dir: PathBuf,
+    max_bytes: u64,
+    files: Mutex<Files>,
+}
+
+impl Spool {
+    /// Opens (creating it, mode 0700) the spool directory and reads what an earlier run
+    /// left there. Refused: a symbolic link, something that is not a directory, or a
+    /// directory of another user (lens-probe writes there after dropping the capability
+    /// to override permissions).
+    pub fn open(config: &SpoolConfig) -> Result<Spool, String> {
+        let dir = &config.dir;
+        match fs::symlink_metadata(dir) {
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+                fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+                    .map_err(|e| e.to_string())?;
+            }
+            Err(error) => return Err(error.to_string()),
+            Ok(meta) if meta.file_type().is_symlink() => {
+                return Err("is a symbolic link: lens-probe never writes through one".into());
+            }
+            Ok(meta) if !meta.is_dir() => return Err("not a directory".into()),
+            // SAFETY: plain geteuid.
+            Ok(meta) if meta.uid() != unsafe { libc::geteuid() } => {
+                return Err(format!(
+                    "owned by uid {}, not by lens-probe's user: lens-probe writes there without \
+                     the capability to override permissions",
+                    meta.uid()
+                ));
+            }
+            Ok(_) => {}
+        }
+        let mut files = Files::default();
+        for entry in fs::read_dir(dir).map_err(|e| e.to_string())?.flatten() {
+            let name = entry.file_name();
+            let Some((sequence, spans)) = name.to_str().and_then(parse_name) else {
+                continue;
+            };
+            let Ok(meta) = entry.metadata() else {
+                continue;
+            };
+            files.by_sequence.insert(
+                sequence,
+                Entry {
+                    bytes: meta.len(),
+                    spans,
+                },
+            );
+            files.bytes += meta.len();
+            files.spans += spans;
+            files.next_sequence = files.next_sequence.max(sequence + 1);
+        }
+        Ok(Spool {
+            dir: dir.clone(),
+            max_bytes: config.max_bytes,
+            files: Mutex::new(files),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Spans waiting in the spool.
+    pub fn spans(&self) -> u64 {
+        self.files.lock().map_or(0, |files| files.spans)
+    }
+
+    /// Keeps `spans` of `resource` for later. Returns the spans of the oldest files that
+    /// went to make room (lost); an error if the batch could not be written (lost too).
+    pub fn keep(&self, resource: &Resource, spans: &[SpanData]) -> Result<u64, String> {
+        let batch = SpooledBatch::new(resource, spans);
+        let text = serde_json::to_vec(&batch).map_err(|e| e.to_string())?;
+        let bytes = text.len() as u64;
+        if bytes > self.max_bytes {
+            return Err(format!("a batch of {bytes} bytes is larger than the spool"));
+        }
+        let mut files = self.files.lock().map_err(|_| "spool lock poisoned")?;
+        let mut evicted = 0;
+        while files.bytes + bytes > self.max_bytes {
+            let Some((sequence, entry)) = files.by_sequence.pop_first() else {
+                break;
+            };
+            let _ = fs::remove_file(self.path(sequence, entry.spans));
+            files.bytes -= entry.bytes;
+            files.spans -= entry.spans;
+            evicted += entry.spans;
+        }
+        let sequence = files.next_sequence;
+        files.next_sequence += 1;
+        let count = spans.len() as u64;
+        let path = self.path(sequence, count);
+        let partial = self.dir.join(format!(".{sequence:020}.partial"));
+        let written = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&partial)
+            .and_then(|mut file| file.write_all(&text))
+            .and_then(|()| fs::rename(&partial, &path));
+        if let Err(error) = written {
+            let _ = fs::remove_file(&partial);
+            return Err(format!("{}: {error}", self.dir.display()));
+        }
+        files.by_sequence.insert(
+            sequence,
+            Entry {
+                bytes,
+                spans: count,
+            },
+        );
+        files.bytes += bytes;
+        files.spans += count;
+        Ok(evicted)
+    }
+
+    /// The oldest batch, read back; a file that cannot be read is dropped (counted by the
+    /// caller from the error's span count).
+    pub fn oldest(&self) -> Option<Result<Spooled, (u64, String)>> {
+        let (sequence, entry) = {
+            let files = self.files.lock().ok()?;
+            let (sequence, entry) = files.by_sequence.first_key_value()?;
+            (*sequence, *entry)
+        };
+        let path = self.path(sequence, entry.spans);
+        let read = fs::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| {
+                serde_json::from_slice::<SpooledBatch>(&bytes).map_err(|e| e.to_string())
+            });
+        Some(match read {
+            Ok(batch) => {
+                let (resource, spans) = batch.into_parts();
+                Ok(Spooled {
+                    sequence,
+                    resource,
+                    spans,
+                })
+            }
+            Err(error) => {
+                self.sent(sequence);
+                Err((entry.spans, format!("{}: {error}", path.display())))
+            }
+        })
+    }
+
+    /// Batch `sequence` was delivered (or is unreadable): its file goes.
+    pub fn sent(&self, sequence: u64) {
+        let Ok(mut files) = self.files.lock() else {
+            return;
+        };
+        if let Some(entry) = files.by_sequence.remove(&sequence) {
+            let _ = fs::remove_file(self.path(sequence, entry.spans));
+            files.bytes -= entry.bytes;
+            files.spans -= entry.spans;
+        }
+    }
+
+    fn path(&self, sequence: u64, spans: u64) -> PathBuf {
+        self.dir.join(format!("{sequence:020}-{spans}.json"))
+    }
+}
+
+/// `{sequence:020}-{spans}.json` → (sequence, spans).
+fn parse_name(name: &str) -> Option<(u64, u64)> {
+    let (sequence, rest) = name.strip_suffix(".json")?.split_once('-')?;
+    Some((sequence.parse().ok()?, rest.parse().ok()?))
+}
+
+/// What lens-probe's spans and resources carry (`export::otlp::otel_value`), and what a
+/// resource attribute given by the user can be.
+#[derive(Debug, Serialize, Deserialize)]
+enum SpooledValue {
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(String),
+}
+
+impl SpooledValue {
+    fn new(value: &Value) -> SpooledValue {
+        match value {
+            Value::Bool(v) => SpooledValue::Bool(*v),
+            Value::I64(v) => SpooledValue::Int(*v),
+            Value::F64(v) => SpooledValue::Float(*v),
+            Value::String(v) => SpooledValue::Str(v.as_str().to_owned()),
+            other => SpooledValue::Str(other.to_string()),
+        }
+    }
+
+    fn value(self) -> Value {
+        match self {
+            SpooledValue::Bool(v) => Value::Bool(v),
+            SpooledValue::Int(v) => Value::I64(v),
+            SpooledValue::Float(v) => Value::F64(v),
+            SpooledValue::Str(v) => Value::String(v.into()),
+        }
+    }
+}
+
+type SpooledAttributes = Vec<(String, SpooledValue)>;
+
+fn spooled_attributes<'a>(
+    attributes: impl Iterator<Item = (&'a opentelemetry::Key, &'a Value)>,
+) -> SpooledAttributes {
+    attributes
+        .map(|(key, value)| (key.as_str().to_owned(), SpooledValue::new(value)))
+        .collect()
+}
+
+fn key_values(attributes: SpooledAttributes) -> Vec<KeyValue> {
+    attributes
+        .into_iter()
+        .map(|(key, value)| KeyValue::new(key, value.value()))
+        .collect()
+}
+
+fn unix_ns(time: SystemTime) -> u64 {
+    time.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn system_time(ns: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_nanos(ns)
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct SpooledEvent {
+    name: String,
+    at_unix_ns: u64,
+    attributes: SpooledAttributes,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct SpooledSpan {
+    trace_id: String,
+    span_id: String,
+    parent_span_id: String,
+    name: String,
+    start_unix_ns: u64,
+    end_unix_ns: u64,
+    attributes: SpooledAttributes,
+    events: Vec<SpooledEvent>,
+    /// The error status's message; `None`: unset.
+    error: Option<String>,
+    scope: (String, Option<String>),
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct SpooledBatch {
+    resource: SpooledAttributes,
+    spans: Vec<SpooledSpan>,
+}
+
+impl SpooledBatch {
+    fn new(resource: &Resource, spans: &[SpanData]) -> SpooledBatch {
+        SpooledBatch {
+            resource: spooled_attributes(resource.iter()),
+            spans: spans
+                .iter()
+                .map(|span| SpooledSpan {
+                    trace_id: span.span_context.trace_id().to_string(),
+                    span_id: span.span_context.span_id().to_string(),
+                    parent_span_id: span.parent_span_id.to_string(),
+                    name: span.name.to_string(),
+                    start_unix_ns: unix_ns(span.start_time),
+                    end_unix_ns: unix_ns(span.end_time),
+                    attributes: spooled_attributes(
+                        span.attributes.iter().map(|kv| (&kv.key, &kv.value)),
+                    ),
+                    events: span
+                        .events
+                        .iter()
+                        .map(|event| SpooledEvent {
+                            name: event.name.to_string(),
+                            at_unix_ns: unix_ns(event.timestamp),
+                            attributes: spooled_attributes(
+                                event.attributes.iter().map(|kv| (&kv.key, &kv.value)),
+                            ),
+                        })
+                        .collect(),
+                    error: match &span.status {
+                        Status::Error { description } => Some(description.to_string()),
+                        _ => None,
+                    },
+                    scope: (
+                        span.instrumentation_scope.name().to_owned(),
+                        span.instrumentation_scope.version().map(str::to_owned),
+                    ),
+                })
+                .collect(),
+        }
+    }
+
+    fn into_parts(self) -> (Resource, Vec<SpanData>) {
+        let resource = Resource::builder_empty()
+            .with_attributes(key_values(self.resource))
+            .build();
+        let spans = self
+            .spans
+            .into_iter()
+            .map(|span| {
+                let trace_id = TraceId::from_hex(&span.trace_id).unwrap_or(TraceId::INVALID);
+                let span_id = SpanId::from_hex(&span.span_id).unwrap_or(SpanId::INVALID);
+                let mut events = SpanEvents::default();
+                events.events = span
+                    .events
+                    .into_iter()
+                    .map(|event| {
+                        Event::new(
+                            event.name,
+                            system_time(event.at_unix_ns),
+                            key_values(event.attributes),
+                            0,
+                        )
+                    })
+                    .collect();
+                let mut scope = InstrumentationScope::builder(span.scope.0);
+                if let Some(version) = span.scope.1 {
+                    scope = scope.with_version(version);
+                }
+                SpanData {
+                    span_context: SpanContext::new(
+                        trace_id,
+                        span_id,
+                        TraceFlags::SAMPLED,
+                        false,
+                        TraceState::default(),
+                    ),
+                    parent_span_id: SpanId::from_hex(&span.parent_span_id)
+                        .unwrap_or(SpanId::INVALID),
+                    parent_span_is_remote: false,
+                    span_kind: SpanKind::Internal,
+                    name: Cow::Owned(span.name),
+                    start_time: system_time(span.start_unix_ns),
+                    end_time: system_time(span.end_unix_ns),
+                    attributes: key_values(span.attributes),
+                    dropped_attributes_count: 0,
+                    events,
+                    links: SpanLinks::default(),
+                    status: span.error.map_or(Status::Unset, Status::error),
+                    instrumentation_scope: scope.build(),
+                }
+            })
+            .collect();
+        (resource, spans)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(name: &'static str, id: u64, error: Option<&str>) -> SpanData {
+        let mut events = SpanEvents::default();
+        events.events.push(Event::new(
+            "lens_probe.hang",
+            system_time(1_700_000_000_500_000_000),
+            vec![KeyValue::new("dl.rank", 3i64)],
+            0,
+        ));
+        SpanData {
+            span_context: SpanContext::new(
+                TraceId::from_bytes([7; 16]),
+                SpanId::from_bytes(id.to_be_bytes()),
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            ),
+            parent_span_id: SpanId::from_bytes((id + 100).to_be_bytes()),
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name: Cow::Borrowed(name),
+            start_time: system_time(1_700_000_000_000_000_001),
+            end_time: system_time(1_700_000_001_000_000_002),
+            attributes: vec![
+                KeyValue::new("dl.iteration", 12i64),
+                KeyValue::new("nemo.span.group", "step"),
+                KeyValue::new("nemo.span.truncated", true),
+            ],
+            dropped_attributes_count: 0,
+            events,
+            links: SpanLinks::default(),
+            status: error.map_or(Status::Unset, |m| Status::error(m.to_owned())),
+            instrumentation_scope: InstrumentationScope::builder("lens-probe")
+                .with_version("0.1.0")
+                .build(),
+        }
+    }
+
+    fn spool(dir: &Path, max_bytes: u64) -> Spool {
+        Spool::open(&SpoolConfig {
+            dir: dir.to_path_buf(),
+            max_bytes,
+        })
+        .unwrap()
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("lens-spool-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn a_batch_comes_back_as_it_was_kept_and_goes_once_sent() {
+        let dir = scratch("roundtrip");
+        let resource = Resource::builder_empty()
+            .with_attributes([
+                KeyValue::new("dl.rank", 1i64),
+                KeyValue::new("host.name", "n1"),
+            ])
+            .build();
+        let kept = vec![
+            span("train.step", 1, None),
+            span("nccl.all_reduce", 2, Some("returned 5")),
+        ];
+        let spool = spool(&dir, DEFAULT_MAX_BYTES);
+        assert_eq!(spool.keep(&resource, &kept), Ok(0));
+        assert_eq!(spool.spans(), 2);
+        let back = spool.oldest().unwrap().unwrap();
+        assert_eq!(back.spans, kept);
+        assert_eq!(back.resource, resource);
+        spool.sent(back.sequence);
+        assert_eq!(spool.spans(), 0);
+        assert!(spool.oldest().is_none());
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 0);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_oldest_batches_go_at_the_bound_and_a_new_run_sends_the_rest_in_order() {
+        let dir = scratch("bound");
+        let resource = Resource::builder_empty().build();
+        let batch: Vec<_> = (0..20).map(|i| span("train.step", i, None)).collect();
+        let one = serde_json::to_vec(&SpooledBatch::new(&resource, &batch))
+            .unwrap()
+            .len() as u64;
+        // Room for three batches: the fourth and fifth push out the first two.
+        let spool = spool(&dir, one * 3 + one / 2);
+        for _ in 0..3 {
+            assert_eq!(spool.keep(&resource, &batch), Ok(0));
+        }
+        assert_eq!(spool.keep(&resource, &batch), Ok(20));
+        assert_eq!(spool.keep(&resource, &batch), Ok(20));
+        assert_eq!(spool.spans(), 60);
+        drop(spool);
+        // A later lens-probe finds the three left, oldest first, and numbers on after them.
+        let again = self::spool(&dir, one * 10);
+        assert_eq!(again.spans(), 60);
+        let first = again.oldest().unwrap().unwrap().sequence;
+        assert_eq!(first, 2);
+        again.keep(&resource, &batch).unwrap();
+        let sequences: Vec<u64> = again
+            .files
+            .lock()
+            .unwrap()
+            .by_sequence
+            .keys()
+            .copied()
+            .collect();
+        assert_eq!(sequences, [2, 3, 4, 5]);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_spool_dir_that_is_a_symlink_or_a_file_is_refused() {
+        let dir = scratch("refused");
+        fs::create_dir_all(&dir).unwrap();
+        let link = dir.join("link");
+        std::os::unix::fs::symlink("/tmp", &link).unwrap();
+        let config = |dir: PathBuf| SpoolConfig {
+            dir,
+            max_bytes: DEFAULT_MAX_BYTES,
+        };
+        assert!(
+            Spool::open(&config(link))
+                .unwrap_err()
+                .contains("symbolic link")
+        );
+        let file = dir.join("file");
+        fs::write(&file, b"").unwrap();
+        assert!(
+            Spool::open(&config(file))
+                .unwrap_err()
+                .contains("not a directory")
+        );
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn sizes_read_as_people_write_them() {
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("500MiB"), Ok(500 << 20));
+        assert_eq!(parse_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert!(parse_size("10KiB").unwrap_err().contains("at least 1MiB"));
+        assert!(parse_size("1PB").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("lots").is_err());
+    }
+}

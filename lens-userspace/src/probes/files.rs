@@ -1,0 +1,128 @@
+//! File-creation probes: libc's `open` and `openat`, whose calls with `O_CREAT` are what
+//! a checkpoint's `nemo.checkpoint.files` counts (Python's `open`, `fopen`, Rust's
+//! `File::create` all end there). Every process on a node maps libc, so unlike the other
+//! probes these are attached to each traced process alone: the kernel puts the
+//! breakpoint in that process only (a child it forks loses it at its first hit), and
+//! the links go when the process ends.
+use std::{collections::HashMap, num::NonZeroU32, path::PathBuf};
+
+use aya::{
+    Ebpf,
+    programs::{
+        UProbe,
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
+    },
+};
+use log::{debug, warn};
+
+use super::{
+    catalog::{self, Program},
+    library::{self, LibraryKind},
+    symbols::resolve_symbols,
+};
+use crate::{
+    error::{LensError, Result},
+    groups::SpanGroups,
+};
+
+/// The file-creation links of every traced process that has them.
+#[derive(Default)]
+pub struct FileProbes {
+    links: HashMap<u32, Vec<UProbeLinkId>>,
+    /// Processes whose libc could not be probed (said once each).
+    refused: Vec<u32>,
+}
+
+impl FileProbes {
+    /// Attaches the enabled groups' file probes to `pid`'s libc, once per process.
+    /// Returns how many were attached now.
+    pub fn attach(&mut self, ebpf: &mut Ebpf, pid: u32, groups: &SpanGroups) -> usize {
+        let specs: Vec<_> = catalog::enabled_for(LibraryKind::Libc, groups).collect();
+        if specs.is_empty() || self.links.contains_key(&pid) || self.refused.contains(&pid) {
+            return 0;
+        }
+        match attach_to(ebpf, pid, &specs) {
+            // Not mapped yet (a program started with `--exec` stops at its loader's first
+            // event, before libc is loaded): tried again at its next library load.
+            Ok(None) => 0,
+            Ok(Some(links)) => {
+                let count = links.len();
+                debug!("pid {pid}: {count} file-creation probes in its libc");
+                self.links.insert(pid, links);
+                count
+            }
+            Err(error) => {
+                warn!("pid {pid}: files created are not counted: {error}");
+                self.refused.push(pid);
+                0
+            }
+        }
+    }
+
+    /// `pid` ended (or is no longer traced): its links go, on a thread of their own
+    /// (the kernel is slow to remove uprobes).
+    pub fn release(&mut self, ebpf: &mut Ebpf, pid: u32) {
+        self.refused.retain(|p| *p != pid);
+        let Some(ids) = self.links.remove(&pid) else {
+            return;
+        };
+        let Ok(uprobe) = file_uprobe(ebpf) else {
+            return;
+        };
+        let links: Vec<_> = ids
+            .into_iter()
+            .filter_map(|id| uprobe.take_link(id).ok())
+            .collect();
+        std::thread::spawn(move || drop(links));
+    }
+}
+
+fn file_uprobe(ebpf: &mut Ebpf) -> Result<&mut UProbe> {
+    super::attach::program_mut(ebpf, Program::FileOpenEntry.name())
+}
+
+/// Why a process's file probes could not be attached, in a line.
+type Refusal = String;
+
+fn attach_to(
+    ebpf: &mut Ebpf,
+    pid: u32,
+    specs: &[&catalog::ProbeSpec],
+) -> std::result::Result<Option<Vec<UProbeLinkId>>, Refusal> {
+    let text = |error: LensError| error.to_string();
+    let Some(libc) = library::find_libc(pid).map_err(text)? else {
+        return Ok(None);
+    };
+    let wanted: Vec<&str> = specs.iter().map(|spec| spec.id.symbol()).collect();
+    let symbols = resolve_symbols(&libc.open_path, &wanted).map_err(text)?;
+    let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).ok_or("pid 0")?);
+    let uprobe = file_uprobe(ebpf).map_err(text)?;
+    let mut links = Vec::new();
+    for spec in specs {
+        let Some(place) = symbols.found.get(spec.id.symbol()) else {
+            return Err(format!(
+                "{} defines no {}",
+                libc.shown_path.display(),
+                spec.id.symbol()
+            ));
+        };
+        let path: PathBuf = libc.open_path.clone();
+        let id = uprobe
+            .attach(
+                UProbeAttachPoint {
+                    location: UProbeAttachLocation::AbsoluteOffset(place.offset),
+                    cookie: Some(spec.id as u64),
+                },
+                &path,
+                scope,
+            )
+            .map_err(|source| {
+                text(LensError::Program {
+                    program: Program::FileOpenEntry.name(),
+                    source,
+                })
+            })?;
+        links.push(id);
+    }
+    Ok(Some(links))
+}
