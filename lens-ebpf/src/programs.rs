@@ -905,13 +905,16 @@ pub fn torch_scope_enter(ctx: ProbeContext) -> u32 {
 }
 
 /// Entry of a call whose duration is wanted but whose arguments are not decoded
-/// (gloo collectives: the tensors live behind C++ vectors).
+/// (gloo collectives: the tensors live behind C++ vectors). The first argument, the
+/// `ProcessGroupGloo` object of a member function, is kept in `comm`: it tells the
+/// process's groups apart (hang detection numbers each group's collectives).
 #[uprobe]
 pub fn timed_call_entry(ctx: ProbeContext) -> u32 {
     sample_if_saving();
-    let Some((pid_tgid, event)) = begin_call(&ctx, EventKind::Collective) else {
+    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::Collective) else {
         return 0;
     };
+    event.comm = ctx.arg::<u64>(0).unwrap_or(0);
     remember_entry(&ctx, pid_tgid, &event);
     0
 }

@@ -145,6 +145,18 @@ pub struct Cli {
           value_parser = parse_duration)]
     pub duration: Option<Duration>,
 
+    /// Report a collective some traced ranks entered and others did not (or that none
+    /// finished) for this long, with where each rank is; 0 turns it off.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        env = "LENS_PROBE_HANG_TIMEOUT",
+        default_value = "5m",
+        allow_hyphen_values = true,
+        value_parser = parse_hang_timeout
+    )]
+    pub hang_timeout: HangTimeout,
+
     /// Keep the kernel-launch probes within this share of the job's time (e.g. 1%): above
     /// it they are in only for sampled windows; spans inside one carry exact launch counts
     /// (`cuda.launch.sampled`), metrics scale the counts up.
@@ -395,6 +407,19 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     }
 }
 
+/// `--hang-timeout`: a duration, or 0 for off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HangTimeout(pub Option<Duration>);
+
+fn parse_hang_timeout(text: &str) -> Result<HangTimeout, String> {
+    if matches!(text.trim(), "0" | "0s" | "off") {
+        return Ok(HangTimeout(None));
+    }
+    parse_duration(text)
+        .map(|duration| HangTimeout(Some(duration)))
+        .map_err(|error| format!("{error} (or 0 for off)"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -612,6 +637,28 @@ mod tests {
             Err("too long; expected a positive duration such as 30s, 5m or 1h".into())
         );
         assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+    }
+
+    #[test]
+    fn the_hang_timeout_is_5_minutes_unless_set_and_0_turns_it_off() {
+        let timeout = |args: &[&str]| parse(args).map(|cli| cli.hang_timeout);
+        assert_eq!(
+            timeout(&["--pid", "1"]).unwrap(),
+            HangTimeout(Some(Duration::from_secs(300)))
+        );
+        assert_eq!(
+            timeout(&["--pid", "1", "--hang-timeout", "3s"]).unwrap(),
+            HangTimeout(Some(Duration::from_secs(3)))
+        );
+        assert_eq!(
+            timeout(&["--pid", "1", "--hang-timeout", "0"]).unwrap(),
+            HangTimeout(None)
+        );
+        assert_eq!(
+            rejected(&["--pid", "1", "--hang-timeout", "soon"]),
+            "invalid value \"soon\" for --hang-timeout: expected number at 0; expected a \
+             positive duration such as 30s, 5m or 1h (or 0 for off)"
+        );
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub enum CollectiveOp {
 }
 
 impl CollectiveOp {
-    fn from_gloo_probe(probe: ProbeId) -> Option<CollectiveOp> {
+    pub fn from_gloo_probe(probe: ProbeId) -> Option<CollectiveOp> {
         Some(match probe {
             ProbeId::GlooAllReduce => CollectiveOp::AllReduce,
             ProbeId::GlooBroadcast => CollectiveOp::Broadcast,
@@ -276,6 +276,13 @@ pub enum ProbeEvent {
         #[serde(flatten)]
         timing: CallTiming,
         op: CollectiveOp,
+        /// The `c10d::ProcessGroupGloo` object the call was made on (its address in
+        /// the process): one per process group.
+        group: u64,
+        /// Its communicator and number across the job's ranks, when known (the session
+        /// fills it in: `hangs::HangWatcher::observe`).
+        #[serde(skip)]
+        comm: Option<crate::hangs::GlooComm>,
     },
     Phase {
         tgid: u32,
@@ -532,6 +539,8 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
                 timing,
                 op: CollectiveOp::from_gloo_probe(probe)
                     .ok_or(DecodeError::UnknownProbe(raw.probe))?,
+                group: raw.comm,
+                comm: None,
             }
         }
         EventKind::Collective => ProbeEvent::Collective {

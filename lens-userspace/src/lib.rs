@@ -13,6 +13,7 @@ pub mod events;
 pub mod export;
 pub mod groups;
 pub mod guardian;
+pub mod hangs;
 pub mod kernels;
 pub mod nccl;
 pub mod output;

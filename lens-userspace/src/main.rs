@@ -153,6 +153,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         overhead_budget: cli.overhead_budget,
     })?));
     session.set_export_strategy(export.strategy);
+    session.set_hang_timeout(cli.hang_timeout.0);
     session.set_rules(rules.clone());
     if let Some(guardian) = guardian {
         session.set_guardian(guardian);

@@ -92,6 +92,17 @@ pub const DL_COLLECTIVE_WAIT_NS: &str = "dl.collective.wait_ns";
 /// Ranks whose calls were compared (those traced on this node; the communicator may
 /// have more on other nodes).
 pub const DL_COLLECTIVE_RANKS_COMPARED: &str = "dl.collective.ranks_compared";
+// ---- lens-probe: hangs (`--hang-timeout`, docs/hangs.md) -------------------------------
+/// `ranks_missing` (some traced ranks never entered the collective) or `not_completed`
+/// (every traced rank entered it; it did not finish).
+pub const LENS_PROBE_HANG_KIND: &str = "lens_probe.hang.kind";
+/// Communicator ranks that entered the hung collective, and those that did not.
+pub const LENS_PROBE_HANG_RANKS_ARRIVED: &str = "lens_probe.hang.ranks_arrived";
+pub const LENS_PROBE_HANG_RANKS_MISSING: &str = "lens_probe.hang.ranks_missing";
+/// One line per traced rank: the call it waits in, its Python stack and native place.
+pub const LENS_PROBE_HANG_RANK_PLACES: &str = "lens_probe.hang.rank_places";
+/// The Python stack of this span's process when the hang was found, innermost first.
+pub const LENS_PROBE_HANG_PYTHON_STACK: &str = "lens_probe.hang.python_stack";
 /// OpenTelemetry's code attributes: the Python function a rule's span is (its qualified
 /// name) and its file.
 pub const CODE_FUNCTION: &str = "code.function";

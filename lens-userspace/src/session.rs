@@ -38,6 +38,7 @@ use crate::{
     export::strategy::ExportStrategy,
     groups::{SpanGroup, SpanGroups},
     guardian::Guardian,
+    hangs::{self, HangChange, HangWatcher},
     kernels::{KernelLaunches, KernelNames},
     privileges,
     probes::{
@@ -161,6 +162,9 @@ pub struct Session {
     /// Launches are counted per kernel (the `step` group is on): the names, and what
     /// was read of each counter so far.
     kernels: Option<KernelCounters>,
+    /// Collectives counted per communicator, for hang reports (`--hang-timeout`) and the
+    /// gloo collectives' communicator and number.
+    hangs: HangWatcher,
 }
 
 /// The per-kernel launch counters as read so far.
@@ -253,7 +257,13 @@ impl Session {
             // Launches per kernel, for the steps' top kernels: only when steps are on
             // (off, the launch probes skip that map update).
             kernels: kernel_names.then(KernelCounters::default),
+            hangs: HangWatcher::new(None),
         })
+    }
+
+    /// `--hang-timeout`: report collectives hung this long (`None`: never).
+    pub fn set_hang_timeout(&mut self, timeout: Option<Duration>) {
+        self.hangs = HangWatcher::new(timeout);
     }
 
     /// Tells the driver probes where `pid` maps libcudart (all its mappings, merged): a
@@ -751,6 +761,8 @@ impl Session {
         match registered {
             Ok(info) => {
                 info!("pid {parent} started pid {child}: tracing it");
+                self.hangs.process_started(&info, true);
+                self.hangs.process_started(&info, true);
                 sink.on_process_start(&info);
                 self.targets.insert(
                     child,
@@ -803,6 +815,7 @@ impl Session {
             // A new job in the sinks: tell it afresh whether launches are counted.
             target.launches_counted = false;
             target.launches_seen = false;
+            self.hangs.process_started(&target.info, true);
             sink.on_process_exec(&target.info);
             let info = target.info.clone();
             if !self.exports(&info) {
@@ -1105,7 +1118,8 @@ impl Session {
                             self.deliver_rule_calls(calls, sink);
                         }
                     }
-                    Ok(event) => {
+                    Ok(mut event) => {
+                        self.hangs.observe(&mut event);
                         if let (Some(tracker), Some((tgid, tid, at))) =
                             (self.python.as_mut(), event.thread_start())
                         {
@@ -1252,6 +1266,10 @@ impl Session {
         if Some(pid) == self.child {
             self.child_exit = exit;
         }
+        let ended = self
+            .hangs
+            .process_ended(pid, crate::spans::monotonic_now_ns());
+        self.report_hangs(ended, sink);
         sink.on_process_end(&ProcessEnd { pid, calls, exit });
     }
 
@@ -1288,6 +1306,65 @@ impl Session {
                 .collect();
             for key in stale {
                 let _ = inflight.remove(&key);
+            }
+        }
+    }
+
+    /// The calls traced threads are in now (the kernel's entries waiting for returns).
+    fn inflight_calls(&self) -> Vec<hangs::InflightCall> {
+        let Some(map) = self.ebpf.map(maps::INFLIGHT) else {
+            return Vec::new();
+        };
+        let Ok(inflight) = BpfHashMap::<_, InflightKey, Event>::try_from(map) else {
+            return Vec::new();
+        };
+        inflight
+            .iter()
+            .filter_map(|entry| entry.ok())
+            .filter_map(|(key, event)| {
+                let probe = ProbeId::from_u32(key.probe)?;
+                let nccl = events::CollectiveOp::from_probe(probe).is_some();
+                let bytes = crate::nccl::DataType::from_raw(event.datatype)
+                    .filter(|_| nccl)
+                    .map(|dtype| event.count.saturating_mul(dtype.size_bytes()));
+                let collective = nccl || events::CollectiveOp::from_gloo_probe(probe).is_some();
+                Some(hangs::InflightCall {
+                    pid: (key.pid_tgid >> 32) as u32,
+                    tid: key.pid_tgid as u32,
+                    probe,
+                    start_ns: event.start_ns,
+                    handle: if collective { event.comm } else { 0 },
+                    bytes,
+                })
+            })
+            .collect()
+    }
+
+    /// One look for hung collectives (`--hang-timeout`).
+    fn check_hangs(&mut self, sink: &mut dyn EventSink) {
+        let inflight = self.inflight_calls();
+        let changes = self
+            .hangs
+            .check(crate::spans::monotonic_now_ns(), &inflight);
+        self.report_hangs(changes, sink);
+    }
+
+    /// Hangs found (with where each rank is, read now) and resolved: on the console and
+    /// to the sink.
+    fn report_hangs(&mut self, changes: Vec<HangChange>, sink: &mut dyn EventSink) {
+        for change in changes {
+            match change {
+                HangChange::Found(hang) => {
+                    let report = hangs::HangReport::read(hang);
+                    for line in report.console_lines() {
+                        eprintln!("{line}");
+                    }
+                    sink.on_hang(&report);
+                }
+                HangChange::Resolved(resolved) => {
+                    eprintln!("{}", resolved.console_line());
+                    sink.on_hang_resolved(&resolved);
+                }
             }
         }
     }
@@ -1494,6 +1571,8 @@ impl Session {
             let Some(target) = self.targets.get_mut(&pid) else {
                 continue;
             };
+            self.hangs
+                .process_started(&target.info, target.info.traced_from_start);
             sink.on_process_start(&target.info);
             if let Some(pidfd) = target.pidfd.take() {
                 self.watch_exit(pid, pidfd)?;
@@ -1508,6 +1587,8 @@ impl Session {
         let mut tick = tokio::time::interval(DRAIN_INTERVAL);
         let mut counts_tick = tokio::time::interval(CALL_COUNTS_INTERVAL);
         let mut budget_tick = tokio::time::interval(crate::budget::TICK);
+        let mut hang_tick = tokio::time::interval(hangs::CHECK_INTERVAL);
+        hang_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Ticks missed while the loop was busy are not made up in a burst: the controller
         // measures rates over the time that really passed.
         budget_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1559,6 +1640,10 @@ impl Session {
                     }
                 }
                 _ = budget_tick.tick(), if self.budget.is_some() => self.budget_tick(sink),
+                _ = hang_tick.tick(), if self.hangs.watching() => {
+                    self.drain(ring.get_mut(), sink);
+                    self.check_hangs(sink);
+                }
                 _ = log_ready => {}
                 Some(pid) = exit_rx.recv() => {
                     self.drain(ring.get_mut(), sink);

@@ -6,6 +6,7 @@ use lens_common::ProbeId;
 
 use crate::{
     events::ProbeEvent,
+    hangs::{HangReport, Resolved},
     kernels::KernelLaunches,
     target::{ExitStatus, ProcessInfo},
 };
@@ -35,6 +36,10 @@ pub trait EventSink {
     /// kernel, read by the session before the phase marks that may need them.
     fn on_kernel_launches(&mut self, _pid: u32, _launches: &[KernelLaunches]) {}
     fn on_process_end(&mut self, _end: &ProcessEnd) {}
+    /// A collective found hung (`--hang-timeout`), with where its ranks are.
+    fn on_hang(&mut self, _report: &HangReport) {}
+    /// A hang reported before ended.
+    fn on_hang_resolved(&mut self, _resolved: &Resolved) {}
 }
 
 impl<A: EventSink, B: EventSink> EventSink for (A, B) {
@@ -66,6 +71,14 @@ impl<A: EventSink, B: EventSink> EventSink for (A, B) {
         self.0.on_process_end(end);
         self.1.on_process_end(end);
     }
+    fn on_hang(&mut self, report: &HangReport) {
+        self.0.on_hang(report);
+        self.1.on_hang(report);
+    }
+    fn on_hang_resolved(&mut self, resolved: &Resolved) {
+        self.0.on_hang_resolved(resolved);
+        self.1.on_hang_resolved(resolved);
+    }
 }
 
 impl<S: EventSink + ?Sized> EventSink for &mut S {
@@ -89,6 +102,12 @@ impl<S: EventSink + ?Sized> EventSink for &mut S {
     }
     fn on_process_end(&mut self, end: &ProcessEnd) {
         (**self).on_process_end(end);
+    }
+    fn on_hang(&mut self, report: &HangReport) {
+        (**self).on_hang(report);
+    }
+    fn on_hang_resolved(&mut self, resolved: &Resolved) {
+        (**self).on_hang_resolved(resolved);
     }
 }
 
@@ -126,6 +145,16 @@ impl<S: EventSink> EventSink for Option<S> {
     fn on_process_end(&mut self, end: &ProcessEnd) {
         if let Some(sink) = self {
             sink.on_process_end(end);
+        }
+    }
+    fn on_hang(&mut self, report: &HangReport) {
+        if let Some(sink) = self {
+            sink.on_hang(report);
+        }
+    }
+    fn on_hang_resolved(&mut self, resolved: &Resolved) {
+        if let Some(sink) = self {
+            sink.on_hang_resolved(resolved);
         }
     }
 }
@@ -235,7 +264,7 @@ fn describe(event: &ProbeEvent) -> String {
                 "nccl.group_end"
             }
         ),
-        ProbeEvent::GlooCall { timing, op } => format!(
+        ProbeEvent::GlooCall { timing, op, .. } => format!(
             "[{}:{}] {} call={:.1}us",
             timing.tgid,
             timing.tid,

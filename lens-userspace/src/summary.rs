@@ -241,7 +241,7 @@ impl EventSink for Summary {
                 id_hash: *comm_id_hash,
                 result: *result,
             }),
-            ProbeEvent::GlooCall { timing, op } => {
+            ProbeEvent::GlooCall { timing, op, .. } => {
                 let stats = process.gloo_collectives.entry(*op).or_default();
                 stats.calls += 1;
                 stats.call_time_ns += timing.duration_ns();

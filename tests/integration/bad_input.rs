@@ -99,6 +99,8 @@ const TABLE: &[Row] = &[
     (&["--pid", "1", "--overhead-budget", "150%"], &[], &["for --overhead-budget:", "above 0 and at most 100, e.g. 1% or 0.5%"]),
     (&["--pid", "1", "--overhead-budget", "0"], &[], &["for --overhead-budget:", "above 0 and at most 100"]),
     (&["--pid", "1", "--overhead-budget", "-1%"], &[], &["for --overhead-budget:", "above 0 and at most 100"]),
+    (&["--pid", "1", "--hang-timeout", "soon"], &[], &["for --hang-timeout:", "positive duration such as 30s, 5m or 1h (or 0 for off)"]),
+    (&["--pid", "1", "--hang-timeout", "-3s"], &[], &["for --hang-timeout:", "(or 0 for off)"]),
     (&["--pid", "1", "--summary-json", "/"], &[], &["for --summary-json:", "is a directory", WRITABLE]),
     (&["--pid", "1", "--summary-json", "/nonexistent/summary.json"], &[], &["for --summary-json:", "does not exist", WRITABLE]),
     (&["--pid", "1", "--pid-file", "/nonexistent/dir/lens.pid"], &[], &["for --pid-file:", "directory /nonexistent/dir does not exist", WRITABLE]),
@@ -118,6 +120,7 @@ const TABLE: &[Row] = &[
     (&["--pid", "1"], &[("NEMO_LENS_EXPORT_SAMPLE_RATE", "NaN")], &["for NEMO_LENS_EXPORT_SAMPLE_RATE:", "must be between 0 and 1"]),
     (&["--pid", "1"], &[("NEMO_LENS_ENABLED", "maybe")], &["for NEMO_LENS_ENABLED:", "expected 1/0, true/false, yes/no or on/off"]),
     (&["--pid", "1"], &[("LENS_PROBE_OVERHEAD_BUDGET", "lots")], &["for LENS_PROBE_OVERHEAD_BUDGET:", "above 0 and at most 100"]),
+    (&["--pid", "1"], &[("LENS_PROBE_HANG_TIMEOUT", "never")], &["for LENS_PROBE_HANG_TIMEOUT:", "(or 0 for off)"]),
     // The flag wins over its variable, and is named.
     (&["--pid", "1", "--span-groups", "steps"], &[("NEMO_LENS_SPAN_GROUPS", "bogus")], &["for --span-groups:"]),
     (&["--pid", "1", "--exporter", "jaeger"], &[("NEMO_LENS_EXPORTER", "zipkin")], &["for --exporter:"]),
@@ -888,7 +891,7 @@ proptest! {
 }
 
 /// The flags that take a value, and what else a command line with them needs.
-const VALUE_FLAGS: [(&str, &[&str]); 15] = [
+const VALUE_FLAGS: [(&str, &[&str]); 16] = [
     ("--pid", &[]),
     ("--span-groups", &["--pid", "1"]),
     ("--exporter", &["--pid", "1"]),
@@ -898,6 +901,7 @@ const VALUE_FLAGS: [(&str, &[&str]); 15] = [
     ("--export-sample-rate", &["--pid", "1"]),
     ("--duration", &["--pid", "1"]),
     ("--overhead-budget", &["--pid", "1"]),
+    ("--hang-timeout", &["--pid", "1"]),
     ("--summary-json", &["--pid", "1"]),
     ("--pid-file", &["--pid", "1"]),
     ("--match", &["--node"]),

@@ -6,89 +6,19 @@ use std::{
     collections::BTreeMap,
     net::TcpListener,
     path::{Path, PathBuf},
-    process::{Child, Command, Output, Stdio},
+    process::{Command, Output, Stdio},
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use lens_tests::{FileSpan, otlp_file_spans as file_spans};
+use lens_tests::{FileSpan, RotelCollector, free_port, otlp_file_spans as file_spans};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use serde_json::Value;
 
 const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
 
-/// A free loopback port (bound then released).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn temp_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("lens-export-{name}-{}", std::process::id()))
-}
-
-/// rotel receiving OTLP on loopback, printing everything it receives (detailed) to a
-/// log file, exporting nowhere.
-struct Collector {
-    child: Child,
-    log: PathBuf,
-    grpc: u16,
-    http: u16,
-}
-
-impl Collector {
-    fn start(rotel: &lens_tests::Rotel, name: &str) -> Collector {
-        let (grpc, http) = (free_port(), free_port());
-        let log = temp_path(&format!("{name}-rotel.log"));
-        let child = Command::new(&rotel.agent)
-            .env("LD_LIBRARY_PATH", &rotel.library_dir)
-            .args(["start", "--exporter", "blackhole"])
-            .args(["--debug-log", "traces", "--debug-log", "metrics"])
-            .args(["--debug-log-verbosity", "detailed"])
-            .arg("--otlp-grpc-endpoint")
-            .arg(format!("127.0.0.1:{grpc}"))
-            .arg("--otlp-http-endpoint")
-            .arg(format!("127.0.0.1:{http}"))
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let collector = Collector {
-            child,
-            log,
-            grpc,
-            http,
-        };
-        collector.wait_until(|text| text.contains("Starting Rotel"), "to start");
-        collector
-    }
-
-    fn text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn wait_until(&self, done: impl Fn(&str) -> bool, what: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let text = self.text();
-            if done(&text) {
-                return text;
-            }
-            assert!(Instant::now() < deadline, "rotel did not {what}:\n{text}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Collector {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
-    }
 }
 
 /// A span as rotel's detailed debug log prints it.
@@ -270,7 +200,7 @@ fn collector_test(name: &str, protocol: &str) {
     let Some(rotel) = lens_tests::rotel(name) else {
         return;
     };
-    let collector = Collector::start(&rotel, name);
+    let collector = RotelCollector::start(&rotel, name);
     let endpoint = match protocol {
         "grpc" => format!("http://127.0.0.1:{}", collector.grpc),
         _ => format!("http://127.0.0.1:{}", collector.http),
@@ -486,7 +416,7 @@ fn metrics_reach_a_real_collector() {
     let Some(rotel) = lens_tests::rotel(name) else {
         return;
     };
-    let collector = Collector::start(&rotel, name);
+    let collector = RotelCollector::start(&rotel, name);
     // 3 steps of 2 microbatches; each backward makes one gloo and one NCCL all_reduce of
     // 1024 float32.
     let output = Command::new(LENS_PROBE)

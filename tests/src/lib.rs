@@ -815,6 +815,91 @@ pub fn rotel(test_name: &str) -> Option<Rotel> {
     found
 }
 
+/// A free loopback port (bound then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// rotel receiving OTLP on loopback, printing everything it receives (detailed) to a
+/// log file, exporting nowhere.
+pub struct RotelCollector {
+    child: std::process::Child,
+    log: PathBuf,
+    pub grpc: u16,
+    pub http: u16,
+}
+
+impl RotelCollector {
+    pub fn start(rotel: &Rotel, name: &str) -> RotelCollector {
+        let (grpc, http) = (free_port(), free_port());
+        let log =
+            std::env::temp_dir().join(format!("lens-rotel-{name}-{}.log", std::process::id()));
+        let child = std::process::Command::new(&rotel.agent)
+            .env("LD_LIBRARY_PATH", &rotel.library_dir)
+            .args(["start", "--exporter", "blackhole"])
+            .args(["--debug-log", "traces", "--debug-log", "metrics"])
+            .args(["--debug-log-verbosity", "detailed"])
+            .arg("--otlp-grpc-endpoint")
+            .arg(format!("127.0.0.1:{grpc}"))
+            .arg("--otlp-http-endpoint")
+            .arg(format!("127.0.0.1:{http}"))
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let collector = RotelCollector {
+            child,
+            log,
+            grpc,
+            http,
+        };
+        collector.wait_until(|text| text.contains("Starting Rotel"), "to start");
+        collector
+    }
+
+    /// What it printed so far.
+    pub fn text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Its log once `done` accepts it (up to 20 s).
+    pub fn wait_until(&self, done: impl Fn(&str) -> bool, what: &str) -> String {
+        self.wait_within(std::time::Duration::from_secs(20), done, what)
+    }
+
+    pub fn wait_within(
+        &self,
+        patience: std::time::Duration,
+        done: impl Fn(&str) -> bool,
+        what: &str,
+    ) -> String {
+        let deadline = std::time::Instant::now() + patience;
+        loop {
+            let text = self.text();
+            if done(&text) {
+                return text;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "rotel did not {what}:\n{text}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for RotelCollector {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
 /// `kubernetes-validate` (PyPI) from the PyTorch venv: checks Kubernetes manifests
 /// against the OpenAPI schemas it ships for each Kubernetes minor version (offline).
 #[derive(Clone, Debug, PartialEq, Eq)]

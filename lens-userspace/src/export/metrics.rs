@@ -13,7 +13,7 @@ use std::{
 use lens_common::ProbeId;
 use opentelemetry::{
     KeyValue,
-    metrics::{Counter, Histogram, Meter, MeterProvider as _},
+    metrics::{Counter, Gauge, Histogram, Meter, MeterProvider as _},
 };
 use opentelemetry_sdk::{
     Resource,
@@ -35,6 +35,8 @@ pub mod metric_names {
     pub const COLLECTIVE_BYTES: &str = "dl.collective.bytes";
     pub const COLLECTIVE_DURATION: &str = "dl.collective.duration";
     pub const COLLECTIVE_ARRIVAL_SKEW: &str = "dl.collective.arrival_skew";
+    pub const COLLECTIVE_LAST_SEQ: &str = "dl.collective.last_seq";
+    pub const HANGS: &str = "lens_probe.hangs";
     pub const SYNC_DURATION: &str = "cuda.sync.duration";
     pub const KERNEL_LAUNCHES: &str = "cuda.kernel.launches";
     pub const STEP_DURATION: &str = "dl.step.duration";
@@ -104,6 +106,10 @@ pub struct ProcessMetrics {
     collective_bytes: Counter<u64>,
     collective_duration: Histogram<f64>,
     collective_arrival_skew: Histogram<f64>,
+    collective_last_seq: Gauge<u64>,
+    /// The highest collective number seen per communicator (spans leave out of order).
+    last_seq: BTreeMap<String, u64>,
+    hangs: Counter<u64>,
     sync_duration: Histogram<f64>,
     kernel_launches: Counter<u64>,
     step_duration: Histogram<f64>,
@@ -164,6 +170,21 @@ impl ProcessMetrics {
                 "Last enqueue minus first of one collective across the traced ranks, \
                  recorded by the rank that arrived last",
             ),
+            collective_last_seq: meter
+                .u64_gauge(metric_names::COLLECTIVE_LAST_SEQ)
+                .with_unit("{collective}")
+                .with_description(
+                    "The newest collective number (dl.collective.seq) this rank called on \
+                     each communicator: across a job's ranks, the lowest one of a communicator \
+                     whose numbers stopped moving is the rank it waits for",
+                )
+                .build(),
+            last_seq: BTreeMap::new(),
+            hangs: meter
+                .u64_counter(metric_names::HANGS)
+                .with_unit("{hang}")
+                .with_description("Collectives found hung (--hang-timeout)")
+                .build(),
             sync_duration: seconds(
                 metric_names::SYNC_DURATION,
                 "Time waiting in CUDA synchronisation calls",
@@ -186,9 +207,22 @@ impl ProcessMetrics {
     }
 
     /// Records what a finished span says about the process.
-    pub fn record_span(&self, span: &SpanRecord) {
+    pub fn record_span(&mut self, span: &SpanRecord) {
         let seconds = span.duration_ns() as f64 / 1e9;
+        if span.name == names::HANG {
+            let attributes: Vec<KeyValue> = [
+                semconv::DL_COLLECTIVE_BACKEND,
+                semconv::DL_COLLECTIVE_OP,
+                semconv::LENS_PROBE_HANG_KIND,
+            ]
+            .into_iter()
+            .filter_map(|key| string_attr(span, key))
+            .collect();
+            self.hangs.add(1, &attributes);
+            return;
+        }
         if span.attr(semconv::DL_COLLECTIVE_OP).is_some() {
+            self.record_last_seq(span);
             let attributes: Vec<KeyValue> = [
                 semconv::DL_COLLECTIVE_BACKEND,
                 semconv::DL_COLLECTIVE_OP,
@@ -225,6 +259,32 @@ impl ProcessMetrics {
                 &[KeyValue::new(semconv::NEMO_SPAN_GROUP, span.group.name())],
             );
         }
+    }
+
+    /// `dl.collective.last_seq` by communicator and rank (a job has a few communicators
+    /// and one rank per process: low cardinality).
+    fn record_last_seq(&mut self, span: &SpanRecord) {
+        let (Some(AttrValue::Str(comm)), Some(seq)) = (
+            span.attr(semconv::DL_COLLECTIVE_COMM_ID),
+            span.int_attr(semconv::DL_COLLECTIVE_SEQ),
+        ) else {
+            return;
+        };
+        let seq = seq.max(0) as u64;
+        let newest = self.last_seq.entry(comm.to_string()).or_default();
+        if seq < *newest {
+            return;
+        }
+        *newest = seq;
+        let mut attributes = vec![KeyValue::new(
+            semconv::DL_COLLECTIVE_COMM_ID,
+            comm.to_string(),
+        )];
+        attributes.extend(string_attr(span, semconv::DL_COLLECTIVE_BACKEND));
+        if let Some(rank) = span.int_attr(semconv::DL_RANK) {
+            attributes.push(KeyValue::new(semconv::DL_RANK, rank));
+        }
+        self.collective_last_seq.record(seq, &attributes);
     }
 
     /// Launch counters: totals so far, read from the kernel while the process runs and

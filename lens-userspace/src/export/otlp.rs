@@ -403,7 +403,7 @@ impl SpanExporter for OtelPipeline {
     }
 
     fn export(&mut self, span: SpanRecord) {
-        let Some(process) = self.processes.get(&span.pid) else {
+        let Some(process) = self.processes.get_mut(&span.pid) else {
             return;
         };
         process.metrics.record_span(&span);

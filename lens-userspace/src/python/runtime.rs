@@ -17,6 +17,12 @@ pub struct CodeLayout {
     /// 3.10: `co_firstlineno` (an `int`), whose line in the source names the class a
     /// method is in (`python::source`); `None` where `co_qualname` does.
     pub firstlineno: Option<u64>,
+    /// `co_firstlineno` in every version: the line a function's definition starts at
+    /// (hang reports name it).
+    pub first_line: u64,
+    /// Where the line a frame is at is read from (3.11+; 3.10 frames name their
+    /// function's first line).
+    pub lines: Option<LineLayout>,
     /// `PyASCIIObject.length`, `.state`, and where a compact ASCII string's text starts.
     pub str_length: u64,
     pub str_state: u64,
@@ -25,6 +31,24 @@ pub struct CodeLayout {
     /// ascii; the interned bits aside).
     pub str_state_mask: u8,
     pub str_state_compact_ascii: u8,
+}
+
+/// 3.11+: a frame's instruction pointer (`prev_instr`, 3.13 `instr_ptr`), the code
+/// object's bytecode (`co_code_adaptive`, inline) and location table (`co_linetable`, a
+/// `bytes`): the instruction's index in the bytecode is looked up in the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LineLayout {
+    pub frame_instruction: u64,
+    pub code_adaptive: u64,
+    pub linetable: u64,
+}
+
+const fn lines(code_adaptive: u64) -> Option<LineLayout> {
+    Some(LineLayout {
+        frame_instruction: 56,
+        code_adaptive,
+        linetable: 136,
+    })
 }
 
 /// One CPython minor version's layout.
@@ -48,12 +72,16 @@ const fn code_layout(
     qualname: u64,
     filename: u64,
     firstlineno: Option<u64>,
+    first_line: u64,
+    lines: Option<LineLayout>,
     str_data: u64,
 ) -> CodeLayout {
     CodeLayout {
         qualname,
         filename,
         firstlineno,
+        first_line,
+        lines,
         str_length: 16,
         str_state: 32,
         str_data,
@@ -71,22 +99,22 @@ const LAYOUTS: [Layout; 4] = [
         minor: 10,
         // `co_name` and `co_firstlineno`: 3.10 has no `co_qualname`.
         offsets: offsets(32, 8, 8, 176, BY_THREAD_POINTER, 24, NONE, 32, 24, 352),
-        code: code_layout(112, 104, Some(40), 48),
+        code: code_layout(112, 104, Some(40), 40, None, 48),
     },
     Layout {
         minor: 11,
         offsets: offsets(40, 16, 8, 160, BY_TID, 56, 8, 32, 48, 72),
-        code: code_layout(128, 112, None, 48),
+        code: code_layout(128, 112, None, 72, lines(184), 48),
     },
     Layout {
         minor: 12,
         offsets: offsets(40, 72, 8, 144, BY_TID, 56, 0, 0, 8, 72),
-        code: code_layout(128, 112, None, 40),
+        code: code_layout(128, 112, None, 68, lines(192), 40),
     },
     Layout {
         minor: 13,
         offsets: offsets(632, 7344, 8, 160, BY_TID, 72, NONE, 0, 8, 72),
-        code: code_layout(128, 112, None, 40),
+        code: code_layout(128, 112, None, 68, lines(200), 40),
     },
 ];
 

@@ -7,7 +7,7 @@ use std::{
 };
 
 use super::{
-    AttrValue, Attributes, SpanExporter, SpanId, SpanRecord,
+    AttrValue, Attributes, SpanEvent, SpanExporter, SpanId, SpanRecord,
     arena::{IdSource, Placement, SpanArena},
     collectives::{CollectiveComm, Collectives},
     monotonic_now_ns, names,
@@ -17,6 +17,7 @@ use crate::{
     config::{ArgType, DCP_ASYNC_SAVE, DCP_GET_STATE_DICT, NativeRule, ProbeRules},
     events::{CallTiming, ProbeEvent},
     groups::{SpanGroup, SpanGroups},
+    hangs::{HangReport, Resolved},
     semconv,
     sink::{EventSink, ProcessEnd},
     target::{ExitStatus, ProcessInfo},
@@ -163,6 +164,9 @@ pub struct SpanBuilder<E: SpanExporter> {
     /// Per thread, the Python function that made its next native call: (the call's
     /// start, function, file).
     python_callers: HashMap<(u32, u32), (u64, String, String)>,
+    /// Calls in flight when a hang was found, by (process, thread, entry): their spans
+    /// get a `lens_probe.hang` event when they return.
+    hung_calls: HashMap<(u32, u32, u64), SpanEvent>,
     exporter: E,
 }
 
@@ -175,6 +179,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             processes: HashMap::new(),
             collectives: Collectives::default(),
             python_callers: HashMap::new(),
+            hung_calls: HashMap::new(),
             exporter,
         }
     }
@@ -839,7 +844,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
         if result != 0 {
             attributes.push((semconv::DL_CALL_RESULT, result.into()));
         }
-        let record = ctx.arena.call_record(
+        let mut record = ctx.arena.call_record(
             ctx.ids,
             name,
             Some(parent),
@@ -849,6 +854,12 @@ impl<E: SpanExporter> SpanBuilder<E> {
             attributes,
             error,
         );
+        if let Some(event) = self
+            .hung_calls
+            .remove(&(timing.tgid, timing.tid, timing.start_ns))
+        {
+            record.events.push(event);
+        }
         if phase.is_none()
             && let Some(owner) = owner
         {
@@ -944,11 +955,23 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                 self.send_released(released);
                 self.bound_held(timing.tgid, timing.end_ns);
             }
-            ProbeEvent::GlooCall { timing, op } => {
-                let attributes = vec![
+            ProbeEvent::GlooCall {
+                timing, op, comm, ..
+            } => {
+                let mut attributes = vec![
                     (semconv::DL_COLLECTIVE_BACKEND, "gloo".into()),
                     (semconv::DL_COLLECTIVE_OP, op.name().into()),
                 ];
+                if let Some(comm) = comm {
+                    attributes.extend([
+                        (
+                            semconv::DL_COLLECTIVE_COMM_ID,
+                            format!("{:016x}", comm.id).into(),
+                        ),
+                        (semconv::DL_COLLECTIVE_SEQ, comm.seq.into()),
+                        (semconv::DL_RANK, comm.rank.into()),
+                    ]);
+                }
                 self.on_call(timing, op.gloo_span_name(), attributes, 0);
             }
             ProbeEvent::SyncWait {
@@ -1081,6 +1104,99 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
 
     fn on_process_end(&mut self, end: &ProcessEnd) {
         self.end_process_with_calls(end.pid, end.exit, monotonic_now_ns(), &end.calls);
+    }
+
+    /// Each traced rank's process gets a `lens_probe.hang` span at once (error status,
+    /// from the first arrival to the finding, under its `train.job`), and the calls its
+    /// ranks wait in get the event when they return.
+    fn on_hang(&mut self, report: &HangReport) {
+        let hang = &report.hang;
+        let summary = hang.summary();
+        let lines = report.rank_lines().join("\n");
+        let ranks = |list: &[crate::hangs::RankState]| {
+            list.iter()
+                .map(|r| r.rank.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let mut shared: Attributes = vec![
+            (semconv::DL_COLLECTIVE_BACKEND, hang.backend.name().into()),
+            (
+                semconv::DL_COLLECTIVE_COMM_ID,
+                format!("{:016x}", hang.comm).into(),
+            ),
+            (semconv::DL_COLLECTIVE_SEQ, hang.seq.into()),
+            (semconv::LENS_PROBE_HANG_KIND, hang.kind.name().into()),
+            (
+                semconv::LENS_PROBE_HANG_RANKS_ARRIVED,
+                ranks(&hang.arrived).into(),
+            ),
+            (
+                semconv::LENS_PROBE_HANG_RANKS_MISSING,
+                ranks(&hang.missing).into(),
+            ),
+            (semconv::LENS_PROBE_HANG_RANK_PLACES, lines.into()),
+        ];
+        if let Some(op) = hang.op {
+            shared.push((semconv::DL_COLLECTIVE_OP, op.name().into()));
+        }
+        if let Some(bytes) = hang.bytes {
+            shared.push((semconv::DL_COLLECTIVE_BYTES, bytes.into()));
+        }
+        for (rank, place) in hang.ranks().zip(&report.places) {
+            if let Some(call) = &rank.waiting_in {
+                self.hung_calls.insert(
+                    (call.pid, call.tid, call.start_ns),
+                    SpanEvent {
+                        name: names::HANG,
+                        at_ns: hang.detected_ns,
+                        attributes: vec![
+                            (semconv::LENS_PROBE_HANG_KIND, hang.kind.name().into()),
+                            (semconv::DL_COLLECTIVE_SEQ, hang.seq.into()),
+                        ],
+                    },
+                );
+            }
+            let Some(process) = self.processes.get_mut(&rank.pid) else {
+                continue;
+            };
+            let mut attributes = shared.clone();
+            attributes.push((semconv::DL_RANK, rank.rank.into()));
+            if !place.python.is_empty() {
+                let stack: Vec<String> = place.python.iter().map(ToString::to_string).collect();
+                attributes.push((
+                    semconv::LENS_PROBE_HANG_PYTHON_STACK,
+                    stack.join("\n").into(),
+                ));
+            }
+            let tid = rank.waiting_in.as_ref().map_or(rank.pid, |call| call.tid);
+            let record = process.arena.call_record(
+                &mut self.ids,
+                names::HANG,
+                Some(process.job),
+                tid,
+                hang.since_ns,
+                hang.detected_ns,
+                attributes,
+                Some(summary.clone()),
+            );
+            if process.exporting {
+                self.exporter.export(record);
+            } else {
+                process.held.push(record);
+            }
+        }
+    }
+
+    fn on_hang_resolved(&mut self, resolved: &Resolved) {
+        // Calls that never returned (their process ended) need no event any more.
+        for rank in resolved.hang.ranks() {
+            if let Some(call) = &rank.waiting_in
+                && !resolved.every_rank_went_on
+            {
+                self.hung_calls.remove(&(call.pid, call.tid, call.start_ns));
+            }
+        }
     }
 }
 

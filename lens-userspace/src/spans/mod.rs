@@ -32,6 +32,9 @@ pub mod names {
     pub const EVALUATE: &str = "train.evaluate";
     pub const CHECKPOINT: &str = "train.checkpoint";
     pub const NCCL_COMM_INIT: &str = "nccl.comm_init";
+    /// A collective found hung (`--hang-timeout`): exported when found, error status;
+    /// also the name of the event added to the calls its ranks were waiting in.
+    pub const HANG: &str = "lens_probe.hang";
     /// Span event: one backward pass inside `train.forward_backward`.
     pub const BACKWARD_EVENT: &str = "backward";
     /// Span event on `train.step`: one of its most launched kernels.

@@ -1,0 +1,294 @@
+//! Where a rank of a hung collective is, read from the process at that moment (not from
+//! samples): its Python stack, walked from `_PyRuntime` through `/proc/PID/mem` with the
+//! interpreter layout the sampler uses, and the native place its thread is blocked at,
+//! from `/proc/PID/task/TID/syscall` (the instruction pointer and stack pointer): the
+//! function holding the instruction pointer, then its callers as a stack scan finds them
+//! (words on the stack that point just after a call instruction in a mapped file), named
+//! from the mapped files' symbols. A scan needs no frame pointers or unwind tables; it
+//! can show a stale return address left on the stack, which is why it says "scanned".
+use std::{fmt, fs::File, os::unix::fs::FileExt, path::Path};
+
+use lens_common::{PY_NO_FIELD, PyOffsets};
+
+use crate::{
+    probes::{library::parse_maps, symbols},
+    python::{self, code::CodeReader},
+};
+
+/// Frames read per stack, innermost first.
+const MAX_FRAMES: usize = 64;
+/// Thread states walked per interpreter.
+const MAX_THREADS: usize = 256;
+
+/// One Python frame: function, file, and the line it is at (3.11+; on 3.10 the line its
+/// function's definition starts at).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PyFrame {
+    pub function: String,
+    pub file: String,
+    pub line: Option<u32>,
+}
+
+impl fmt::Display for PyFrame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{} ({}:{line})", self.function, self.file),
+            None => write!(f, "{} ({})", self.function, self.file),
+        }
+    }
+}
+
+/// A native function and the file it is in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NativeFrame {
+    pub function: Option<String>,
+    pub file: String,
+}
+
+impl fmt::Display for NativeFrame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let file = self.file.rsplit('/').next().unwrap_or(&self.file);
+        match &self.function {
+            Some(function) => write!(f, "{function} ({file})"),
+            None => write!(f, "{file}"),
+        }
+    }
+}
+
+/// A blocked thread's native place.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NativePlace {
+    /// The system call it is in, if it is in one.
+    pub syscall: Option<String>,
+    /// Where its instruction pointer is, then callers found by the stack scan.
+    pub frames: Vec<NativeFrame>,
+}
+
+impl fmt::Display for NativePlace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let frames: Vec<String> = self.frames.iter().map(ToString::to_string).collect();
+        if frames.is_empty() {
+            write!(f, "?")?;
+        } else {
+            write!(f, "{}", frames.join(" < "))?;
+        }
+        if let Some(syscall) = &self.syscall {
+            write!(f, " (in {syscall}; callers scanned)")?;
+        }
+        Ok(())
+    }
+}
+
+/// What one rank is doing, as far as it can be read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankPlace {
+    /// Innermost first; empty when the process runs no CPython lens-probe can read.
+    pub python: Vec<PyFrame>,
+    pub native: Option<NativePlace>,
+}
+
+/// Reads `pid`'s place: the Python stack of thread `tid` (3.11+ match threads by tid;
+/// on 3.10, whose thread states hold only the thread pointer, the main thread's) and
+/// `tid`'s native place.
+pub fn read(pid: u32, tid: u32) -> RankPlace {
+    RankPlace {
+        python: python_stack(pid, tid).unwrap_or_default(),
+        native: native_place(pid, tid),
+    }
+}
+
+fn python_stack(pid: u32, tid: u32) -> Option<Vec<PyFrame>> {
+    let runtime = python::find_runtime(pid).ok()??;
+    let mem = File::open(format!("/proc/{pid}/mem")).ok()?;
+    let read = |address: u64| -> Option<u64> {
+        let mut bytes = [0u8; 8];
+        mem.read_exact_at(&mut bytes, address).ok()?;
+        Some(u64::from_ne_bytes(bytes))
+    };
+    let offsets = &runtime.offsets;
+    let at = |base: u64, offset: u32| base.checked_add(u64::from(offset));
+    let interpreter = read(at(offsets.runtime, offsets.interpreters_head)?)?;
+    let mut tstate = read(at(interpreter, offsets.threads_head)?)?;
+    // New threads go to the head of the list: the main thread is the last.
+    let mut chosen = None;
+    let mut last = None;
+    for _ in 0..MAX_THREADS {
+        if tstate == 0 {
+            break;
+        }
+        last = Some(tstate);
+        if offsets.match_thread_pointer == 0
+            && read(at(tstate, offsets.tstate_native_thread_id)?) == Some(u64::from(tid))
+        {
+            chosen = Some(tstate);
+            break;
+        }
+        tstate = read(at(tstate, offsets.tstate_next)?)?;
+    }
+    let tstate = chosen.or(last)?;
+    let mut frame = current_frame(&read, offsets, tstate)?;
+    let mut names = CodeReader::open(pid, runtime.code).ok()?;
+    let mut frames = Vec::new();
+    for _ in 0..MAX_FRAMES {
+        if frame == 0 {
+            break;
+        }
+        let code = read(at(frame, offsets.frame_code)?)?;
+        // Entry frames of C calls hold no code object (3.13) or CPython's shim code
+        // object (3.12): skipped.
+        if let Some(name) = names
+            .name(code)
+            .filter(|name| &*name.qualname != "<interpreter trampoline>")
+        {
+            let (function, file) = (name.qualname.to_string(), name.filename.to_string());
+            let line = names
+                .line_at(code, frame)
+                .or_else(|| names.first_line(code));
+            frames.push(PyFrame {
+                function,
+                file,
+                line,
+            });
+        }
+        frame = read(at(frame, offsets.frame_previous)?)?;
+    }
+    Some(frames)
+}
+
+fn current_frame(
+    read: &impl Fn(u64) -> Option<u64>,
+    offsets: &PyOffsets,
+    tstate: u64,
+) -> Option<u64> {
+    let frame = read(tstate.checked_add(u64::from(offsets.tstate_frame))?)?;
+    if offsets.cframe_current_frame == PY_NO_FIELD || frame == 0 {
+        return Some(frame);
+    }
+    read(frame.checked_add(u64::from(offsets.cframe_current_frame))?)
+}
+
+/// x86-64 system calls a waiting thread is typically in.
+fn syscall_name(number: i64) -> Option<&'static str> {
+    Some(match number {
+        0 => "read",
+        7 => "poll",
+        23 => "select",
+        24 => "sched_yield",
+        35 => "nanosleep",
+        45 => "recvfrom",
+        47 => "recvmsg",
+        61 => "wait4",
+        202 => "futex",
+        230 => "clock_nanosleep",
+        232 => "epoll_wait",
+        270 => "pselect6",
+        271 => "ppoll",
+        281 => "epoll_pwait",
+        _ => return None,
+    })
+}
+
+/// Stack bytes scanned for return addresses.
+const STACK_SCAN_BYTES: usize = 16 * 1024;
+/// Native frames shown: the instruction pointer's and this many callers at most.
+const MAX_NATIVE_FRAMES: usize = 8;
+
+/// `tid`'s native place: `/proc/PID/task/TID/syscall` is "NR args… sp pc" while it is in
+/// a system call, "running" or "-1 sp pc" otherwise.
+fn native_place(pid: u32, tid: u32) -> Option<NativePlace> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")).ok()?;
+    let fields: Vec<&str> = text.split_whitespace().collect();
+    let number: i64 = fields.first()?.parse().ok()?;
+    let hex = |field: &str| u64::from_str_radix(field.trim_start_matches("0x"), 16).ok();
+    let pc = hex(fields.last()?)?;
+    let sp = hex(fields.get(fields.len().checked_sub(2)?)?)?;
+    let syscall = (number >= 0)
+        .then(|| syscall_name(number).map_or_else(|| format!("syscall {number}"), str::to_string));
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let executable: Vec<_> = parse_maps(&maps)
+        .into_iter()
+        .filter(|m| {
+            maps.lines()
+                .any(|line| line.starts_with(&format!("{:x}-{:x} r-x", m.start, m.end)))
+        })
+        .collect();
+    let mem = File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mut addresses = vec![pc];
+    addresses.extend(return_addresses(&mem, sp, &executable));
+    let mut frames: Vec<NativeFrame> = Vec::new();
+    for address in addresses {
+        let Some(m) = executable
+            .iter()
+            .find(|m| (m.start..m.end).contains(&address))
+        else {
+            continue;
+        };
+        // The mapped file itself, whatever its path now says. A return address is just
+        // after the call: the call is one byte before.
+        let mapped = format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end);
+        let at = if address == pc { address } else { address - 1 };
+        let offset = at - m.start + m.offset;
+        let function = symbols::functions_at(Path::new(&mapped), &[offset])
+            .ok()
+            .and_then(|mut names| names.remove(&offset))
+            .map(|name| demangled(&name));
+        let frame = NativeFrame {
+            function,
+            file: m.path.clone(),
+        };
+        // Recursion and stale copies aside: each function once, in order.
+        if !frames.contains(&frame) {
+            frames.push(frame);
+        }
+        if frames.len() >= MAX_NATIVE_FRAMES {
+            break;
+        }
+    }
+    Some(NativePlace { syscall, frames })
+}
+
+/// Words on the stack from `sp` up that point into an executable mapping just after a
+/// call instruction (`call rel32`: e8 + 4 bytes; `call *r/m`: ff /2, 2 to 7 bytes).
+fn return_addresses(
+    mem: &File,
+    sp: u64,
+    executable: &[crate::probes::library::MapsEntry],
+) -> Vec<u64> {
+    let mut stack = vec![0u8; STACK_SCAN_BYTES];
+    // The stack may end before the scan does: read what there is.
+    let mut read = 0;
+    while read < stack.len() {
+        match mem.read_at(&mut stack[read..], sp + read as u64) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => read += n,
+        }
+    }
+    stack.truncate(read - read % 8);
+    stack
+        .chunks_exact(8)
+        .map(|word| u64::from_ne_bytes(word.try_into().expect("8 bytes")))
+        .filter(|&address| {
+            executable
+                .iter()
+                .any(|m| address >= m.start + 8 && address < m.end)
+                && follows_call(mem, address)
+        })
+        .collect()
+}
+
+fn follows_call(mem: &File, address: u64) -> bool {
+    let mut code = [0u8; 8];
+    if mem.read_exact_at(&mut code, address - 8).is_err() {
+        return false;
+    }
+    // code[8 - n] is the first byte of an n-byte instruction ending at `address`.
+    let modrm_is_call = |modrm: u8| (modrm >> 3) & 7 == 2;
+    code[3] == 0xe8 || (2..=7).any(|n| code[8 - n] == 0xff && modrm_is_call(code[9 - n]))
+}
+
+fn demangled(name: &str) -> String {
+    cpp_demangle::Symbol::new(name)
+        .ok()
+        .and_then(|symbol| symbol.demangle(&Default::default()).ok())
+        .unwrap_or_else(|| name.to_string())
+}
