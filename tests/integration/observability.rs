@@ -18,6 +18,8 @@ enum Kind {
     Counter,
     /// `_bucket`, `_sum`, `_count`.
     Histogram,
+    /// The name alone.
+    Gauge,
 }
 
 struct MetricDef {
@@ -47,6 +49,8 @@ const METRICS: &[MetricDef] = &[
     metric!(COLLECTIVE_BYTES, "By", Counter),
     metric!(COLLECTIVE_DURATION, "s", Histogram),
     metric!(COLLECTIVE_ARRIVAL_SKEW, "s", Histogram),
+    metric!(COLLECTIVE_LAST_SEQ, "{collective}", Gauge),
+    metric!(HANGS, "{hang}", Counter),
     metric!(SYNC_DURATION, "s", Histogram),
     metric!(KERNEL_LAUNCHES, "{launch}", Counter),
     metric!(STEP_DURATION, "s", Histogram),
@@ -62,6 +66,8 @@ const LABELS: &[&str] = &[
     "dl_collective_op",
     "dl_collective_backend",
     "dl_collective_dtype",
+    "dl_collective_comm_id",
+    "lens_probe_hang_kind",
     "cuda_sync_kind",
     "cuda_launch_kind",
     "nemo_span_group",
@@ -89,6 +95,7 @@ const FUNCTIONS: &[&str] = &[
     "max_over_time",
     "last_over_time",
     "clamp_min",
+    "changes",
 ];
 
 /// PromQL keywords followed by a label list.
@@ -154,7 +161,7 @@ fn prometheus_names() -> BTreeMap<String, &'static str> {
     for metric in METRICS {
         let base = prometheus_base_name(metric);
         match metric.kind {
-            Kind::Counter => {
+            Kind::Counter | Kind::Gauge => {
                 names.insert(base, metric.name);
             }
             Kind::Histogram => {
@@ -246,6 +253,10 @@ fn the_metric_table_covers_every_metric_name_with_its_unit_and_kind() {
                     metric.unit
                 ))
             }
+            Kind::Gauge => compact.contains(&format!(
+                "u64_gauge({constant}).with_unit(\"{}\")",
+                metric.unit
+            )),
             Kind::Histogram => {
                 compact.contains(&format!(
                     "f64_histogram({constant}).with_unit(\"{}\")",
@@ -762,6 +773,86 @@ fn the_collector_receives_otlp_and_fans_out_to_tempo_jaeger_and_prometheus() {
             assert!(
                 defined.contains(extension),
                 "extension {extension} not defined"
+            );
+        }
+    }
+}
+
+// ---- Alert rules -----------------------------------------------------------------------
+
+/// `promtool`: on PATH, or where `cargo xtask setup` unpacks it.
+fn promtool() -> Option<PathBuf> {
+    let unpacked = std::env::var_os("HOME")
+        .map(|home| PathBuf::from(home).join(".cache/lens-probe/prometheus/usr/bin/promtool"))
+        .filter(|path| path.is_file());
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("promtool"))
+            .find(|path| path.is_file())
+    });
+    let found = on_path.or(unpacked);
+    if found.is_none() {
+        lens_tests::skip(
+            "the_alert_rules_pass_their_promtool_tests",
+            "promtool",
+            "promtool is not installed; run `cargo xtask setup`",
+        );
+    }
+    found
+}
+
+#[test]
+fn the_alert_rules_pass_their_promtool_tests() {
+    let Some(promtool) = promtool() else {
+        return;
+    };
+    let output = std::process::Command::new(promtool)
+        .args(["test", "rules"])
+        .arg(repo_file(
+            "observability/prometheus/lens-probe-alerts.test.yaml",
+        ))
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "{text}");
+    assert!(text.contains("SUCCESS"), "{text}");
+}
+
+#[test]
+fn the_alert_rules_query_only_metrics_and_labels_lens_probe_exports() {
+    let rules = read("observability/prometheus/lens-probe-alerts.yaml");
+    let names = prometheus_names();
+    // Each rule's `expr: |` block: the indented lines after it.
+    let mut exprs = Vec::new();
+    let mut lines = rules.lines().peekable();
+    while let Some(line) = lines.next() {
+        if line.trim() == "expr: |" {
+            let indent = line.len() - line.trim_start().len();
+            let mut expr = String::new();
+            while let Some(next) = lines.peek() {
+                if !next.trim().is_empty() && next.len() - next.trim_start().len() <= indent {
+                    break;
+                }
+                expr.push_str(lines.next().unwrap());
+                expr.push('\n');
+            }
+            exprs.push(expr);
+        }
+    }
+    assert_eq!(exprs.len(), 2, "{rules}");
+    for expr in exprs {
+        let usage = scan_promql(&expr).unwrap_or_else(|e| panic!("{e}"));
+        for metric in usage.metrics {
+            assert!(names.contains_key(&metric), "{metric} in {expr}");
+        }
+        for label in usage.labels {
+            assert!(
+                LABELS.contains(&label.as_str()),
+                "unknown label {label} in {expr}"
             );
         }
     }

@@ -30,12 +30,13 @@ pub fn run(dry_run: bool) -> Result<(), String> {
     gcc(dry_run)?;
     torch_venv_step(dry_run)?;
     slurm(dry_run)?;
+    promtool(dry_run)?;
     println!("xtask setup: done in {:.1}s", start.elapsed().as_secs_f64());
     Ok(())
 }
 
 /// The number of steps, for the `[n/STEPS]` prefix.
-const STEPS: u32 = 6;
+const STEPS: u32 = 7;
 
 fn step(n: u32, what: &str, msg: impl AsRef<str>) {
     println!("  [{n}/{STEPS}] {what}: {}", msg.as_ref());
@@ -563,6 +564,70 @@ fn slurm(dry_run: bool) -> Result<(), String> {
         return Err(fail());
     }
     step(6, what, "installed");
+    Ok(())
+}
+
+// ---- 7. promtool ------------------------------------------------------------------------
+
+/// Where `promtool` is unpacked from Debian's prometheus package: `$HOME/.cache/lens-probe/
+/// prometheus` (only the file is taken: installing the package would start a Prometheus
+/// server on the machine).
+fn prometheus_dir() -> std::path::PathBuf {
+    crate::toolchain::home_dir()
+        .unwrap_or_else(|| std::path::PathBuf::from("/root"))
+        .join(".cache/lens-probe/prometheus")
+}
+
+/// `promtool`, for `promtool test rules` on the shipped alert rules
+/// (`tests/integration/observability.rs`): on PATH, or unpacked into the cache.
+fn promtool(dry_run: bool) -> Result<(), String> {
+    let what = "promtool (Debian's prometheus package: the alert rules' unit tests)";
+    let dir = prometheus_dir();
+    let unpacked = dir.join("usr/bin/promtool");
+    if toolchain::find_program("promtool").is_some() || unpacked.is_file() {
+        step(7, what, "already there");
+        return Ok(());
+    }
+    step(
+        7,
+        what,
+        format!(
+            "missing; `apt-get download prometheus` and unpacking it into {}",
+            dir.display()
+        ),
+    );
+    if dry_run {
+        return Ok(());
+    }
+    let fail = |why: String| {
+        format!(
+            "promtool is missing and could not be unpacked from Debian's prometheus package \
+             ({why}): install promtool on PATH, then rerun `cargo xtask setup`"
+        )
+    };
+    std::fs::create_dir_all(&dir).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
+    let download = |dir: &Path| {
+        let mut cmd = apt_get(&["download", "prometheus"]);
+        cmd.current_dir(dir);
+        run_streaming(&mut cmd)
+    };
+    if download(&dir).is_err() {
+        step(7, what, "retrying after `apt-get update`");
+        run_streaming(&mut apt_get(&["update"])).map_err(fail)?;
+        download(&dir).map_err(fail)?;
+    }
+    let package = std::fs::read_dir(&dir)
+        .map_err(|e| fail(e.to_string()))?
+        .flatten()
+        .map(|entry| entry.path())
+        .find(|path| path.extension().is_some_and(|e| e == "deb"))
+        .ok_or_else(|| fail("no .deb downloaded".into()))?;
+    run_streaming(Command::new("dpkg-deb").arg("-x").arg(&package).arg(&dir)).map_err(fail)?;
+    let _ = std::fs::remove_file(&package);
+    if !unpacked.is_file() {
+        return Err(fail(format!("no {} in the package", unpacked.display())));
+    }
+    step(7, what, format!("unpacked ({})", unpacked.display()));
     Ok(())
 }
 

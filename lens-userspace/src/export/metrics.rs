@@ -261,8 +261,7 @@ impl ProcessMetrics {
         }
     }
 
-    /// `dl.collective.last_seq` by communicator and rank (a job has a few communicators
-    /// and one rank per process: low cardinality).
+    /// `dl.collective.last_seq` by communicator (a job has a few: low cardinality).
     fn record_last_seq(&mut self, span: &SpanRecord) {
         let (Some(AttrValue::Str(comm)), Some(seq)) = (
             span.attr(semconv::DL_COLLECTIVE_COMM_ID),
@@ -276,14 +275,12 @@ impl ProcessMetrics {
             return;
         }
         *newest = seq;
+        // The rank is the process's resource attribute (`dl.rank`, a label once exported).
         let mut attributes = vec![KeyValue::new(
             semconv::DL_COLLECTIVE_COMM_ID,
             comm.to_string(),
         )];
         attributes.extend(string_attr(span, semconv::DL_COLLECTIVE_BACKEND));
-        if let Some(rank) = span.int_attr(semconv::DL_RANK) {
-            attributes.push(KeyValue::new(semconv::DL_RANK, rank));
-        }
         self.collective_last_seq.record(seq, &attributes);
     }
 

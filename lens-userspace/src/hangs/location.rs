@@ -286,9 +286,48 @@ fn follows_call(mem: &File, address: u64) -> bool {
     code[3] == 0xe8 || (2..=7).any(|n| code[8 - n] == 0xff && modrm_is_call(code[9 - n]))
 }
 
+/// A C++ name as a reader wants it in one line: demangled, without parameters, return
+/// type or template arguments (`c10d::Work::wait`).
 fn demangled(name: &str) -> String {
-    cpp_demangle::Symbol::new(name)
+    let options = cpp_demangle::DemangleOptions::new()
+        .no_params()
+        .no_return_type();
+    let full = cpp_demangle::Symbol::new(name)
         .ok()
-        .and_then(|symbol| symbol.demangle(&Default::default()).ok())
-        .unwrap_or_else(|| name.to_string())
+        .and_then(|symbol| symbol.demangle(&options).ok())
+        .unwrap_or_else(|| name.to_string());
+    without_template_arguments(&full)
+}
+
+fn without_template_arguments(name: &str) -> String {
+    let mut depth = 0usize;
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        match c {
+            '<' => depth += 1,
+            '>' if depth > 0 => depth -= 1,
+            _ if depth == 0 => out.push(c),
+            _ => {}
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpp_names_are_short() {
+        // c10d::Work::wait(std::chrono::duration<long, std::ratio<1l, 1000l> >)
+        assert_eq!(
+            demangled("_ZN4c10d4Work4waitENSt6chrono8durationIlSt5ratioILl1ELl1000EEEE"),
+            "c10d::Work::wait"
+        );
+        assert_eq!(
+            without_template_arguments("pybind11::cpp_function::initialize<A<B>, C>"),
+            "pybind11::cpp_function::initialize"
+        );
+        assert_eq!(demangled("clock_nanosleep"), "clock_nanosleep");
+    }
 }

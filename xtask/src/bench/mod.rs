@@ -16,11 +16,13 @@
 //! 4. `--pid` attach to a running PyTorch process;
 //! 5. the user side's event throughput ([`throughput`]): a kernel-side generator feeds
 //!    the ring buffer, decoder and span builder at increasing rates;
-//! 6. the Python stack sampler ([`python`]) on a pure-Python loop.
+//! 6. the Python stack sampler ([`python`]) on a pure-Python loop;
+//! 7. hang detection on a job that does not hang ([`hangs`]).
 //!
 //! `--only` runs some of them (then docs/performance.md is left as it is).
 
 mod budget;
+mod hangs;
 mod json;
 mod per_kind;
 mod proc;
@@ -68,10 +70,12 @@ pub enum Block {
     Budget,
     /// The Python stack sampler on a pure-Python loop (6).
     Python,
+    /// Hang detection's look every second, on the fake trainer (7).
+    Hangs,
 }
 
 impl Block {
-    pub const ALL: [Block; 7] = [
+    pub const ALL: [Block; 8] = [
         Block::Trainer,
         Block::PerKind,
         Block::Torch,
@@ -79,6 +83,7 @@ impl Block {
         Block::Throughput,
         Block::Budget,
         Block::Python,
+        Block::Hangs,
     ];
 
     pub fn name(self) -> &'static str {
@@ -90,6 +95,7 @@ impl Block {
             Block::Throughput => "throughput",
             Block::Budget => "budget",
             Block::Python => "python",
+            Block::Hangs => "hangs",
         }
     }
 }
@@ -99,7 +105,7 @@ impl Block {
 pub struct Blocks(u8);
 
 impl Blocks {
-    pub const ALL: Blocks = Blocks((1 << Block::ALL.len()) - 1);
+    pub const ALL: Blocks = Blocks(((1u16 << Block::ALL.len()) - 1) as u8);
 
     pub fn contains(self, block: Block) -> bool {
         self.0 & (1 << block as u8) != 0
@@ -382,6 +388,10 @@ pub fn run(opts: Options) -> Result<(), String> {
         true => Some(python::block(&ctx, &mut watch, opts.quick)?),
         false => None,
     };
+    let hangs = match wanted(Block::Hangs) {
+        true => Some(hangs::block(&ctx, &mut watch)?),
+        false => None,
+    };
     watch.check();
     let load_end = loadavg();
 
@@ -394,6 +404,7 @@ pub fn run(opts: Options) -> Result<(), String> {
         throughput,
         budget,
         python_sampler,
+        hangs,
     };
     let table = report::table(&sections(&ctx, &results));
     let notes = notes(&ctx, &results, &watch, slack);
@@ -1273,6 +1284,7 @@ struct Results {
     throughput: Option<throughput::ThroughputBlock>,
     budget: Option<budget::BudgetBlock>,
     python_sampler: Option<python::PythonBlock>,
+    hangs: Option<hangs::HangsBlock>,
 }
 
 /// The table's sections, in order, for the blocks that ran.
@@ -1294,6 +1306,9 @@ fn sections(ctx: &Ctx, r: &Results) -> Vec<Section> {
     }
     if let Some(python) = &r.python_sampler {
         out.push(python.section());
+    }
+    if let Some(hangs) = &r.hangs {
+        out.push(hangs.section());
     }
     if r.blocks.contains(Block::Attach) {
         out.push(attach_section(ctx, attach));
@@ -1698,6 +1713,9 @@ fn notes(ctx: &Ctx, r: &Results, watch: &Watch, slack: bool) -> String {
     }
     if let Some(python) = &r.python_sampler {
         n.push_str(&python.notes());
+    }
+    if let Some(hangs) = &r.hangs {
+        n.push_str(&hangs.notes());
     }
     if let Some(per_kind) = &r.per_kind {
         n.push_str(&per_kind.notes());
