@@ -145,10 +145,12 @@ impl StoppedFor {
     }
 }
 
-/// Continues every target the probes stopped longer than [`MAX_HOLD`] ago while
-/// lens-probe has been stopped as long (`lens_probe_stopped`), or longer than
-/// [`MAX_HOLD_WORKING`] ago in any case, deleting its entry first: lens-probe, finding it
-/// gone when it resumes the target, knows it was late.
+/// Continues every target the probes stopped while lens-probe has been stopped for
+/// [`MAX_HOLD`] (`lens_probe_stopped`), however recent the stop: a process loading many
+/// libraries stops at each, and waiting [`MAX_HOLD`] at every one added up to seconds
+/// (25 stops of one `import ctypes` on a loaded machine: 16 s); or stopped longer than
+/// [`MAX_HOLD_WORKING`] ago in any case. Its entry is deleted first: lens-probe, finding
+/// it gone when it resumes the target, knows it was late.
 fn end_long_stops(map: RawFd, lens_probe_stopped: Duration) {
     let now = monotonic_ns();
     let mut key: Option<u32> = None;
@@ -159,7 +161,7 @@ fn end_long_stops(map: RawFd, lens_probe_stopped: Duration) {
             continue;
         };
         let held = Duration::from_nanos(now.saturating_sub(since));
-        if held >= MAX_HOLD_WORKING || (held >= MAX_HOLD && lens_probe_stopped >= MAX_HOLD) {
+        if held >= MAX_HOLD_WORKING || lens_probe_stopped >= MAX_HOLD {
             due.push(pid);
         }
     }

@@ -89,6 +89,10 @@ pub const DL_COLLECTIVE_LAST_RANK: &str = "dl.collective.last_rank";
 pub const DL_COLLECTIVE_ARRIVAL_SKEW_NS: &str = "dl.collective.arrival_skew_ns";
 /// How long this rank's collective waited for the last rank to arrive.
 pub const DL_COLLECTIVE_WAIT_NS: &str = "dl.collective.wait_ns";
+/// Why the last rank was late, from its recent steps against the other ranks' median:
+/// `data_loading`, `forward_backward`, `optimizer`, `host_sync`, or `none` (none of
+/// them explains half the lateness). docs/collectives.md.
+pub const DL_COLLECTIVE_STRAGGLER_CAUSE: &str = "dl.collective.straggler.cause";
 /// Ranks whose calls were compared (those traced on this node; the communicator may
 /// have more on other nodes).
 pub const DL_COLLECTIVE_RANKS_COMPARED: &str = "dl.collective.ranks_compared";

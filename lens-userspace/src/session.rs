@@ -146,8 +146,10 @@ pub struct Session {
     guardian: Option<Guardian>,
     /// Python rules: their sampled stacks become rule calls (`python`).
     python: Option<PythonTracker>,
-    /// Library loads attached after the guardian had continued their target.
+    /// Library loads attached after the guardian had continued their target, and the
+    /// processes warned about.
     late_attaches: u64,
+    late_warned: HashSet<u32>,
     /// The console line on what is traced (`show_attach_status`), off by default.
     attach_status: Option<AttachStatus>,
     /// Node mode: candidates paused until they are attached (`hold_candidates`).
@@ -249,6 +251,7 @@ impl Session {
             guardian: None,
             python: None,
             late_attaches: 0,
+            late_warned: HashSet::new(),
             attach_status: None,
             held_candidates: std::collections::HashSet::new(),
             saving_depth: HashMap::new(),
@@ -857,8 +860,11 @@ impl Session {
                 .unwrap_or(true),
             None => true,
         };
+        // One line per process (a process loading many libraries stops at each), all counted.
         if !removed {
             self.late_attaches += 1;
+        }
+        if !removed && self.late_warned.insert(pid) {
             warn!(
                 "pid {pid} waited over {} ms at a library load: lens-probe's guardian let it \
                  go on, and its new library's first calls were not seen (attached late)",

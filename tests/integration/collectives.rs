@@ -326,3 +326,92 @@ fn a_late_rank_is_named_with_its_lateness() {
     let _ = std::fs::remove_file(&truth_path);
     let _ = std::fs::remove_file(&observed_path);
 }
+
+/// Two fake-PyTorch ranks (`trainer_torch`, DDP-like: an all-reduce inside each
+/// backward) whose all-reduces block until both arrived (`LENS_FAKE_NCCL_RENDEZVOUS`);
+/// rank 1 gets `slow` (its environment) and arrives late. Returns the all-reduce spans
+/// and the straggler summary.
+fn trace_slow_rank(name: &str, slow: (&str, &str)) -> (SpanLog, String) {
+    let rendezvous = scratch(&format!("rendezvous-{name}"));
+    std::fs::create_dir_all(&rendezvous).unwrap();
+    let mut session = Session::new(TraceOptions {
+        span_groups: "per_step".parse::<SpanGroups>().unwrap(),
+        kernel_logs: false,
+        overhead_budget: None,
+    })
+    .unwrap();
+    let trainer = lens_tests::torch_trainer();
+    let script = format!(
+        "TRAINER_RANK=0 \"$0\" 10 1 0 0 & TRAINER_RANK=1 {}={} \"$0\" 10 1 0 0; wait $!",
+        slow.0, slow.1
+    );
+    let argv: Vec<OsString> = vec![
+        "env".into(),
+        "TRAINER_DISTRIBUTED=1".into(),
+        "TRAINER_NRANKS=2".into(),
+        "TRAINER_INIT_MS=0".into(),
+        format!("LENS_FAKE_NCCL_RENDEZVOUS={}", rendezvous.display()).into(),
+        "sh".into(),
+        "-c".into(),
+        script.into(),
+        trainer.into_os_string(),
+    ];
+    session.exec(&argv).unwrap();
+    let mut builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
+    let report = session
+        .run_blocking(&mut builder, Some(Duration::from_secs(120)))
+        .unwrap();
+    assert_eq!(
+        report.child_exit,
+        Some(lens_probe::target::ExitStatus::Exited(0))
+    );
+    let _ = std::fs::remove_dir_all(&rendezvous);
+    let stragglers = lens_probe::spans::stragglers::render(builder.stragglers());
+    (builder.into_exporter(), stragglers)
+}
+
+/// The straggler's cause: the phase in which rank 1's recent steps took longer than
+/// rank 0's (whose wait inside the all-reduce is not counted against its phases).
+fn cause_is_named(name: &str, slow: (&str, &str), cause: &str) {
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (log, summary) = trace_slow_rank(name, slow);
+    let all_reduces: Vec<&SpanRecord> = log.named("nccl.all_reduce").collect();
+    assert_eq!(all_reduces.len(), 20, "10 steps, 2 ranks");
+    let told: Vec<String> = all_reduces
+        .iter()
+        .filter_map(|s| match s.attr(semconv::DL_COLLECTIVE_STRAGGLER_CAUSE) {
+            Some(AttrValue::Str(c)) => Some(c.to_string()),
+            _ => None,
+        })
+        .collect();
+    // From the second step on (a cause needs a whole step of each rank), both spans of
+    // each all-reduce: the cause is the same for all.
+    assert!(told.len() >= 14, "{told:?}");
+    assert!(told.iter().all(|c| c == cause), "{told:?}");
+    assert!(
+        summary.contains("stragglers: rank 1 arrived last in 100% of all_reduce")
+            && summary.contains(&format!("; cause: {cause} (100% of ")),
+        "{summary}"
+    );
+}
+
+#[test]
+fn a_rank_slow_in_data_loading_is_late_for_data_loading() {
+    cause_is_named(
+        "a_rank_slow_in_data_loading",
+        ("TRAINER_FETCH_MS", "30"),
+        "data_loading",
+    );
+}
+
+#[test]
+fn a_rank_slow_in_compute_is_late_for_forward_backward() {
+    cause_is_named(
+        "a_rank_slow_in_compute",
+        ("TRAINER_FORWARD_MS", "30"),
+        "forward_backward",
+    );
+}

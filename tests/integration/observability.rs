@@ -68,6 +68,7 @@ const LABELS: &[&str] = &[
     "dl_collective_dtype",
     "dl_collective_comm_id",
     "lens_probe_hang_kind",
+    "dl_collective_straggler_cause",
     "cuda_sync_kind",
     "cuda_launch_kind",
     "nemo_span_group",

@@ -242,6 +242,8 @@ impl ProcessMetrics {
                 span.int_attr(semconv::DL_RANK),
             ) && last == rank
             {
+                let mut attributes = attributes.clone();
+                attributes.extend(string_attr(span, semconv::DL_COLLECTIVE_STRAGGLER_CAUSE));
                 self.collective_arrival_skew
                     .record(skew as f64 / 1e9, &attributes);
             }

@@ -12,6 +12,7 @@ use super::{
     collectives::{CollectiveComm, Collectives},
     monotonic_now_ns, names,
     phases::{ProcessContext, ThreadPhases},
+    straggler_cause::{PhaseCall, PhaseHistory},
 };
 use crate::{
     config::{ArgType, DCP_ASYNC_SAVE, DCP_GET_STATE_DICT, NativeRule, ProbeRules},
@@ -167,7 +168,41 @@ pub struct SpanBuilder<E: SpanExporter> {
     /// Calls in flight when a hang was found, by (process, thread, entry): their spans
     /// get a `lens_probe.hang` event when they return.
     hung_calls: HashMap<(u32, u32, u64), SpanEvent>,
-    exporter: E,
+    /// Per thread, its open torch scopes (whether each is a batch fetch, and its start):
+    /// the fetches' times go to the stragglers' phase history.
+    scope_stacks: HashMap<(u32, u32), Vec<(bool, u64)>>,
+    exporter: Tap<E>,
+}
+
+/// The builder's exporter, with where each process's steps spent their time read off
+/// the spans on their way out (for the stragglers' causes).
+struct Tap<E> {
+    inner: E,
+    history: PhaseHistory,
+}
+
+impl<E: SpanExporter> SpanExporter for Tap<E> {
+    fn process_started(&mut self, info: &ProcessInfo, job: Option<SpanId>, start_ns: u64) {
+        self.inner.process_started(info, job, start_ns);
+    }
+    fn export(&mut self, span: SpanRecord) {
+        self.history.record(&span);
+        self.inner.export(span);
+    }
+    fn process_calls(
+        &mut self,
+        pid: u32,
+        calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
+    ) {
+        self.inner.process_calls(pid, calls);
+    }
+    fn launches_sampled(&mut self, pid: u32) {
+        self.inner.launches_sampled(pid);
+    }
+    fn process_ended(&mut self, pid: u32) {
+        self.history.forget(pid);
+        self.inner.process_ended(pid);
+    }
 }
 
 impl<E: SpanExporter> SpanBuilder<E> {
@@ -180,7 +215,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
             collectives: Collectives::default(),
             python_callers: HashMap::new(),
             hung_calls: HashMap::new(),
-            exporter,
+            scope_stacks: HashMap::new(),
+            exporter: Tap {
+                inner: exporter,
+                history: PhaseHistory::default(),
+            },
         }
     }
 
@@ -191,11 +230,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
     }
 
     pub fn exporter(&self) -> &E {
-        &self.exporter
+        &self.exporter.inner
     }
 
     pub fn into_exporter(self) -> E {
-        self.exporter
+        self.exporter.inner
     }
 
     /// Per collective operation, which traced rank arrived last how often.
@@ -397,9 +436,10 @@ impl<E: SpanExporter> SpanBuilder<E> {
         calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
     ) {
         // Its collectives go out with what is known before its spans close.
-        let released = self.collectives.process_ended(pid);
+        let released = self.collectives.process_ended(pid, &self.exporter.history);
         self.send_released(released);
         self.place_held(pid, |_, _| true);
+        self.scope_stacks.retain(|(p, _), _| *p != pid);
         let Some(mut process) = self.processes.remove(&pid) else {
             return;
         };
@@ -515,6 +555,25 @@ impl<E: SpanExporter> SpanBuilder<E> {
             .arena
             .launches_mut()
             .record_mark(at, launches, epoch);
+        match signal {
+            crate::events::PhaseSignal::ScopeEnter { scope, .. } => {
+                let stack = self.scope_stacks.entry((tgid, tid)).or_default();
+                // Bounded: a scope whose exit is never seen (an exception) must not grow it.
+                if stack.len() < 256 {
+                    stack.push((*scope == crate::events::TorchScope::DataLoaderNext, at));
+                }
+            }
+            crate::events::PhaseSignal::ScopeExit => {
+                if let Some((true, start)) =
+                    self.scope_stacks.get_mut(&(tgid, tid)).and_then(Vec::pop)
+                {
+                    self.exporter
+                        .history
+                        .record_call(tgid, PhaseCall::Fetch, start, at);
+                }
+            }
+            _ => {}
+        }
         let traced_from_start = process.traced_from_start;
         let thread = process
             .threads
@@ -886,6 +945,19 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
     }
 
     fn on_event(&mut self, event: &ProbeEvent) {
+        // Where each step's time goes, for the stragglers' causes: calls as they return.
+        let call = match event {
+            ProbeEvent::Collective { timing, .. } | ProbeEvent::GlooCall { timing, .. } => {
+                Some((timing, PhaseCall::Collective))
+            }
+            ProbeEvent::SyncWait { timing, .. } => Some((timing, PhaseCall::Sync)),
+            _ => None,
+        };
+        if let Some((timing, call)) = call {
+            self.exporter
+                .history
+                .record_call(timing.tgid, call, timing.start_ns, timing.end_ns);
+        }
         match event {
             ProbeEvent::Phase {
                 tgid,
@@ -951,7 +1023,9 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
                     id_hash: c.id_hash,
                     rank: c.rank,
                 });
-                let released = self.collectives.add(record, *op, *stream, comm);
+                let released =
+                    self.collectives
+                        .add(record, *op, *stream, comm, &self.exporter.history);
                 self.send_released(released);
                 self.bound_held(timing.tgid, timing.end_ns);
             }

@@ -13,6 +13,7 @@ use slab::Slab;
 
 use super::{
     SpanRecord,
+    straggler_cause::PhaseHistory,
     stragglers::{Arrival, MatchKey, Matched, Matcher, OpStragglers},
 };
 use crate::{
@@ -222,6 +223,7 @@ impl Collectives {
         op: CollectiveOp,
         stream: u64,
         comm: Option<CollectiveComm>,
+        history: &PhaseHistory,
     ) -> Vec<SpanRecord> {
         let serial = self.next_serial;
         self.next_serial += 1;
@@ -271,7 +273,7 @@ impl Collectives {
             .push_back(serial);
         let mut ready = Vec::new();
         if let Some(matched) = matched {
-            self.apply_match(&matched, &mut ready);
+            self.apply_match(&matched, &mut ready, history);
         }
         while self.held.len() > MAX_HELD {
             let Some(oldest) = self.held.oldest() else {
@@ -413,7 +415,7 @@ impl Collectives {
 
     /// `pid` ended: its held spans go out with what is known, and the other ranks no
     /// longer wait for it.
-    pub fn process_ended(&mut self, pid: u32) -> Vec<SpanRecord> {
+    pub fn process_ended(&mut self, pid: u32, history: &PhaseHistory) -> Vec<SpanRecord> {
         for members in self.members.values_mut() {
             members.remove(&pid);
         }
@@ -423,7 +425,7 @@ impl Collectives {
         let (matched, alone) = self.matcher.rank_gone(pid);
         let mut ready = Vec::new();
         for matched in &matched {
-            self.apply_match(matched, &mut ready);
+            self.apply_match(matched, &mut ready, history);
         }
         for serial in &alone {
             if let Some(held) = self.held.get_mut(serial) {
@@ -449,7 +451,22 @@ impl Collectives {
         self.matcher.stats()
     }
 
-    fn apply_match(&mut self, matched: &Matched, ready: &mut Vec<SpanRecord>) {
+    fn apply_match(
+        &mut self,
+        matched: &Matched,
+        ready: &mut Vec<SpanRecord>,
+        history: &PhaseHistory,
+    ) {
+        let last_pid = matched
+            .arrivals
+            .iter()
+            .find(|a| a.rank == matched.last_rank && a.at_ns == matched.last_at_ns)
+            .map(|a| a.pid);
+        let pids: Vec<u32> = matched.arrivals.iter().map(|a| a.pid).collect();
+        let cause = last_pid.and_then(|late| history.cause(late, &pids, matched.skew_ns));
+        if let Some(cause) = cause {
+            self.matcher.note_cause(matched, cause);
+        }
         for arrival in &matched.arrivals {
             if let Some(held) = self.held.get_mut(&arrival.serial) {
                 let record = &mut held.record;
@@ -463,6 +480,9 @@ impl Collectives {
                     semconv::DL_COLLECTIVE_RANKS_COMPARED,
                     matched.arrivals.len() as u64,
                 );
+                if let Some(cause) = cause {
+                    record.set_attr(semconv::DL_COLLECTIVE_STRAGGLER_CAUSE, cause.name());
+                }
                 held.waiting_for_ranks = false;
             }
         }
@@ -518,7 +538,11 @@ mod tests {
     fn the_first_successful_query_of_the_event_after_it_ends_the_collective() {
         let mut collectives = Collectives::default();
         let op = CollectiveOp::AllReduce;
-        assert!(collectives.add(call(1, 1, 10, 12), op, S, None).is_empty());
+        assert!(
+            collectives
+                .add(call(1, 1, 10, 12), op, S, None, &PhaseHistory::default())
+                .is_empty()
+        );
         collectives.event_recorded(1, E, S);
         // A query of another process's event of the same value tells nothing.
         assert!(collectives.event_complete(2, E, 20, None).is_empty());
@@ -541,8 +565,14 @@ mod tests {
     fn syncs_bound_the_end_of_what_they_waited_for_only() {
         let mut collectives = Collectives::default();
         let op = CollectiveOp::AllReduce;
-        collectives.add(call(1, 1, 10, 12), op, S, None);
-        collectives.add(call(1, 2, 14, 15), op, S + 1, None);
+        collectives.add(call(1, 1, 10, 12), op, S, None, &PhaseHistory::default());
+        collectives.add(
+            call(1, 2, 14, 15),
+            op,
+            S + 1,
+            None,
+            &PhaseHistory::default(),
+        );
         // Another stream's sync: nothing.
         assert!(
             collectives
@@ -567,10 +597,16 @@ mod tests {
     fn a_re_recorded_event_stands_for_the_later_collective_only() {
         let mut collectives = Collectives::default();
         let op = CollectiveOp::AllReduce;
-        collectives.add(call(1, 1, 10, 12), op, S, None);
+        collectives.add(call(1, 1, 10, 12), op, S, None, &PhaseHistory::default());
         collectives.event_recorded(1, E, S);
         // PyTorch reuses its events: the same one recorded after a collective elsewhere.
-        collectives.add(call(1, 2, 20, 22), op, S + 1, None);
+        collectives.add(
+            call(1, 2, 20, 22),
+            op,
+            S + 1,
+            None,
+            &PhaseHistory::default(),
+        );
         collectives.event_recorded(1, E, S + 1);
         let done = collectives.event_complete(1, E, 60, None);
         assert_eq!(done.iter().map(|s| s.id).collect::<Vec<_>>(), [SpanId(2)]);
@@ -580,7 +616,7 @@ mod tests {
                 .sync_returned(1, SyncKind::Event, E, 70)
                 .is_empty()
         );
-        let done = collectives.process_ended(1);
+        let done = collectives.process_ended(1, &PhaseHistory::default());
         assert_eq!((done[0].id, done[0].end_ns), (SpanId(1), 12));
         assert_eq!(source(&done[0]), Some(&"call_return".into()));
         assert_eq!(
@@ -601,14 +637,26 @@ mod tests {
         };
         collectives.comm_init(100, 0xc0, 0xfeed);
         collectives.comm_init(101, 0xc1, 0xfeed);
-        collectives.add(call(100, 1, 1_000, 1_100), op, S, Some(comm(0)));
+        collectives.add(
+            call(100, 1, 1_000, 1_100),
+            op,
+            S,
+            Some(comm(0)),
+            &PhaseHistory::default(),
+        );
         // Rank 0's collective completed, but rank 1 has not called it yet: held.
         assert!(
             collectives
                 .sync_returned(100, SyncKind::Stream, S, 9_000)
                 .is_empty()
         );
-        let done = collectives.add(call(101, 2, 6_000, 6_100), op, S, Some(comm(1)));
+        let done = collectives.add(
+            call(101, 2, 6_000, 6_100),
+            op,
+            S,
+            Some(comm(1)),
+            &PhaseHistory::default(),
+        );
         assert_eq!(done.len(), 1, "rank 0's span goes once rank 1 arrived");
         assert_eq!(done[0].int_attr(semconv::DL_COLLECTIVE_LAST_RANK), Some(1));
         assert_eq!(
@@ -634,13 +682,20 @@ mod tests {
     fn one_stuck_span_keeps_only_itself_held_while_later_ones_leave() {
         let mut collectives = Collectives::default();
         // Serial 0 on a stream nothing completes; 1000 more on another, each synced.
-        collectives.add(call(7, 0, 10, 20), CollectiveOp::AllReduce, S, None);
+        collectives.add(
+            call(7, 0, 10, 20),
+            CollectiveOp::AllReduce,
+            S,
+            None,
+            &PhaseHistory::default(),
+        );
         for i in 1..=1000u64 {
             collectives.add(
                 call(7, i, 10 * i, 10 * i + 5),
                 CollectiveOp::AllReduce,
                 E,
                 None,
+                &PhaseHistory::default(),
             );
             let done = collectives.sync_returned(7, SyncKind::Stream, E, 10 * i + 8);
             assert_eq!(done.len(), 1);
@@ -663,7 +718,13 @@ mod tests {
     #[test]
     fn a_collective_nothing_completes_goes_out_after_the_hold_limit() {
         let mut collectives = Collectives::default();
-        collectives.add(call(1, 1, 10, 12), CollectiveOp::Broadcast, S, None);
+        collectives.add(
+            call(1, 1, 10, 12),
+            CollectiveOp::Broadcast,
+            S,
+            None,
+            &PhaseHistory::default(),
+        );
         assert!(collectives.expire(HOLD_LIMIT_NS).is_empty());
         let done = collectives.expire(HOLD_LIMIT_NS + 13);
         assert_eq!(

@@ -8,6 +8,7 @@ mod collectives;
 pub mod console;
 mod launches;
 mod phases;
+pub mod straggler_cause;
 pub mod stragglers;
 #[cfg(test)]
 mod tests;

@@ -8,6 +8,7 @@ use foldhash::HashMap;
 
 use serde::Serialize;
 
+use super::straggler_cause::StragglerCause;
 use crate::events::CollectiveOp;
 
 /// One collective across ranks: the communicator's id hash and the collective's number.
@@ -28,6 +29,7 @@ pub struct Arrival {
 /// Every expected rank arrived.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Matched {
+    pub op: CollectiveOp,
     pub arrivals: Vec<Arrival>,
     pub last_rank: i32,
     pub last_at_ns: u64,
@@ -59,6 +61,9 @@ pub struct OpStragglers {
     /// Sum and maximum of the arrival skews.
     pub skew_total_ns: u64,
     pub skew_max_ns: u64,
+    /// Per rank that arrived last, why, as often as it was told
+    /// (`straggler_cause`: needs whole steps of every rank compared).
+    pub causes_of_last: BTreeMap<i32, BTreeMap<StragglerCause, u64>>,
 }
 
 #[derive(Default)]
@@ -105,6 +110,7 @@ impl Matcher {
         stats.skew_total_ns += skew_ns;
         stats.skew_max_ns = stats.skew_max_ns.max(skew_ns);
         Matched {
+            op: waiting.op,
             arrivals: waiting.arrivals,
             last_rank: last.rank,
             last_at_ns: last.at_ns,
@@ -153,6 +159,17 @@ impl Matcher {
         (done, alone)
     }
 
+    /// Why the last rank of `matched` was late.
+    pub fn note_cause(&mut self, matched: &Matched, cause: StragglerCause) {
+        let stats = self.stats.entry(matched.op).or_default();
+        *stats
+            .causes_of_last
+            .entry(matched.last_rank)
+            .or_default()
+            .entry(cause)
+            .or_default() += 1;
+    }
+
     pub fn stats(&self) -> &BTreeMap<CollectiveOp, OpStragglers> {
         &self.stats
     }
@@ -173,11 +190,24 @@ pub fn render(stats: &BTreeMap<CollectiveOp, OpStragglers>) -> String {
         };
         let percent = *times as f64 * 100.0 / stats.matched as f64;
         let mean_ms = stats.skew_total_ns as f64 / stats.matched as f64 / 1e6;
+        // Its most frequent cause, of the times one was told.
+        let cause = stats.causes_of_last.get(rank).and_then(|causes| {
+            let told: u64 = causes.values().sum();
+            let (cause, n) = causes
+                .iter()
+                .max_by_key(|(c, n)| (**n, std::cmp::Reverse(**c)))?;
+            Some(format!(
+                "; cause: {} ({:.0}% of {told} told)",
+                cause.name(),
+                *n as f64 * 100.0 / told as f64
+            ))
+        });
         out += &format!(
-            "  stragglers: rank {rank} arrived last in {percent:.0}% of {} ({times} of {} matched across ranks; skew mean {mean_ms:.2} ms, max {:.2} ms)\n",
+            "  stragglers: rank {rank} arrived last in {percent:.0}% of {} ({times} of {} matched across ranks; skew mean {mean_ms:.2} ms, max {:.2} ms){}\n",
             op.name(),
             stats.matched,
             stats.skew_max_ns as f64 / 1e6,
+            cause.unwrap_or_default(),
         );
     }
     out
