@@ -17,11 +17,12 @@ commands:
                         measure lens-probe's overhead (per-hit cost vs bpftrace, overall and
                         per probe kind, slowdown per preset on the fake trainer and on
                         PyTorch, attach time, CPU and RSS, event throughput, the Python
-                        sampler), variants interleaved, N rounds (default 5), medians; prints
-                        one markdown table and writes it into docs/performance.md. Needs root.
+                        sampler, hang detection), variants interleaved, N rounds (default 5),
+                        medians; prints one markdown table and writes it into
+                        docs/performance.md. Needs root.
                         --quick: 1 round, smaller loops, docs left as they are. --only: these
                         blocks only (trainer, per-kind, torch, attach, throughput, budget,
-                        python), docs left as they are
+                        python, hangs), docs left as they are
   help                  print this help";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -250,7 +251,7 @@ mod tests {
         assert_eq!(
             parse(&["bench", "--only", "trainer,gpu"]),
             Err(
-                "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput, budget, python)"
+                "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput, budget, python, hangs)"
                     .to_owned()
             )
         );
