@@ -242,18 +242,44 @@ fn a_late_rank_is_named_with_its_lateness() {
     const PERIOD_MS: u64 = 40;
     let truth_path = scratch("truth-ranks");
     let observed_path = scratch("observed-ranks");
-    // Both ranks on one schedule that starts well after lens-probe has attached; rank 1
-    // calls every all-reduce LATE_MS after rank 0. An earlier test binary's lens-probe
-    // instances let their uprobes go one by one after they exit (~0.1 s each), and an
-    // attach queues behind that: past the epoch, a rank runs its calls back to back and
-    // ends before the other reaches them (seen after the cli tests: unmatched calls).
-    lens_tests::wait_for_lens_probe_teardown();
-    let epoch = monotonic_now_ns() + 3_000_000_000;
+    // Both ranks on one schedule that starts once both are attached; rank 1 calls every
+    // all-reduce LATE_MS after rank 0. A fixed epoch (3 s ahead) failed when attaches
+    // queued behind another lens-probe's uprobe teardown (~0.1 s a probe): past the
+    // epoch, a rank runs its calls back to back and ends before the other reaches them.
+    // So each rank says when its main() runs (its libraries loaded, hence attached: the
+    // loads are held until then) and waits at a gate; the test opens it with an epoch.
+    let ready = scratch("ready-ranks");
+    let _ = std::fs::remove_dir_all(&ready);
+    std::fs::create_dir_all(&ready).unwrap();
+    let gate = scratch("gate-ranks");
+    let opener = {
+        let (ready, gate) = (ready.clone(), gate.clone());
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            while !(ready.join("ready.0").exists() && ready.join("ready.1").exists()) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the ranks never started"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let epoch = monotonic_now_ns() + 500_000_000;
+            let staged = gate.with_extension("tmp");
+            std::fs::write(&staged, epoch.to_string()).unwrap();
+            std::fs::rename(&staged, &gate).unwrap();
+        })
+    };
     let script = format!(
-        "export COLLECTIVE_EPOCH_NS={epoch} COLLECTIVE_PERIOD_MS={PERIOD_MS}; \
-         \"$0\" 0 2 {STEPS} & COLLECTIVE_LATE_MS={LATE_MS} \"$0\" 1 2 {STEPS}; wait $!"
+        "export COLLECTIVE_EPOCH_NS=gate COLLECTIVE_PERIOD_MS={PERIOD_MS} \
+         COLLECTIVE_READY_DIR={} COLLECTIVE_START_GATE={}; \
+         \"$0\" 0 2 {STEPS} & COLLECTIVE_LATE_MS={LATE_MS} \"$0\" 1 2 {STEPS}; wait $!",
+        ready.display(),
+        gate.display()
     );
     let (log, summary) = trace(&script, &truth_path, &observed_path);
+    opener.join().unwrap();
+    let _ = std::fs::remove_dir_all(&ready);
+    let _ = std::fs::remove_file(&gate);
     let truth = truths(&truth_path);
     assert_eq!(truth.len(), 2 * STEPS);
     let mut pids: Vec<u32> = truth.iter().map(|t| t.pid).collect();

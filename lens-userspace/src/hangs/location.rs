@@ -67,6 +67,9 @@ pub struct NativePlace {
 impl fmt::Display for NativePlace {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let frames: Vec<String> = self.frames.iter().map(ToString::to_string).collect();
+        if frames.is_empty() && self.syscall.is_none() {
+            return write!(f, "running (not in a system call)");
+        }
         if frames.is_empty() {
             write!(f, "?")?;
         } else {
@@ -193,10 +196,30 @@ const STACK_SCAN_BYTES: usize = 16 * 1024;
 /// Native frames shown: the instruction pointer's and this many callers at most.
 const MAX_NATIVE_FRAMES: usize = 8;
 
+/// Reads of a running thread's `syscall` file before it is taken as running: a thread
+/// that polls (sleeps a little, checks, sleeps again) is caught between two sleeps now
+/// and then, more often on a loaded machine.
+const SYSCALL_READS: u32 = 100;
+
 /// `tid`'s native place: `/proc/PID/task/TID/syscall` is "NR args… sp pc" while it is in
-/// a system call, "running" or "-1 sp pc" otherwise.
+/// a system call, "running" while it runs (then there is no place to read without
+/// stopping it, which a hang report does not do), "-1 sp pc" when stopped elsewhere.
 fn native_place(pid: u32, tid: u32) -> Option<NativePlace> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")).ok()?;
+    let path = format!("/proc/{pid}/task/{tid}/syscall");
+    let mut text = std::fs::read_to_string(&path).ok()?;
+    for _ in 1..SYSCALL_READS {
+        if !text.starts_with("running") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        text = std::fs::read_to_string(&path).ok()?;
+    }
+    if text.starts_with("running") {
+        return Some(NativePlace {
+            syscall: None,
+            frames: Vec::new(),
+        });
+    }
     let fields: Vec<&str> = text.split_whitespace().collect();
     let number: i64 = fields.first()?.parse().ok()?;
     let hex = |field: &str| u64::from_str_radix(field.trim_start_matches("0x"), 16).ok();
