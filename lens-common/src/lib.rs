@@ -424,7 +424,7 @@ pub struct Event {
     /// phase are the difference between two marks, aggregated in the kernel.
     pub launches: u64,
     /// The first six integer arguments at entry (`RuleCall` events), as the registers
-    /// held them.
+    /// held them; a file-open mark's open flags in the first.
     pub args: [u64; RULE_ARGS],
     /// `ncclDataType_t` (collectives).
     pub datatype: i32,
@@ -730,11 +730,21 @@ pub mod maps {
     /// guardian continues the ones lens-probe leaves there too long.
     pub const STOPPED: &str = "STOPPED";
     /// Python processes with a framework's save (load) function running on a thread
-    /// (tgid → 1): the collective and sync entries of each of their threads take a
-    /// Python stack sample first, so a call made after the save returned is not taken
-    /// for one of its own, and a save DCP's `async_save` runs on a background thread is
-    /// seen at that thread's first collective, not a sampling interval of CPU later.
+    /// (tgid → [`super::saving`] bits): the collective and sync entries of each of their
+    /// threads take a Python stack sample first, so a call made after the save returned
+    /// is not taken for one of its own, and a save DCP's `async_save` runs on a
+    /// background thread is seen at that thread's first collective, not a sampling
+    /// interval of CPU later. During a load, files opened for reading are marks too.
     pub const PY_SAVING: &str = "PY_SAVING";
+}
+
+/// What a `PY_SAVING` entry says is running in the process.
+pub mod saving {
+    /// A framework save function.
+    pub const SAVE: u8 = 1;
+    /// A framework load function: the files it opens for reading are what its
+    /// `nemo.checkpoint.files` counts.
+    pub const LOAD: u8 = 2;
 }
 
 /// Sizes of the kernel-side maps.

@@ -14,7 +14,7 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::{
     CODE_RANGES, CallKey, CodeRanges, Event, EventKind, HandleKey, InflightKey, KernelKey,
     LaunchTotals, LossCause, NCCL_UNIQUE_ID_WORDS, PY_MAX_DEPTH, PY_MAX_WALK, PY_NO_FIELD, ProbeId,
-    PyOffsets, PyStack, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits,
+    PyOffsets, PyStack, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits, saving,
     settings,
 };
 
@@ -809,12 +809,15 @@ pub fn phase_mark(ctx: ProbeContext) -> u32 {
 }
 
 /// libc's `open(path, flags)` / `openat(dirfd, path, flags)` entered: a file created
-/// (`O_CREAT`) is sent as a mark (a checkpoint's file); any other open sends nothing and
-/// counts nothing, nor does a creation under `/dev/` or `/proc/` (POSIX semaphores in
-/// `/dev/shm`, which progress bars create, are no checkpoint files).
+/// (`O_CREAT`) is sent as a mark (a checkpoint's file), and so is a file opened for
+/// reading while the process is in a framework load (`PY_SAVING`); any other open sends
+/// nothing and counts nothing, nor does one under `/dev/` or `/proc/` (POSIX semaphores
+/// in `/dev/shm`, which progress bars create, are no checkpoint files).
 #[uprobe]
 pub fn file_open_entry(ctx: ProbeContext) -> u32 {
     const O_CREAT: u64 = 0o100;
+    const O_ACCMODE: u64 = 0o3;
+    const O_DIRECTORY: u64 = 0o200000;
     // Both registers are read, then one chosen: the verifier takes context loads at
     // constant offsets only, which a branch between two loads can be merged out of.
     let (open_path, open_flags) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1));
@@ -824,8 +827,16 @@ pub fn file_open_entry(ctx: ProbeContext) -> u32 {
     } else {
         (open_path, open_flags)
     };
-    if flags.unwrap_or(0) & O_CREAT == 0 {
-        return 0;
+    let flags = flags.unwrap_or(0);
+    if flags & O_CREAT == 0 {
+        // A file opened for reading counts only inside a framework load (DCP's reader
+        // opens each file once; the per-item `torch.load`s read from streams).
+        let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+        // SAFETY: the value is copied out.
+        let loading = unsafe { PY_SAVING.get(&tgid) }.is_some_and(|v| *v & saving::LOAD != 0);
+        if !loading || flags & O_ACCMODE != 0 || flags & O_DIRECTORY != 0 {
+            return 0;
+        }
     }
     // SAFETY: reading the traced thread's memory through the checked helper.
     let prefix =
@@ -839,6 +850,8 @@ pub fn file_open_entry(ctx: ProbeContext) -> u32 {
     // The Python stack first (stamped before the mark): the loader knows whether the
     // framework save that may have created it is still running.
     send_python_stack(pid_tgid, true);
+    // The flags tell the loader a file created from one opened for reading.
+    event.args[0] = flags;
     // SAFETY: the helper only reads the clock.
     event.start_ns = unsafe { bpf_ktime_get_ns() };
     event.end_ns = event.start_ns;

@@ -198,6 +198,9 @@ pub enum PhaseSignal {
     /// A file created (libc `open`/`openat` with `O_CREAT`): counted by the checkpoint
     /// open on the thread, if any; never a phase of its own.
     FileCreated,
+    /// A file opened for reading inside a framework load: counted by the load open on
+    /// the thread, if any; never a phase of its own.
+    FileRead,
 }
 
 /// Where and when: common to every event.
@@ -614,6 +617,9 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
     })
 }
 
+/// `open`'s flag for a file it may create.
+const O_CREAT: u64 = 0o100;
+
 fn phase_signal(probe: ProbeId, raw: &Event) -> Option<PhaseSignal> {
     let at_return = raw.at_return != 0;
     Some(match (probe, at_return) {
@@ -647,7 +653,11 @@ fn phase_signal(probe: ProbeId, raw: &Event) -> Option<PhaseSignal> {
         (ProbeId::CheckpointWriterClose, true) => PhaseSignal::CheckpointWriteEnd,
         (ProbeId::CheckpointReaderOpen, false) => PhaseSignal::CheckpointReadStart,
         (ProbeId::CheckpointReaderClose, true) => PhaseSignal::CheckpointReadEnd,
-        (ProbeId::FileOpen | ProbeId::FileOpenAt, false) => PhaseSignal::FileCreated,
+        // The open flags, kept by the entry program.
+        (ProbeId::FileOpen | ProbeId::FileOpenAt, false) if raw.args[0] & O_CREAT != 0 => {
+            PhaseSignal::FileCreated
+        }
+        (ProbeId::FileOpen | ProbeId::FileOpenAt, false) => PhaseSignal::FileRead,
         _ => return None,
     })
 }

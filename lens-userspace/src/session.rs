@@ -19,7 +19,7 @@ use aya::{
 use aya_log::EbpfLogger;
 use lens_common::{
     CODE_RANGES, CallKey, CodeRanges, Event, HandleKey, InflightKey, KernelKey, LaunchTotals,
-    LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps, settings,
+    LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps, saving, settings,
 };
 use log::{debug, info, warn};
 use tokio::{
@@ -154,8 +154,9 @@ pub struct Session {
     attach_status: Option<AttachStatus>,
     /// Node mode: candidates paused until they are attached (`hold_candidates`).
     held_candidates: std::collections::HashSet<u32>,
-    /// Framework save calls open per process (what `PY_SAVING` says to the kernel).
-    saving_depth: HashMap<u32, u32>,
+    /// Framework save and load calls open per process (what `PY_SAVING` says to the
+    /// kernel).
+    saving_depth: HashMap<u32, [u32; 2]>,
     /// File-creation probes, one set per traced process (`probes::files`).
     file_probes: FileProbes,
     /// Targets that are forks still running their parent's program (DataLoader and
@@ -271,7 +272,12 @@ impl Session {
 
     /// Tells the driver probes where `pid` maps libcudart (all its mappings, merged): a
     /// driver launch returning there is the runtime's own, counted at the runtime.
-    fn set_runtime_ranges(&mut self, pid: u32) {
+    /// `libraries` are what `pid` maps of interest: without a libcudart, the maps (long
+    /// in a torch process, and read at every library load) are not read again.
+    fn set_runtime_ranges(&mut self, pid: u32, libraries: &[MappedLibrary]) {
+        if !libraries.iter().any(|l| l.kind == LibraryKind::CudaRuntime) {
+            return;
+        }
         let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
             return;
         };
@@ -657,7 +663,7 @@ impl Session {
             self.attacher
                 .attach_library(&mut self.ebpf, library, &self.groups);
         }
-        self.set_runtime_ranges(pid);
+        self.set_runtime_ranges(pid, libraries);
         self.sample_python(pid);
         self.probe_file_creation(pid, libraries);
         self.set_target(pid, TargetConfig::default())?;
@@ -923,7 +929,7 @@ impl Session {
                             .attach_library(&mut self.ebpf, library, &self.groups);
                     }
                 }
-                self.set_runtime_ranges(pid);
+                self.set_runtime_ranges(pid, &libraries);
                 self.sample_python(pid);
                 self.probe_file_creation(pid, &libraries);
             }
@@ -1207,8 +1213,8 @@ impl Session {
     }
 
     /// Hands Python rule calls to `sink`, keeping the kernel's `PY_SAVING` (processes
-    /// inside a framework save, whose collective and sync entries take a stack sample)
-    /// in step.
+    /// inside a framework save or load, whose collective and sync entries take a stack
+    /// sample, and whose files opened during a load are counted) in step.
     fn deliver_rule_calls(&mut self, calls: Vec<ProbeEvent>, sink: &mut dyn EventSink) {
         for call in &calls {
             if let ProbeEvent::RuleCall {
@@ -1217,25 +1223,30 @@ impl Session {
                 at_return,
                 ..
             } = call
-                && self.python.as_ref().is_some_and(|t| t.is_framework(*rule))
+                && let Some(group) = self.python.as_ref().and_then(|t| t.framework_group(*rule))
             {
-                let depth = self.saving_depth.entry(*tgid).or_default();
-                let was = *depth;
+                let depths = self.saving_depth.entry(*tgid).or_default();
+                let bits = |d: &[u32; 2]| {
+                    (if d[0] > 0 { saving::SAVE } else { 0 })
+                        | (if d[1] > 0 { saving::LOAD } else { 0 })
+                };
+                let was = bits(depths);
+                let depth = &mut depths[usize::from(group == SpanGroup::LoadCheckpoint)];
                 *depth = if *at_return {
                     depth.saturating_sub(1)
                 } else {
                     *depth + 1
                 };
-                let now = *depth;
+                let now = bits(depths);
                 if now == 0 {
                     self.saving_depth.remove(tgid);
                 }
-                if (was == 0) != (now == 0)
+                if was != now
                     && let Some(map) = self.ebpf.map_mut(maps::PY_SAVING)
                     && let Ok(mut saving) = BpfHashMap::<_, u32, u8>::try_from(map)
                 {
-                    let _ = if now > 0 {
-                        saving.insert(*tgid, 1, 0)
+                    let _ = if now != 0 {
+                        saving.insert(*tgid, now, 0)
                     } else {
                         saving.remove(tgid)
                     };
@@ -1564,6 +1575,7 @@ impl Session {
         limit: Option<Duration>,
     ) -> Result<RunReport> {
         let mut ring = register(self.ring.take().expect("run is called once"))?;
+        let _priority = EventLoopPriority::raise();
         let mut logger = match self.logger.take() {
             Some(logger) => Some(register(logger)?),
             None => None,
@@ -1821,4 +1833,46 @@ async fn wait_child(pid: u32) -> Option<ExitStatus> {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     None
+}
+
+/// The event loop's thread runs at a higher priority than the jobs it traces while it
+/// runs (nice `EVENT_LOOP_NICE`, restored after). On a node whose cores the job keeps
+/// busy, a loop at the job's priority falls seconds behind: Python stacks are named from
+/// the target's memory when they are read, and a process that ended meanwhile took its
+/// names with it (a save just before a job's end went unseen). The loop's CPU time is
+/// what its events cost, whatever its priority; only when it runs changes.
+struct EventLoopPriority {
+    tid: libc::id_t,
+    was: libc::c_int,
+}
+
+const EVENT_LOOP_NICE: libc::c_int = -5;
+
+impl EventLoopPriority {
+    fn raise() -> Option<EventLoopPriority> {
+        // SAFETY: plain system calls on this thread's own scheduling priority.
+        unsafe {
+            let tid = libc::gettid() as libc::id_t;
+            *libc::__errno_location() = 0;
+            let was = libc::getpriority(libc::PRIO_PROCESS, tid);
+            if *libc::__errno_location() != 0 || was <= EVENT_LOOP_NICE {
+                return None;
+            }
+            if libc::setpriority(libc::PRIO_PROCESS, tid, EVENT_LOOP_NICE) != 0 {
+                debug!(
+                    "the event loop keeps nice {was}: {}",
+                    std::io::Error::last_os_error()
+                );
+                return None;
+            }
+            Some(EventLoopPriority { tid, was })
+        }
+    }
+}
+
+impl Drop for EventLoopPriority {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, self.tid, self.was) };
+    }
 }

@@ -99,6 +99,9 @@ pub struct CodeReader {
     mem: File,
     layout: CodeLayout,
     names: HashMap<(u64, u64, u64, u32), CodeName>,
+    /// The name last read at each code object address: what a sample of a process that
+    /// has ended since (its memory gone with it) is named by.
+    last_at: HashMap<u64, CodeName>,
     /// 3.10: the process's source files, for the classes of its methods.
     sources: Option<SourceNames>,
 }
@@ -109,6 +112,7 @@ impl CodeReader {
             mem: File::open(format!("/proc/{pid}/mem"))?,
             layout,
             names: HashMap::new(),
+            last_at: HashMap::new(),
             sources: layout.firstlineno.map(|_| SourceNames::new(pid)),
         })
     }
@@ -119,15 +123,14 @@ impl CodeReader {
             return None;
         }
         let first_line = match self.layout.firstlineno {
-            Some(offset) => self.u32_at(code.checked_add(offset)?)?,
-            None => 0,
+            Some(offset) => self.u32_at(code.checked_add(offset)?),
+            None => Some(0),
         };
-        let key = (
-            code,
-            self.u64_at(code.checked_add(self.layout.qualname)?)?,
-            self.u64_at(code.checked_add(self.layout.filename)?)?,
-            first_line,
-        );
+        let pointers = self.two_u64_at(code, self.layout.qualname, self.layout.filename);
+        let (Some(first_line), Some((qualname, filename))) = (first_line, pointers) else {
+            return self.last_at.get(&code);
+        };
+        let key = (code, qualname, filename, first_line);
         if !self.names.contains_key(&key) {
             let name = self.ascii(key.1)?;
             let filename = self.ascii(key.2)?;
@@ -143,7 +146,9 @@ impl CodeReader {
             };
             if self.names.len() >= MAX_NAMES {
                 self.names.clear();
+                self.last_at.clear();
             }
+            self.last_at.insert(code, name.clone());
             self.names.insert(key, name);
         }
         self.names.get(&key)
@@ -177,6 +182,26 @@ impl CodeReader {
         let mut bytes = [0u8; 4];
         self.mem.read_exact_at(&mut bytes, address).ok()?;
         Some(u32::from_ne_bytes(bytes))
+    }
+
+    /// The words at `base + a` and `base + b`, read at once where they are close (the
+    /// pointers of a code object: one system call, not two, per new frame).
+    fn two_u64_at(&self, base: u64, a: u64, b: u64) -> Option<(u64, u64)> {
+        let (low, high) = (a.min(b), a.max(b));
+        if high - low > 56 {
+            return Some((
+                self.u64_at(base.checked_add(a)?)?,
+                self.u64_at(base.checked_add(b)?)?,
+            ));
+        }
+        let mut bytes = [0u8; 64];
+        let span = &mut bytes[..(high - low + 8) as usize];
+        self.mem.read_exact_at(span, base.checked_add(low)?).ok()?;
+        let word = |offset: u64| {
+            let at = (offset - low) as usize;
+            u64::from_ne_bytes(span[at..at + 8].try_into().expect("8 bytes"))
+        };
+        Some((word(a), word(b)))
     }
 
     fn u64_at(&self, address: u64) -> Option<u64> {

@@ -17,6 +17,7 @@ use super::{
 use crate::{
     config::PythonRule,
     events::{ProbeEvent, PyFrame},
+    groups::SpanGroup,
 };
 
 /// One open Python rule call on a thread.
@@ -55,6 +56,8 @@ struct ThreadCalls {
     /// The last sample's time, launches and epoch: where the calls of a thread that
     /// exits without another sample end.
     last: (u64, u64, u64),
+    /// The last sample's frames and their names, outermost first.
+    named: Vec<(PyFrame, Option<CodeName>)>,
 }
 
 /// A tentative sample no later one contradicted after this long is taken (the stack has
@@ -94,11 +97,12 @@ impl PythonTracker {
         }
     }
 
-    /// Whether rule `index` is a built-in framework save (load) rule.
-    pub fn is_framework(&self, index: u32) -> bool {
+    /// The group of rule `index` if it is a built-in framework save (load) rule.
+    pub fn framework_group(&self, index: u32) -> Option<SpanGroup> {
         self.rules
             .iter()
-            .any(|rule| rule.index == index && rule.framework)
+            .find(|rule| rule.index == index && rule.framework)
+            .map(|rule| rule.group)
     }
 
     /// Whether a rule of the user's (or a profile's) is among them: then a process that
@@ -186,11 +190,28 @@ impl PythonTracker {
         let Some(reader) = process.reader.as_mut() else {
             return Vec::new();
         };
-        // Outermost first.
+        // Outermost first. The outer frames this sample shares with the thread's last
+        // one are the same calls, still running (an outer frame cannot end before the
+        // frames it called): their names are kept, not read again. Reading names costs a
+        // few system calls per frame, and on a loaded node a loader that reads every
+        // frame of every sample falls behind its targets (DCP saves went unseen so).
+        let last = process
+            .threads
+            .get_mut(tid)
+            .map(|thread| std::mem::take(&mut thread.named))
+            .unwrap_or_default();
+        let mut kept = 0;
         let names: Vec<(PyFrame, Option<CodeName>)> = frames
             .iter()
             .rev()
-            .map(|frame| (*frame, reader.name(frame.code).cloned()))
+            .map(|frame| {
+                if let Some((_, Some(name))) = last.get(kept).filter(|(f, _)| f == frame) {
+                    kept += 1;
+                    return (*frame, Some(name.clone()));
+                }
+                kept = usize::MAX;
+                (*frame, reader.name(frame.code).cloned())
+            })
             .collect();
         // The main thread's outermost frame is the script's body once it runs (during
         // start-up it is `site`'s or an import's: followed, not kept).
@@ -241,6 +262,7 @@ impl PythonTracker {
         );
         let thread = process.threads.entry(*tid).or_default();
         thread.last = (*at_ns, *launches, *epoch);
+        thread.named = names;
         let mut calls = Vec::new();
         if let Some(tentative) = thread.tentative.take() {
             // What both samples agree on: open calls either still shows stay; calls both

@@ -118,9 +118,10 @@ pub(super) struct FileSpan {
     last_end: Option<u64>,
     /// Framework save (load) calls open in it (`save_call_enter`).
     calls: u32,
-    /// Files created while it was open (libc `open` with `O_CREAT`): what it counts
-    /// where that probe is in (a `torch.save` to a stream, DCP's per-item writes, is no
-    /// file; a JSON file written by Python is one).
+    /// Files created while it was open (libc `open` with `O_CREAT`; for a load, files
+    /// opened for reading inside a framework load): what it counts where that probe is
+    /// in (a `torch.save` to a stream, DCP's per-item writes and reads, is no file; a
+    /// JSON file written by Python is one).
     created: u32,
     /// Of those, the ones since the last writer (reader) returned, with no writer open:
     /// not the checkpoint's if its framework call turns out to have returned before
@@ -451,7 +452,7 @@ impl ThreadPhases {
             PhaseSignal::CheckpointReadStart | PhaseSignal::CheckpointReadEnd => {
                 ruled(SpanGroup::LoadCheckpoint)
             }
-            PhaseSignal::FileCreated => false,
+            PhaseSignal::FileCreated | PhaseSignal::FileRead => false,
             PhaseSignal::ScopeEnter { .. } | PhaseSignal::ScopeExit => false,
         };
         if taken {
@@ -462,7 +463,7 @@ impl ThreadPhases {
         // the files of one load).
         let grad_mode = matches!(
             signal,
-            PhaseSignal::GradMode { .. } | PhaseSignal::FileCreated
+            PhaseSignal::GradMode { .. } | PhaseSignal::FileCreated | PhaseSignal::FileRead
         );
         if !grad_mode && !Self::is_file_signal(signal) {
             // Another phase began: what was prepared was not for a checkpoint.
@@ -514,14 +515,8 @@ impl ThreadPhases {
             // Counted while the checkpoint writes: a file created after its writers and
             // framework calls all returned (a log, the job's own output at exit) is not
             // the checkpoint's.
-            PhaseSignal::FileCreated => {
-                if let Some(file) = self.checkpoint.as_mut().filter(|f| !f.idle()) {
-                    file.created += 1;
-                    if file.open_files == 0 {
-                        file.created_since_writer += 1;
-                    }
-                }
-            }
+            PhaseSignal::FileCreated => Self::file_created(&mut self.checkpoint),
+            PhaseSignal::FileRead => Self::file_created(&mut self.load_checkpoint),
         }
     }
 
@@ -891,6 +886,16 @@ impl ThreadPhases {
         }
         self.close_phase(ctx, evaluate.span, end);
         self.boundary = Some(end);
+    }
+
+    /// A file created (opened for reading, in a load) while `span` reads or writes.
+    fn file_created(span: &mut Option<FileSpan>) {
+        if let Some(file) = span.as_mut().filter(|f| !f.idle()) {
+            file.created += 1;
+            if file.open_files == 0 {
+                file.created_since_writer += 1;
+            }
+        }
     }
 
     fn is_file_signal(signal: &PhaseSignal) -> bool {

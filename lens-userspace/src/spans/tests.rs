@@ -996,6 +996,30 @@ fn a_framework_save_is_one_checkpoint_from_its_first_sample_to_its_return() {
 }
 
 #[test]
+fn a_framework_load_counts_the_files_it_opens_not_its_stream_reads() {
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let load = framework_rule(&rules, "torch.distributed.checkpoint.state_dict_loader:load");
+    run.framework(5, PID, load, false);
+    // DCP's reader: each file opened once, its items `torch.load`ed from streams.
+    run.at(1, PhaseSignal::FileRead);
+    for _ in 0..2 {
+        run.at(1, PhaseSignal::FileRead);
+        for _ in 0..5 {
+            run.at(1, PhaseSignal::CheckpointReadStart)
+                .at(1, PhaseSignal::CheckpointReadEnd);
+        }
+    }
+    run.framework(1, PID, load, true);
+    // A file read after the load returned (the job's data) is not the load's.
+    run.at(3, PhaseSignal::FileRead);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let loads: Vec<_> = log.named(names::LOAD_CHECKPOINT).collect();
+    assert_eq!(loads.len(), 1, "{}", log.outline(&[]));
+    assert_eq!(loads[0].int_attr(semconv::NEMO_CHECKPOINT_FILES), Some(3));
+}
+
+#[test]
 fn a_framework_call_sampled_after_its_file_began_moves_the_span_back() {
     let (mut run, rules) = Run::with_framework_rules("per_step");
     let save_model = framework_rule(&rules, "safetensors.torch:save_model");
