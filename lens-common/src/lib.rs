@@ -742,8 +742,9 @@ pub mod maps {
 pub mod saving {
     /// A framework save function.
     pub const SAVE: u8 = 1;
-    /// A framework load function: the files it opens for reading are what its
-    /// `nemo.checkpoint.files` counts.
+    /// A framework load function, or DCP's `get_state_dict` (which begins a save or a
+    /// load): the files opened for reading are what a load's `nemo.checkpoint.files`
+    /// counts.
     pub const LOAD: u8 = 2;
 }
 

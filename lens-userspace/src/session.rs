@@ -1223,7 +1223,7 @@ impl Session {
                 at_return,
                 ..
             } = call
-                && let Some(group) = self.python.as_ref().and_then(|t| t.framework_group(*rule))
+                && let Some(role) = self.python.as_ref().and_then(|t| t.framework_role(*rule))
             {
                 let depths = self.saving_depth.entry(*tgid).or_default();
                 let bits = |d: &[u32; 2]| {
@@ -1231,12 +1231,18 @@ impl Session {
                         | (if d[1] > 0 { saving::LOAD } else { 0 })
                 };
                 let was = bits(depths);
-                let depth = &mut depths[usize::from(group == SpanGroup::LoadCheckpoint)];
-                *depth = if *at_return {
-                    depth.saturating_sub(1)
-                } else {
-                    *depth + 1
-                };
+                // A load's preparation counts as its start: it is seen to return only at
+                // a sample that shows what follows, so the first file a load reads (DCP's
+                // `.metadata`, read before anything else) is still counted.
+                for (depth, part) in depths.iter_mut().zip([role.0, role.1]) {
+                    if part {
+                        *depth = if *at_return {
+                            depth.saturating_sub(1)
+                        } else {
+                            *depth + 1
+                        };
+                    }
+                }
                 let now = bits(depths);
                 if now == 0 {
                     self.saving_depth.remove(tgid);

@@ -193,8 +193,12 @@ fn syscall_name(number: i64) -> Option<&'static str> {
 
 /// Stack bytes scanned for return addresses.
 const STACK_SCAN_BYTES: usize = 16 * 1024;
-/// Native frames shown: the instruction pointer's and this many callers at most.
-const MAX_NATIVE_FRAMES: usize = 8;
+/// Native frames shown: the instruction pointer's and this many callers at most. A
+/// function with a large local buffer (a path, a message) keeps stale return addresses
+/// of the deeper calls it made earlier (lazy binding, `pthread_once`, `getenv`), and
+/// the scan names those too: room for the real callers beyond them (the fake NCCL's
+/// rendezvous showed five stale frames before `ncclAllReduce`, which 8 cut off).
+const MAX_NATIVE_FRAMES: usize = 16;
 
 /// Reads of a running thread's `syscall` file before it is taken as running: a thread
 /// that polls (sleeps a little, checks, sleeps again) is caught between two sleeps now

@@ -15,7 +15,7 @@ use super::{
     runtime::CodeLayout,
 };
 use crate::{
-    config::PythonRule,
+    config::{DCP_GET_STATE_DICT, PythonRule},
     events::{ProbeEvent, PyFrame},
     groups::SpanGroup,
 };
@@ -97,12 +97,21 @@ impl PythonTracker {
         }
     }
 
-    /// The group of rule `index` if it is a built-in framework save (load) rule.
-    pub fn framework_group(&self, index: u32) -> Option<SpanGroup> {
-        self.rules
+    /// What a built-in framework rule's call may be part of: (a save, a load); `None`
+    /// for any other rule. DCP's `get_state_dict` begins either.
+    pub fn framework_role(&self, index: u32) -> Option<(bool, bool)> {
+        let rule = self
+            .rules
             .iter()
-            .find(|rule| rule.index == index && rule.framework)
-            .map(|rule| rule.group)
+            .find(|rule| rule.index == index && rule.framework)?;
+        Some(
+            if (rule.module.as_str(), rule.qualname.as_str()) == DCP_GET_STATE_DICT {
+                (true, true)
+            } else {
+                let load = rule.group == SpanGroup::LoadCheckpoint;
+                (!load, load)
+            },
+        )
     }
 
     /// Whether a rule of the user's (or a profile's) is among them: then a process that

@@ -998,7 +998,10 @@ fn a_framework_save_is_one_checkpoint_from_its_first_sample_to_its_return() {
 #[test]
 fn a_framework_load_counts_the_files_it_opens_not_its_stream_reads() {
     let (mut run, rules) = Run::with_framework_rules("per_step");
-    let load = framework_rule(&rules, "torch.distributed.checkpoint.state_dict_loader:load");
+    let load = framework_rule(
+        &rules,
+        "torch.distributed.checkpoint.state_dict_loader:load",
+    );
     run.framework(5, PID, load, false);
     // DCP's reader: each file opened once, its items `torch.load`ed from streams.
     run.at(1, PhaseSignal::FileRead);
