@@ -189,6 +189,9 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     if !cli.node {
         session.show_attach_status();
     }
+    // The event loop (this thread) runs above the job's priority; raising it needs
+    // CAP_SYS_NICE, which goes next.
+    session.raise_priority();
     // Attached, and the --exec command started with what it had: keep only what is needed.
     privileges::drop_unneeded(cli.node);
     log::info!(

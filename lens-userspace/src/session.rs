@@ -154,6 +154,8 @@ pub struct Session {
     attach_status: Option<AttachStatus>,
     /// Node mode: candidates paused until they are attached (`hold_candidates`).
     held_candidates: std::collections::HashSet<u32>,
+    /// The event loop thread's raised priority, restored when the session ends.
+    priority: Option<EventLoopPriority>,
     /// Framework save and load calls open per process (what `PY_SAVING` says to the
     /// kernel).
     saving_depth: HashMap<u32, [u32; 2]>,
@@ -255,6 +257,7 @@ impl Session {
             late_warned: HashSet::new(),
             attach_status: None,
             held_candidates: std::collections::HashSet::new(),
+            priority: None,
             saving_depth: HashMap::new(),
             file_probes: FileProbes::default(),
             fork_images: HashSet::new(),
@@ -263,6 +266,15 @@ impl Session {
             kernels: kernel_names.then(KernelCounters::default),
             hangs: HangWatcher::new(None),
         })
+    }
+
+    /// Raises the calling thread's priority (`EventLoopPriority`) while the session
+    /// lasts; called by [`Session::run`] on its thread, and earlier by the CLI on the
+    /// thread that will run it, before it gives up the capability that allows it.
+    pub fn raise_priority(&mut self) {
+        if self.priority.is_none() {
+            self.priority = EventLoopPriority::raise();
+        }
     }
 
     /// `--hang-timeout`: report collectives hung this long (`None`: never).
@@ -1581,7 +1593,7 @@ impl Session {
         limit: Option<Duration>,
     ) -> Result<RunReport> {
         let mut ring = register(self.ring.take().expect("run is called once"))?;
-        let _priority = EventLoopPriority::raise();
+        self.raise_priority();
         let mut logger = match self.logger.take() {
             Some(logger) => Some(register(logger)?),
             None => None,
@@ -1841,8 +1853,8 @@ async fn wait_child(pid: u32) -> Option<ExitStatus> {
     None
 }
 
-/// The event loop's thread runs at a higher priority than the jobs it traces while it
-/// runs (nice `EVENT_LOOP_NICE`, restored after). On a node whose cores the job keeps
+/// The event loop's thread runs at a higher priority than the jobs it traces while the
+/// session lasts (nice `EVENT_LOOP_NICE`, restored after). On a node whose cores the job keeps
 /// busy, a loop at the job's priority falls seconds behind: Python stacks are named from
 /// the target's memory when they are read, and a process that ended meanwhile took its
 /// names with it (a save just before a job's end went unseen). The loop's CPU time is
