@@ -738,6 +738,16 @@ pub mod maps {
     pub const PY_SAVING: &str = "PY_SAVING";
 }
 
+/// libc `open` flags (x86-64/arm64 Linux) the file-open probe reads.
+pub mod open_flags {
+    /// The file may be created.
+    pub const CREAT: u64 = 0o100;
+    /// The access mode bits (0: read-only).
+    pub const ACCMODE: u64 = 0o3;
+    /// Only a directory is opened.
+    pub const DIRECTORY: u64 = 0o200000;
+}
+
 /// What a `PY_SAVING` entry says is running in the process.
 pub mod saving {
     /// A framework save function.

@@ -815,9 +815,7 @@ pub fn phase_mark(ctx: ProbeContext) -> u32 {
 /// in `/dev/shm`, which progress bars create, are no checkpoint files).
 #[uprobe]
 pub fn file_open_entry(ctx: ProbeContext) -> u32 {
-    const O_CREAT: u64 = 0o100;
-    const O_ACCMODE: u64 = 0o3;
-    const O_DIRECTORY: u64 = 0o200000;
+    use lens_common::open_flags::{ACCMODE, CREAT, DIRECTORY};
     // Both registers are read, then one chosen: the verifier takes context loads at
     // constant offsets only, which a branch between two loads can be merged out of.
     let (open_path, open_flags) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1));
@@ -828,13 +826,13 @@ pub fn file_open_entry(ctx: ProbeContext) -> u32 {
         (open_path, open_flags)
     };
     let flags = flags.unwrap_or(0);
-    if flags & O_CREAT == 0 {
+    if flags & CREAT == 0 {
         // A file opened for reading counts only inside a framework load (DCP's reader
         // opens each file once; the per-item `torch.load`s read from streams).
         let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
         // SAFETY: the value is copied out.
         let loading = unsafe { PY_SAVING.get(&tgid) }.is_some_and(|v| *v & saving::LOAD != 0);
-        if !loading || flags & O_ACCMODE != 0 || flags & O_DIRECTORY != 0 {
+        if !loading || flags & ACCMODE != 0 || flags & DIRECTORY != 0 {
             return 0;
         }
     }

@@ -617,9 +617,6 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
     })
 }
 
-/// `open`'s flag for a file it may create.
-const O_CREAT: u64 = 0o100;
-
 fn phase_signal(probe: ProbeId, raw: &Event) -> Option<PhaseSignal> {
     let at_return = raw.at_return != 0;
     Some(match (probe, at_return) {
@@ -654,7 +651,9 @@ fn phase_signal(probe: ProbeId, raw: &Event) -> Option<PhaseSignal> {
         (ProbeId::CheckpointReaderOpen, false) => PhaseSignal::CheckpointReadStart,
         (ProbeId::CheckpointReaderClose, true) => PhaseSignal::CheckpointReadEnd,
         // The open flags, kept by the entry program.
-        (ProbeId::FileOpen | ProbeId::FileOpenAt, false) if raw.args[0] & O_CREAT != 0 => {
+        (ProbeId::FileOpen | ProbeId::FileOpenAt, false)
+            if raw.args[0] & lens_common::open_flags::CREAT != 0 =>
+        {
             PhaseSignal::FileCreated
         }
         (ProbeId::FileOpen | ProbeId::FileOpenAt, false) => PhaseSignal::FileRead,
