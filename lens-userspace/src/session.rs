@@ -159,6 +159,9 @@ pub struct Session {
     /// Framework save and load calls open per process (what `PY_SAVING` says to the
     /// kernel).
     saving_depth: HashMap<u32, [u32; 2]>,
+    /// Processes whose load preparation returned and whose next framework call is not
+    /// seen yet: the load part of `saving_depth` is kept for it (`deliver_rule_calls`).
+    armed_loads: HashMap<u32, std::time::Instant>,
     /// File-creation probes, one set per traced process (`probes::files`).
     file_probes: FileProbes,
     /// Targets that are forks still running their parent's program (DataLoader and
@@ -259,6 +262,7 @@ impl Session {
             held_candidates: std::collections::HashSet::new(),
             priority: None,
             saving_depth: HashMap::new(),
+            armed_loads: HashMap::new(),
             file_probes: FileProbes::default(),
             fork_images: HashSet::new(),
             // Launches per kernel, for the steps' top kernels: only when steps are on
@@ -1237,40 +1241,77 @@ impl Session {
             } = call
                 && let Some(role) = self.python.as_ref().and_then(|t| t.framework_role(*rule))
             {
+                let was = self.saving_bits(*tgid);
+                let prelude_return = *at_return && role == (true, true);
                 let depths = self.saving_depth.entry(*tgid).or_default();
-                let bits = |d: &[u32; 2]| {
-                    (if d[0] > 0 { saving::SAVE } else { 0 })
-                        | (if d[1] > 0 { saving::LOAD } else { 0 })
-                };
-                let was = bits(depths);
-                // A load's preparation counts as its start: it is seen to return only at
-                // a sample that shows what follows, so the first file a load reads (DCP's
-                // `.metadata`, read before anything else) is still counted.
-                for (depth, part) in depths.iter_mut().zip([role.0, role.1]) {
-                    if part {
-                        *depth = if *at_return {
-                            depth.saturating_sub(1)
-                        } else {
-                            *depth + 1
-                        };
+                // A load's preparation (DCP's `get_state_dict`) keeps its load part past
+                // its return, until the process's next framework call is seen: the load
+                // after it reads its first file (`.metadata`) at once, often before a
+                // sample shows the load itself (the sample between may show neither).
+                if !prelude_return && self.armed_loads.remove(tgid).is_some() {
+                    depths[1] = depths[1].saturating_sub(1);
+                }
+                for (index, (depth, part)) in depths.iter_mut().zip([role.0, role.1]).enumerate() {
+                    if !part || (prelude_return && index == 1) {
+                        continue;
                     }
-                }
-                let now = bits(depths);
-                if now == 0 {
-                    self.saving_depth.remove(tgid);
-                }
-                if was != now
-                    && let Some(map) = self.ebpf.map_mut(maps::PY_SAVING)
-                    && let Ok(mut saving) = BpfHashMap::<_, u32, u8>::try_from(map)
-                {
-                    let _ = if now != 0 {
-                        saving.insert(*tgid, now, 0)
+                    *depth = if *at_return {
+                        depth.saturating_sub(1)
                     } else {
-                        saving.remove(tgid)
+                        *depth + 1
                     };
                 }
+                if prelude_return {
+                    self.armed_loads.insert(*tgid, std::time::Instant::now());
+                }
+                self.write_saving_bits(*tgid, was);
             }
             sink.on_event(call);
+        }
+    }
+
+    /// What `PY_SAVING` says of `pid` now.
+    fn saving_bits(&self, pid: u32) -> u8 {
+        self.saving_depth.get(&pid).map_or(0, |d| {
+            (if d[0] > 0 { saving::SAVE } else { 0 }) | (if d[1] > 0 { saving::LOAD } else { 0 })
+        })
+    }
+
+    /// Tells the kernel what `pid`'s framework calls make of it, if that changed from
+    /// `was`.
+    fn write_saving_bits(&mut self, pid: u32, was: u8) {
+        let now = self.saving_bits(pid);
+        if now == 0 {
+            self.saving_depth.remove(&pid);
+        }
+        if was != now
+            && let Some(map) = self.ebpf.map_mut(maps::PY_SAVING)
+            && let Ok(mut saving) = BpfHashMap::<_, u32, u8>::try_from(map)
+        {
+            let _ = if now != 0 {
+                saving.insert(pid, now, 0)
+            } else {
+                saving.remove(&pid)
+            };
+        }
+    }
+
+    /// A preparation no load followed within a second was for something else (a save,
+    /// or the job's own use of the state dict): its files are no load's.
+    fn expire_armed_loads(&mut self) {
+        let expired: Vec<u32> = self
+            .armed_loads
+            .iter()
+            .filter(|(_, since)| since.elapsed() >= Duration::from_secs(1))
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in expired {
+            self.armed_loads.remove(&pid);
+            let was = self.saving_bits(pid);
+            if let Some(depths) = self.saving_depth.get_mut(&pid) {
+                depths[1] = depths[1].saturating_sub(1);
+            }
+            self.write_saving_bits(pid, was);
         }
     }
 
@@ -1320,6 +1361,7 @@ impl Session {
         {
             let _ = stops.remove(&pid);
         }
+        self.armed_loads.remove(&pid);
         if self.saving_depth.remove(&pid).is_some()
             && let Some(map) = self.ebpf.map_mut(maps::PY_SAVING)
             && let Ok(mut saving) = BpfHashMap::<_, u32, u8>::try_from(map)
@@ -1668,6 +1710,7 @@ impl Session {
                 _ = tick.tick() => {
                     self.drain(ring.get_mut(), sink);
                     self.print_attach_status();
+                    self.expire_armed_loads();
                 }
                 // Under a budget its tick reads the counters (and scales the launches).
                 _ = counts_tick.tick(), if self.budget.is_none() => {

@@ -767,6 +767,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             .entry(tid)
             .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
         let pending = process.async_save;
+        let (mut written_to_caller, mut handed_off, mut closed_for_caller) = (None, None, None);
         match (at_return, pending) {
             (false, _) if kind == FrameworkCall::Prelude => thread.save_prelude(at),
             (true, _) if kind == FrameworkCall::Prelude => {}
@@ -781,6 +782,20 @@ impl<E: SpanExporter> SpanBuilder<E> {
                     writer: Some(tid),
                     ..save
                 });
+                handed_off = Some((save.caller, save.span));
+            }
+            // The writer's `save` seen again after a sample showed it gone (the frame
+            // caught mid-update as it returns): still the same writing, files and all.
+            (false, Some(save)) if group == SpanGroup::Checkpoint && save.writer == Some(tid) => {
+                thread.adopt_file_span(save.span, group);
+                if let Some((_, files)) = save.written {
+                    thread.add_files(group, files);
+                }
+                process.async_save = Some(AsyncSave {
+                    written: None,
+                    ..save
+                });
+                handed_off = Some((save.caller, save.span));
             }
             (false, _) => {
                 let attributes = vec![(semconv::CODE_FUNCTION, function.into())];
@@ -802,9 +817,12 @@ impl<E: SpanExporter> SpanBuilder<E> {
             }
             (true, Some(save)) if save.writer == Some(tid) => {
                 match save.caller_files {
-                    // `async_save` returned first: the span ends with the writer.
+                    // `async_save` returned first: the span ends with the writer (the
+                    // caller's return is seen late when it waited for it, blocked).
                     Some(files) => {
-                        thread.end_adopted(&mut ctx, at, group, files);
+                        if let Some(end) = thread.end_adopted(&mut ctx, at, group, files) {
+                            closed_for_caller = Some((save.caller, save.span, end));
+                        }
                         process.async_save = None;
                     }
                     None => {
@@ -813,6 +831,10 @@ impl<E: SpanExporter> SpanBuilder<E> {
                             written: Some((at, files)),
                             ..save
                         });
+                        // Credited to the caller's span at once: the caller's next phase
+                        // may end it before a sample shows `async_save` returned (its
+                        // thread sat blocked in `future.result()`).
+                        written_to_caller = Some((save.caller, save.span, files));
                     }
                 }
             }
@@ -840,6 +862,25 @@ impl<E: SpanExporter> SpanBuilder<E> {
         }
         if process.loop_thread.is_none() && thread.is_active() {
             process.loop_thread = Some(tid);
+        }
+        if let Some((caller, span)) = handed_off
+            && let Some(caller) = process.threads.get_mut(&caller)
+        {
+            caller.hand_off(span, group);
+        }
+        if let Some((caller, span, end)) = closed_for_caller
+            && let Some(caller) = process.threads.get_mut(&caller)
+        {
+            caller.closed_elsewhere(span, end);
+        }
+        if let Some((caller, span, files)) = written_to_caller
+            && process
+                .threads
+                .get_mut(&caller)
+                .is_some_and(|caller| caller.add_files_to(span, group, files))
+            && let Some(save) = process.async_save.as_mut()
+        {
+            save.written = save.written.map(|(end, _)| (end, (0, 0)));
         }
         process.export_if_training(&mut self.exporter, &self.groups);
         self.place_when_known(*tgid, tid);

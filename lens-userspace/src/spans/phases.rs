@@ -127,6 +127,10 @@ pub(super) struct FileSpan {
     /// not the checkpoint's if its framework call turns out to have returned before
     /// them (the process exits right after a save, before a sample shows it returned).
     created_since_writer: u32,
+    /// DCP's `async_save` handed it to a background writer that has not returned yet:
+    /// the caller's next phase does not end it (the caller may be seen to return only
+    /// after the writer did, having waited for it).
+    written_elsewhere: bool,
 }
 
 impl FileSpan {
@@ -150,11 +154,12 @@ impl FileSpan {
             calls: 1,
             created: 0,
             created_since_writer: 0,
+            written_elsewhere: false,
         }
     }
 
     fn idle(&self) -> bool {
-        self.open_files == 0 && self.calls == 0
+        self.open_files == 0 && self.calls == 0 && !self.written_elsewhere
     }
 
     /// `nemo.checkpoint.files`: the files created if any were seen, else the writers
@@ -219,9 +224,21 @@ pub(super) struct ThreadPhases {
     backward_start: u64,
     /// Spans of configured probe rules open on this thread, outermost first: (rule, span).
     rule_spans: Vec<(u32, SpanId)>,
-    /// When a save's or load's preparation (DCP's `get_state_dict`) was first sampled:
-    /// the checkpoint (load) that follows before any other phase starts there.
-    prelude: Option<u64>,
+    /// A save's or load's preparation (DCP's `get_state_dict`) seen on this thread: the
+    /// checkpoint (load) that follows before any other phase starts with it.
+    prelude: Option<Prelude>,
+}
+
+/// A save's or load's preparation (DCP's `get_state_dict`), until the checkpoint (load)
+/// it prepares opens its span.
+#[derive(Clone, Copy, Debug)]
+struct Prelude {
+    /// Its first sample, less one sample interval (not before the last phase's end).
+    start: u64,
+    /// Files created (opened for reading in a load) since it began: the first a load
+    /// reads (DCP's `.metadata`) can come before the load's own first sample.
+    created: u32,
+    read: u32,
 }
 
 impl ThreadPhases {
@@ -465,7 +482,8 @@ impl ThreadPhases {
             signal,
             PhaseSignal::GradMode { .. } | PhaseSignal::FileCreated | PhaseSignal::FileRead
         );
-        if !grad_mode && !Self::is_file_signal(signal) {
+        let prelude_own = self.prelude_own(signal);
+        if !grad_mode && !Self::is_file_signal(signal) && !prelude_own {
             // Another phase began: what was prepared was not for a checkpoint.
             self.prelude = None;
         }
@@ -486,6 +504,11 @@ impl ThreadPhases {
             self.settle_files(ctx, SpanGroup::LoadCheckpoint, at);
         }
         match signal {
+            // Kept on the scope stack only: no phase of the loop.
+            PhaseSignal::ScopeEnter { scope, .. } if prelude_own => self.scopes.push(*scope),
+            PhaseSignal::ScopeExit if prelude_own => {
+                self.scopes.pop();
+            }
             PhaseSignal::ScopeEnter { scope, .. } => self.scope_enter(ctx, at, *scope),
             PhaseSignal::ScopeExit => {
                 if !ctx.ruled.contains(&SpanGroup::Step) {
@@ -515,8 +538,20 @@ impl ThreadPhases {
             // Counted while the checkpoint writes: a file created after its writers and
             // framework calls all returned (a log, the job's own output at exit) is not
             // the checkpoint's.
-            PhaseSignal::FileCreated => Self::file_created(&mut self.checkpoint),
-            PhaseSignal::FileRead => Self::file_created(&mut self.load_checkpoint),
+            PhaseSignal::FileCreated => {
+                if !Self::file_created(&mut self.checkpoint)
+                    && let Some(prelude) = self.prelude.as_mut()
+                {
+                    prelude.created += 1;
+                }
+            }
+            PhaseSignal::FileRead => {
+                if !Self::file_created(&mut self.load_checkpoint)
+                    && let Some(prelude) = self.prelude.as_mut()
+                {
+                    prelude.read += 1;
+                }
+            }
         }
     }
 
@@ -888,14 +923,37 @@ impl ThreadPhases {
         self.boundary = Some(end);
     }
 
-    /// A file created (opened for reading, in a load) while `span` reads or writes.
-    fn file_created(span: &mut Option<FileSpan>) {
-        if let Some(file) = span.as_mut().filter(|f| !f.idle()) {
-            file.created += 1;
-            if file.open_files == 0 {
-                file.created_since_writer += 1;
-            }
+    /// A file created (opened for reading, in a load) while `span` reads or writes:
+    /// whether it was counted there.
+    fn file_created(span: &mut Option<FileSpan>) -> bool {
+        let Some(file) = span.as_mut().filter(|f| !f.idle()) else {
+            return false;
+        };
+        file.created += 1;
+        if file.open_files == 0 {
+            file.created_since_writer += 1;
         }
+        true
+    }
+
+    /// Whether `signal` is the running preparation's own work, not another phase: DCP's
+    /// `get_state_dict` gives a fresh optimizer its state with a zero-lr
+    /// `optimizer.step()` and `zero_grad()` (`_init_optim_state`), as a job that resumes
+    /// does right before its load; no microbatch ran since the last step, so these are
+    /// no update.
+    fn prelude_own(&self, signal: &PhaseSignal) -> bool {
+        let optimizer_scope = match signal {
+            PhaseSignal::ScopeEnter { scope, .. } => matches!(
+                scope,
+                TorchScope::OptimizerStep | TorchScope::OptimizerZeroGrad
+            ),
+            PhaseSignal::ScopeExit => matches!(
+                self.scopes.last(),
+                Some(TorchScope::OptimizerStep | TorchScope::OptimizerZeroGrad)
+            ),
+            _ => false,
+        };
+        optimizer_scope && self.prelude.is_some() && !self.step_running()
     }
 
     fn is_file_signal(signal: &PhaseSignal) -> bool {
@@ -915,7 +973,11 @@ impl ThreadPhases {
         // Not before the last phase ended (a complete step ends where its optimizer did).
         let step_end = self.step.as_ref().and_then(|s| s.optimizer_end);
         let floor = self.boundary.max(step_end).unwrap_or(0);
-        self.prelude.get_or_insert(earliest.max(floor));
+        self.prelude.get_or_insert(Prelude {
+            start: earliest.max(floor),
+            created: 0,
+            read: 0,
+        });
     }
 
     fn file_open(&mut self, ctx: &mut ProcessContext<'_>, at: u64, group: SpanGroup) {
@@ -926,7 +988,11 @@ impl ThreadPhases {
             return;
         }
         let span = self.open_file_span(ctx, at, group);
-        *self.file_slot(group) = Some(FileSpan::opened_by_writer(span));
+        let created = self.take_prelude_files(group);
+        *self.file_slot(group) = Some(FileSpan {
+            created,
+            ..FileSpan::opened_by_writer(span)
+        });
     }
 
     /// Opens the span of a checkpoint (load) beginning at `at`: inside a running step (or
@@ -950,8 +1016,18 @@ impl ThreadPhases {
             SpanGroup::Checkpoint => names::CHECKPOINT,
             _ => names::LOAD_CHECKPOINT,
         };
-        let start = self.prelude.take().map_or(at, |prelude| prelude.min(at));
+        let start = self.prelude.map_or(at, |prelude| prelude.start.min(at));
         self.open_phase(ctx, name, group, parent, start)
+    }
+
+    /// The files the preparation of a checkpoint (load) opening now saw before it: they
+    /// are its. The preparation is over.
+    fn take_prelude_files(&mut self, group: SpanGroup) -> u32 {
+        match (self.prelude.take(), group) {
+            (None, _) => 0,
+            (Some(prelude), SpanGroup::Checkpoint) => prelude.created,
+            (Some(prelude), _) => prelude.read,
+        }
     }
 
     /// A framework's save (load) function (`config::FRAMEWORK_SAVE_RULES`) was entered:
@@ -985,7 +1061,11 @@ impl ThreadPhases {
         for (key, value) in attributes {
             ctx.arena.set_attr(span, key, value);
         }
-        *self.file_slot(group) = Some(FileSpan::opened_by_call(span));
+        let created = self.take_prelude_files(group);
+        *self.file_slot(group) = Some(FileSpan {
+            created,
+            ..FileSpan::opened_by_call(span)
+        });
     }
 
     /// The framework call returned (`at`: the first sample without it). A call already
@@ -1016,6 +1096,27 @@ impl ThreadPhases {
     pub fn add_files(&mut self, group: SpanGroup, counts: (u32, u32)) {
         if let Some(file) = self.file_slot(group).as_mut() {
             file.add_counts(counts);
+        }
+    }
+
+    /// Files another thread wrote into `span`, if it is this thread's open checkpoint
+    /// (load), written by it: whether they were added.
+    pub fn add_files_to(&mut self, span: SpanId, group: SpanGroup, counts: (u32, u32)) -> bool {
+        match self.file_slot(group).as_mut().filter(|f| f.span == span) {
+            Some(file) => {
+                file.add_counts(counts);
+                file.written_elsewhere = false;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// This thread's open checkpoint `span` is written by a background thread now
+    /// (`adopt_file_span` there): it lasts until that one returns.
+    pub fn hand_off(&mut self, span: SpanId, group: SpanGroup) {
+        if let Some(file) = self.file_slot(group).as_mut().filter(|f| f.span == span) {
+            file.written_elsewhere = true;
         }
     }
 
@@ -1063,7 +1164,8 @@ impl ThreadPhases {
         self.close_file_span(ctx, &file, end);
     }
 
-    fn close_file_span(&mut self, ctx: &mut ProcessContext<'_>, file: &FileSpan, end: u64) {
+    /// Closes `file`'s span at `end` (or after the calls made in it): where it closed.
+    fn close_file_span(&mut self, ctx: &mut ProcessContext<'_>, file: &FileSpan, end: u64) -> u64 {
         // Its end may come from a sample (a framework call's return, its thread's last
         // sample): the calls made inside it, DCP's last metadata broadcast, still count.
         let end = end.max(ctx.arena.calls_end(file.span));
@@ -1074,6 +1176,13 @@ impl ThreadPhases {
         if self.step.is_none() && self.evaluate.is_none() {
             self.boundary = Some(end);
         }
+        end
+    }
+
+    /// `span`, one of this thread's phases, was closed at `end` by another thread (DCP's
+    /// `async_save` by its writer): calls of this thread after `end` are not in it.
+    pub fn closed_elsewhere(&mut self, span: SpanId, end: u64) {
+        self.note_closed(span, end);
     }
 
     /// Ends an adopted span (`adopt_file_span`) when this thread's framework call returns:
@@ -1085,12 +1194,11 @@ impl ThreadPhases {
         at: u64,
         group: SpanGroup,
         counts: (u32, u32),
-    ) {
-        if let Some(mut file) = self.file_slot(group).take() {
-            file.add_counts(counts);
-            let end = file.last_end.map_or(at, |end| end.max(at));
-            self.close_file_span(ctx, &file, end);
-        }
+    ) -> Option<u64> {
+        let mut file = self.file_slot(group).take()?;
+        file.add_counts(counts);
+        let end = file.last_end.map_or(at, |end| end.max(at));
+        Some(self.close_file_span(ctx, &file, end))
     }
 
     /// A function a configured rule names was entered: its span opens, under the

@@ -1023,6 +1023,50 @@ fn a_framework_load_counts_the_files_it_opens_not_its_stream_reads() {
 }
 
 #[test]
+fn a_dcp_load_starts_with_its_get_state_dict_though_it_steps_a_fresh_optimizer() {
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let prepare = framework_rule(
+        &rules,
+        "torch.distributed.checkpoint.state_dict:get_state_dict",
+    );
+    let load = framework_rule(
+        &rules,
+        "torch.distributed.checkpoint.state_dict_loader:load",
+    );
+    run.step(1).step(1);
+    run.framework(3, PID, prepare, false);
+    let start = run.now - 1_000_000;
+    // `_init_optim_state`: a zero-lr step and zero_grad of the optimizer loaded into,
+    // then the load reads `.metadata` before a sample shows `load` running.
+    run.scope(1, "Optimizer.step#SGD.step", 1)
+        .scope(0, "Optimizer.zero_grad#SGD.zero_grad", 1)
+        .framework(1, PID, prepare, true)
+        .at(0, PhaseSignal::FileRead)
+        .framework(1, PID, load, false);
+    for _ in 0..2 {
+        run.at(1, PhaseSignal::FileRead)
+            .at(0, PhaseSignal::CheckpointReadStart)
+            .at(1, PhaseSignal::CheckpointReadEnd);
+    }
+    run.framework(1, PID, load, true);
+    let end = run.now;
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let outline = log.outline(&[semconv::DL_ITERATION]);
+    let loads: Vec<_> = log.named(names::LOAD_CHECKPOINT).collect();
+    assert_eq!(loads.len(), 1, "{outline}");
+    assert_eq!(
+        (loads[0].start_ns, loads[0].end_ns),
+        (start, end),
+        "{outline}"
+    );
+    assert_eq!(loads[0].int_attr(semconv::NEMO_CHECKPOINT_FILES), Some(3));
+    // The zero-lr step is no step of the loop.
+    assert_eq!(log.named(names::STEP).count(), 3, "{outline}");
+    assert_eq!(log.named(names::OPTIMIZER).count(), 3, "{outline}");
+}
+
+#[test]
 fn a_framework_call_sampled_after_its_file_began_moves_the_span_back() {
     let (mut run, rules) = Run::with_framework_rules("per_step");
     let save_model = framework_rule(&rules, "safetensors.torch:save_model");
@@ -1069,6 +1113,54 @@ fn the_next_phase_ends_a_framework_call_whose_return_is_not_sampled_yet() {
     let checkpoint = log.named(names::CHECKPOINT).next().unwrap();
     assert_eq!(checkpoint.end_ns, fetch, "{}", log.outline(&[]));
     assert_eq!(log.named(names::STEP).count(), 2);
+}
+
+#[test]
+fn an_async_save_waited_for_keeps_its_writers_files_and_ends_with_the_writer() {
+    const WRITER: u32 = PID + 7;
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let async_save = framework_rule(
+        &rules,
+        "torch.distributed.checkpoint.state_dict_saver:async_save",
+    );
+    let save = framework_rule(&rules, "torch.distributed.checkpoint.state_dict_saver:save");
+    run.step(1).framework(2, PID, async_save, false);
+    let start = run.now - 1_000_000;
+    run.framework(3, WRITER, save, false)
+        .on_thread(1, WRITER, PhaseSignal::FileCreated)
+        .on_thread(5, WRITER, PhaseSignal::FileCreated)
+        // A sample catches the returning frame mid-update: `save` seems to return and
+        // begin again.
+        .framework(1, WRITER, save, true)
+        .framework(1, WRITER, save, false);
+    let end = run.now + 1_000_000;
+    // The caller sat blocked in `future.result()` until the writer returned: its next
+    // forward pass, and the sample showing `async_save` gone, are handled before the
+    // writer's last sample is.
+    run.now = end + 300_000;
+    run.scope(0, "DistributedDataParallel.forward", 1)
+        .framework(0, PID, async_save, true);
+    let resumed = run.now;
+    run.now = end;
+    run.framework(0, WRITER, save, true);
+    run.now = resumed;
+    run.backward(1, 2)
+        .scope(1, "Optimizer.step#SGD.step", 1)
+        .step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let outline = log.outline(&[]);
+    let checkpoints: Vec<_> = log.named(names::CHECKPOINT).collect();
+    assert_eq!(checkpoints.len(), 1, "{outline}");
+    assert_eq!(
+        (checkpoints[0].start_ns, checkpoints[0].end_ns),
+        (start, end),
+        "{outline}"
+    );
+    assert_eq!(
+        checkpoints[0].int_attr(semconv::NEMO_CHECKPOINT_FILES),
+        Some(2)
+    );
+    assert_eq!(log.named(names::STEP).count(), 3, "{outline}");
 }
 
 #[test]
