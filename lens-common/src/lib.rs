@@ -92,10 +92,16 @@ pub enum ProbeId {
     FileOpen = 44,
     /// libc's `openat(dirfd, path, flags, ...)` with `O_CREAT`.
     FileOpenAt = 45,
+    /// libtorch_python's `torch._C._log_api_usage_once(event)` (a static function, in
+    /// the `.symtab` PyPI's wheels ship): the first line of `torch.save`, `torch.load`
+    /// and DCP's `save`, `async_save` and `load`. Its entry takes a Python stack sample,
+    /// so such a call is seen where it begins, even if it then waits, unsampled, for
+    /// the GIL or a peer.
+    TorchApiUsage = 46,
 }
 
 impl ProbeId {
-    pub const COUNT: usize = 46;
+    pub const COUNT: usize = 47;
 
     pub const ALL: [ProbeId; Self::COUNT] = [
         ProbeId::CudaLaunchKernel,
@@ -144,6 +150,7 @@ impl ProbeId {
         ProbeId::SafetensorsClose,
         ProbeId::FileOpen,
         ProbeId::FileOpenAt,
+        ProbeId::TorchApiUsage,
     ];
 
     /// A kernel or graph launch: counted in the kernel, never sent as an event, and the
@@ -275,6 +282,7 @@ impl ProbeId {
             }
             ProbeId::FileOpen => "open",
             ProbeId::FileOpenAt => "openat",
+            ProbeId::TorchApiUsage => "_ZL25LogAPIUsageOnceFromPythonP7_objectS0_",
         }
     }
 }
@@ -582,7 +590,14 @@ pub struct PyOffsets {
     /// call of the same function at the same frame address usually holds another
     /// object there, which tells two calls apart.
     pub frame_first_local: u32,
+    /// Where a compact ASCII `str`'s text starts (`sizeof(PyASCIIObject)`).
+    pub str_data: u32,
 }
+
+/// What `torch._C._log_api_usage_once` is passed as DCP's load begins reading
+/// (`_load_state_dict`, called by `dcp.load`): the probe at its entry marks the process
+/// as loading in the kernel at once, so the `.metadata` file read next is counted.
+pub const DCP_LOAD_API_EVENT: &[u8] = b"torch.distributed.checkpoint.load_state_dict";
 
 /// A Python thread's frames at a sample, innermost first: the record that follows an
 /// [`EventKind::PyStack`] kind. Sent only when the stack differs from the thread's last.
@@ -596,6 +611,11 @@ pub struct PyStack {
     pub depth: u32,
     pub tgid: u32,
     pub tid: u32,
+    /// 1: taken at a probed call's entry, the thread stopped inside a C call the
+    /// interpreter made (its frame chain complete); 0: by the clock, at any instruction
+    /// (it can catch the chain mid-update).
+    pub synchronous: u32,
+    pub _pad: u32,
     /// `CLOCK_MONOTONIC` ns of the sample.
     pub at_ns: u64,
     /// The process's launches so far and the phase epoch this sample opens, as a phase

@@ -12,10 +12,10 @@ use aya_ebpf::{
 use aya_log_ebpf::{debug, warn};
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::{
-    CODE_RANGES, CallKey, CodeRanges, Event, EventKind, HandleKey, InflightKey, KernelKey,
-    LaunchTotals, LossCause, NCCL_UNIQUE_ID_WORDS, PY_MAX_DEPTH, PY_MAX_WALK, PY_NO_FIELD, ProbeId,
-    PyOffsets, PyStack, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, comm_id_hash, limits, saving,
-    settings,
+    CODE_RANGES, CallKey, CodeRanges, DCP_LOAD_API_EVENT, Event, EventKind, HandleKey, InflightKey,
+    KernelKey, LaunchTotals, LossCause, NCCL_UNIQUE_ID_WORDS, PY_MAX_DEPTH, PY_MAX_WALK,
+    PY_NO_FIELD, ProbeId, PyOffsets, PyStack, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig,
+    comm_id_hash, limits, saving, settings,
 };
 
 #[map(name = "EVENTS")]
@@ -88,6 +88,52 @@ fn sample_if_saving() {
     if unsafe { PY_SAVING.get(&((pid_tgid >> 32) as u32)) }.is_some() {
         send_python_stack(pid_tgid, true);
     }
+}
+
+/// Entry of `torch._C._log_api_usage_once` (`ProbeId::TorchApiUsage`): the first line of
+/// torch's and DCP's save and load functions. The Python stack is sent at once: the
+/// framework call shows there, where it begins.
+#[uprobe]
+pub fn python_stack_entry(ctx: ProbeContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    send_python_stack(pid_tgid, true);
+    mark_if_dcp_load(&ctx, pid_tgid);
+    0
+}
+
+/// DCP's load begins reading (`DCP_LOAD_API_EVENT`, the first argument after the module):
+/// the process is loading from here on (`PY_SAVING`), before the loader has handled the
+/// sample that shows it, as the `.metadata` file is read next. The loader clears it when
+/// that load returns.
+#[inline(always)]
+fn mark_if_dcp_load(ctx: &ProbeContext, pid_tgid: u64) {
+    const N: usize = DCP_LOAD_API_EVENT.len();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: copied out before the map can change under us.
+    let Some(offsets) = (unsafe { PY_TARGETS.get(&tgid) }).copied() else {
+        return;
+    };
+    let Some(event) = ctx.arg::<u64>(1) else {
+        return;
+    };
+    // The text and its terminating NUL: an equal prefix of a longer name is not it.
+    // SAFETY: reading the traced thread's memory through the checked helper.
+    let Ok(text) =
+        (unsafe { bpf_probe_read_user((event + offsets.str_data as u64) as *const [u8; N + 1]) })
+    else {
+        return;
+    };
+    if text[N] != 0 {
+        return;
+    }
+    for i in 0..N {
+        if text[i] != DCP_LOAD_API_EVENT[i] {
+            return;
+        }
+    }
+    // SAFETY: copied out.
+    let bits = unsafe { PY_SAVING.get(&tgid) }.copied().unwrap_or(0);
+    let _ = PY_SAVING.insert(&tgid, &(bits | saving::LOAD), 0);
 }
 
 /// Per Python thread, a hash of the stack last sent (low bit: sent once, to be sent again
@@ -1242,6 +1288,8 @@ fn send_python_stack(pid_tgid: u64, forced: bool) {
         (*stack).depth = depth as u32;
         (*stack).tgid = tgid;
         (*stack).tid = tid;
+        (*stack).synchronous = forced as u32;
+        (*stack)._pad = 0;
         (*stack).at_ns = bpf_ktime_get_ns();
         (*stack).launches = launches_so_far(pid_tgid);
         (*stack).epoch = next_epoch(pid_tgid);

@@ -340,6 +340,8 @@ pub enum ProbeEvent {
     PyStack {
         tgid: u32,
         tid: u32,
+        /// Taken at a probed call's entry (its frame chain complete), not by the clock.
+        synchronous: bool,
         at_ns: u64,
         /// The process's launches so far and the phase epoch the sample opens.
         launches: u64,
@@ -470,6 +472,7 @@ pub fn decode_py_stack(raw: &PyStack) -> ProbeEvent {
     ProbeEvent::PyStack {
         tgid: raw.tgid,
         tid: raw.tid,
+        synchronous: raw.synchronous != 0,
         at_ns: raw.at_ns,
         launches: raw.launches,
         epoch: raw.epoch,

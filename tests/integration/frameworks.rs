@@ -633,9 +633,6 @@ fn dcp_save_two_gloo_ranks() {
 }
 
 #[test]
-#[ignore = "issue 15 open: where the ~3 ms get_state_dict before the load goes \
-            unsampled (2 of 8 runs), the span starts at load (82-84 % against 90 %) and \
-            the .metadata read before load's first sample is not counted (2 of 3)"]
 fn dcp_save_and_load_two_gloo_ranks() {
     let test = "dcp_save_and_load_two_gloo_ranks";
     let Some(run) = traced(test, "dcp_checkpoint.py", 2, |dir| {
@@ -647,9 +644,6 @@ fn dcp_save_and_load_two_gloo_ranks() {
 }
 
 #[test]
-#[ignore = "issue 15 open: where the caller's get_state_dict and async_save staging \
-            (6-11 ms) go unsampled (1 of 3 runs), the span starts at the background \
-            writer's first sample (79-84 % against 90 %)"]
 fn dcp_async_save_two_gloo_ranks() {
     let test = "dcp_async_save_two_gloo_ranks";
     let Some(run) = traced(test, "dcp_checkpoint.py", 2, |dir| {

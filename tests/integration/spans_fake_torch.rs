@@ -374,7 +374,46 @@ fn an_overhead_budget_samples_the_launch_probes_and_stays_under_it() {
     let budget = report.budget.expect("a budget report");
     let log = builder.into_exporter();
     let steps_seen: Vec<_> = log.named(names::STEP).collect();
-    assert_eq!(steps_seen.len(), steps);
+    if steps_seen.len() != steps {
+        // Issue 16 #14 (1001 steps for 1000, seen in 3 of ~30 runs): the steps that are
+        // not like the others, to find which signal split one.
+        let median = {
+            let mut d: Vec<u64> = steps_seen.iter().map(|s| s.duration_ns()).collect();
+            d.sort_unstable();
+            d.get(d.len() / 2).copied().unwrap_or(0)
+        };
+        let odd: Vec<String> = steps_seen
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| {
+                *i < 2
+                    || *i + 2 >= steps_seen.len()
+                    || s.duration_ns() < median / 2
+                    || s.duration_ns() > median * 2
+            })
+            .map(|(i, s)| {
+                let children: Vec<String> = log
+                    .children(s)
+                    .iter()
+                    .map(|c| format!("{} {:?}", c.name, c.attributes))
+                    .collect();
+                format!(
+                    "#{i} pid {} tid {} start {} {:.2} ms {:?} children {children:?}",
+                    s.pid,
+                    s.tid,
+                    s.start_ns,
+                    s.duration_ns() as f64 / 1e6,
+                    s.attributes
+                )
+            })
+            .collect();
+        panic!(
+            "{} steps for {steps} (median {:.2} ms); odd ones:\n{}",
+            steps_seen.len(),
+            median as f64 / 1e6,
+            odd.join("\n")
+        );
+    }
     let counted: Vec<_> = steps_seen
         .iter()
         .filter(|s| s.attr(semconv::CUDA_LAUNCH_COUNT).is_some())

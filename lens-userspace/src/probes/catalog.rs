@@ -30,10 +30,11 @@ pub enum Program {
     CudaEventQueryReturn,
     CudaRegisterFunction,
     FileOpenEntry,
+    PythonStackEntry,
 }
 
 impl Program {
-    pub const ALL: [Program; 20] = [
+    pub const ALL: [Program; 21] = [
         Program::CountOnly,
         Program::NcclGroup,
         Program::NcclCollectiveEntry,
@@ -54,6 +55,7 @@ impl Program {
         Program::CudaEventQueryReturn,
         Program::CudaRegisterFunction,
         Program::FileOpenEntry,
+        Program::PythonStackEntry,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -78,6 +80,7 @@ impl Program {
             Program::CudaEventQueryReturn => "cuda_event_query_return",
             Program::CudaRegisterFunction => "cuda_register_function",
             Program::FileOpenEntry => "file_open_entry",
+            Program::PythonStackEntry => "python_stack_entry",
         }
     }
 }
@@ -489,6 +492,15 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         Some(FileOpenEntry),
         None,
         &[SpanGroup::Checkpoint],
+    ),
+    // Where torch's and DCP's save and load functions begin: a Python stack sample there
+    // (the framework save rules are the sampler's, `config::FRAMEWORK_SAVE_RULES`).
+    mark(
+        ProbeId::TorchApiUsage,
+        TorchPython,
+        Some(PythonStackEntry),
+        None,
+        &[SpanGroup::Checkpoint, SpanGroup::LoadCheckpoint],
     ),
 ];
 

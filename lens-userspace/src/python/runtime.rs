@@ -143,6 +143,8 @@ const fn offsets(
         frame_code,
         frame_previous,
         frame_first_local,
+        // Set from the code layout's (`runtime_of`).
+        str_data: 0,
     }
 }
 
@@ -257,6 +259,7 @@ pub fn find_runtime(pid: u32) -> Result<Option<PythonRuntime>, RuntimeError> {
         .ok_or_else(no_symbol)?;
     let mut offsets = layout.offsets;
     offsets.runtime = runtime;
+    offsets.str_data = layout.code.str_data as u32;
     Ok(Some(PythonRuntime {
         version: (3, layout.minor),
         path,

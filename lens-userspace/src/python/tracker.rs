@@ -185,6 +185,7 @@ impl PythonTracker {
         let ProbeEvent::PyStack {
             tgid,
             tid,
+            synchronous,
             at_ns,
             launches,
             epoch,
@@ -273,6 +274,22 @@ impl PythonTracker {
         thread.last = (*at_ns, *launches, *epoch);
         thread.named = names;
         let mut calls = Vec::new();
+        if *synchronous {
+            // Taken where the thread stopped in a probed C call the interpreter made: its
+            // frame chain is whole, so what it shows holds now, without a second sample
+            // (a framework save that then waits, unsampled, for the GIL or a peer is
+            // seen where it began).
+            thread.tentative = None;
+            let target = sample
+                .calls
+                .iter()
+                .copied()
+                .zip(sample.files.iter().cloned())
+                .collect();
+            calls.extend(transition(*tgid, *tid, &mut thread.open, target, &sample));
+            self.note_opened(&calls);
+            return calls;
+        }
         if let Some(tentative) = thread.tentative.take() {
             // What both samples agree on: open calls either still shows stay; calls both
             // show are opened.

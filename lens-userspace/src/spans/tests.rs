@@ -906,6 +906,20 @@ fn a_recompile_after_an_evaluation_does_not_stretch_it_into_the_next_step() {
 }
 
 /// The index of the built-in framework rule naming `module:qualname`.
+/// The background thread an `async_save` writes on.
+const WRITER: u32 = PID + 7;
+
+/// DCP's `async_save` and the `save` it runs on a background thread.
+fn dcp_async_save_rules(rules: &crate::config::ProbeRules) -> (u32, u32) {
+    (
+        framework_rule(
+            rules,
+            "torch.distributed.checkpoint.state_dict_saver:async_save",
+        ),
+        framework_rule(rules, "torch.distributed.checkpoint.state_dict_saver:save"),
+    )
+}
+
 fn framework_rule(rules: &crate::config::ProbeRules, name: &str) -> u32 {
     rules
         .python
@@ -1117,13 +1131,8 @@ fn the_next_phase_ends_a_framework_call_whose_return_is_not_sampled_yet() {
 
 #[test]
 fn an_async_save_waited_for_keeps_its_writers_files_and_ends_with_the_writer() {
-    const WRITER: u32 = PID + 7;
     let (mut run, rules) = Run::with_framework_rules("per_step");
-    let async_save = framework_rule(
-        &rules,
-        "torch.distributed.checkpoint.state_dict_saver:async_save",
-    );
-    let save = framework_rule(&rules, "torch.distributed.checkpoint.state_dict_saver:save");
+    let (async_save, save) = dcp_async_save_rules(&rules);
     run.step(1).framework(2, PID, async_save, false);
     let start = run.now - 1_000_000;
     run.framework(3, WRITER, save, false)
@@ -1165,13 +1174,8 @@ fn an_async_save_waited_for_keeps_its_writers_files_and_ends_with_the_writer() {
 
 #[test]
 fn a_dcp_async_save_is_one_span_until_its_background_writer_returns() {
-    const WRITER: u32 = PID + 7;
     let (mut run, rules) = Run::with_framework_rules("per_step");
-    let async_save = framework_rule(
-        &rules,
-        "torch.distributed.checkpoint.state_dict_saver:async_save",
-    );
-    let save = framework_rule(&rules, "torch.distributed.checkpoint.state_dict_saver:save");
+    let (async_save, save) = dcp_async_save_rules(&rules);
     run.step(1).framework(2, PID, async_save, false);
     let start = run.now - 1_000_000;
     run.framework(3, WRITER, save, false)
