@@ -252,23 +252,7 @@ fn a_late_rank_is_named_with_its_lateness() {
     let _ = std::fs::remove_dir_all(&ready);
     std::fs::create_dir_all(&ready).unwrap();
     let gate = scratch("gate-ranks");
-    let opener = {
-        let (ready, gate) = (ready.clone(), gate.clone());
-        std::thread::spawn(move || {
-            let deadline = std::time::Instant::now() + Duration::from_secs(120);
-            while !(ready.join("ready.0").exists() && ready.join("ready.1").exists()) {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "the ranks never started"
-                );
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            let epoch = monotonic_now_ns() + 500_000_000;
-            let staged = gate.with_extension("tmp");
-            std::fs::write(&staged, epoch.to_string()).unwrap();
-            std::fs::rename(&staged, &gate).unwrap();
-        })
-    };
+    let opener = open_gate_when_ready(&ready, ["ready.0", "ready.1"], &gate);
     let script = format!(
         "export COLLECTIVE_EPOCH_NS=gate COLLECTIVE_PERIOD_MS={PERIOD_MS} \
          COLLECTIVE_READY_DIR={} COLLECTIVE_START_GATE={}; \
@@ -353,6 +337,32 @@ fn a_late_rank_is_named_with_its_lateness() {
     let _ = std::fs::remove_file(&observed_path);
 }
 
+/// Opens `gate` (a file holding an epoch 0.5 s ahead, `CLOCK_MONOTONIC` ns) once both
+/// `ready` files exist in `dir`: each rank makes its own when its `main()` runs, its
+/// libraries loaded and so attached (the loads are held until then), so the ranks start
+/// together however long each attach took on a loaded machine.
+fn open_gate_when_ready(
+    dir: &std::path::Path,
+    ready: [&'static str; 2],
+    gate: &std::path::Path,
+) -> std::thread::JoinHandle<()> {
+    let (dir, gate) = (dir.to_path_buf(), gate.to_path_buf());
+    std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        while !ready.iter().all(|name| dir.join(name).exists()) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the ranks never started"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let epoch = monotonic_now_ns() + 500_000_000;
+        let staged = gate.with_extension("tmp");
+        std::fs::write(&staged, epoch.to_string()).unwrap();
+        std::fs::rename(&staged, &gate).unwrap();
+    })
+}
+
 /// Two fake-PyTorch ranks (`trainer_torch`, DDP-like: an all-reduce inside each
 /// backward) whose all-reduces block until both arrived (`LENS_FAKE_NCCL_RENDEZVOUS`);
 /// rank 1 gets `slow` (its environment) and arrives late. Returns the all-reduce spans
@@ -367,9 +377,21 @@ fn trace_slow_rank(name: &str, slow: (&str, &str)) -> (SpanLog, String) {
     })
     .unwrap();
     let trainer = lens_tests::torch_trainer();
+    // The first all-reduce would otherwise tell which rank was attached last, not which
+    // is slow (rank 0, held 250 ms at its library loads on a loaded machine, was last).
+    let ready = scratch(&format!("ready-{name}"));
+    let _ = std::fs::remove_dir_all(&ready);
+    std::fs::create_dir_all(&ready).unwrap();
+    let gate = scratch(&format!("gate-{name}"));
+    let _ = std::fs::remove_file(&gate);
+    let opener = open_gate_when_ready(&ready, ["rank0", "rank1"], &gate);
     let script = format!(
-        "TRAINER_RANK=0 \"$0\" 10 1 0 0 & TRAINER_RANK=1 {}={} \"$0\" 10 1 0 0; wait $!",
-        slow.0, slow.1
+        "export TRAINER_READY_DIR={} TRAINER_START_GATE={}; \
+         TRAINER_RANK=0 \"$0\" 10 1 0 0 & TRAINER_RANK=1 {}={} \"$0\" 10 1 0 0; wait $!",
+        ready.display(),
+        gate.display(),
+        slow.0,
+        slow.1
     );
     let argv: Vec<OsString> = vec![
         "env".into(),
@@ -391,7 +413,10 @@ fn trace_slow_rank(name: &str, slow: (&str, &str)) -> (SpanLog, String) {
         report.child_exit,
         Some(lens_probe::target::ExitStatus::Exited(0))
     );
+    opener.join().unwrap();
     let _ = std::fs::remove_dir_all(&rendezvous);
+    let _ = std::fs::remove_dir_all(&ready);
+    let _ = std::fs::remove_file(&gate);
     let stragglers = lens_probe::spans::stragglers::render(builder.stragglers());
     (builder.into_exporter(), stragglers)
 }
