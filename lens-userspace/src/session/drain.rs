@@ -1,0 +1,128 @@
+//! Draining the ring buffer: decode each record, update the session's state for control
+//! events (fork, exec, exit, library loads) and hand the rest to the sink.
+
+use aya::maps::{MapData, RingBuf};
+use log::warn;
+
+use crate::{
+    events::{self, ProbeEvent},
+    sink::EventSink,
+    target::{self, ExitStatus},
+};
+
+use super::Session;
+
+impl Session {
+    pub(super) fn drain(&mut self, ring: &mut RingBuf<MapData>, sink: &mut dyn EventSink) {
+        // Decode in batches: the ring's items borrow it, handling needs `self`.
+        loop {
+            let mut batch: Vec<std::result::Result<ProbeEvent, events::DecodeError>> = Vec::new();
+            while let Some(item) = ring.next() {
+                batch.push(events::decode(&item));
+                if batch.len() == 4096 {
+                    break;
+                }
+            }
+            if batch.is_empty() {
+                return;
+            }
+            // Phase marks may close steps: their kernels are read first (every launch
+            // before the marks has been counted by now).
+            if let Some(kernels) = self.kernels.as_mut() {
+                let mut marked = Vec::new();
+                for event in batch.iter().flatten() {
+                    if let ProbeEvent::Phase {
+                        tgid,
+                        epoch,
+                        launches,
+                        ..
+                    }
+                    | ProbeEvent::RuleCall {
+                        tgid,
+                        epoch,
+                        launches,
+                        ..
+                    }
+                    | ProbeEvent::PyStack {
+                        tgid,
+                        epoch,
+                        launches,
+                        ..
+                    } = event
+                    {
+                        let newest = kernels.epochs.entry(*tgid).or_default();
+                        *newest = (*newest).max(*epoch);
+                        // Marks carry the launch total: none since the last read, nothing
+                        // new to read.
+                        let read = kernels.launches_read.entry(*tgid).or_default();
+                        if *launches > *read {
+                            *read = *launches;
+                            if !marked.contains(tgid) {
+                                marked.push(*tgid);
+                            }
+                        }
+                    }
+                }
+                if !marked.is_empty() {
+                    self.read_kernel_counts(&marked, false, sink);
+                }
+            }
+            self.hold_candidates(&batch);
+            for decoded in batch {
+                match decoded {
+                    Ok(ProbeEvent::LinkMapChanged {
+                        tgid,
+                        stopped,
+                        traced,
+                    }) => self.on_link_map_changed(tgid, stopped, traced, sink),
+                    Ok(ProbeEvent::ProcessForked { parent, child }) => {
+                        self.on_fork(parent, child, sink);
+                    }
+                    Ok(ProbeEvent::ProcessExec { tgid, traced: true }) => self.on_exec(tgid, sink),
+                    Ok(ProbeEvent::ProcessExec {
+                        tgid,
+                        traced: false,
+                    }) => {
+                        self.on_node_exec(tgid);
+                    }
+                    Ok(ProbeEvent::ProcessExit { tgid, wait_status }) => {
+                        if let Some(target) = self.targets.get_mut(&tgid) {
+                            target.exit = Some(ExitStatus::from_wait_status(wait_status));
+                        }
+                    }
+                    Ok(sample @ ProbeEvent::PyStack { .. }) => {
+                        if let Some(tracker) = self.python.as_mut() {
+                            let calls = tracker.on_sample(&sample);
+                            self.deliver_rule_calls(calls, sink);
+                        }
+                    }
+                    Ok(mut event) => {
+                        self.hangs.observe(&mut event);
+                        if let (Some(tracker), Some((tgid, tid, at))) =
+                            (self.python.as_mut(), event.thread_start())
+                        {
+                            let calls = tracker.settle_framework_calls(tgid, tid, at);
+                            self.deliver_rule_calls(calls, sink);
+                        }
+                        if let Some(caller) = self.python_caller(&event) {
+                            sink.on_event(&caller);
+                        }
+                        sink.on_event(&event);
+                    }
+                    Err(error) => {
+                        self.undecodable += 1;
+                        warn!("undecodable event: {error:?}");
+                    }
+                }
+            }
+            // Held candidates that did not become targets go on.
+            for pid in self.held_candidates.drain() {
+                target::resume(pid);
+            }
+            if let Some(tracker) = self.python.as_mut() {
+                let calls = tracker.confirm(crate::spans::monotonic_now_ns(), None);
+                self.deliver_rule_calls(calls, sink);
+            }
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! The event loop: pump the ring buffer, the exit watchers, the ticks and the stop
+//! signals into the sink until the targets exit, a signal arrives or the time is up.
+use std::time::Duration;
+
+use aya::maps::PerCpuArray;
+use lens_common::{LossCause, maps};
+use log::debug;
+use tokio::{
+    io::unix::AsyncFd,
+    signal::unix::{SignalKind, signal},
+    sync::mpsc,
+};
+
+use crate::{
+    error::Result,
+    hangs::{self},
+    sink::EventSink,
+    summary::Losses,
+    target::{self, ExitStatus},
+};
+
+use super::{
+    CALL_COUNTS_INTERVAL, CHILD_EXIT_GRACE, DRAIN_INTERVAL, RunReport, Session, StopReason,
+};
+
+impl Session {
+    pub(super) fn losses(&self) -> Losses {
+        let mut losses = Losses {
+            undecodable: self.undecodable,
+            ..Losses::default()
+        };
+        if let Some(map) = self.ebpf.map(maps::LOSSES)
+            && let Ok(array) = PerCpuArray::<_, u64>::try_from(map)
+        {
+            for cause in LossCause::ALL {
+                let total = array
+                    .get(&(cause as u32), 0)
+                    .map(|values| values.iter().sum())
+                    .unwrap_or(0);
+                losses.kernel.insert(cause.name(), total);
+            }
+        }
+        losses
+    }
+
+    /// Pumps events into `sink` until every target exited, SIGINT/SIGTERM, or `limit`.
+    pub async fn run(
+        &mut self,
+        sink: &mut dyn EventSink,
+        limit: Option<Duration>,
+    ) -> Result<RunReport> {
+        let mut ring = register(self.ring.take().expect("run is called once"))?;
+        self.raise_priority();
+        let mut logger = match self.logger.take() {
+            Some(logger) => Some(register(logger)?),
+            None => None,
+        };
+
+        let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<u32>();
+        self.exit_tx = Some(exit_tx);
+        let mut pids: Vec<u32> = self.targets.keys().copied().collect();
+        pids.sort_unstable();
+        for pid in pids {
+            let Some(target) = self.targets.get_mut(&pid) else {
+                continue;
+            };
+            self.hangs
+                .process_started(&target.info, target.info.traced_from_start);
+            sink.on_process_start(&target.info);
+            if let Some(pidfd) = target.pidfd.take() {
+                self.watch_exit(pid, pidfd)?;
+            }
+        }
+
+        let mut sigint = signal(SignalKind::interrupt())?;
+        let mut sigterm = signal(SignalKind::terminate())?;
+        // Handlers in place: a stop signal held since start-up is delivered now.
+        target::release_stop_signals();
+        let deadline = limit.map(|limit| tokio::time::Instant::now() + limit);
+        let mut tick = tokio::time::interval(DRAIN_INTERVAL);
+        let mut counts_tick = tokio::time::interval(CALL_COUNTS_INTERVAL);
+        let mut budget_tick = tokio::time::interval(crate::budget::TICK);
+        let mut hang_tick = tokio::time::interval(hangs::CHECK_INTERVAL);
+        hang_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Ticks missed while the loop was busy are not made up in a burst: the controller
+        // measures rates over the time that really passed.
+        budget_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        self.sync_launch_counting(sink);
+        let mut stop: Option<StopReason> = None;
+        let mut grace_deadline: Option<tokio::time::Instant> = None;
+
+        loop {
+            // Node mode watches for new processes until told to stop.
+            if self.targets.is_empty() && self.node.is_none() {
+                stop.get_or_insert(StopReason::TargetsExited);
+                break;
+            }
+            let grace = async {
+                match grace_deadline {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let until_deadline = async {
+                match deadline {
+                    Some(at) if stop.is_none() => tokio::time::sleep_until(at).await,
+                    _ => std::future::pending().await,
+                }
+            };
+            let log_ready = async {
+                match logger.as_mut() {
+                    Some(logger) => logger.readable_mut().await.map(|mut g| {
+                        g.get_inner_mut().flush();
+                        g.clear_ready();
+                    }),
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                guard = ring.readable_mut() => {
+                    let mut guard = guard?;
+                    self.drain(guard.get_inner_mut(), sink);
+                    guard.clear_ready();
+                }
+                _ = tick.tick() => {
+                    self.drain(ring.get_mut(), sink);
+                    self.print_attach_status();
+                    self.expire_armed_loads();
+                }
+                // Under a budget its tick reads the counters (and scales the launches).
+                _ = counts_tick.tick(), if self.budget.is_none() => {
+                    for (pid, calls) in self.call_counts() {
+                        sink.on_call_counts(pid, &calls);
+                    }
+                }
+                _ = budget_tick.tick(), if self.budget.is_some() => self.budget_tick(sink),
+                _ = hang_tick.tick(), if self.hangs.watching() => {
+                    self.drain(ring.get_mut(), sink);
+                    self.check_hangs(sink);
+                }
+                _ = log_ready => {}
+                Some(pid) = exit_rx.recv() => {
+                    self.drain(ring.get_mut(), sink);
+                    let exit = match self.targets.get(&pid) {
+                        Some(t) if t.own_child => wait_child(pid).await,
+                        Some(t) => Some(t.exit.unwrap_or(ExitStatus::Unknown)),
+                        None => Some(ExitStatus::Unknown),
+                    };
+                    self.finish_target(pid, exit, sink);
+                }
+                _ = sigint.recv() => self.on_signal(libc::SIGINT, &mut stop, &mut grace_deadline),
+                _ = sigterm.recv() => self.on_signal(libc::SIGTERM, &mut stop, &mut grace_deadline),
+                _ = until_deadline => {
+                    stop = Some(StopReason::Duration);
+                    break;
+                }
+                _ = grace => break,
+            }
+            // Libraries attached while draining may have put launch probes in.
+            self.sync_launch_counting(sink);
+            if stop.is_some() && grace_deadline.is_none() {
+                break;
+            }
+            if stop.is_some() && !self.targets.values().any(|t| t.own_child) {
+                break;
+            }
+        }
+
+        self.drain(ring.get_mut(), sink);
+        let remaining: Vec<u32> = self.targets.keys().copied().collect();
+        for pid in remaining {
+            // Never leave a child of ours stopped at a library load.
+            if self.targets.get(&pid).is_some_and(|t| t.own_child) {
+                target::resume(pid);
+            }
+            self.finish_target(pid, None, sink);
+        }
+        self.ring = Some(ring.into_inner());
+        self.exit_tx = None;
+        let budget = self.budget.as_ref().map(|(controller, started)| {
+            controller.report((crate::spans::monotonic_now_ns() - started) as f64 / 1e9)
+        });
+        Ok(RunReport {
+            stop: stop.unwrap_or(StopReason::TargetsExited),
+            losses: self.losses(),
+            child_exit: self.child_exit,
+            budget,
+        })
+    }
+
+    /// [`Session::run`] on a single-threaded runtime of its own, for callers that are not
+    /// async (the CLI, tests).
+    pub fn run_blocking(
+        &mut self,
+        sink: &mut dyn EventSink,
+        limit: Option<Duration>,
+    ) -> Result<RunReport> {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(self.run(sink, limit))
+    }
+
+    /// SIGINT/SIGTERM: pass it on to the children we started and give them a grace
+    /// period to exit (their exit is then traced); processes we attached to are left alone.
+    pub(super) fn on_signal(
+        &mut self,
+        signal: i32,
+        stop: &mut Option<StopReason>,
+        grace_deadline: &mut Option<tokio::time::Instant>,
+    ) {
+        if stop.is_some() {
+            return;
+        }
+        *stop = Some(StopReason::Signal(signal));
+        let children: Vec<u32> = self
+            .targets
+            .iter()
+            .filter(|(_, t)| t.own_child)
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in &children {
+            // SAFETY: plain signal send to our own child.
+            unsafe { libc::kill(*pid as libc::pid_t, signal) };
+            target::resume(*pid);
+        }
+        if !children.is_empty() {
+            *grace_deadline = Some(tokio::time::Instant::now() + CHILD_EXIT_GRACE);
+        }
+    }
+}
+
+/// Registers an fd-owning value with the runtime's reactor.
+pub(super) fn register<T: std::os::fd::AsRawFd>(inner: T) -> std::io::Result<AsyncFd<T>> {
+    // SAFETY: every `T` here (ring buffer, logger, pidfd) owns its fd and keeps it open
+    // and unchanged for as long as it lives inside the AsyncFd.
+    unsafe { AsyncFd::register(inner) }.map_err(|error| error.into_parts().1)
+}
+
+/// The pidfd said our child is gone; reap it (it may take a moment to become waitable).
+pub(super) async fn wait_child(pid: u32) -> Option<ExitStatus> {
+    for _ in 0..200 {
+        if let Some(status) = target::try_wait_child(pid) {
+            return Some(status);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    None
+}
+
+/// The event loop's thread runs at a higher priority than the jobs it traces while the
+/// session lasts (nice `EVENT_LOOP_NICE`, restored after). On a node whose cores the job keeps
+/// busy, a loop at the job's priority falls seconds behind: Python stacks are named from
+/// the target's memory when they are read, and a process that ended meanwhile took its
+/// names with it (a save just before a job's end went unseen). The loop's CPU time is
+/// what its events cost, whatever its priority; only when it runs changes.
+pub(super) struct EventLoopPriority {
+    pub(super) tid: libc::id_t,
+    pub(super) was: libc::c_int,
+}
+
+pub(super) const EVENT_LOOP_NICE: libc::c_int = -5;
+
+impl EventLoopPriority {
+    pub(super) fn raise() -> Option<EventLoopPriority> {
+        // SAFETY: plain system calls on this thread's own scheduling priority.
+        unsafe {
+            let tid = libc::gettid() as libc::id_t;
+            *libc::__errno_location() = 0;
+            let was = libc::getpriority(libc::PRIO_PROCESS, tid);
+            if *libc::__errno_location() != 0 || was <= EVENT_LOOP_NICE {
+                return None;
+            }
+            if libc::setpriority(libc::PRIO_PROCESS, tid, EVENT_LOOP_NICE) != 0 {
+                debug!(
+                    "the event loop keeps nice {was}: {}",
+                    std::io::Error::last_os_error()
+                );
+                return None;
+            }
+            Some(EventLoopPriority { tid, was })
+        }
+    }
+}
+
+impl Drop for EventLoopPriority {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, self.tid, self.was) };
+    }
+}

@@ -1,0 +1,188 @@
+//! The kernel's call and per-kernel launch counters, read into the sink periodically
+//! and when a process ends.
+use std::collections::{BTreeMap, HashMap};
+
+use aya::maps::{HashMap as BpfHashMap, PerCpuHashMap};
+use lens_common::{CallKey, HandleKey, KernelKey, ProbeId, maps};
+
+use crate::{
+    kernels::{KernelLaunches, KernelNames},
+    sink::EventSink,
+};
+
+use super::Session;
+
+impl Session {
+    /// Reads the per-kernel launch counters of `pids` (all of them with `all`, for a
+    /// process that ended) and hands what is new to the sink, named. Counters of epochs
+    /// older than the newest mark seen are complete: they are removed once read.
+    pub(super) fn read_kernel_counts(&mut self, pids: &[u32], all: bool, sink: &mut dyn EventSink) {
+        let Some(kernels) = self.kernels.as_mut() else {
+            return;
+        };
+        let Some(map) = self.ebpf.map_mut(maps::KERNEL_COUNTS) else {
+            return;
+        };
+        let Ok(mut counts) = BpfHashMap::<_, KernelKey, u64>::try_from(map) else {
+            return;
+        };
+        let keys: Vec<KernelKey> = counts
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| pids.contains(&k.tgid))
+            .collect();
+        let mut new: HashMap<u32, Vec<(KernelKey, u64)>> = HashMap::new();
+        for key in keys {
+            let Ok(value) = counts.get(&key, 0) else {
+                continue;
+            };
+            let seen = kernels.seen.entry(key).or_default();
+            let delta = value.saturating_sub(*seen);
+            *seen = value;
+            let newest = kernels.epochs.get(&key.tgid).copied().unwrap_or(0);
+            if all || u64::from(key.epoch) < newest {
+                let _ = counts.remove(&key);
+                kernels.seen.remove(&key);
+            }
+            if delta > 0 {
+                new.entry(key.tgid).or_default().push((key, delta));
+            }
+        }
+        // Stubs without a symbol are named as their module registered them.
+        let registry = self
+            .ebpf
+            .map(maps::KERNEL_REGISTRY)
+            .and_then(|map| BpfHashMap::<_, HandleKey, u64>::try_from(map).ok());
+        for (pid, entries) in new {
+            let functions: Vec<(u64, bool)> = entries
+                .iter()
+                .map(|(key, _)| (key.function, key.driver != 0))
+                .collect();
+            let registered = |function: u64| {
+                let key = HandleKey {
+                    tgid: pid,
+                    _pad: 0,
+                    handle: function,
+                };
+                registry.as_ref()?.get(&key, 0).ok()
+            };
+            let names = kernels.names.resolve(pid, &functions, &registered);
+            let launches: Vec<KernelLaunches> = entries
+                .iter()
+                .zip(names)
+                .map(|((key, launches), name)| KernelLaunches {
+                    epoch: key.epoch.into(),
+                    name,
+                    launches: *launches,
+                })
+                .collect();
+            sink.on_kernel_launches(pid, &launches);
+        }
+    }
+
+    /// Forgets `pid`'s per-kernel counters (it ended, or runs a new program whose
+    /// epochs start over), in the kernel and here.
+    pub(super) fn forget_kernel_counts(&mut self, pid: u32) {
+        if let Some(kernels) = self.kernels.as_mut() {
+            kernels.seen.retain(|key, _| key.tgid != pid);
+            kernels.epochs.remove(&pid);
+            kernels.launches_read.remove(&pid);
+            kernels.names.forget(pid);
+        }
+        if let Some(map) = self.ebpf.map_mut(maps::KERNEL_COUNTS)
+            && let Ok(mut counts) = BpfHashMap::<_, KernelKey, u64>::try_from(map)
+        {
+            let stale: Vec<KernelKey> = counts
+                .keys()
+                .filter_map(|k| k.ok())
+                .filter(|k| k.tgid == pid)
+                .collect();
+            for key in stale {
+                let _ = counts.remove(&key);
+            }
+        }
+    }
+
+    /// Every target's call counters so far (kept in the kernel).
+    pub(super) fn call_counts(&mut self) -> BTreeMap<u32, BTreeMap<ProbeId, u64>> {
+        let mut by_pid: BTreeMap<u32, BTreeMap<ProbeId, u64>> = BTreeMap::new();
+        let Some(map) = self.ebpf.map(maps::CALL_COUNTS) else {
+            return by_pid;
+        };
+        let Ok(counts) = PerCpuHashMap::<_, CallKey, u64>::try_from(map) else {
+            return by_pid;
+        };
+        for key in counts.keys().filter_map(|k| k.ok()) {
+            if !self.targets.contains_key(&key.tgid) {
+                continue;
+            }
+            if let (Ok(values), Some(probe)) = (counts.get(&key, 0), ProbeId::from_u32(key.probe)) {
+                by_pid
+                    .entry(key.tgid)
+                    .or_default()
+                    .insert(probe, values.iter().sum());
+            }
+        }
+        by_pid
+    }
+
+    pub(super) fn take_call_counts(&mut self, pid: u32) -> BTreeMap<ProbeId, u64> {
+        let mut calls = BTreeMap::new();
+        let Some(map) = self.ebpf.map_mut(maps::CALL_COUNTS) else {
+            return calls;
+        };
+        let Ok(mut counts) = PerCpuHashMap::<_, CallKey, u64>::try_from(map) else {
+            return calls;
+        };
+        let keys: Vec<CallKey> = counts
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| k.tgid == pid)
+            .collect();
+        for key in keys {
+            if let (Ok(values), Some(probe)) = (counts.get(&key, 0), ProbeId::from_u32(key.probe)) {
+                calls.insert(probe, values.iter().sum());
+            }
+            let _ = counts.remove(&key);
+        }
+        calls
+    }
+
+    /// Tells the sink about targets whose launches began or stopped being counted (their
+    /// libraries' launch probes went in or out).
+    pub(super) fn sync_launch_counting(&mut self, sink: &mut dyn EventSink) {
+        let now = crate::spans::monotonic_now_ns();
+        let sampled = self.budget.is_some();
+        for (pid, target) in &mut self.targets {
+            let counted = self.attacher.counts_launches(*pid);
+            if counted != target.launches_counted {
+                // A process traced from its start had its libraries probed as they loaded,
+                // before any launch: its count starts with it.
+                let since = if counted && !target.launches_seen && target.info.traced_from_start {
+                    0
+                } else {
+                    now
+                };
+                target.launches_counted = counted;
+                target.launches_seen |= counted;
+                sink.on_launch_counting(*pid, counted, since, sampled);
+            }
+        }
+    }
+}
+
+/// The per-kernel launch counters as read so far.
+#[derive(Default)]
+pub(super) struct KernelCounters {
+    pub(super) names: KernelNames,
+    /// Each counter's value at the last read.
+    pub(super) seen: HashMap<KernelKey, u64>,
+    /// The newest epoch each process's phase marks opened: counters of older epochs are
+    /// complete and are removed once read.
+    pub(super) epochs: HashMap<u32, u64>,
+    /// Each process's launch total as the newest mark read carried it: a batch of marks
+    /// that carry no more launches has nothing new to read, and the read is skipped
+    /// (walking even an empty hash map visits every bucket: it was a tenth of
+    /// lens-probe's CPU on a CPU-only loop).
+    pub(super) launches_read: HashMap<u32, u64>,
+}

@@ -1,0 +1,183 @@
+//! The session's typed access to the kernel's per-process maps: targets, launch
+//! totals, libcudart's code ranges, the run-wide switches; and their cleanup.
+
+use aya::{
+    Ebpf,
+    maps::{Array as BpfArray, HashMap as BpfHashMap, MapData, PerCpuHashMap},
+};
+use lens_common::{
+    CODE_RANGES, CallKey, CodeRanges, Event, InflightKey, KernelKey, LaunchTotals, TargetConfig,
+    maps,
+};
+use log::warn;
+
+use crate::{
+    error::{LensError, Result},
+    probes::library::{self, LibraryKind, MappedLibrary},
+};
+
+use super::{KernelState, Session};
+
+impl Session {
+    /// Tells the driver probes where `pid` maps libcudart (all its mappings, merged): a
+    /// driver launch returning there is the runtime's own, counted at the runtime.
+    /// `libraries` are what `pid` maps of interest: without a libcudart, the maps (long
+    /// in a torch process, and read at every library load) are not read again.
+    pub(super) fn set_runtime_ranges(&mut self, pid: u32, libraries: &[MappedLibrary]) {
+        if !libraries.iter().any(|l| l.kind == LibraryKind::CudaRuntime) {
+            return;
+        }
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
+            return;
+        };
+        let mut ranges: Vec<[u64; 2]> = Vec::new();
+        for entry in library::parse_maps(&text) {
+            let name = std::path::Path::new(&entry.path)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            if LibraryKind::from_file_name(name) != Some(LibraryKind::CudaRuntime) {
+                continue;
+            }
+            match ranges.last_mut() {
+                Some(last) if last[1] == entry.start => last[1] = entry.end,
+                _ => ranges.push([entry.start, entry.end]),
+            }
+        }
+        if ranges.is_empty() {
+            return;
+        }
+        if ranges.len() > CODE_RANGES {
+            warn!(
+                "pid {pid} maps libcudart in {} places, the driver probes know {CODE_RANGES}: \
+                 runtime launches from the others may count twice",
+                ranges.len()
+            );
+        }
+        let mut value = CodeRanges::default();
+        for (slot, range) in value.ranges.iter_mut().zip(ranges) {
+            *slot = range;
+        }
+        let Some(map) = self.ebpf.map_mut(maps::RUNTIME_RANGES) else {
+            return;
+        };
+        if let Ok(mut map) = BpfHashMap::<_, u32, CodeRanges>::try_from(map)
+            && let Err(error) = map.insert(pid, value, 0)
+        {
+            warn!("pid {pid}: cannot tell the driver probes where libcudart is: {error}");
+        }
+    }
+
+    pub(super) fn launch_totals_map(
+        &mut self,
+    ) -> Result<BpfHashMap<&mut MapData, u32, LaunchTotals>> {
+        hash_map_mut(&mut self.ebpf, maps::LAUNCH_TOTALS)
+    }
+
+    pub(super) fn targets_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, TargetConfig>> {
+        hash_map_mut(&mut self.ebpf, maps::TARGETS)
+    }
+
+    pub(super) fn set_target(&mut self, pid: u32, config: TargetConfig) -> Result<()> {
+        self.targets_map()?
+            .insert(pid, config, 0)
+            .map_err(|source| LensError::Map {
+                map: maps::TARGETS,
+                source,
+            })
+    }
+
+    /// Drops what the kernel keeps for `pid` besides its call counters (taken by the
+    /// caller): its launch total and the entries of calls it never returned from (a thread
+    /// killed in a sync wait).
+    pub(super) fn forget_kernel_state(&mut self, pid: u32) {
+        if let Ok(mut totals) = self.launch_totals_map() {
+            let _ = totals.remove(&pid);
+        }
+        if let Some(map) = self.ebpf.map_mut(maps::STOPPED)
+            && let Ok(mut stops) = BpfHashMap::<_, u32, u64>::try_from(map)
+        {
+            let _ = stops.remove(&pid);
+        }
+        self.armed_loads.remove(&pid);
+        if self.saving_depth.remove(&pid).is_some()
+            && let Some(map) = self.ebpf.map_mut(maps::PY_SAVING)
+            && let Ok(mut saving) = BpfHashMap::<_, u32, u8>::try_from(map)
+        {
+            let _ = saving.remove(&pid);
+        }
+        if let Some(map) = self.ebpf.map_mut(maps::RUNTIME_RANGES)
+            && let Ok(mut ranges) = BpfHashMap::<_, u32, CodeRanges>::try_from(map)
+        {
+            let _ = ranges.remove(&pid);
+        }
+        if let Some(map) = self.ebpf.map_mut(maps::INFLIGHT)
+            && let Ok(mut inflight) = BpfHashMap::<_, InflightKey, Event>::try_from(map)
+        {
+            let stale: Vec<InflightKey> = inflight
+                .keys()
+                .filter_map(|k| k.ok())
+                .filter(|k| (k.pid_tgid >> 32) as u32 == pid)
+                .collect();
+            for key in stale {
+                let _ = inflight.remove(&key);
+            }
+        }
+    }
+
+    /// Entries in the kernel's per-process maps now: targets, calls in flight, call
+    /// counters and launch totals. Bounded by the maps' sizes; all 0 once every target
+    /// has ended.
+    pub fn kernel_state(&self) -> KernelState {
+        fn entries<K: aya::Pod, V: aya::Pod>(ebpf: &Ebpf, name: &str) -> usize {
+            ebpf.map(name)
+                .and_then(|map| BpfHashMap::<_, K, V>::try_from(map).ok())
+                .map_or(0, |map| map.keys().count())
+        }
+        let call_counters = self
+            .ebpf
+            .map(maps::CALL_COUNTS)
+            .and_then(|map| PerCpuHashMap::<_, CallKey, u64>::try_from(map).ok())
+            .map_or(0, |map| map.keys().count());
+        KernelState {
+            targets: entries::<u32, TargetConfig>(&self.ebpf, maps::TARGETS),
+            inflight: entries::<InflightKey, Event>(&self.ebpf, maps::INFLIGHT),
+            call_counters,
+            launch_totals: entries::<u32, LaunchTotals>(&self.ebpf, maps::LAUNCH_TOTALS),
+            kernel_counters: entries::<KernelKey, u64>(&self.ebpf, maps::KERNEL_COUNTS),
+            runtime_ranges: entries::<u32, CodeRanges>(&self.ebpf, maps::RUNTIME_RANGES),
+        }
+    }
+}
+
+/// The kernel's hash map `name`, typed.
+pub(super) fn hash_map_mut<'a, K: aya::Pod, V: aya::Pod>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<BpfHashMap<&'a mut MapData, K, V>> {
+    let map = ebpf
+        .map_mut(name)
+        .ok_or(LensError::MissingInObject { kind: "map", name })?;
+    BpfHashMap::try_from(map).map_err(|source| LensError::Map { map: name, source })
+}
+
+/// Sets one of the run-wide switches (`lens_common::settings`).
+pub(super) fn set_setting(ebpf: &mut Ebpf, index: u32, value: u32) -> Result<()> {
+    let map = ebpf
+        .map_mut(maps::SETTINGS)
+        .ok_or(LensError::MissingInObject {
+            kind: "map",
+            name: maps::SETTINGS,
+        })?;
+    let mut settings_map: BpfArray<&mut MapData, u32> =
+        BpfArray::try_from(map).map_err(|source| LensError::Map {
+            map: maps::SETTINGS,
+            source,
+        })?;
+    settings_map
+        .set(index, value, 0)
+        .map_err(|source| LensError::Map {
+            map: maps::SETTINGS,
+            source,
+        })
+}

@@ -1,0 +1,315 @@
+//! A tracing session: load the programs, register targets, then pump the ring buffer into
+//! an [`EventSink`](crate::sink::EventSink) until the targets exit, a signal arrives or the time is up.
+//!
+//! Data path: probe (kernel) → ring buffer → [`events::decode`] → sink.
+use std::{
+    collections::{HashMap, HashSet},
+    os::fd::OwnedFd,
+    sync::Arc,
+    time::Duration,
+};
+
+use aya::{
+    Ebpf,
+    maps::{MapData, RingBuf},
+};
+use aya_log::EbpfLogger;
+use lens_common::{TargetConfig, maps, settings};
+use log::{info, warn};
+use tokio::sync::mpsc;
+
+use crate::{
+    attach_status::AttachStatus,
+    budget::{BudgetController, BudgetReport, OverheadBudget},
+    config::ProbeRules,
+    discovery::NodeFilter,
+    error::Result,
+    export::strategy::ExportStrategy,
+    groups::{SpanGroup, SpanGroups},
+    guardian::Guardian,
+    hangs::HangWatcher,
+    privileges,
+    probes::{
+        attach::{self, Attacher},
+        calibrate,
+        files::FileProbes,
+    },
+    python::{self, PythonTracker},
+    summary::Losses,
+    target::{ExitStatus, ProcessInfo},
+};
+
+mod budget;
+mod drain;
+mod event_loop;
+mod hang_checks;
+mod kernel_counts;
+mod kernel_maps;
+mod node;
+mod python_samples;
+mod targets;
+
+use budget::LaunchEstimate;
+use event_loop::EventLoopPriority;
+use kernel_counts::KernelCounters;
+use kernel_maps::set_setting;
+
+/// How often the ring buffer is drained when no wakeup came (wakeups are batched: the
+/// kernel wakes the reader once per 256 KiB of events, and at once for a control event).
+/// Each wakeup of an idle loop costs tens of µs on a VM: at 20 ms they were a sixth of
+/// lens-probe's CPU on a fast loop.
+pub(crate) const DRAIN_INTERVAL: Duration = Duration::from_millis(50);
+
+/// How often the kernel's call counters (launches) of running targets are read.
+const CALL_COUNTS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// After a signal, how long the children we started get to exit before we give up.
+const CHILD_EXIT_GRACE: Duration = Duration::from_secs(5);
+
+#[derive(Clone, Debug, Default)]
+pub struct TraceOptions {
+    pub span_groups: SpanGroups,
+    /// Kernel-side diagnostics (aya-log) forwarded to the log.
+    pub kernel_logs: bool,
+    /// `--overhead-budget`: launch probes sampled to stay within it.
+    pub overhead_budget: Option<OverheadBudget>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// Every traced process exited.
+    TargetsExited,
+    /// SIGINT or SIGTERM.
+    Signal(i32),
+    /// `--duration` elapsed.
+    Duration,
+}
+
+/// Entries in the kernel's per-process maps ([`Session::kernel_state`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelState {
+    pub targets: usize,
+    pub inflight: usize,
+    pub call_counters: usize,
+    pub launch_totals: usize,
+    /// Per-kernel launch counters not yet read.
+    pub kernel_counters: usize,
+    /// Processes whose libcudart mappings the driver probes know.
+    pub runtime_ranges: usize,
+}
+
+/// What a finished run reports besides what went to the sink.
+#[derive(Clone, Debug)]
+pub struct RunReport {
+    pub stop: StopReason,
+    pub losses: Losses,
+    /// Exit status of the process started with [`Session::exec`], once it exited.
+    pub child_exit: Option<ExitStatus>,
+    /// What the overhead budget did, when one was set.
+    pub budget: Option<BudgetReport>,
+}
+
+struct Target {
+    info: ProcessInfo,
+    /// Started by us (`--exec`): we can collect its exit status.
+    own_child: bool,
+    config: TargetConfig,
+    pidfd: Option<OwnedFd>,
+    /// The sink was told its launches are being counted.
+    launches_counted: bool,
+    /// ... at some time.
+    launches_seen: bool,
+    /// How it ended, as the kernel's exit tracepoint said (its parent reaps it, not us).
+    exit: Option<ExitStatus>,
+}
+
+pub struct Session {
+    ebpf: Ebpf,
+    ring: Option<RingBuf<MapData>>,
+    logger: Option<EbpfLogger<&'static dyn log::Log>>,
+    attacher: Attacher,
+    groups: SpanGroups,
+    targets: HashMap<u32, Target>,
+    /// The process started with `--exec`, whose exit status becomes ours.
+    child: Option<u32>,
+    child_exit: Option<ExitStatus>,
+    undecodable: u64,
+    /// Where the exit watchers of targets report (set while `run` runs).
+    exit_tx: Option<mpsc::UnboundedSender<u32>>,
+    /// Which ranks are traced (NeMo Lens' export strategies); others are let go.
+    export_strategy: ExportStrategy,
+    /// Node mode: the filter discovered processes must pass.
+    node: Option<NodeFilter>,
+    /// `--overhead-budget`: the controller, and when it started (monotonic ns).
+    budget: Option<(BudgetController, u64)>,
+    /// Launches per process as reported to the sinks: under a budget, counted launches
+    /// plus an estimate for the pauses between windows.
+    launch_estimates: HashMap<u32, LaunchEstimate>,
+    /// Continues stopped targets should lens-probe die (the CLI starts one).
+    guardian: Option<Guardian>,
+    /// Python rules: their sampled stacks become rule calls (`python`).
+    python: Option<PythonTracker>,
+    /// Library loads attached after the guardian had continued their target, and the
+    /// processes warned about.
+    late_attaches: u64,
+    late_warned: HashSet<u32>,
+    /// The console line on what is traced (`show_attach_status`), off by default.
+    attach_status: Option<AttachStatus>,
+    /// Node mode: candidates paused until they are attached (`hold_candidates`).
+    held_candidates: std::collections::HashSet<u32>,
+    /// The event loop thread's raised priority, restored when the session ends.
+    priority: Option<EventLoopPriority>,
+    /// Framework save and load calls open per process (what `PY_SAVING` says to the
+    /// kernel).
+    saving_depth: HashMap<u32, [u32; 2]>,
+    /// Processes whose load preparation returned and whose next framework call is not
+    /// seen yet: the load part of `saving_depth` is kept for it (`deliver_rule_calls`).
+    armed_loads: HashMap<u32, std::time::Instant>,
+    /// File-creation probes, one set per traced process (`probes::files`).
+    file_probes: FileProbes,
+    /// Targets that are forks still running their parent's program (DataLoader and
+    /// compile workers): they get no file-creation probes of their own.
+    fork_images: HashSet<u32>,
+    /// Launches are counted per kernel (the `step` group is on): the names, and what
+    /// was read of each counter so far.
+    kernels: Option<KernelCounters>,
+    /// Collectives counted per communicator, for hang reports (`--hang-timeout`) and the
+    /// gloo collectives' communicator and number.
+    hangs: HangWatcher,
+}
+
+impl Session {
+    /// Checks privileges and kernel support, then loads the BPF programs.
+    pub fn new(options: TraceOptions) -> Result<Session> {
+        privileges::check()?;
+        let mut ebpf = attach::load_object(options.kernel_logs)?;
+        let ring = attach::take_event_ring(&mut ebpf)?;
+        let logger = if options.kernel_logs {
+            match EbpfLogger::init(&mut ebpf) {
+                Ok(logger) => Some(logger),
+                Err(error) => {
+                    warn!("kernel-side logs unavailable: {error}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        // Before the calibration below: a launch probe hit costs what it costs with it.
+        let kernel_names = options.span_groups.contains(SpanGroup::Step);
+        if kernel_names {
+            set_setting(&mut ebpf, settings::KERNEL_NAMES, 1)?;
+        }
+        let mut attacher = Attacher::default();
+        let budget = match options.overhead_budget {
+            Some(budget) => {
+                attacher.sample_launches();
+                let per_hit = calibrate::per_hit_cost(&mut ebpf);
+                info!(
+                    "overhead budget {budget}: a launch probe hit costs {} ns here",
+                    per_hit.as_nanos()
+                );
+                Some((
+                    BudgetController::new(budget, per_hit),
+                    crate::spans::monotonic_now_ns(),
+                ))
+            }
+            None => None,
+        };
+        Ok(Session {
+            ebpf,
+            ring: Some(ring),
+            logger,
+            attacher,
+            groups: options.span_groups,
+            targets: HashMap::new(),
+            child: None,
+            child_exit: None,
+            undecodable: 0,
+            exit_tx: None,
+            export_strategy: ExportStrategy::AllRanks,
+            node: None,
+            budget,
+            launch_estimates: HashMap::new(),
+            guardian: None,
+            python: None,
+            late_attaches: 0,
+            late_warned: HashSet::new(),
+            attach_status: None,
+            held_candidates: std::collections::HashSet::new(),
+            priority: None,
+            saving_depth: HashMap::new(),
+            armed_loads: HashMap::new(),
+            file_probes: FileProbes::default(),
+            fork_images: HashSet::new(),
+            // Launches per kernel, for the steps' top kernels: only when steps are on
+            // (off, the launch probes skip that map update).
+            kernels: kernel_names.then(KernelCounters::default),
+            hangs: HangWatcher::new(None),
+        })
+    }
+
+    /// Raises the calling thread's priority (`EventLoopPriority`) while the session
+    /// lasts; called by [`Session::run`] on its thread, and earlier by the CLI on the
+    /// thread that will run it, before it gives up the capability that allows it.
+    pub fn raise_priority(&mut self) {
+        if self.priority.is_none() {
+            self.priority = EventLoopPriority::raise();
+        }
+    }
+
+    /// `--hang-timeout`: report collectives hung this long (`None`: never).
+    pub fn set_hang_timeout(&mut self, timeout: Option<Duration>) {
+        self.hangs = HangWatcher::new(timeout);
+    }
+
+    /// Tells `guardian` about every target from now on.
+    pub fn set_guardian(&mut self, mut guardian: Guardian) {
+        if let Some(aya::maps::Map::HashMap(map)) = self.ebpf.map(maps::STOPPED) {
+            use std::os::fd::{AsFd, AsRawFd};
+            guardian.share_stops(map.fd().as_fd().as_raw_fd());
+        }
+        self.guardian = Some(guardian);
+    }
+
+    fn guard(&mut self, pid: u32) {
+        if let Some(guardian) = self.guardian.as_mut() {
+            guardian.watch(pid);
+        }
+    }
+
+    pub fn attacher(&self) -> &Attacher {
+        &self.attacher
+    }
+
+    /// Configured probe rules (`--config`, `--profile`) to attach besides the built-in
+    /// probes. Call before adding targets.
+    pub fn set_rules(&mut self, rules: Arc<ProbeRules>) {
+        let python: Vec<_> = rules
+            .python
+            .iter()
+            .filter(|rule| self.groups.contains(rule.group))
+            .cloned()
+            .collect();
+        self.attacher.set_rules(rules);
+        if python.is_empty() {
+            return;
+        }
+        let tracker_rules_configured = python.iter().any(|rule| !rule.framework);
+        match python::sampler::start(&mut self.ebpf) {
+            Ok(()) => self.python = Some(PythonTracker::new(python)),
+            Err(error) if tracker_rules_configured => {
+                warn!("Python rules: cannot start the sampler: {error}")
+            }
+            // Only the built-in framework rules: saves are then bounded by their files.
+            Err(error) => info!("Python stacks are not sampled: {error}"),
+        }
+    }
+
+    /// Which ranks to trace: a process whose rank does not export under `strategy` is not
+    /// traced (decided when its rank is known: at attach, or when it execs). The library
+    /// default is every rank; the CLI uses NeMo Lens' default, `single_rank`.
+    pub fn set_export_strategy(&mut self, strategy: ExportStrategy) {
+        self.export_strategy = strategy;
+    }
+}
