@@ -269,9 +269,9 @@ mod tests {
                 )
             });
         let wanted = [
-            ProbeId::TorchBackward.symbol(),
-            ProbeId::TorchScopeEnter.symbol(),
-            ProbeId::CheckpointWriterClose.symbol(),
+            crate::probes::catalog::symbol(ProbeId::TorchBackward),
+            crate::probes::catalog::symbol(ProbeId::TorchScopeEnter),
+            crate::probes::catalog::symbol(ProbeId::CheckpointWriterClose),
         ];
         let offsets = symbols::resolve_file_offsets(&library, &wanted).unwrap();
         let at: Vec<u64> = wanted.iter().map(|name| offsets[*name]).collect();

@@ -399,7 +399,7 @@ impl Summary {
             } else {
                 let list: Vec<String> = launches
                     .iter()
-                    .map(|(id, n)| format!("{} {n}", id.symbol()))
+                    .map(|(id, n)| format!("{} {n}", crate::probes::catalog::symbol(*id)))
                     .collect();
                 let _ = writeln!(out, "  launches: {}", list.join(", "));
             }
@@ -407,7 +407,7 @@ impl Summary {
             if !driver.is_empty() {
                 let list: Vec<String> = driver
                     .iter()
-                    .map(|(id, n)| format!("{} {n}", id.symbol()))
+                    .map(|(id, n)| format!("{} {n}", crate::probes::catalog::symbol(*id)))
                     .collect();
                 let _ = writeln!(out, "  driver launches: {}", list.join(", "));
             }
@@ -465,7 +465,7 @@ impl Summary {
                 let calls: BTreeMap<&str, u64> = process
                     .calls
                     .iter()
-                    .map(|(id, n)| (id.symbol(), *n))
+                    .map(|(id, n)| (crate::probes::catalog::symbol(*id), *n))
                     .collect();
                 let collectives: BTreeMap<&str, &CollectiveStats> = process
                     .collectives

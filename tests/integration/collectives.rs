@@ -286,10 +286,7 @@ fn a_late_rank_is_named_with_its_lateness() {
     assert_eq!(pids.len(), 2);
     // The true skew of each collective, from the fixture's own entry times.
     let entry = |pid: u32, seq: u64| {
-        let truth = truth
-            .iter()
-            .find(|t| t.pid == pid && t.seq == seq)
-            .unwrap();
+        let truth = truth.iter().find(|t| t.pid == pid && t.seq == seq).unwrap();
         (truth.entry_ns as i64, truth.inside_ns as i64)
     };
     let spans: Vec<Vec<&SpanRecord>> = pids.iter().map(|pid| all_reduces(&log, *pid)).collect();

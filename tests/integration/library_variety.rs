@@ -351,7 +351,7 @@ fn a_stripped_libtorch_says_the_local_symbol_cannot_be_found() {
         stripped.join("libtorch_cpu.so"),
         "the stripped copy was the one loaded"
     );
-    let scope_exit = ProbeId::TorchScopeExit.symbol().to_string();
+    let scope_exit = lens_probe::probes::catalog::symbol(ProbeId::TorchScopeExit).to_string();
     assert_eq!(
         failures(&attachment.outcomes),
         BTreeMap::from([(

@@ -22,7 +22,7 @@ pub struct HangReport {
 pub fn call_name(probe: ProbeId) -> &'static str {
     match CollectiveOp::from_gloo_probe(probe) {
         Some(op) => op.gloo_span_name(),
-        None => probe.symbol(),
+        None => crate::probes::catalog::symbol(probe),
     }
 }
 

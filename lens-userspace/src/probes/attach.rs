@@ -43,7 +43,7 @@ pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
         super::processes::configure(&mut loader, layout);
     }
     let mut ebpf = loader.load(BPF_OBJECT)?;
-    for program in Program::ALL {
+    for &program in Program::ALL {
         uprobe_mut(&mut ebpf, program)?
             .load()
             .map_err(|source| match source {
@@ -401,7 +401,7 @@ impl Attacher {
         if !specs.is_empty() {
             let mut wanted: Vec<&str> = Vec::new();
             for spec in &specs {
-                wanted.push(spec.id.symbol());
+                wanted.push(spec.symbol);
                 wanted.extend(spec.optional_aliases);
             }
             match resolve_symbols(&library.open_path, &wanted) {
@@ -433,7 +433,7 @@ impl Attacher {
                     }
                 }
                 Err(error) => outcomes.extend(specs.iter().map(|spec| ProbeOutcome::Failed {
-                    symbol: spec.id.symbol().to_string(),
+                    symbol: spec.symbol.to_string(),
                     reason: error.to_string(),
                 })),
             }
@@ -658,7 +658,7 @@ impl Attacher {
             for symbol in attachment.attached() {
                 if let Some(spec) = catalog::CATALOG
                     .iter()
-                    .find(|s| s.id.symbol() == symbol || s.optional_aliases.contains(&symbol))
+                    .find(|s| s.symbol == symbol || s.optional_aliases.contains(&symbol))
                 {
                     *by_probe.entry(spec.id).or_default() += 1;
                 }
@@ -733,7 +733,7 @@ fn sample_spec(
         Ok(file) => std::sync::Arc::new(file),
         Err(error) => {
             outcomes.push(ProbeOutcome::Failed {
-                symbol: spec.id.symbol().to_string(),
+                symbol: spec.symbol.to_string(),
                 reason: error.to_string(),
             });
             return;
@@ -786,7 +786,7 @@ fn places<'a>(
     outcomes: &mut Vec<ProbeOutcome>,
     notes: &mut Vec<String>,
 ) -> Vec<(&'a str, Symbol)> {
-    let primary = spec.id.symbol();
+    let primary = spec.symbol;
     let mut places: Vec<(&str, Symbol)> = Vec::new();
     for &symbol in std::iter::once(&primary).chain(spec.optional_aliases) {
         let Some(place) = symbols.found.get(symbol) else {

@@ -6,89 +6,60 @@ use lens_common::ProbeId;
 use super::library::LibraryKind;
 use crate::groups::{SpanGroup, SpanGroups};
 
-/// The BPF programs of `lens-ebpf`, by the name of their function.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Program {
-    CountOnly,
-    NcclGroup,
-    NcclCollectiveEntry,
-    CudaSyncEntry,
-    NcclCommInitEntry,
-    CallReturn,
-    DlDebugState,
-    PhaseMark,
-    PhaseMarkReturn,
-    TorchBackwardEntry,
-    TorchScopeEnter,
-    TimedCallEntry,
-    DriverLaunch,
-    /// Configured probe rules (`crate::config`): entry and return of any function.
-    UserRuleEntry,
-    UserRuleReturn,
-    CudaEventRecord,
-    CudaEventQueryEntry,
-    CudaEventQueryReturn,
-    CudaRegisterFunction,
-    FileOpenEntry,
-    PythonStackEntry,
+/// Makes [`Program`] from one list: each variant and the name of its function in
+/// `lens-ebpf` (the name the loaded object knows it by).
+macro_rules! programs {
+    ($( $(#[$doc:meta])* $variant:ident => $name:literal, )+) => {
+        /// The BPF programs of `lens-ebpf`, by the name of their function.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Program {
+            $( $(#[$doc])* $variant, )+
+        }
+
+        impl Program {
+            pub const ALL: &[Program] = &[$(Program::$variant),+];
+
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $( Program::$variant => $name, )+
+                }
+            }
+        }
+    };
 }
 
-impl Program {
-    pub const ALL: [Program; 21] = [
-        Program::CountOnly,
-        Program::NcclGroup,
-        Program::NcclCollectiveEntry,
-        Program::CudaSyncEntry,
-        Program::NcclCommInitEntry,
-        Program::CallReturn,
-        Program::DlDebugState,
-        Program::PhaseMark,
-        Program::PhaseMarkReturn,
-        Program::TorchBackwardEntry,
-        Program::TorchScopeEnter,
-        Program::TimedCallEntry,
-        Program::DriverLaunch,
-        Program::UserRuleEntry,
-        Program::UserRuleReturn,
-        Program::CudaEventRecord,
-        Program::CudaEventQueryEntry,
-        Program::CudaEventQueryReturn,
-        Program::CudaRegisterFunction,
-        Program::FileOpenEntry,
-        Program::PythonStackEntry,
-    ];
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            Program::CountOnly => "count_only",
-            Program::NcclGroup => "nccl_group",
-            Program::NcclCollectiveEntry => "nccl_collective_entry",
-            Program::CudaSyncEntry => "cuda_sync_entry",
-            Program::NcclCommInitEntry => "nccl_comm_init_entry",
-            Program::CallReturn => "call_return",
-            Program::DlDebugState => "dl_debug_state",
-            Program::PhaseMark => "phase_mark",
-            Program::PhaseMarkReturn => "phase_mark_return",
-            Program::TorchBackwardEntry => "torch_backward_entry",
-            Program::TorchScopeEnter => "torch_scope_enter",
-            Program::TimedCallEntry => "timed_call_entry",
-            Program::DriverLaunch => "driver_launch",
-            Program::UserRuleEntry => "user_rule_entry",
-            Program::UserRuleReturn => "user_rule_return",
-            Program::CudaEventRecord => "cuda_event_record",
-            Program::CudaEventQueryEntry => "cuda_event_query_entry",
-            Program::CudaEventQueryReturn => "cuda_event_query_return",
-            Program::CudaRegisterFunction => "cuda_register_function",
-            Program::FileOpenEntry => "file_open_entry",
-            Program::PythonStackEntry => "python_stack_entry",
-        }
-    }
+programs! {
+    CountOnly => "count_only",
+    NcclGroup => "nccl_group",
+    NcclCollectiveEntry => "nccl_collective_entry",
+    CudaSyncEntry => "cuda_sync_entry",
+    NcclCommInitEntry => "nccl_comm_init_entry",
+    CallReturn => "call_return",
+    DlDebugState => "dl_debug_state",
+    PhaseMark => "phase_mark",
+    PhaseMarkReturn => "phase_mark_return",
+    TorchBackwardEntry => "torch_backward_entry",
+    TorchScopeEnter => "torch_scope_enter",
+    TimedCallEntry => "timed_call_entry",
+    DriverLaunch => "driver_launch",
+    /// Configured probe rules (`crate::config`): entry and return of any function.
+    UserRuleEntry => "user_rule_entry",
+    UserRuleReturn => "user_rule_return",
+    CudaEventRecord => "cuda_event_record",
+    CudaEventQueryEntry => "cuda_event_query_entry",
+    CudaEventQueryReturn => "cuda_event_query_return",
+    CudaRegisterFunction => "cuda_register_function",
+    FileOpenEntry => "file_open_entry",
+    PythonStackEntry => "python_stack_entry",
 }
 
 /// One probed function.
 #[derive(Debug)]
 pub struct ProbeSpec {
     pub id: ProbeId,
+    /// Its ELF symbol: C++ names mangled, as the symbol tables hold them; a `*` is a glob
+    /// (Rust's names end in a hash).
+    pub symbol: &'static str,
     pub library: LibraryKind,
     /// Extra entry points of the same API, attached when the library has them and never
     /// reported when it does not (`_ptsz`: the per-thread default stream variants).
@@ -128,6 +99,7 @@ const SCOPES: &[SpanGroup] = &[
 
 const fn spec(
     id: ProbeId,
+    symbol: &'static str,
     library: LibraryKind,
     entry: Program,
     needs_return: bool,
@@ -135,6 +107,7 @@ const fn spec(
 ) -> ProbeSpec {
     ProbeSpec {
         id,
+        symbol,
         library,
         optional_aliases: &[],
         entry: Some(entry),
@@ -150,6 +123,7 @@ const fn spec(
 /// A phase boundary: marks sent at entry and/or at return.
 const fn mark(
     id: ProbeId,
+    symbol: &'static str,
     library: LibraryKind,
     entry: Option<Program>,
     exit: Option<Program>,
@@ -157,6 +131,7 @@ const fn mark(
 ) -> ProbeSpec {
     ProbeSpec {
         id,
+        symbol,
         library,
         optional_aliases: &[],
         entry,
@@ -179,6 +154,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         spec(
             ProbeId::CudaLaunchKernel,
+            "cudaLaunchKernel",
             CudaRuntime,
             CountOnly,
             false,
@@ -189,6 +165,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         spec(
             ProbeId::CudaLaunchKernelExC,
+            "cudaLaunchKernelExC",
             CudaRuntime,
             CountOnly,
             false,
@@ -199,6 +176,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         spec(
             ProbeId::CudaGraphLaunch,
+            "cudaGraphLaunch",
             CudaRuntime,
             CountOnly,
             false,
@@ -209,6 +187,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         spec(
             ProbeId::CudaStreamSynchronize,
+            "cudaStreamSynchronize",
             CudaRuntime,
             CudaSyncEntry,
             true,
@@ -218,6 +197,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     spec(
         ProbeId::CudaDeviceSynchronize,
+        "cudaDeviceSynchronize",
         CudaRuntime,
         CudaSyncEntry,
         true,
@@ -225,6 +205,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     spec(
         ProbeId::CudaEventSynchronize,
+        "cudaEventSynchronize",
         CudaRuntime,
         CudaSyncEntry,
         true,
@@ -232,6 +213,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     spec(
         ProbeId::NcclAllReduce,
+        "ncclAllReduce",
         Nccl,
         NcclCollectiveEntry,
         true,
@@ -239,6 +221,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     spec(
         ProbeId::NcclBroadcast,
+        "ncclBroadcast",
         Nccl,
         NcclCollectiveEntry,
         true,
@@ -246,6 +229,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     spec(
         ProbeId::NcclReduce,
+        "ncclReduce",
         Nccl,
         NcclCollectiveEntry,
         true,
@@ -253,6 +237,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     spec(
         ProbeId::NcclAllGather,
+        "ncclAllGather",
         Nccl,
         NcclCollectiveEntry,
         true,
@@ -260,6 +245,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     spec(
         ProbeId::NcclReduceScatter,
+        "ncclReduceScatter",
         Nccl,
         NcclCollectiveEntry,
         true,
@@ -267,6 +253,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     spec(
         ProbeId::NcclSend,
+        "ncclSend",
         Nccl,
         NcclCollectiveEntry,
         true,
@@ -274,13 +261,28 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     spec(
         ProbeId::NcclRecv,
+        "ncclRecv",
         Nccl,
         NcclCollectiveEntry,
         true,
         STEP_DETAIL,
     ),
-    spec(ProbeId::NcclGroupStart, Nccl, NcclGroup, false, STEP_DETAIL),
-    spec(ProbeId::NcclGroupEnd, Nccl, NcclGroup, false, STEP_DETAIL),
+    spec(
+        ProbeId::NcclGroupStart,
+        "ncclGroupStart",
+        Nccl,
+        NcclGroup,
+        false,
+        STEP_DETAIL,
+    ),
+    spec(
+        ProbeId::NcclGroupEnd,
+        "ncclGroupEnd",
+        Nccl,
+        NcclGroup,
+        false,
+        STEP_DETAIL,
+    ),
     // Rare and cheap, and it names the rank of every communicator: always on.
     // `ncclCommInitRankConfig` (what PyTorch's ProcessGroupNCCL calls with NCCL ≥ 2.14:
     // seen on a GPU with torch 2.11 / NCCL 2.28) takes the same first four arguments,
@@ -288,6 +290,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         spec(
             ProbeId::NcclCommInitRank,
+            "ncclCommInitRank",
             Nccl,
             NcclCommInitEntry,
             true,
@@ -298,6 +301,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     // How libraries loaded after start are found.
     spec(
         ProbeId::DlDebugState,
+        "_dl_debug_state",
         DynamicLoader,
         DlDebugState,
         false,
@@ -305,6 +309,9 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::TorchScopeEnter,
+        // torch::autograd::profiler::record_function_enter_new(const std::string&,
+        //     const std::optional<std::string>&)
+        "_ZN5torch8autograd8profiler25record_function_enter_newERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEERKSt8optionalIS7_E",
         TorchCpu,
         Some(TorchScopeEnter),
         None,
@@ -312,6 +319,9 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::TorchScopeExit,
+        // torch::autograd::profiler::record_function_exit_new(
+        //     const c10::intrusive_ptr<PythonRecordFunction>&)
+        "_ZN5torch8autograd8profilerL24record_function_exit_newERKN3c1013intrusive_ptrINS1_20PythonRecordFunctionENS2_6detail34intrusive_target_default_null_typeIS4_EEEE",
         TorchCpu,
         Some(PhaseMark),
         None,
@@ -319,6 +329,9 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::TorchBackward,
+        // torch::autograd::Engine::execute(const edge_list&, const variable_list&,
+        //     bool, bool, bool, const edge_list&)
+        "_ZN5torch8autograd6Engine7executeERKSt6vectorINS0_4EdgeESaIS3_EERKS2_IN2at6TensorESaIS9_EEbbbS7_",
         TorchCpu,
         Some(TorchBackwardEntry),
         Some(PhaseMarkReturn),
@@ -326,6 +339,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::TorchGradMode,
+        "_ZN3c108GradMode11set_enabledEb",
         C10,
         Some(PhaseMark),
         None,
@@ -334,6 +348,8 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         mark(
             ProbeId::CheckpointWriterOpen,
+            // PyTorchStreamWriter(const std::string& file_name, bool, uint64_t)
+            "_ZN6caffe29serialize19PyTorchStreamWriterC1ERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEEbm",
             TorchCpu,
             Some(PhaseMark),
             None,
@@ -344,6 +360,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::CheckpointWriterClose,
+        "_ZN6caffe29serialize19PyTorchStreamWriterD1Ev",
         TorchCpu,
         None,
         Some(PhaseMarkReturn),
@@ -352,6 +369,8 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         mark(
             ProbeId::CheckpointReaderOpen,
+            // PyTorchStreamReader(const std::string& file_name)
+            "_ZN6caffe29serialize19PyTorchStreamReaderC1ERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE",
             TorchCpu,
             Some(PhaseMark),
             None,
@@ -365,23 +384,49 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::CheckpointReaderClose,
+        "_ZN6caffe29serialize19PyTorchStreamReaderD1Ev",
         TorchCpu,
         None,
         Some(PhaseMarkReturn),
         &[SpanGroup::LoadCheckpoint],
     ),
-    gloo(ProbeId::GlooAllReduce),
-    gloo(ProbeId::GlooBroadcast),
-    gloo(ProbeId::GlooReduce),
-    gloo(ProbeId::GlooAllGather),
-    gloo(ProbeId::GlooReduceScatter),
-    gloo(ProbeId::GlooSend),
-    gloo(ProbeId::GlooRecv),
-    gloo(ProbeId::GlooBarrier),
+    gloo(
+        ProbeId::GlooAllReduce,
+        "_ZN4c10d16ProcessGroupGloo9allreduceERSt6vectorIN2at6TensorESaIS3_EERKNS_16AllreduceOptionsE",
+    ),
+    gloo(
+        ProbeId::GlooBroadcast,
+        "_ZN4c10d16ProcessGroupGloo9broadcastERSt6vectorIN2at6TensorESaIS3_EERKNS_16BroadcastOptionsE",
+    ),
+    gloo(
+        ProbeId::GlooReduce,
+        "_ZN4c10d16ProcessGroupGloo6reduceERSt6vectorIN2at6TensorESaIS3_EERKNS_13ReduceOptionsE",
+    ),
+    gloo(
+        ProbeId::GlooAllGather,
+        "_ZN4c10d16ProcessGroupGloo9allgatherERSt6vectorIS1_IN2at6TensorESaIS3_EESaIS5_EERS5_RKNS_16AllgatherOptionsE",
+    ),
+    gloo(
+        ProbeId::GlooReduceScatter,
+        "_ZN4c10d16ProcessGroupGloo14reduce_scatterERSt6vectorIN2at6TensorESaIS3_EERS1_IS5_SaIS5_EERKNS_20ReduceScatterOptionsE",
+    ),
+    gloo(
+        ProbeId::GlooSend,
+        "_ZN4c10d16ProcessGroupGloo4sendERSt6vectorIN2at6TensorESaIS3_EEii",
+    ),
+    gloo(
+        ProbeId::GlooRecv,
+        "_ZN4c10d16ProcessGroupGloo4recvERSt6vectorIN2at6TensorESaIS3_EEii",
+    ),
+    gloo(
+        ProbeId::GlooBarrier,
+        "_ZN4c10d16ProcessGroupGloo7barrierERKNS_14BarrierOptionsE",
+    ),
     // The driver's launches: counted when the caller is not libcudart (docs/probes.md).
     with_aliases(
         spec(
             ProbeId::CuLaunchKernel,
+            "cuLaunchKernel",
             CudaDriver,
             DriverLaunch,
             false,
@@ -392,6 +437,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         spec(
             ProbeId::CuLaunchKernelEx,
+            "cuLaunchKernelEx",
             CudaDriver,
             DriverLaunch,
             false,
@@ -402,6 +448,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         spec(
             ProbeId::CuGraphLaunch,
+            "cuGraphLaunch",
             CudaDriver,
             DriverLaunch,
             false,
@@ -415,6 +462,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         spec(
             ProbeId::CudaEventRecord,
+            "cudaEventRecord",
             CudaRuntime,
             CudaEventRecord,
             false,
@@ -425,6 +473,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     with_aliases(
         spec(
             ProbeId::CudaEventRecordWithFlags,
+            "cudaEventRecordWithFlags",
             CudaRuntime,
             CudaEventRecord,
             false,
@@ -434,6 +483,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     ProbeSpec {
         id: ProbeId::CudaEventQuery,
+        symbol: "cudaEventQuery",
         library: CudaRuntime,
         optional_aliases: &[],
         entry: Some(CudaEventQueryEntry),
@@ -444,6 +494,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     // as the modules register them, for libraries without symbols.
     spec(
         ProbeId::CudaRegisterFunction,
+        "__cudaRegisterFunction",
         CudaRuntime,
         CudaRegisterFunction,
         false,
@@ -451,6 +502,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::TorchInferenceMode,
+        "_ZN3c1013AutogradState13set_tls_stateES0_@plt",
         TorchPython,
         Some(PhaseMark),
         None,
@@ -458,6 +510,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::SafetensorsSerializeFile,
+        "_ZN16safetensors_rust27__pyfunction_serialize_file17h*E",
         Safetensors,
         Some(PhaseMark),
         Some(PhaseMarkReturn),
@@ -465,6 +518,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::SafetensorsOpen,
+        "_ZN16safetensors_rust9safe_open20__pymethod___new____17h*E",
         Safetensors,
         Some(PhaseMark),
         None,
@@ -472,6 +526,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::SafetensorsClose,
+        "_ZN16safetensors_rust9safe_open21__pymethod___exit____17h*E",
         Safetensors,
         None,
         Some(PhaseMarkReturn),
@@ -481,6 +536,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     // every process of the node, so these go on each target alone (`probes::files`).
     mark(
         ProbeId::FileOpen,
+        "open",
         Libc,
         Some(FileOpenEntry),
         None,
@@ -488,6 +544,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     mark(
         ProbeId::FileOpenAt,
+        "openat",
         Libc,
         Some(FileOpenEntry),
         None,
@@ -497,6 +554,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     // (the framework save rules are the sampler's, `config::FRAMEWORK_SAVE_RULES`).
     mark(
         ProbeId::TorchApiUsage,
+        "_ZL25LogAPIUsageOnceFromPythonP7_objectS0_",
         TorchPython,
         Some(PythonStackEntry),
         None,
@@ -505,15 +563,26 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
 ];
 
 /// A `c10d::ProcessGroupGloo` collective: timed call, child of the phase it runs in.
-const fn gloo(id: ProbeId) -> ProbeSpec {
+const fn gloo(id: ProbeId, symbol: &'static str) -> ProbeSpec {
     ProbeSpec {
         id,
+        symbol,
         library: TorchCpu,
         optional_aliases: &[],
         entry: Some(TimedCallEntry),
         exit: Some(CallReturn),
         groups: STEP_DETAIL,
     }
+}
+
+/// The catalog's entry of a probe.
+pub fn spec_of(id: ProbeId) -> &'static ProbeSpec {
+    &CATALOG[id as usize]
+}
+
+/// The symbol a probe attaches to (its primary name).
+pub fn symbol(id: ProbeId) -> &'static str {
+    spec_of(id).symbol
 }
 
 impl ProbeSpec {

@@ -93,17 +93,17 @@ fn attach_to(
     let Some(libc) = library::find_libc(pid).map_err(text)? else {
         return Ok(None);
     };
-    let wanted: Vec<&str> = specs.iter().map(|spec| spec.id.symbol()).collect();
+    let wanted: Vec<&str> = specs.iter().map(|spec| spec.symbol).collect();
     let symbols = resolve_symbols(&libc.open_path, &wanted).map_err(text)?;
     let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).ok_or("pid 0")?);
     let uprobe = file_uprobe(ebpf).map_err(text)?;
     let mut links = Vec::new();
     for spec in specs {
-        let Some(place) = symbols.found.get(spec.id.symbol()) else {
+        let Some(place) = symbols.found.get(spec.symbol) else {
             return Err(format!(
                 "{} defines no {}",
                 libc.shown_path.display(),
-                spec.id.symbol()
+                spec.symbol
             ));
         };
         let path: PathBuf = libc.open_path.clone();
