@@ -250,3 +250,22 @@ const _: () = {
         i += 1;
     }
 };
+
+numbered! {
+    /// How an NCCL call lays out its arguments (x86-64 SysV; `docs/probes.md`), carried
+    /// in bits 32..40 of its attach cookie ([`probe_cookie`](crate::probe_cookie)) so that
+    /// one program decodes every collective and a new one of a known shape needs no
+    /// kernel change. All but point-to-point start `(send, recv, count, datatype, …)`.
+    pub enum NcclArgs {
+        /// `…, op, comm, stream`: ncclAllReduce, ncclReduceScatter.
+        OpCommStream = 0,
+        /// `…, root, comm, stream`: ncclBroadcast.
+        RootCommStream = 1,
+        /// `…, op, root, comm, stream`: ncclReduce.
+        OpRootCommStream = 2,
+        /// `…, comm, stream`: ncclAllGather, ncclAlltoAll.
+        CommStream = 3,
+        /// `(buf, count, datatype, peer, comm, stream)`: ncclSend, ncclRecv.
+        PointToPoint = 4,
+    }
+}

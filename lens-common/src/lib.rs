@@ -5,7 +5,7 @@
 #![no_std]
 
 mod ids;
-pub use ids::{EventKind, LossCause, ProbeId};
+pub use ids::{EventKind, LossCause, NcclArgs, ProbeId};
 
 /// Room for a torch scope name in an [`Event`]: enough for torch's own scope names
 /// (`enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__` is 61 bytes).
@@ -31,6 +31,17 @@ pub const fn rule_cookie(index: u32, string_arg: Option<u32>, std_string: bool) 
         None => 0,
     };
     (RULE_COOKIE_BASE + index) as u64 | string << 32 | (std_string as u64) << 40
+}
+
+/// A catalog probe's attach cookie: the low 32 bits are its [`ProbeId`], bits 32..40
+/// a detail of its shape (an NCCL call's [`NcclArgs`]; 0 for the others).
+pub const fn probe_cookie(id: ProbeId, shape: u32) -> u64 {
+    id as u64 | ((shape as u64) & 0xff) << 32
+}
+
+/// The shape detail of a catalog probe's cookie (see [`probe_cookie`]).
+pub const fn cookie_shape(cookie: u64) -> u32 {
+    ((cookie >> 32) & 0xff) as u32
 }
 
 /// The rule index of a `probe` value, if it is a configured rule's.

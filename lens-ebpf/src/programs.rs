@@ -13,9 +13,9 @@ use aya_log_ebpf::{debug, warn};
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::{
     CODE_RANGES, CallKey, CodeRanges, DCP_LOAD_API_EVENT, Event, EventKind, HandleKey, InflightKey,
-    KernelKey, LaunchTotals, LossCause, NCCL_UNIQUE_ID_WORDS, PY_MAX_DEPTH, PY_MAX_WALK,
+    KernelKey, LaunchTotals, LossCause, NCCL_UNIQUE_ID_WORDS, NcclArgs, PY_MAX_DEPTH, PY_MAX_WALK,
     PY_NO_FIELD, ProbeId, PyOffsets, PyStack, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig,
-    comm_id_hash, limits, saving, settings,
+    comm_id_hash, cookie_shape, limits, saving, settings,
 };
 
 #[map(name = "EVENTS")]
@@ -539,38 +539,37 @@ pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
     };
     event.count = arg_u64(&ctx, 2);
     event.datatype = arg_i32(&ctx, 3);
-    // (send, recv, count, dtype, ...) except Send/Recv (buf, count, dtype, peer, comm, stream).
-    // Compared as plain integers: a table lookup would give the verifier an index to
-    // distrust.
-    const ALL_REDUCE: u32 = ProbeId::NcclAllReduce as u32;
-    const REDUCE_SCATTER: u32 = ProbeId::NcclReduceScatter as u32;
-    const BROADCAST: u32 = ProbeId::NcclBroadcast as u32;
-    const REDUCE: u32 = ProbeId::NcclReduce as u32;
-    const ALL_GATHER: u32 = ProbeId::NcclAllGather as u32;
-    const SEND: u32 = ProbeId::NcclSend as u32;
-    const RECV: u32 = ProbeId::NcclRecv as u32;
-    match event.probe {
-        ALL_REDUCE | REDUCE_SCATTER => {
+    // The cookie's shape says where the rest is. Compared as plain integers: a table
+    // lookup would give the verifier an index to distrust.
+    const OP_COMM_STREAM: u32 = NcclArgs::OpCommStream as u32;
+    const ROOT_COMM_STREAM: u32 = NcclArgs::RootCommStream as u32;
+    const OP_ROOT_COMM_STREAM: u32 = NcclArgs::OpRootCommStream as u32;
+    const COMM_STREAM: u32 = NcclArgs::CommStream as u32;
+    const POINT_TO_POINT: u32 = NcclArgs::PointToPoint as u32;
+    // SAFETY: the helper only reads the attach cookie of the running program.
+    let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
+    match cookie_shape(cookie) {
+        OP_COMM_STREAM => {
             event.redop = arg_i32(&ctx, 4);
             event.comm = arg_u64(&ctx, 5);
             event.handle = arg_u64(&ctx, 6);
         }
-        BROADCAST => {
+        ROOT_COMM_STREAM => {
             event.peer = arg_i32(&ctx, 4);
             event.comm = arg_u64(&ctx, 5);
             event.handle = arg_u64(&ctx, 6);
         }
-        REDUCE => {
+        OP_ROOT_COMM_STREAM => {
             event.redop = arg_i32(&ctx, 4);
             event.peer = arg_i32(&ctx, 5);
             event.comm = arg_u64(&ctx, 6);
             event.handle = arg_u64(&ctx, 7);
         }
-        ALL_GATHER => {
+        COMM_STREAM => {
             event.comm = arg_u64(&ctx, 4);
             event.handle = arg_u64(&ctx, 5);
         }
-        SEND | RECV => {
+        POINT_TO_POINT => {
             event.count = arg_u64(&ctx, 1);
             event.datatype = arg_i32(&ctx, 2);
             event.peer = arg_i32(&ctx, 3);

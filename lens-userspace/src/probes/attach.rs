@@ -705,7 +705,7 @@ fn attach_at(
         .attach(
             UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(offset),
-                cookie: Some(id as u64),
+                cookie: Some(catalog::cookie(id)),
             },
             path,
             UProbeScope::AllProcesses,
@@ -866,7 +866,7 @@ fn attach_spec(
                     .attach(
                         UProbeAttachPoint {
                             location: UProbeAttachLocation::AbsoluteOffset(offset),
-                            cookie: Some(spec.id as u64),
+                            cookie: Some(spec.cookie()),
                         },
                         &library.open_path,
                         UProbeScope::AllProcesses,

@@ -1,9 +1,12 @@
 //! The probe catalog: every probed function, the library that defines it, the BPF program
 //! that handles it and the span groups that need it. A probe that no enabled group needs
 //! is not attached (the gate costs nothing).
-use lens_common::ProbeId;
+use lens_common::{NcclArgs, ProbeId, probe_cookie};
 
-use super::library::LibraryKind;
+use super::{
+    calls::{CollectiveOp, SyncKind},
+    library::LibraryKind,
+};
 use crate::groups::{SpanGroup, SpanGroups};
 
 /// Makes [`Program`] from one list: each variant and the name of its function in
@@ -70,6 +73,22 @@ pub struct ProbeSpec {
     pub exit: Option<Program>,
     /// Attached when any of these groups is enabled; empty = always (infrastructure).
     pub groups: &'static [SpanGroup],
+    /// What its calls are, where the decoder needs to know.
+    pub role: Role,
+}
+
+/// What a probed function's calls are, beyond what its program's event kind says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Nothing more: launches, phase marks, infrastructure.
+    Plain,
+    /// An NCCL collective or point-to-point call, its arguments laid out as `NcclArgs`
+    /// says (the kernel reads it from the attach cookie).
+    Nccl(CollectiveOp, NcclArgs),
+    /// A `c10d::ProcessGroupGloo` call.
+    Gloo(CollectiveOp),
+    /// A CUDA synchronisation call.
+    Sync(SyncKind),
 }
 
 /// Per-call detail: collectives, launches and sync waits become children of the step's
@@ -117,6 +136,7 @@ const fn spec(
             None
         },
         groups,
+        role: Role::Plain,
     }
 }
 
@@ -137,7 +157,22 @@ const fn mark(
         entry,
         exit,
         groups,
+        role: Role::Plain,
     }
+}
+
+/// An NCCL collective or point-to-point call: timed, child of the phase it runs in.
+const fn nccl(id: ProbeId, symbol: &'static str, op: CollectiveOp, args: NcclArgs) -> ProbeSpec {
+    let mut spec = spec(id, symbol, Nccl, NcclCollectiveEntry, true, STEP_DETAIL);
+    spec.role = Role::Nccl(op, args);
+    spec
+}
+
+/// A CUDA runtime sync call: timed, child of the phase it runs in.
+const fn sync(id: ProbeId, symbol: &'static str, kind: SyncKind) -> ProbeSpec {
+    let mut spec = spec(id, symbol, CudaRuntime, CudaSyncEntry, true, STEP_DETAIL);
+    spec.role = Role::Sync(kind);
+    spec
 }
 
 const fn with_aliases(mut spec: ProbeSpec, aliases: &'static [&'static str]) -> ProbeSpec {
@@ -185,87 +220,64 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         &["cudaGraphLaunch_ptsz"],
     ),
     with_aliases(
-        spec(
+        sync(
             ProbeId::CudaStreamSynchronize,
             "cudaStreamSynchronize",
-            CudaRuntime,
-            CudaSyncEntry,
-            true,
-            STEP_DETAIL,
+            SyncKind::Stream,
         ),
         &["cudaStreamSynchronize_ptsz"],
     ),
-    spec(
+    sync(
         ProbeId::CudaDeviceSynchronize,
         "cudaDeviceSynchronize",
-        CudaRuntime,
-        CudaSyncEntry,
-        true,
-        STEP_DETAIL,
+        SyncKind::Device,
     ),
-    spec(
+    sync(
         ProbeId::CudaEventSynchronize,
         "cudaEventSynchronize",
-        CudaRuntime,
-        CudaSyncEntry,
-        true,
-        STEP_DETAIL,
+        SyncKind::Event,
     ),
-    spec(
+    nccl(
         ProbeId::NcclAllReduce,
         "ncclAllReduce",
-        Nccl,
-        NcclCollectiveEntry,
-        true,
-        STEP_DETAIL,
+        CollectiveOp::AllReduce,
+        NcclArgs::OpCommStream,
     ),
-    spec(
+    nccl(
         ProbeId::NcclBroadcast,
         "ncclBroadcast",
-        Nccl,
-        NcclCollectiveEntry,
-        true,
-        STEP_DETAIL,
+        CollectiveOp::Broadcast,
+        NcclArgs::RootCommStream,
     ),
-    spec(
+    nccl(
         ProbeId::NcclReduce,
         "ncclReduce",
-        Nccl,
-        NcclCollectiveEntry,
-        true,
-        STEP_DETAIL,
+        CollectiveOp::Reduce,
+        NcclArgs::OpRootCommStream,
     ),
-    spec(
+    nccl(
         ProbeId::NcclAllGather,
         "ncclAllGather",
-        Nccl,
-        NcclCollectiveEntry,
-        true,
-        STEP_DETAIL,
+        CollectiveOp::AllGather,
+        NcclArgs::CommStream,
     ),
-    spec(
+    nccl(
         ProbeId::NcclReduceScatter,
         "ncclReduceScatter",
-        Nccl,
-        NcclCollectiveEntry,
-        true,
-        STEP_DETAIL,
+        CollectiveOp::ReduceScatter,
+        NcclArgs::OpCommStream,
     ),
-    spec(
+    nccl(
         ProbeId::NcclSend,
         "ncclSend",
-        Nccl,
-        NcclCollectiveEntry,
-        true,
-        STEP_DETAIL,
+        CollectiveOp::Send,
+        NcclArgs::PointToPoint,
     ),
-    spec(
+    nccl(
         ProbeId::NcclRecv,
         "ncclRecv",
-        Nccl,
-        NcclCollectiveEntry,
-        true,
-        STEP_DETAIL,
+        CollectiveOp::Recv,
+        NcclArgs::PointToPoint,
     ),
     spec(
         ProbeId::NcclGroupStart,
@@ -392,34 +404,42 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     ),
     gloo(
         ProbeId::GlooAllReduce,
+        CollectiveOp::AllReduce,
         "_ZN4c10d16ProcessGroupGloo9allreduceERSt6vectorIN2at6TensorESaIS3_EERKNS_16AllreduceOptionsE",
     ),
     gloo(
         ProbeId::GlooBroadcast,
+        CollectiveOp::Broadcast,
         "_ZN4c10d16ProcessGroupGloo9broadcastERSt6vectorIN2at6TensorESaIS3_EERKNS_16BroadcastOptionsE",
     ),
     gloo(
         ProbeId::GlooReduce,
+        CollectiveOp::Reduce,
         "_ZN4c10d16ProcessGroupGloo6reduceERSt6vectorIN2at6TensorESaIS3_EERKNS_13ReduceOptionsE",
     ),
     gloo(
         ProbeId::GlooAllGather,
+        CollectiveOp::AllGather,
         "_ZN4c10d16ProcessGroupGloo9allgatherERSt6vectorIS1_IN2at6TensorESaIS3_EESaIS5_EERS5_RKNS_16AllgatherOptionsE",
     ),
     gloo(
         ProbeId::GlooReduceScatter,
+        CollectiveOp::ReduceScatter,
         "_ZN4c10d16ProcessGroupGloo14reduce_scatterERSt6vectorIN2at6TensorESaIS3_EERS1_IS5_SaIS5_EERKNS_20ReduceScatterOptionsE",
     ),
     gloo(
         ProbeId::GlooSend,
+        CollectiveOp::Send,
         "_ZN4c10d16ProcessGroupGloo4sendERSt6vectorIN2at6TensorESaIS3_EEii",
     ),
     gloo(
         ProbeId::GlooRecv,
+        CollectiveOp::Recv,
         "_ZN4c10d16ProcessGroupGloo4recvERSt6vectorIN2at6TensorESaIS3_EEii",
     ),
     gloo(
         ProbeId::GlooBarrier,
+        CollectiveOp::Barrier,
         "_ZN4c10d16ProcessGroupGloo7barrierERKNS_14BarrierOptionsE",
     ),
     // The driver's launches: counted when the caller is not libcudart (docs/probes.md).
@@ -489,6 +509,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         entry: Some(CudaEventQueryEntry),
         exit: Some(CudaEventQueryReturn),
         groups: STEP_DETAIL,
+        role: Role::Plain,
     },
     // Kernel names (the step's top kernels, `step` only): stubs paired with their names
     // as the modules register them, for libraries without symbols.
@@ -563,7 +584,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
 ];
 
 /// A `c10d::ProcessGroupGloo` collective: timed call, child of the phase it runs in.
-const fn gloo(id: ProbeId, symbol: &'static str) -> ProbeSpec {
+const fn gloo(id: ProbeId, op: CollectiveOp, symbol: &'static str) -> ProbeSpec {
     ProbeSpec {
         id,
         symbol,
@@ -572,6 +593,7 @@ const fn gloo(id: ProbeId, symbol: &'static str) -> ProbeSpec {
         entry: Some(TimedCallEntry),
         exit: Some(CallReturn),
         groups: STEP_DETAIL,
+        role: Role::Gloo(op),
     }
 }
 
@@ -585,7 +607,48 @@ pub fn symbol(id: ProbeId) -> &'static str {
     spec_of(id).symbol
 }
 
+/// A probe's attach cookie: its id, and the argument layout of an NCCL call.
+pub fn cookie(id: ProbeId) -> u64 {
+    spec_of(id).cookie()
+}
+
+impl CollectiveOp {
+    /// The collective an NCCL probe's calls perform.
+    pub fn from_probe(probe: ProbeId) -> Option<CollectiveOp> {
+        match spec_of(probe).role {
+            Role::Nccl(op, _) => Some(op),
+            _ => None,
+        }
+    }
+
+    /// The collective a gloo probe's calls perform.
+    pub fn from_gloo_probe(probe: ProbeId) -> Option<CollectiveOp> {
+        match spec_of(probe).role {
+            Role::Gloo(op) => Some(op),
+            _ => None,
+        }
+    }
+}
+
+impl SyncKind {
+    /// What a sync probe's calls wait for.
+    pub fn from_probe(probe: ProbeId) -> Option<SyncKind> {
+        match spec_of(probe).role {
+            Role::Sync(kind) => Some(kind),
+            _ => None,
+        }
+    }
+}
+
 impl ProbeSpec {
+    pub fn cookie(&self) -> u64 {
+        let shape = match self.role {
+            Role::Nccl(_, args) => args as u32,
+            _ => 0,
+        };
+        probe_cookie(self.id, shape)
+    }
+
     pub fn enabled(&self, groups: &SpanGroups) -> bool {
         self.groups.is_empty() || self.groups.iter().any(|g| groups.contains(*g))
     }

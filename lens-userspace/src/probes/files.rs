@@ -111,7 +111,7 @@ fn attach_to(
             .attach(
                 UProbeAttachPoint {
                     location: UProbeAttachLocation::AbsoluteOffset(place.offset),
-                    cookie: Some(spec.id as u64),
+                    cookie: Some(spec.cookie()),
                 },
                 &path,
                 scope,

@@ -2,6 +2,7 @@
 //! and the attachment itself.
 pub mod attach;
 pub mod calibrate;
+pub mod calls;
 pub mod catalog;
 pub mod files;
 pub mod library;

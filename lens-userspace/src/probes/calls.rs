@@ -1,0 +1,89 @@
+//! What a probed call is, as users name it: the collective an NCCL or gloo call
+//! performs, the wait a CUDA sync call makes. The catalog gives each probe its meaning
+//! (`catalog::Role`); span and metric names come from here.
+use serde::Serialize;
+
+/// A collective or point-to-point operation, named as users know it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveOp {
+    AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+    Send,
+    Recv,
+    /// Process groups only (NCCL has no barrier call).
+    Barrier,
+}
+
+impl CollectiveOp {
+    /// The span name of the call, e.g. `nccl.all_reduce`.
+    pub const fn span_name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce => "nccl.all_reduce",
+            CollectiveOp::Broadcast => "nccl.broadcast",
+            CollectiveOp::Reduce => "nccl.reduce",
+            CollectiveOp::AllGather => "nccl.all_gather",
+            CollectiveOp::ReduceScatter => "nccl.reduce_scatter",
+            CollectiveOp::Send => "nccl.send",
+            CollectiveOp::Recv => "nccl.recv",
+            CollectiveOp::Barrier => "nccl.barrier",
+        }
+    }
+
+    /// The span name of a `c10d::ProcessGroupGloo` call, e.g. `gloo.all_reduce`.
+    pub const fn gloo_span_name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce => "gloo.all_reduce",
+            CollectiveOp::Broadcast => "gloo.broadcast",
+            CollectiveOp::Reduce => "gloo.reduce",
+            CollectiveOp::AllGather => "gloo.all_gather",
+            CollectiveOp::ReduceScatter => "gloo.reduce_scatter",
+            CollectiveOp::Send => "gloo.send",
+            CollectiveOp::Recv => "gloo.recv",
+            CollectiveOp::Barrier => "gloo.barrier",
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce => "all_reduce",
+            CollectiveOp::Broadcast => "broadcast",
+            CollectiveOp::Reduce => "reduce",
+            CollectiveOp::AllGather => "all_gather",
+            CollectiveOp::ReduceScatter => "reduce_scatter",
+            CollectiveOp::Send => "send",
+            CollectiveOp::Recv => "recv",
+            CollectiveOp::Barrier => "barrier",
+        }
+    }
+}
+
+/// What a CUDA synchronisation call waited for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SyncKind {
+    Stream,
+    Event,
+    Device,
+}
+
+impl SyncKind {
+    pub const fn span_name(self) -> &'static str {
+        match self {
+            SyncKind::Stream => "cuda.stream_synchronize",
+            SyncKind::Event => "cuda.event_synchronize",
+            SyncKind::Device => "cuda.device_synchronize",
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            SyncKind::Stream => "stream",
+            SyncKind::Event => "event",
+            SyncKind::Device => "device",
+        }
+    }
+}
