@@ -49,95 +49,98 @@ numbered! {
     /// the per-call counters and the `probe` field of an [`Event`](crate::Event). Its symbol,
     /// library and programs are user space's (`probes::catalog`); numbers are dense from 0.
     pub enum ProbeId {
-    CudaLaunchKernel = 0,
-    CudaLaunchKernelExC = 1,
-    CudaGraphLaunch = 2,
-    CudaStreamSynchronize = 3,
-    CudaDeviceSynchronize = 4,
-    CudaEventSynchronize = 5,
-    NcclAllReduce = 6,
-    NcclBroadcast = 7,
-    NcclReduce = 8,
-    NcclAllGather = 9,
-    NcclReduceScatter = 10,
-    NcclSend = 11,
-    NcclRecv = 12,
-    NcclGroupStart = 13,
-    NcclGroupEnd = 14,
-    NcclCommInitRank = 15,
-    /// glibc's `_dl_debug_state`: the dynamic loader calls it whenever the set of loaded
-    /// objects changes (start-up, dlopen, dlclose).
-    DlDebugState = 16,
-    /// PyTorch's `record_function` scope entry (`torch.autograd.profiler.record_function`,
-    /// which torch wraps around `Optimizer.step`, `Optimizer.zero_grad`, DataLoader fetches).
-    TorchScopeEnter = 17,
-    /// The matching scope exit (a local symbol of libtorch_cpu.so).
-    TorchScopeExit = 18,
-    /// `torch::autograd::Engine::execute`: one backward pass.
-    TorchBackward = 19,
-    /// `c10::GradMode::set_enabled(bool)`: `torch.no_grad()` and friends.
-    TorchGradMode = 20,
-    /// `caffe2::serialize::PyTorchStreamWriter` constructed: a `torch.save` begins.
-    CheckpointWriterOpen = 21,
-    /// Its destructor: the checkpoint file is complete.
-    CheckpointWriterClose = 22,
-    /// `caffe2::serialize::PyTorchStreamReader` constructed: a `torch.load` begins.
-    CheckpointReaderOpen = 23,
-    /// Its destructor.
-    CheckpointReaderClose = 24,
-    GlooAllReduce = 25,
-    GlooBroadcast = 26,
-    GlooReduce = 27,
-    GlooAllGather = 28,
-    GlooReduceScatter = 29,
-    GlooSend = 30,
-    GlooRecv = 31,
-    GlooBarrier = 32,
-    /// The driver's `cuLaunchKernel` (libcuda.so.1): what cuBLAS, cuDNN, NCCL and the
-    /// runtime itself call. Counted only when its caller is not libcudart (a runtime
-    /// launch is counted once, at the runtime).
-    CuLaunchKernel = 33,
-    /// The driver's `cuLaunchKernelEx`.
-    CuLaunchKernelEx = 34,
-    /// The driver's `cuGraphLaunch`.
-    CuGraphLaunch = 35,
-    /// `cudaEventRecord(event, stream)`: an event recorded after a collective on the
-    /// collective's stream completes when the collective does (collective completion).
-    CudaEventRecord = 36,
-    /// `cudaEventRecordWithFlags(event, stream, flags)`.
-    CudaEventRecordWithFlags = 37,
-    /// `cudaEventQuery(event)`: PyTorch's watchdog polls the event recorded after each
-    /// collective; the first successful query bounds the collective's end.
-    CudaEventQuery = 38,
-    /// `__cudaRegisterFunction(handle, hostFun, deviceFun, …)`: what nvcc's module
-    /// constructors call for every kernel; it pairs the host stub (what launches pass)
-    /// with the kernel's mangled name, also in libraries shipped without symbols.
-    CudaRegisterFunction = 39,
-    /// libtorch_python's PLT stub of `c10::AutogradState::set_tls_state(AutogradState)`:
-    /// called from there only by the `torch.inference_mode()` guard (entry and exit);
-    /// grad mode is bit 0 of the state. The engine's own per-node calls (libtorch_cpu)
-    /// do not go through it.
-    TorchInferenceMode = 40,
-    /// safetensors' `serialize_file` (Python `save_file`, `save_model`, transformers'
-    /// `save_pretrained`), entry to return: one checkpoint file written. Rust names carry
-    /// a hash, so the symbol is a glob.
-    SafetensorsSerializeFile = 41,
-    /// safetensors' `safe_open(...)` constructed: a file read (`load_file`) begins.
-    SafetensorsOpen = 42,
-    /// `safe_open.__exit__` returned: that read ended.
-    SafetensorsClose = 43,
-    /// libc's `open(path, flags, ...)` (`open64`: one function) with `O_CREAT`: a file
-    /// created, whoever writes it (Python's `open`, `fopen`, Rust's `File::create`).
-    /// Attached to the traced processes only, never node-wide.
-    FileOpen = 44,
-    /// libc's `openat(dirfd, path, flags, ...)` with `O_CREAT`.
-    FileOpenAt = 45,
-    /// libtorch_python's `torch._C._log_api_usage_once(event)` (a static function, in
-    /// the `.symtab` PyPI's wheels ship): the first line of `torch.save`, `torch.load`
-    /// and DCP's `save`, `async_save` and `load`. Its entry takes a Python stack sample,
-    /// so such a call is seen where it begins, even if it then waits, unsampled, for
-    /// the GIL or a peer.
-    TorchApiUsage = 46,
+        CudaLaunchKernel = 0,
+        CudaLaunchKernelExC = 1,
+        CudaGraphLaunch = 2,
+        CudaStreamSynchronize = 3,
+        CudaDeviceSynchronize = 4,
+        CudaEventSynchronize = 5,
+        NcclAllReduce = 6,
+        NcclBroadcast = 7,
+        NcclReduce = 8,
+        NcclAllGather = 9,
+        NcclReduceScatter = 10,
+        NcclSend = 11,
+        NcclRecv = 12,
+        NcclGroupStart = 13,
+        NcclGroupEnd = 14,
+        NcclCommInitRank = 15,
+        /// glibc's `_dl_debug_state`: the dynamic loader calls it whenever the set of loaded
+        /// objects changes (start-up, dlopen, dlclose).
+        DlDebugState = 16,
+        /// PyTorch's `record_function` scope entry (`torch.autograd.profiler.record_function`,
+        /// which torch wraps around `Optimizer.step`, `Optimizer.zero_grad`, DataLoader fetches).
+        TorchScopeEnter = 17,
+        /// The matching scope exit (a local symbol of libtorch_cpu.so).
+        TorchScopeExit = 18,
+        /// `torch::autograd::Engine::execute`: one backward pass.
+        TorchBackward = 19,
+        /// `c10::GradMode::set_enabled(bool)`: `torch.no_grad()` and friends.
+        TorchGradMode = 20,
+        /// `caffe2::serialize::PyTorchStreamWriter` constructed: a `torch.save` begins.
+        CheckpointWriterOpen = 21,
+        /// Its destructor: the checkpoint file is complete.
+        CheckpointWriterClose = 22,
+        /// `caffe2::serialize::PyTorchStreamReader` constructed: a `torch.load` begins.
+        CheckpointReaderOpen = 23,
+        /// Its destructor.
+        CheckpointReaderClose = 24,
+        GlooAllReduce = 25,
+        GlooBroadcast = 26,
+        GlooReduce = 27,
+        GlooAllGather = 28,
+        GlooReduceScatter = 29,
+        GlooSend = 30,
+        GlooRecv = 31,
+        GlooBarrier = 32,
+        /// The driver's `cuLaunchKernel` (libcuda.so.1): what cuBLAS, cuDNN, NCCL and the
+        /// runtime itself call. Counted only when its caller is not libcudart (a runtime
+        /// launch is counted once, at the runtime).
+        CuLaunchKernel = 33,
+        /// The driver's `cuLaunchKernelEx`.
+        CuLaunchKernelEx = 34,
+        /// The driver's `cuGraphLaunch`.
+        CuGraphLaunch = 35,
+        /// `cudaEventRecord(event, stream)`: an event recorded after a collective on the
+        /// collective's stream completes when the collective does (collective completion).
+        CudaEventRecord = 36,
+        /// `cudaEventRecordWithFlags(event, stream, flags)`.
+        CudaEventRecordWithFlags = 37,
+        /// `cudaEventQuery(event)`: PyTorch's watchdog polls the event recorded after each
+        /// collective; the first successful query bounds the collective's end.
+        CudaEventQuery = 38,
+        /// `__cudaRegisterFunction(handle, hostFun, deviceFun, …)`: what nvcc's module
+        /// constructors call for every kernel; it pairs the host stub (what launches pass)
+        /// with the kernel's mangled name, also in libraries shipped without symbols.
+        CudaRegisterFunction = 39,
+        /// libtorch_python's PLT stub of `c10::AutogradState::set_tls_state(AutogradState)`:
+        /// called from there only by the `torch.inference_mode()` guard (entry and exit);
+        /// grad mode is bit 0 of the state. The engine's own per-node calls (libtorch_cpu)
+        /// do not go through it.
+        TorchInferenceMode = 40,
+        /// safetensors' `serialize_file` (Python `save_file`, `save_model`, transformers'
+        /// `save_pretrained`), entry to return: one checkpoint file written. Rust names carry
+        /// a hash, so the symbol is a glob.
+        SafetensorsSerializeFile = 41,
+        /// safetensors' `safe_open(...)` constructed: a file read (`load_file`) begins.
+        SafetensorsOpen = 42,
+        /// `safe_open.__exit__` returned: that read ended.
+        SafetensorsClose = 43,
+        /// libc's `open(path, flags, ...)` (`open64`: one function) with `O_CREAT`: a file
+        /// created, whoever writes it (Python's `open`, `fopen`, Rust's `File::create`).
+        /// Attached to the traced processes only, never node-wide.
+        FileOpen = 44,
+        /// libc's `openat(dirfd, path, flags, ...)` with `O_CREAT`.
+        FileOpenAt = 45,
+        /// libtorch_python's `torch._C._log_api_usage_once(event)` (a static function, in
+        /// the `.symtab` PyPI's wheels ship): the first line of `torch.save`, `torch.load`
+        /// and DCP's `save`, `async_save` and `load`. Its entry takes a Python stack sample,
+        /// so such a call is seen where it begins, even if it then waits, unsampled, for
+        /// the GIL or a peer.
+        TorchApiUsage = 46,
+        /// `ncclAlltoAll(send, recv, count, dtype, comm, stream)`: every rank sends `count`
+        /// elements to every rank (mixture-of-experts token exchange). Newer NCCL only.
+        NcclAlltoAll = 47,
     }
 }
 
@@ -180,60 +183,60 @@ numbered! {
     /// What an [`Event`](crate::Event) record describes; decides which of its fields are
     /// meaningful.
     pub enum EventKind {
-    /// An NCCL collective or point-to-point call, entry to return.
-    Collective = 1,
-    /// A CUDA synchronisation call (stream, event, device), entry to return.
-    SyncWait = 2,
-    /// `ncclCommInitRank`, entry to return: communicator handle, rank, size, id hash.
-    CommInit = 3,
-    /// `ncclGroupStart` / `ncclGroupEnd` (entry only).
-    Group = 4,
-    /// The target's set of loaded objects changed: rescan its mappings.
-    LinkMapChanged = 5,
-    /// Entry (or, with `at_return`, return) of a function that marks a training phase
-    /// boundary: torch scopes, backward, grad mode, checkpoint files. Sent at once, so
-    /// the phases a later event falls in are already known when it arrives.
-    PhaseMark = 6,
-    /// A traced process forked a new process (`tgid` is the child, `count` the parent);
-    /// the child is already traced.
-    ProcessForked = 7,
-    /// A traced process replaced its program (`execve`).
-    ProcessExec = 8,
-    /// A traced process exited; `count` is its wait status (exit code << 8, or the
-    /// signal that killed it).
-    ProcessExit = 9,
-    /// Entry (or, with `at_return`, return) of a function a configured probe rule names
-    /// (`probe` is [`RULE_COOKIE_BASE`] + the rule's index). Sent at once, like phase
-    /// marks, with the first six integer arguments in `args` and, when the rule reads a
-    /// string argument, the string in `name`.
-    RuleCall = 10,
-    /// A CUDA event call that tells when a collective completed: `cudaEventRecord` of
-    /// `handle` on `stream` when that stream holds a collective no event was recorded
-    /// after yet (or when `handle` was such an event: it is re-recorded, the binding
-    /// ends), or the first successful `cudaEventQuery` of such an event, entry to return,
-    /// with `not_ready_ns`. Every other event call is only counted.
-    CudaEvent = 11,
-    /// A Python thread's frame stack changed between two samples: a [`PyStack`] record
-    /// (not an [`Event`]) follows this kind.
-    PyStack = 12,
+        /// An NCCL collective or point-to-point call, entry to return.
+        Collective = 1,
+        /// A CUDA synchronisation call (stream, event, device), entry to return.
+        SyncWait = 2,
+        /// `ncclCommInitRank`, entry to return: communicator handle, rank, size, id hash.
+        CommInit = 3,
+        /// `ncclGroupStart` / `ncclGroupEnd` (entry only).
+        Group = 4,
+        /// The target's set of loaded objects changed: rescan its mappings.
+        LinkMapChanged = 5,
+        /// Entry (or, with `at_return`, return) of a function that marks a training phase
+        /// boundary: torch scopes, backward, grad mode, checkpoint files. Sent at once, so
+        /// the phases a later event falls in are already known when it arrives.
+        PhaseMark = 6,
+        /// A traced process forked a new process (`tgid` is the child, `count` the parent);
+        /// the child is already traced.
+        ProcessForked = 7,
+        /// A traced process replaced its program (`execve`).
+        ProcessExec = 8,
+        /// A traced process exited; `count` is its wait status (exit code << 8, or the
+        /// signal that killed it).
+        ProcessExit = 9,
+        /// Entry (or, with `at_return`, return) of a function a configured probe rule names
+        /// (`probe` is [`RULE_COOKIE_BASE`] + the rule's index). Sent at once, like phase
+        /// marks, with the first six integer arguments in `args` and, when the rule reads a
+        /// string argument, the string in `name`.
+        RuleCall = 10,
+        /// A CUDA event call that tells when a collective completed: `cudaEventRecord` of
+        /// `handle` on `stream` when that stream holds a collective no event was recorded
+        /// after yet (or when `handle` was such an event: it is re-recorded, the binding
+        /// ends), or the first successful `cudaEventQuery` of such an event, entry to return,
+        /// with `not_ready_ns`. Every other event call is only counted.
+        CudaEvent = 11,
+        /// A Python thread's frame stack changed between two samples: a [`PyStack`] record
+        /// (not an [`Event`]) follows this kind.
+        PyStack = 12,
     }
 }
 
 numbered! {
     /// Why the kernel side could not do its job; indexes of the `LOSSES` per-CPU array.
     pub enum LossCause {
-    /// The ring buffer had no room: an event was dropped.
-    RingBufferFull = 0 => "ring_buffer_full",
-    /// The entry-state map was full: that call's event was not produced.
-    InflightMapFull = 1 => "inflight_map_full",
-    /// The call-counter map was full: that call was not counted.
-    CounterMapFull = 2 => "counter_map_full",
-    /// A return without its entry (attached mid-call): nothing to pair it with.
-    UnmatchedReturn = 3 => "unmatched_return",
-    /// The target map was full: a forked child of a traced process is not traced.
-    TargetMapFull = 4 => "target_map_full",
-    /// The per-kernel launch counters were full: a launch was counted but its kernel not.
-    KernelMapFull = 5 => "kernel_map_full",
+        /// The ring buffer had no room: an event was dropped.
+        RingBufferFull = 0 => "ring_buffer_full",
+        /// The entry-state map was full: that call's event was not produced.
+        InflightMapFull = 1 => "inflight_map_full",
+        /// The call-counter map was full: that call was not counted.
+        CounterMapFull = 2 => "counter_map_full",
+        /// A return without its entry (attached mid-call): nothing to pair it with.
+        UnmatchedReturn = 3 => "unmatched_return",
+        /// The target map was full: a forked child of a traced process is not traced.
+        TargetMapFull = 4 => "target_map_full",
+        /// The per-kernel launch counters were full: a launch was counted but its kernel not.
+        KernelMapFull = 5 => "kernel_map_full",
     }
 }
 

@@ -388,10 +388,18 @@ fn a_library_without_the_symbols_gets_one_report_per_probe_and_nothing_breaks() 
         .unwrap()
         .outcomes
         .clone();
+    // One report per NCCL probe, but none for ncclAlltoAll: newer than many NCCL releases,
+    // its absence is no fault.
     assert_eq!(
         outcomes.len(),
         10,
         "one report per NCCL probe: {outcomes:?}"
+    );
+    assert!(
+        !outcomes
+            .iter()
+            .any(|o| format!("{o:?}").contains("ncclAlltoAll")),
+        "{outcomes:?}"
     );
     for outcome in &outcomes {
         match outcome {
@@ -423,6 +431,6 @@ fn a_library_without_the_symbols_gets_one_report_per_probe_and_nothing_breaks() 
         "{:?}",
         attached.outcomes
     );
-    // 10 functions; the 8 that need a duration also get a return probe.
-    assert_eq!(attached.outcomes.len(), 18);
+    // 11 functions; the 9 that need a duration also get a return probe.
+    assert_eq!(attached.outcomes.len(), 20);
 }

@@ -158,6 +158,13 @@ fn real_cudart_and_nccl_every_symbol_attaches_and_calls_are_seen() {
             ),
             (CollectiveOp::Send, 600, DataType::Int32, None, Some(3)),
             (CollectiveOp::Recv, 700, DataType::Int64, None, Some(4)),
+            (
+                CollectiveOp::AllToAll,
+                800,
+                DataType::Float8e4m3,
+                None,
+                None
+            ),
         ]
     );
     syncs.sort();

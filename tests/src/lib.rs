@@ -361,6 +361,7 @@ mod tests {
         "ncclBroadcast",
         "ncclReduce",
         "ncclAllGather",
+        "ncclAlltoAll",
         "ncclSend",
         "ncclRecv",
         "ncclGroupStart",

@@ -790,7 +790,7 @@ fn places<'a>(
     let mut places: Vec<(&str, Symbol)> = Vec::new();
     for &symbol in std::iter::once(&primary).chain(spec.optional_aliases) {
         let Some(place) = symbols.found.get(symbol) else {
-            if symbol == primary {
+            if symbol == primary && !spec.optional {
                 outcomes.push(ProbeOutcome::Failed {
                     symbol: primary.to_string(),
                     reason: missing_reason(library, symbols),
@@ -901,4 +901,71 @@ pub fn own_dynamic_loader() -> Result<Option<MappedLibrary>> {
     Ok(super::library::find_libraries(pid)?
         .into_iter()
         .find(|l| l.kind == LibraryKind::DynamicLoader))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probes::library::{FileId, LibraryKind};
+
+    fn nccl_without(missing: &str) -> (MappedLibrary, Symbols) {
+        let library = MappedLibrary {
+            kind: LibraryKind::Nccl,
+            file: FileId { dev: 1, ino: 2 },
+            shown_path: "/opt/nccl/libnccl.so.2".into(),
+            open_path: "/opt/nccl/libnccl.so.2".into(),
+        };
+        let found = catalog::CATALOG
+            .iter()
+            .filter(|spec| spec.library == LibraryKind::Nccl && spec.symbol != missing)
+            .enumerate()
+            .map(|(i, spec)| {
+                let place = Symbol {
+                    offset: 0x1000 + 0x100 * i as u64,
+                    version: None,
+                    other_versions: Vec::new(),
+                };
+                (spec.symbol.to_string(), place)
+            })
+            .collect();
+        let symbols = Symbols {
+            found,
+            has_static_symbols: true,
+        };
+        (library, symbols)
+    }
+
+    fn outcomes_for(id: ProbeId, missing: &str) -> (usize, Vec<ProbeOutcome>) {
+        let (library, symbols) = nccl_without(missing);
+        let (mut outcomes, mut notes) = (Vec::new(), Vec::new());
+        let found = places(
+            &library,
+            catalog::spec_of(id),
+            &symbols,
+            &mut HashMap::new(),
+            &mut outcomes,
+            &mut notes,
+        );
+        (found.len(), outcomes)
+    }
+
+    #[test]
+    fn an_older_library_without_a_newer_api_is_not_reported() {
+        // ncclAlltoAll is newer than many NCCL releases users run.
+        let (found, outcomes) = outcomes_for(ProbeId::NcclAlltoAll, "ncclAlltoAll");
+        assert_eq!((found, outcomes.len()), (0, 0), "{outcomes:?}");
+        let (found, outcomes) = outcomes_for(ProbeId::NcclAlltoAll, "");
+        assert_eq!((found, outcomes.len()), (1, 0), "{outcomes:?}");
+    }
+
+    #[test]
+    fn a_library_without_a_core_api_is_reported() {
+        let (found, outcomes) = outcomes_for(ProbeId::NcclAllReduce, "ncclAllReduce");
+        assert_eq!(found, 0);
+        assert!(
+            matches!(&outcomes[..], [ProbeOutcome::Failed { symbol, reason }]
+                if symbol == "ncclAllReduce" && reason.contains("defines no such symbol")),
+            "{outcomes:?}"
+        );
+    }
 }

@@ -14,6 +14,7 @@ pub enum CollectiveOp {
     ReduceScatter,
     Send,
     Recv,
+    AllToAll,
     /// Process groups only (NCCL has no barrier call).
     Barrier,
 }
@@ -29,6 +30,7 @@ impl CollectiveOp {
             CollectiveOp::ReduceScatter => "nccl.reduce_scatter",
             CollectiveOp::Send => "nccl.send",
             CollectiveOp::Recv => "nccl.recv",
+            CollectiveOp::AllToAll => "nccl.all_to_all",
             CollectiveOp::Barrier => "nccl.barrier",
         }
     }
@@ -43,6 +45,7 @@ impl CollectiveOp {
             CollectiveOp::ReduceScatter => "gloo.reduce_scatter",
             CollectiveOp::Send => "gloo.send",
             CollectiveOp::Recv => "gloo.recv",
+            CollectiveOp::AllToAll => "gloo.all_to_all",
             CollectiveOp::Barrier => "gloo.barrier",
         }
     }
@@ -56,6 +59,7 @@ impl CollectiveOp {
             CollectiveOp::ReduceScatter => "reduce_scatter",
             CollectiveOp::Send => "send",
             CollectiveOp::Recv => "recv",
+            CollectiveOp::AllToAll => "all_to_all",
             CollectiveOp::Barrier => "barrier",
         }
     }

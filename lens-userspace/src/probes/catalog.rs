@@ -75,6 +75,9 @@ pub struct ProbeSpec {
     pub groups: &'static [SpanGroup],
     /// What its calls are, where the decoder needs to know.
     pub role: Role,
+    /// A newer API that older versions of its library lack: attached where present, never
+    /// reported missing.
+    pub optional: bool,
 }
 
 /// What a probed function's calls are, beyond what its program's event kind says.
@@ -137,6 +140,7 @@ const fn spec(
         },
         groups,
         role: Role::Plain,
+        optional: false,
     }
 }
 
@@ -158,6 +162,7 @@ const fn mark(
         exit,
         groups,
         role: Role::Plain,
+        optional: false,
     }
 }
 
@@ -172,6 +177,11 @@ const fn nccl(id: ProbeId, symbol: &'static str, op: CollectiveOp, args: NcclArg
 const fn sync(id: ProbeId, symbol: &'static str, kind: SyncKind) -> ProbeSpec {
     let mut spec = spec(id, symbol, CudaRuntime, CudaSyncEntry, true, STEP_DETAIL);
     spec.role = Role::Sync(kind);
+    spec
+}
+
+const fn optional(mut spec: ProbeSpec) -> ProbeSpec {
+    spec.optional = true;
     spec
 }
 
@@ -510,6 +520,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         exit: Some(CudaEventQueryReturn),
         groups: STEP_DETAIL,
         role: Role::Plain,
+        optional: false,
     },
     // Kernel names (the step's top kernels, `step` only): stubs paired with their names
     // as the modules register them, for libraries without symbols.
@@ -581,6 +592,12 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         None,
         &[SpanGroup::Checkpoint, SpanGroup::LoadCheckpoint],
     ),
+    optional(nccl(
+        ProbeId::NcclAlltoAll,
+        "ncclAlltoAll",
+        CollectiveOp::AllToAll,
+        NcclArgs::CommStream,
+    )),
 ];
 
 /// A `c10d::ProcessGroupGloo` collective: timed call, child of the phase it runs in.
@@ -594,6 +611,7 @@ const fn gloo(id: ProbeId, op: CollectiveOp, symbol: &'static str) -> ProbeSpec 
         exit: Some(CallReturn),
         groups: STEP_DETAIL,
         role: Role::Gloo(op),
+        optional: false,
     }
 }
 
