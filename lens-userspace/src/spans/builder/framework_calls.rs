@@ -1,0 +1,360 @@
+//! Configured rules and framework save/load calls: the spans they open and close on
+//! their thread, DCP's `async_save` carried over to the thread that writes it.
+
+use crate::spans::{
+    AttrValue, Attributes, SpanExporter, SpanId,
+    phases::{ProcessContext, ThreadPhases},
+};
+use crate::{
+    config::{ArgType, DCP_ASYNC_SAVE, DCP_GET_STATE_DICT, NativeRule},
+    events::ProbeEvent,
+    groups::SpanGroup,
+    semconv,
+};
+
+use super::*;
+
+/// An `async_save` whose writer was never seen (its `save` too short to be sampled, or
+/// it failed to start): the span is what the call itself did.
+pub(super) fn close_unwritten_async_save(ctx: &mut ProcessContext<'_>, save: AsyncSave) {
+    if save.writer.is_some() {
+        return;
+    }
+    let (files, created) = save.caller_files.unwrap_or_default();
+    let count = if created > 0 { created } else { files };
+    ctx.arena
+        .set_attr(save.span, semconv::NEMO_CHECKPOINT_FILES, count);
+    ctx.arena.close(save.span, save.caller_end, false, ctx.out);
+}
+
+/// What a framework's save (load) function is to the span it bounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum FrameworkCall {
+    /// The save (load) itself: the span lasts while it runs.
+    Save,
+    /// DCP's `async_save`: the span lasts until the background `save` it starts returns.
+    AsyncSave,
+    /// DCP's `get_state_dict`: the save or load that follows at once starts with it.
+    Prelude,
+}
+
+/// A checkpoint begun by DCP's `async_save` on one thread and written by the `save` it
+/// starts on another: one span, ended when the later of the two calls returns.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct AsyncSave {
+    pub(super) span: SpanId,
+    pub(super) caller: u32,
+    /// `async_save` has returned, with what it counted (`FileSpan::counts`) and where
+    /// it ended.
+    pub(super) caller_files: Option<(u32, u32)>,
+    pub(super) caller_end: u64,
+    /// The background thread carrying the span on, once its `save` began.
+    pub(super) writer: Option<u32>,
+    /// The background `save` returned (at, its counts) before `async_save` did.
+    pub(super) written: Option<(u64, (u32, u32))>,
+}
+
+impl<E: SpanExporter> SpanBuilder<E> {
+    /// Entry or return of a function a configured rule names: a span of the rule's
+    /// group opens or ends on that thread (`ThreadPhases::rule_enter`). A rule of group
+    /// step, evaluate, checkpoint or load_checkpoint takes that group over in the process
+    /// from its first call: torch's signals for it are ignored from then on, and a step
+    /// rule's spans count `dl.iteration`.
+    pub(super) fn on_rule_call(&mut self, event: &ProbeEvent) {
+        let ProbeEvent::RuleCall {
+            tgid,
+            tid,
+            at_ns,
+            launches,
+            epoch,
+            rule,
+            at_return,
+            args,
+            text,
+            ..
+        } = event
+        else {
+            return;
+        };
+        // What the rule makes of the call: native rules read arguments; a Python
+        // rule's call carries its function's file.
+        let (index, group, name, attributes) = if let Some(rule) = self.rules.native_rule(*rule) {
+            let attributes = (!at_return).then(|| rule_attributes(rule, args, text.as_deref()));
+            (rule.index, rule.group, rule.name, attributes)
+        } else if let Some(rule) = self.rules.python_rule(*rule)
+            && rule.framework
+        {
+            let name = (rule.module.as_str(), rule.qualname.as_str());
+            let function = format!("{}:{}", rule.module, rule.qualname);
+            let kind = if name == DCP_ASYNC_SAVE {
+                FrameworkCall::AsyncSave
+            } else if name == DCP_GET_STATE_DICT {
+                FrameworkCall::Prelude
+            } else {
+                FrameworkCall::Save
+            };
+            self.on_framework_call(event, rule.group, function, kind);
+            return;
+        } else if let Some(rule) = self.rules.python_rule(*rule) {
+            let attributes = (!at_return).then(|| {
+                let mut attributes: Attributes =
+                    vec![(semconv::CODE_FUNCTION, rule.qualname.clone().into())];
+                if let Some(file) = text {
+                    attributes.push((semconv::CODE_FILEPATH, file.clone().into()));
+                }
+                attributes
+            });
+            (rule.index, rule.group, rule.name, attributes)
+        } else {
+            return;
+        };
+        let Some(process) = self.processes.get_mut(tgid) else {
+            return;
+        };
+        let (at, tid) = (*at_ns, *tid);
+        process
+            .arena
+            .launches_mut()
+            .record_mark(at, *launches, *epoch);
+        let taken_over = matches!(
+            group,
+            SpanGroup::Step
+                | SpanGroup::Evaluate
+                | SpanGroup::Checkpoint
+                | SpanGroup::LoadCheckpoint
+        );
+        if !at_return && taken_over {
+            process.ruled.insert(group);
+        }
+        let iteration = (!at_return && group == SpanGroup::Step).then(|| {
+            process.rule_iteration += 1;
+            process.rule_iteration - 1
+        });
+        let traced_from_start = process.traced_from_start;
+        let thread = process
+            .threads
+            .entry(tid)
+            .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
+        let mut output = ProcessOutput {
+            exporting: process.exporting,
+            held: &mut process.held,
+            out: &mut self.exporter,
+        };
+        let mut ctx = ProcessContext {
+            arena: &mut process.arena,
+            ids: &mut self.ids,
+            out: &mut output,
+            job: process.job,
+            model_init: &mut process.model_init,
+            ruled: &process.ruled,
+        };
+        match attributes {
+            None => thread.rule_return(&mut ctx, at, index),
+            Some(attributes) => {
+                thread.rule_enter(&mut ctx, at, index, name, group, attributes, iteration)
+            }
+        }
+        if process.loop_thread.is_none() && thread.is_active() {
+            process.loop_thread = Some(tid);
+        }
+        let idle = thread.is_idle() && process.loop_thread != Some(tid);
+        process.export_if_training(&mut self.exporter, &self.groups);
+        self.place_when_known(*tgid, tid);
+        if idle && let Some(process) = self.processes.get_mut(tgid) {
+            process.threads.remove(&tid);
+        }
+    }
+
+    /// Entry or return of a framework's save (load) function (sampled): it bounds the
+    /// checkpoint (load) span of its thread (`ThreadPhases::save_call_enter`). DCP's
+    /// `async_save` hands its span to the `save` it starts on a background thread.
+    pub(super) fn on_framework_call(
+        &mut self,
+        event: &ProbeEvent,
+        group: SpanGroup,
+        function: String,
+        kind: FrameworkCall,
+    ) {
+        let is_async = kind == FrameworkCall::AsyncSave;
+        let ProbeEvent::RuleCall {
+            tgid,
+            tid,
+            at_ns,
+            launches,
+            epoch,
+            at_return,
+            ..
+        } = event
+        else {
+            return;
+        };
+        let Some(process) = self.processes.get_mut(tgid) else {
+            return;
+        };
+        let (at, tid, at_return) = (*at_ns, *tid, *at_return);
+        process
+            .arena
+            .launches_mut()
+            .record_mark(at, *launches, *epoch);
+        let traced_from_start = process.traced_from_start;
+        let job = process.job;
+        let mut output = ProcessOutput {
+            exporting: process.exporting,
+            held: &mut process.held,
+            out: &mut self.exporter,
+        };
+        let mut ctx = ProcessContext {
+            arena: &mut process.arena,
+            ids: &mut self.ids,
+            out: &mut output,
+            job,
+            model_init: &mut process.model_init,
+            ruled: &process.ruled,
+        };
+        let thread = process
+            .threads
+            .entry(tid)
+            .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
+        let pending = process.async_save;
+        let (mut written_to_caller, mut handed_off, mut closed_for_caller) = (None, None, None);
+        match (at_return, pending) {
+            (false, _) if kind == FrameworkCall::Prelude => thread.save_prelude(at),
+            (true, _) if kind == FrameworkCall::Prelude => {}
+            // The background writer of an `async_save` begins: it carries the span on.
+            (false, Some(save))
+                if group == SpanGroup::Checkpoint
+                    && save.writer.is_none()
+                    && save.caller != tid =>
+            {
+                thread.adopt_file_span(save.span, group);
+                process.async_save = Some(AsyncSave {
+                    writer: Some(tid),
+                    ..save
+                });
+                handed_off = Some((save.caller, save.span));
+            }
+            // The writer's `save` seen again after a sample showed it gone (the frame
+            // caught mid-update as it returns): still the same writing, files and all.
+            (false, Some(save)) if group == SpanGroup::Checkpoint && save.writer == Some(tid) => {
+                thread.adopt_file_span(save.span, group);
+                if let Some((_, files)) = save.written {
+                    thread.add_files(group, files);
+                }
+                process.async_save = Some(AsyncSave {
+                    written: None,
+                    ..save
+                });
+                handed_off = Some((save.caller, save.span));
+            }
+            (false, _) => {
+                let attributes = vec![(semconv::CODE_FUNCTION, function.into())];
+                thread.save_call_enter(&mut ctx, at, group, attributes);
+                if is_async && let Some(span) = thread.file_span(group) {
+                    // One still waiting for a writer never got one: it was what it did.
+                    if let Some(orphan) = process.async_save.take() {
+                        close_unwritten_async_save(&mut ctx, orphan);
+                    }
+                    process.async_save = Some(AsyncSave {
+                        span,
+                        caller: tid,
+                        caller_files: None,
+                        caller_end: at,
+                        writer: None,
+                        written: None,
+                    });
+                }
+            }
+            (true, Some(save)) if save.writer == Some(tid) => {
+                match save.caller_files {
+                    // `async_save` returned first: the span ends with the writer (the
+                    // caller's return is seen late when it waited for it, blocked).
+                    Some(files) => {
+                        if let Some(end) = thread.end_adopted(&mut ctx, at, group, files) {
+                            closed_for_caller = Some((save.caller, save.span, end));
+                        }
+                        process.async_save = None;
+                    }
+                    None => {
+                        let files = thread.take_file_span(group).map_or((0, 0), |f| f.counts());
+                        process.async_save = Some(AsyncSave {
+                            written: Some((at, files)),
+                            ..save
+                        });
+                        // Credited to the caller's span at once: the caller's next phase
+                        // may end it before a sample shows `async_save` returned (its
+                        // thread sat blocked in `future.result()`).
+                        written_to_caller = Some((save.caller, save.span, files));
+                    }
+                }
+            }
+            (true, Some(save)) if save.caller == tid && is_async => {
+                thread.save_call_return(at, group);
+                match (save.writer, save.written) {
+                    // The writer finished first: the span is the caller's again.
+                    (_, Some((end, files))) => {
+                        thread.save_call_return(end, group);
+                        thread.add_files(group, files);
+                        process.async_save = None;
+                    }
+                    // The writer goes on (or has not been sampled yet): it ends the span.
+                    (_, None) => {
+                        let files = thread.take_file_span(group).map_or((0, 0), |f| f.counts());
+                        process.async_save = Some(AsyncSave {
+                            caller_files: Some(files),
+                            caller_end: at,
+                            ..save
+                        });
+                    }
+                }
+            }
+            (true, _) => thread.save_call_return(at, group),
+        }
+        if process.loop_thread.is_none() && thread.is_active() {
+            process.loop_thread = Some(tid);
+        }
+        if let Some((caller, span)) = handed_off
+            && let Some(caller) = process.threads.get_mut(&caller)
+        {
+            caller.hand_off(span, group);
+        }
+        if let Some((caller, span, end)) = closed_for_caller
+            && let Some(caller) = process.threads.get_mut(&caller)
+        {
+            caller.closed_elsewhere(span, end);
+        }
+        if let Some((caller, span, files)) = written_to_caller
+            && process
+                .threads
+                .get_mut(&caller)
+                .is_some_and(|caller| caller.add_files_to(span, group, files))
+            && let Some(save) = process.async_save.as_mut()
+        {
+            save.written = save.written.map(|(end, _)| (end, (0, 0)));
+        }
+        process.export_if_training(&mut self.exporter, &self.groups);
+        self.place_when_known(*tgid, tid);
+    }
+}
+
+/// The attributes a rule's arguments give, as its `args` say to read them. A string
+/// argument that was NULL or unreadable is left out.
+pub(super) fn rule_attributes(rule: &NativeRule, args: &[u64], text: Option<&str>) -> Attributes {
+    let mut attributes = Attributes::new();
+    for arg in &rule.args {
+        let raw = args.get(arg.index as usize).copied().unwrap_or(0);
+        let value = match arg.kind {
+            ArgType::Int => AttrValue::Int((raw as u32 as i32).into()),
+            ArgType::Uint => AttrValue::Int((raw as u32).into()),
+            ArgType::Long => AttrValue::Int(raw as i64),
+            ArgType::Ulong => raw.into(),
+            ArgType::Bool => AttrValue::Bool(raw & 0xff != 0),
+            ArgType::Ptr => AttrValue::Str(format!("{raw:#x}")),
+            ArgType::Str | ArgType::StdString => match text {
+                Some(text) => text.into(),
+                None => continue,
+            },
+        };
+        attributes.push((arg.attribute, value));
+    }
+    attributes
+}

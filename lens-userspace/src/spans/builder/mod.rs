@@ -1,0 +1,453 @@
+//! The span builder: an [`EventSink`](crate::sink::EventSink) that keeps, per traced process, the `train.job`
+//! root, a phase machine per thread, and turns calls (collectives, sync waits) into
+//! child spans of the phase they happen in.
+use std::{
+    collections::{BTreeSet, HashMap},
+    sync::Arc,
+};
+
+use super::{
+    Attributes, SpanEvent, SpanExporter, SpanId, SpanRecord,
+    arena::{IdSource, Placement, SpanArena},
+    collectives::Collectives,
+    names,
+    phases::{ProcessContext, ThreadPhases},
+    straggler_cause::{PhaseCall, PhaseHistory},
+};
+use crate::{
+    config::ProbeRules,
+    events::CallTiming,
+    groups::{SpanGroup, SpanGroups},
+    semconv,
+    target::{ExitStatus, ProcessInfo},
+};
+
+mod calls;
+mod framework_calls;
+mod held;
+mod sink;
+
+use framework_calls::{AsyncSave, close_unwritten_async_save};
+use held::HeldCall;
+
+/// A communicator as `ncclCommInitRank` described it.
+#[derive(Clone, Copy, Debug)]
+struct Communicator {
+    rank: i32,
+    nranks: i32,
+    id_hash: u64,
+}
+
+struct ProcessSpans {
+    info: ProcessInfo,
+    start_ns: u64,
+    /// The process has shown training activity: its spans go to the exporter. Until
+    /// then they are held, and dropped if it exits without any (a launcher, a shell).
+    exporting: bool,
+    held: Vec<SpanRecord>,
+    arena: SpanArena,
+    job: SpanId,
+    model_init: Option<SpanId>,
+    traced_from_start: bool,
+    threads: HashMap<u32, ThreadPhases>,
+    /// The thread running the training loop (first with phase activity): calls from
+    /// threads without phases of their own are shown under its phases.
+    loop_thread: Option<u32>,
+    communicators: HashMap<u64, Communicator>,
+    /// Groups configured probe rules have taken over from torch's signals (from the
+    /// first call of such a rule on).
+    ruled: BTreeSet<SpanGroup>,
+    /// `dl.iteration` of the next step a rule opens.
+    rule_iteration: u64,
+    /// Calls made while their thread's phase was not known yet (see
+    /// `ThreadPhases::current_phase`), by span id; placed by time once it is.
+    unplaced: HashMap<SpanId, HeldCall>,
+    /// Released spans of such calls, waiting for their placement.
+    waiting: Vec<SpanRecord>,
+    /// Placements decided for calls the collective tracker still holds.
+    placed: HashMap<SpanId, Placement>,
+    /// The earliest start among `unplaced` (`u64::MAX` when none): the per-call bound
+    /// check reads this instead of walking every held call.
+    oldest_held_ns: u64,
+    /// A DCP `async_save` whose writing goes on in a background thread.
+    async_save: Option<AsyncSave>,
+}
+
+/// Routes a process's finished spans: to the exporter once it is exporting, else held.
+struct ProcessOutput<'a> {
+    exporting: bool,
+    held: &'a mut Vec<SpanRecord>,
+    out: &'a mut dyn SpanExporter,
+}
+
+impl SpanExporter for ProcessOutput<'_> {
+    fn export(&mut self, span: SpanRecord) {
+        if self.exporting {
+            self.out.export(span);
+        } else {
+            self.held.push(span);
+        }
+    }
+}
+
+impl ProcessSpans {
+    /// Once training shows, announce the job and release what was held, in order.
+    fn export_if_training(&mut self, out: &mut dyn SpanExporter, groups: &SpanGroups) {
+        if self.exporting || !self.arena.training_seen() {
+            return;
+        }
+        self.exporting = true;
+        let job = groups.contains(SpanGroup::Job).then_some(self.job);
+        out.process_started(&self.info, job, self.start_ns);
+        for span in self.held.drain(..) {
+            out.export(span);
+        }
+    }
+}
+
+pub struct SpanBuilder<E: SpanExporter> {
+    groups: SpanGroups,
+    /// Configured probe rules: what their calls become.
+    rules: Arc<ProbeRules>,
+    ids: IdSource,
+    processes: HashMap<u32, ProcessSpans>,
+    /// Collective spans held until their completion and the other ranks are known.
+    collectives: Collectives,
+    /// Per thread, the Python function that made its next native call: (the call's
+    /// start, function, file).
+    python_callers: HashMap<(u32, u32), (u64, String, String)>,
+    /// Calls in flight when a hang was found, by (process, thread, entry): their spans
+    /// get a `lens_probe.hang` event when they return.
+    hung_calls: HashMap<(u32, u32, u64), SpanEvent>,
+    /// Per thread, its open torch scopes (whether each is a batch fetch, and its start):
+    /// the fetches' times go to the stragglers' phase history.
+    scope_stacks: HashMap<(u32, u32), Vec<(bool, u64)>>,
+    exporter: Tap<E>,
+}
+
+/// The builder's exporter, with where each process's steps spent their time read off
+/// the spans on their way out (for the stragglers' causes).
+struct Tap<E> {
+    inner: E,
+    history: PhaseHistory,
+}
+
+impl<E: SpanExporter> SpanExporter for Tap<E> {
+    fn process_started(&mut self, info: &ProcessInfo, job: Option<SpanId>, start_ns: u64) {
+        self.inner.process_started(info, job, start_ns);
+    }
+    fn export(&mut self, span: SpanRecord) {
+        self.history.record(&span);
+        self.inner.export(span);
+    }
+    fn process_calls(
+        &mut self,
+        pid: u32,
+        calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
+    ) {
+        self.inner.process_calls(pid, calls);
+    }
+    fn launches_sampled(&mut self, pid: u32) {
+        self.inner.launches_sampled(pid);
+    }
+    fn process_ended(&mut self, pid: u32) {
+        self.history.forget(pid);
+        self.inner.process_ended(pid);
+    }
+}
+
+impl<E: SpanExporter> SpanBuilder<E> {
+    pub fn new(groups: SpanGroups, exporter: E) -> SpanBuilder<E> {
+        SpanBuilder {
+            groups,
+            rules: Arc::default(),
+            ids: IdSource::new(),
+            processes: HashMap::new(),
+            collectives: Collectives::default(),
+            python_callers: HashMap::new(),
+            hung_calls: HashMap::new(),
+            scope_stacks: HashMap::new(),
+            exporter: Tap {
+                inner: exporter,
+                history: PhaseHistory::default(),
+            },
+        }
+    }
+
+    /// Calls of the functions these rules name become spans (see `on_rule_call`).
+    pub fn with_rules(mut self, rules: Arc<ProbeRules>) -> SpanBuilder<E> {
+        self.rules = rules;
+        self
+    }
+
+    pub fn exporter(&self) -> &E {
+        &self.exporter.inner
+    }
+
+    pub fn into_exporter(self) -> E {
+        self.exporter.inner
+    }
+
+    /// Per collective operation, which traced rank arrived last how often.
+    pub fn stragglers(
+        &self,
+    ) -> &std::collections::BTreeMap<crate::events::CollectiveOp, super::stragglers::OpStragglers>
+    {
+        self.collectives.stragglers()
+    }
+
+    /// `code.function` and `code.filepath` of the Python function that made the call
+    /// `timing` describes, when the session named it.
+    fn python_caller_of(&mut self, timing: &CallTiming) -> Attributes {
+        match self.python_callers.remove(&(timing.tgid, timing.tid)) {
+            Some((at_ns, function, file)) if at_ns == timing.start_ns => vec![
+                (semconv::CODE_FUNCTION, function.into()),
+                (semconv::CODE_FILEPATH, file.into()),
+            ],
+            _ => Attributes::new(),
+        }
+    }
+
+    /// Starts the job of `info` at `start_ns` (the library entry point; the sink uses now).
+    pub fn start_process(&mut self, info: &ProcessInfo, start_ns: u64) {
+        let mut arena = SpanArena::new(info.pid, self.groups.clone());
+        let job = arena.open(
+            &mut self.ids,
+            names::JOB,
+            SpanGroup::Job,
+            None,
+            info.pid,
+            start_ns,
+        );
+        arena.set_attr(job, semconv::PROCESS_PID, info.pid);
+        if let Some(rank) = info.rank {
+            arena.set_attr(job, semconv::DL_RANK, rank.rank);
+            if let Some(world_size) = rank.world_size {
+                arena.set_attr(job, semconv::DL_WORLD_SIZE, world_size);
+            }
+            if let Some(local_rank) = rank.local_rank {
+                arena.set_attr(job, semconv::DL_LOCAL_RANK, local_rank);
+            }
+        }
+        let model_init = if info.traced_from_start {
+            Some(arena.open(
+                &mut self.ids,
+                names::MODEL_INIT,
+                SpanGroup::ModelInit,
+                Some(job),
+                info.pid,
+                start_ns,
+            ))
+        } else {
+            arena.set_attr(job, semconv::NEMO_ATTACHED_MID_RUN, true);
+            None
+        };
+        self.processes.insert(
+            info.pid,
+            ProcessSpans {
+                info: info.clone(),
+                start_ns,
+                exporting: false,
+                held: Vec::new(),
+                arena,
+                job,
+                model_init,
+                traced_from_start: info.traced_from_start,
+                threads: HashMap::new(),
+                loop_thread: None,
+                communicators: HashMap::new(),
+                ruled: BTreeSet::new(),
+                rule_iteration: 0,
+                unplaced: HashMap::new(),
+                waiting: Vec::new(),
+                placed: HashMap::new(),
+                oldest_held_ns: u64::MAX,
+                async_save: None,
+            },
+        );
+    }
+
+    /// Ends the job of `pid` at `end_ns`: open spans end there, marked truncated.
+    pub fn end_process(&mut self, pid: u32, exit: Option<ExitStatus>, end_ns: u64) {
+        self.end_process_with_calls(pid, exit, end_ns, &Default::default());
+    }
+
+    /// [`Self::end_process`], with the kernel's call counters of the process.
+    pub fn end_process_with_calls(
+        &mut self,
+        pid: u32,
+        exit: Option<ExitStatus>,
+        end_ns: u64,
+        calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
+    ) {
+        // Its collectives go out with what is known before its spans close.
+        let released = self.collectives.process_ended(pid, &self.exporter.history);
+        self.send_released(released);
+        self.place_held(pid, |_, _| true);
+        self.scope_stacks.retain(|(p, _), _| *p != pid);
+        let Some(mut process) = self.processes.remove(&pid) else {
+            return;
+        };
+        // The kernel's final launch total closes the last phases' counts.
+        if calls.keys().any(|probe| probe.is_launch()) {
+            let launches = calls
+                .iter()
+                .filter(|(probe, _)| probe.is_launch())
+                .map(|(_, count)| count)
+                .sum();
+            process
+                .arena
+                .launches_mut()
+                .record_mark(end_ns, launches, super::launches::LAST_EPOCH);
+        }
+        let ProcessSpans {
+            arena,
+            job,
+            model_init,
+            threads,
+            exporting,
+            held,
+            ruled,
+            async_save,
+            ..
+        } = &mut process;
+        if !*exporting && !arena.training_seen() {
+            log::info!(
+                "pid {pid} ({}) ended without training activity: no spans",
+                process.info.name
+            );
+            return;
+        }
+        let mut output = ProcessOutput {
+            exporting: *exporting,
+            held,
+            out: &mut self.exporter,
+        };
+        let mut ctx = ProcessContext {
+            arena,
+            ids: &mut self.ids,
+            out: &mut output,
+            job: *job,
+            model_init,
+            ruled,
+        };
+        if let Some(save) = async_save.take()
+            && save.writer.is_none()
+        {
+            close_unwritten_async_save(&mut ctx, save);
+        }
+        let mut tids: Vec<u32> = threads.keys().copied().collect();
+        tids.sort_unstable();
+        for tid in tids {
+            if let Some(thread) = threads.get_mut(&tid) {
+                thread.finish(&mut ctx, end_ns);
+            }
+        }
+        if let Some(id) = ctx.model_init.take() {
+            ctx.arena.close(id, end_ns, true, ctx.out);
+        }
+        match exit {
+            Some(ExitStatus::Exited(code)) => {
+                ctx.arena.set_attr(*job, semconv::PROCESS_EXIT_CODE, code);
+                if code != 0 {
+                    ctx.arena
+                        .set_error(*job, format!("exited with code {code}"));
+                }
+            }
+            Some(ExitStatus::Signaled(signal)) => {
+                ctx.arena
+                    .set_error(*job, format!("killed by signal {signal}"));
+            }
+            Some(ExitStatus::Unknown) => {}
+            // Tracing stopped while the job runs on: the job span is cut short.
+            None => ctx.arena.set_attr(*job, semconv::NEMO_SPAN_TRUNCATED, true),
+        }
+        ctx.arena.close(*job, end_ns, false, ctx.out);
+        process.export_if_training(&mut self.exporter, &self.groups);
+        self.exporter.process_calls(pid, calls);
+        self.exporter.process_ended(pid);
+    }
+
+    /// `pid` runs a new program: a job that has not trained yet starts over as that
+    /// program (a launcher that execs the trainer, a worker forked by a launcher).
+    /// `info.pid` replaced its program at `at_ns`. The old program's job ends there (what
+    /// was open is truncated: it will never close) and the new program's begins.
+    pub fn exec_process(&mut self, info: &ProcessInfo, at_ns: u64) {
+        if self.processes.get(&info.pid).is_some_and(|p| p.exporting) {
+            self.end_process(info.pid, None, at_ns);
+        }
+        self.start_process(info, at_ns);
+    }
+
+    /// Phase state kept for `pid`'s threads (bounded by the threads with open phases).
+    pub fn thread_states(&self, pid: u32) -> usize {
+        self.processes.get(&pid).map_or(0, |p| p.threads.len())
+    }
+
+    fn on_phase(
+        &mut self,
+        tgid: u32,
+        tid: u32,
+        at: u64,
+        launches: u64,
+        epoch: u64,
+        signal: &crate::events::PhaseSignal,
+    ) {
+        let Some(process) = self.processes.get_mut(&tgid) else {
+            return;
+        };
+        process
+            .arena
+            .launches_mut()
+            .record_mark(at, launches, epoch);
+        match signal {
+            crate::events::PhaseSignal::ScopeEnter { scope, .. } => {
+                let stack = self.scope_stacks.entry((tgid, tid)).or_default();
+                // Bounded: a scope whose exit is never seen (an exception) must not grow it.
+                if stack.len() < 256 {
+                    stack.push((*scope == crate::events::TorchScope::DataLoaderNext, at));
+                }
+            }
+            crate::events::PhaseSignal::ScopeExit => {
+                if let Some((true, start)) =
+                    self.scope_stacks.get_mut(&(tgid, tid)).and_then(Vec::pop)
+                {
+                    self.exporter
+                        .history
+                        .record_call(tgid, PhaseCall::Fetch, start, at);
+                }
+            }
+            _ => {}
+        }
+        let traced_from_start = process.traced_from_start;
+        let thread = process
+            .threads
+            .entry(tid)
+            .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
+        let mut output = ProcessOutput {
+            exporting: process.exporting,
+            held: &mut process.held,
+            out: &mut self.exporter,
+        };
+        let mut ctx = ProcessContext {
+            arena: &mut process.arena,
+            ids: &mut self.ids,
+            out: &mut output,
+            job: process.job,
+            model_init: &mut process.model_init,
+            ruled: &process.ruled,
+        };
+        thread.on_signal(&mut ctx, at, signal);
+        if process.loop_thread.is_none() && thread.is_active() {
+            process.loop_thread = Some(tid);
+        }
+        // Threads come and go (workers, per-step helpers): keep state only for those
+        // with something open.
+        let idle = thread.is_idle() && process.loop_thread != Some(tid);
+        process.export_if_training(&mut self.exporter, &self.groups);
+        self.place_when_known(tgid, tid);
+        if idle && let Some(process) = self.processes.get_mut(&tgid) {
+            process.threads.remove(&tid);
+        }
+    }
+}

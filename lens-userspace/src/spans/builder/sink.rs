@@ -1,0 +1,354 @@
+//! The builder as an [`EventSink`](crate::sink::EventSink): each event routed to what it changes.
+
+use crate::spans::{
+    AttrValue, Attributes, SpanEvent, SpanExporter, collectives::CollectiveComm, monotonic_now_ns,
+    names, straggler_cause::PhaseCall,
+};
+use crate::{
+    events::ProbeEvent,
+    hangs::{HangReport, Resolved},
+    semconv,
+    sink::{EventSink, ProcessEnd},
+    target::ProcessInfo,
+};
+
+use super::*;
+
+impl<E: SpanExporter> EventSink for SpanBuilder<E> {
+    fn on_process_start(&mut self, process: &ProcessInfo) {
+        self.start_process(process, monotonic_now_ns());
+    }
+
+    fn on_process_exec(&mut self, process: &ProcessInfo) {
+        self.exec_process(process, monotonic_now_ns());
+    }
+
+    fn on_event(&mut self, event: &ProbeEvent) {
+        // Where each step's time goes, for the stragglers' causes: calls as they return.
+        let call = match event {
+            ProbeEvent::Collective { timing, .. } | ProbeEvent::GlooCall { timing, .. } => {
+                Some((timing, PhaseCall::Collective))
+            }
+            ProbeEvent::SyncWait { timing, .. } => Some((timing, PhaseCall::Sync)),
+            _ => None,
+        };
+        if let Some((timing, call)) = call {
+            self.exporter
+                .history
+                .record_call(timing.tgid, call, timing.start_ns, timing.end_ns);
+        }
+        match event {
+            ProbeEvent::Phase {
+                tgid,
+                tid,
+                at_ns,
+                launches,
+                epoch,
+                signal,
+            } => self.on_phase(*tgid, *tid, *at_ns, *launches, *epoch, signal),
+            ProbeEvent::Collective {
+                timing,
+                op,
+                count,
+                datatype,
+                raw_datatype,
+                redop,
+                peer,
+                comm,
+                stream,
+                result,
+                ..
+            } => {
+                let mut attributes: Attributes = vec![
+                    (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
+                    (semconv::DL_COLLECTIVE_OP, op.name().into()),
+                    (semconv::DL_COLLECTIVE_COUNT, (*count).into()),
+                    (
+                        semconv::DL_COLLECTIVE_DTYPE,
+                        datatype.map_or_else(
+                            || AttrValue::from(format!("dtype({raw_datatype})")),
+                            |d| d.name().into(),
+                        ),
+                    ),
+                ];
+                if let Some(bytes) = event.bytes() {
+                    attributes.push((semconv::DL_COLLECTIVE_BYTES, bytes.into()));
+                }
+                if let Some(redop) = redop {
+                    attributes.push((semconv::DL_COLLECTIVE_REDUCE_OP, redop.name().into()));
+                }
+                if let Some(peer) = peer {
+                    attributes.push((semconv::DL_COLLECTIVE_PEER, (*peer).into()));
+                }
+                let communicator = self
+                    .processes
+                    .get(&timing.tgid)
+                    .and_then(|p| p.communicators.get(comm).copied());
+                if let Some(c) = communicator {
+                    attributes.push((
+                        semconv::DL_COLLECTIVE_COMM_ID,
+                        format!("{:016x}", c.id_hash).into(),
+                    ));
+                    attributes.push((semconv::DL_RANK, c.rank.into()));
+                    attributes.push((semconv::DL_WORLD_SIZE, c.nranks.into()));
+                }
+                attributes.extend(self.python_caller_of(timing));
+                let Some(record) = self.call_record(timing, op.span_name(), attributes, *result)
+                else {
+                    return;
+                };
+                let comm = communicator.map(|c| CollectiveComm {
+                    handle: *comm,
+                    id_hash: c.id_hash,
+                    rank: c.rank,
+                });
+                let released =
+                    self.collectives
+                        .add(record, *op, *stream, comm, &self.exporter.history);
+                self.send_released(released);
+                self.bound_held(timing.tgid, timing.end_ns);
+            }
+            ProbeEvent::GlooCall {
+                timing, op, comm, ..
+            } => {
+                let mut attributes = vec![
+                    (semconv::DL_COLLECTIVE_BACKEND, "gloo".into()),
+                    (semconv::DL_COLLECTIVE_OP, op.name().into()),
+                ];
+                if let Some(comm) = comm {
+                    attributes.extend([
+                        (
+                            semconv::DL_COLLECTIVE_COMM_ID,
+                            format!("{:016x}", comm.id).into(),
+                        ),
+                        (semconv::DL_COLLECTIVE_SEQ, comm.seq.into()),
+                        (semconv::DL_RANK, comm.rank.into()),
+                    ]);
+                }
+                self.on_call(timing, op.gloo_span_name(), attributes, 0);
+            }
+            ProbeEvent::SyncWait {
+                timing,
+                kind,
+                handle,
+                result,
+                ..
+            } => {
+                let mut attributes = vec![(semconv::CUDA_SYNC_KIND, kind.name().into())];
+                attributes.extend(self.python_caller_of(timing));
+                self.on_call(timing, kind.span_name(), attributes, *result);
+                if *result == 0 {
+                    let released =
+                        self.collectives
+                            .sync_returned(timing.tgid, *kind, *handle, timing.end_ns);
+                    self.send_released(released);
+                }
+            }
+            ProbeEvent::EventRecorded {
+                timing,
+                event,
+                stream,
+            } => self
+                .collectives
+                .event_recorded(timing.tgid, *event, *stream),
+            ProbeEvent::EventQueryComplete {
+                timing,
+                event,
+                not_ready_ns,
+            } => {
+                let released = self.collectives.event_complete(
+                    timing.tgid,
+                    *event,
+                    timing.end_ns,
+                    *not_ready_ns,
+                );
+                self.send_released(released);
+            }
+            ProbeEvent::CommInit {
+                timing,
+                comm,
+                rank,
+                nranks,
+                comm_id_hash,
+                result,
+            } => {
+                if *result == 0 {
+                    self.collectives
+                        .comm_init(timing.tgid, *comm, *comm_id_hash);
+                }
+                if let Some(process) = self.processes.get_mut(&timing.tgid) {
+                    process.communicators.insert(
+                        *comm,
+                        Communicator {
+                            rank: *rank,
+                            nranks: *nranks,
+                            id_hash: *comm_id_hash,
+                        },
+                    );
+                }
+                let attributes = vec![
+                    (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
+                    (
+                        semconv::DL_COLLECTIVE_COMM_ID,
+                        format!("{comm_id_hash:016x}").into(),
+                    ),
+                    (semconv::DL_RANK, (*rank).into()),
+                    (semconv::DL_WORLD_SIZE, (*nranks).into()),
+                ];
+                self.on_call(timing, names::NCCL_COMM_INIT, attributes, *result);
+            }
+            // The session turns samples into rule calls first.
+            ProbeEvent::PythonCaller {
+                tgid,
+                tid,
+                at_ns,
+                function,
+                file,
+            } => {
+                self.python_callers
+                    .insert((*tgid, *tid), (*at_ns, function.clone(), file.clone()));
+            }
+            ProbeEvent::Group { .. }
+            | ProbeEvent::PyStack { .. }
+            | ProbeEvent::LinkMapChanged { .. }
+            | ProbeEvent::ProcessForked { .. }
+            | ProbeEvent::ProcessExec { .. }
+            | ProbeEvent::ProcessExit { .. } => {}
+            ProbeEvent::RuleCall { .. } => self.on_rule_call(event),
+        }
+    }
+
+    fn on_call_counts(
+        &mut self,
+        pid: u32,
+        calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
+    ) {
+        if self.processes.get(&pid).is_some_and(|p| p.exporting) {
+            self.exporter.process_calls(pid, calls);
+        }
+        // Read periodically while processes run: collectives held too long go out, and
+        // calls whose phase never became known.
+        let now = monotonic_now_ns();
+        let released = self.collectives.expire(now);
+        self.send_released(released);
+        self.bound_held(pid, now);
+    }
+
+    fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
+        if sampled {
+            self.exporter.launches_sampled(pid);
+        }
+        if let Some(process) = self.processes.get_mut(&pid) {
+            process
+                .arena
+                .launches_mut()
+                .set_counting(counting, at_ns, sampled);
+        }
+    }
+
+    fn on_kernel_launches(&mut self, pid: u32, launches: &[crate::kernels::KernelLaunches]) {
+        if let Some(process) = self.processes.get_mut(&pid) {
+            let ledger = process.arena.launches_mut();
+            for kernel in launches {
+                ledger.add_kernel_launches(kernel.epoch, kernel.name.clone(), kernel.launches);
+            }
+        }
+    }
+
+    fn on_process_end(&mut self, end: &ProcessEnd) {
+        self.end_process_with_calls(end.pid, end.exit, monotonic_now_ns(), &end.calls);
+    }
+
+    /// Each traced rank's process gets a `lens_probe.hang` span at once (error status,
+    /// from the first arrival to the finding, under its `train.job`), and the calls its
+    /// ranks wait in get the event when they return.
+    fn on_hang(&mut self, report: &HangReport) {
+        let hang = &report.hang;
+        let summary = hang.summary();
+        let lines = report.rank_lines().join("\n");
+        let ranks = |list: &[crate::hangs::RankState]| {
+            list.iter()
+                .map(|r| r.rank.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let mut shared: Attributes = vec![
+            (semconv::DL_COLLECTIVE_BACKEND, hang.backend.name().into()),
+            (
+                semconv::DL_COLLECTIVE_COMM_ID,
+                format!("{:016x}", hang.comm).into(),
+            ),
+            (semconv::DL_COLLECTIVE_SEQ, hang.seq.into()),
+            (semconv::LENS_PROBE_HANG_KIND, hang.kind.name().into()),
+            (
+                semconv::LENS_PROBE_HANG_RANKS_ARRIVED,
+                ranks(&hang.arrived).into(),
+            ),
+            (
+                semconv::LENS_PROBE_HANG_RANKS_MISSING,
+                ranks(&hang.missing).into(),
+            ),
+            (semconv::LENS_PROBE_HANG_RANK_PLACES, lines.into()),
+        ];
+        if let Some(op) = hang.op {
+            shared.push((semconv::DL_COLLECTIVE_OP, op.name().into()));
+        }
+        if let Some(bytes) = hang.bytes {
+            shared.push((semconv::DL_COLLECTIVE_BYTES, bytes.into()));
+        }
+        for (rank, place) in hang.ranks().zip(&report.places) {
+            if let Some(call) = &rank.waiting_in {
+                self.hung_calls.insert(
+                    (call.pid, call.tid, call.start_ns),
+                    SpanEvent {
+                        name: names::HANG,
+                        at_ns: hang.detected_ns,
+                        attributes: vec![
+                            (semconv::LENS_PROBE_HANG_KIND, hang.kind.name().into()),
+                            (semconv::DL_COLLECTIVE_SEQ, hang.seq.into()),
+                        ],
+                    },
+                );
+            }
+            let Some(process) = self.processes.get_mut(&rank.pid) else {
+                continue;
+            };
+            let mut attributes = shared.clone();
+            attributes.push((semconv::DL_RANK, rank.rank.into()));
+            if !place.python.is_empty() {
+                let stack: Vec<String> = place.python.iter().map(ToString::to_string).collect();
+                attributes.push((
+                    semconv::LENS_PROBE_HANG_PYTHON_STACK,
+                    stack.join("\n").into(),
+                ));
+            }
+            let tid = rank.waiting_in.as_ref().map_or(rank.pid, |call| call.tid);
+            let record = process.arena.call_record(
+                &mut self.ids,
+                names::HANG,
+                Some(process.job),
+                tid,
+                hang.since_ns,
+                hang.detected_ns,
+                attributes,
+                Some(summary.clone()),
+            );
+            if process.exporting {
+                self.exporter.export(record);
+            } else {
+                process.held.push(record);
+            }
+        }
+    }
+
+    fn on_hang_resolved(&mut self, resolved: &Resolved) {
+        // Calls that never returned (their process ended) need no event any more.
+        for rank in resolved.hang.ranks() {
+            if let Some(call) = &rank.waiting_in
+                && !resolved.every_rank_went_on
+            {
+                self.hung_calls.remove(&(call.pid, call.tid, call.start_ns));
+            }
+        }
+    }
+}
