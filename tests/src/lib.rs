@@ -739,6 +739,7 @@ mod tests {
             "ncclReduceScatter=0",
             "ncclSend=0",
             "ncclRecv=0",
+            "ncclAlltoAll=0",
             "ncclGroupStart=0",
             "ncclGroupEnd=0",
             "ncclCommInitRank=0",
