@@ -1,0 +1,440 @@
+//! Loading the BPF object and attaching its programs to the libraries a target maps.
+//!
+//! Probes are attached once per library *file* (uprobes are keyed by inode) for all
+//! processes; the kernel side filters by the `TARGETS` map. So a library shared by many
+//! traced processes costs one set of probes, and a process that maps an already-probed
+//! file is covered the moment it is added to `TARGETS`.
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use aya::{
+    Ebpf,
+    programs::{
+        UProbe,
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
+    },
+};
+use std::{path::Path, sync::Arc};
+
+use lens_common::ProbeId;
+use log::{debug, warn};
+
+use super::{
+    catalog::{self, Program},
+    library::{FileId, LibraryKind, MappedLibrary},
+    symbols::resolve_symbols,
+};
+use crate::{
+    config::ProbeRules,
+    error::{LensError, Result},
+    groups::SpanGroups,
+};
+
+mod launch_sampling;
+mod object;
+mod rule_attach;
+mod symbol_places;
+
+use launch_sampling::{SampledLaunches, sample_spec};
+use object::uprobe_mut;
+pub use object::{load_object, program_mut, take_event_ring};
+use symbol_places::{attach_spec, places};
+
+/// What happened to one probe on one library.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    /// Attached at `offset` in the file. `version`: the symbol's version in a library
+    /// that versions its symbols (`NCCL_2.0` for `ncclAllReduce@@NCCL_2.0`), always the
+    /// default one.
+    Attached {
+        symbol: String,
+        offset: u64,
+        version: Option<String>,
+    },
+    Failed {
+        symbol: String,
+        reason: String,
+    },
+}
+
+/// The result of attaching to one library file.
+#[derive(Clone, Debug)]
+pub struct LibraryAttachment {
+    pub library: MappedLibrary,
+    pub outcomes: Vec<ProbeOutcome>,
+}
+
+impl LibraryAttachment {
+    pub fn attached(&self) -> impl Iterator<Item = &str> {
+        self.outcomes.iter().filter_map(|o| match o {
+            ProbeOutcome::Attached { symbol, .. } => Some(symbol.as_str()),
+            ProbeOutcome::Failed { .. } => None,
+        })
+    }
+}
+
+/// Keeps track of which files were already probed, so each is attached once, which
+/// targets use each, and its links, so a library no target maps any more is detached.
+#[derive(Default)]
+pub struct Attacher {
+    done: HashSet<FileId>,
+    attachments: Vec<LibraryAttachment>,
+    links: HashMap<FileId, Vec<(Program, UProbeLinkId)>>,
+    users: HashMap<FileId, HashSet<u32>>,
+    sampled: Option<SampledLaunches>,
+    /// Configured probe rules (`--config`, `--profile`).
+    rules: Arc<ProbeRules>,
+    /// Rules whose `library` matched a file of a target.
+    rules_seen: HashSet<u32>,
+}
+
+impl Attacher {
+    /// Configured probe rules to attach, besides the catalog's. Call before attaching.
+    pub fn set_rules(&mut self, rules: Arc<ProbeRules>) {
+        self.rules = rules;
+    }
+
+    pub fn rules(&self) -> &Arc<ProbeRules> {
+        &self.rules
+    }
+
+    /// Whether a configured rule names the file at `path` (a process's mapping).
+    pub fn is_configured_library(&self, path: &Path) -> bool {
+        self.rules
+            .native
+            .iter()
+            .any(|rule| rule.library.matches(path))
+    }
+
+    /// One line for each rule (of an enabled group) whose library no target mapped: its
+    /// probe was never attached.
+    pub fn unmatched_rules(&self, groups: &SpanGroups) -> Vec<String> {
+        self.rules
+            .native
+            .iter()
+            .filter(|rule| groups.contains(rule.group) && !self.rules_seen.contains(&rule.index))
+            .map(|rule| {
+                format!(
+                    "{}: no traced process mapped a file matching library {:?}: {} was never \
+                     probed",
+                    rule.origin,
+                    rule.library.as_str(),
+                    rule.symbol.text()
+                )
+            })
+            .collect()
+    }
+
+    pub fn is_attached(&self, file: FileId) -> bool {
+        self.done.contains(&file)
+    }
+
+    pub fn attachments(&self) -> &[LibraryAttachment] {
+        &self.attachments
+    }
+
+    /// Records that target `pid` maps these files.
+    pub fn use_libraries(&mut self, pid: u32, files: impl IntoIterator<Item = FileId>) {
+        for file in files {
+            self.users.entry(file).or_default().insert(pid);
+        }
+    }
+
+    /// Target `pid` is gone: the probes of libraries no other target maps are detached
+    /// (the dynamic loader's stay: it finds the next targets). The kernel takes ~0.1 s
+    /// per uprobe to remove them, so they go on a thread of their own. Returns how many
+    /// uprobes were let go.
+    pub fn release(&mut self, ebpf: &mut Ebpf, pid: u32) -> usize {
+        let mut unused = Vec::new();
+        for (file, users) in &mut self.users {
+            if users.remove(&pid) && users.is_empty() {
+                unused.push(*file);
+            }
+        }
+        let mut count = 0;
+        for file in unused {
+            self.users.remove(&file);
+            let loader = self
+                .attachments
+                .iter()
+                .any(|a| a.library.file == file && a.library.kind == LibraryKind::DynamicLoader);
+            if !loader {
+                debug!("no target maps {file:?} any more: detaching its probes");
+                count += self.forget(ebpf, file);
+            }
+        }
+        count
+    }
+
+    /// Detaches every probe of `file` (on a thread of its own: the kernel is slow to
+    /// remove uprobes) and forgets it was attached. Returns how many went.
+    fn forget(&mut self, ebpf: &mut Ebpf, file: FileId) -> usize {
+        let mut released = Vec::new();
+        let mut released_sampled = Vec::new();
+        for (program, id) in self.links.remove(&file).unwrap_or_default() {
+            if let Ok(link) = uprobe_mut(ebpf, program).and_then(|uprobe| {
+                uprobe.take_link(id).map_err(|source| LensError::Program {
+                    program: program.name(),
+                    source,
+                })
+            }) {
+                released.push(link);
+            }
+        }
+        if let Some(sampled) = self.sampled.as_mut() {
+            for probe in sampled.probes.iter_mut().filter(|p| p.file == file) {
+                if let Some(link) = probe.link.take()
+                    && let Ok(uprobe) = uprobe_mut(ebpf, probe.program)
+                    && let Ok(link) = uprobe.take_link(link)
+                {
+                    released_sampled.push(link);
+                }
+            }
+            sampled.probes.retain(|p| p.file != file);
+        }
+        self.done.remove(&file);
+        self.attachments.retain(|a| a.library.file != file);
+        let count = released.len() + released_sampled.len();
+        if count > 0 {
+            std::thread::spawn(move || drop((released, released_sampled)));
+        }
+        count
+    }
+
+    /// Number of uprobes (entry and return) attached now.
+    pub fn uprobe_count(&self) -> usize {
+        self.attachments
+            .iter()
+            .flat_map(|a| &a.outcomes)
+            .filter(|o| matches!(o, ProbeOutcome::Attached { .. }))
+            .count()
+    }
+
+    /// Attaches every probe the enabled groups need to `library`. Probes that fail are
+    /// reported (once, as a warning) and skipped; the others still attach.
+    pub fn attach_library(
+        &mut self,
+        ebpf: &mut Ebpf,
+        library: &MappedLibrary,
+        groups: &SpanGroups,
+    ) -> Option<&LibraryAttachment> {
+        if !self.done.insert(library.file) {
+            return None;
+        }
+        let specs: Vec<_> = catalog::enabled_for(library.kind, groups).collect();
+        let mut outcomes = Vec::new();
+        // Notes on what was chosen (older symbol versions left out), for after the outcomes.
+        let mut notes = Vec::new();
+        if !specs.is_empty() {
+            let mut wanted: Vec<&str> = Vec::new();
+            for spec in &specs {
+                wanted.push(spec.symbol);
+                wanted.extend(spec.optional_aliases);
+            }
+            match resolve_symbols(&library.open_path, &wanted) {
+                Ok(symbols) => {
+                    let mut claimed = HashMap::new();
+                    for spec in &specs {
+                        let places = places(
+                            library,
+                            spec,
+                            &symbols,
+                            &mut claimed,
+                            &mut outcomes,
+                            &mut notes,
+                        );
+                        if spec.id.is_launch()
+                            && let Some(sampled) = self.sampled.as_mut()
+                        {
+                            sample_spec(ebpf, library, spec, &places, &mut outcomes, sampled);
+                            continue;
+                        }
+                        attach_spec(
+                            ebpf,
+                            library,
+                            spec,
+                            &places,
+                            &mut outcomes,
+                            self.links.entry(library.file).or_default(),
+                        );
+                    }
+                }
+                Err(error) => outcomes.extend(specs.iter().map(|spec| ProbeOutcome::Failed {
+                    symbol: spec.symbol.to_string(),
+                    reason: error.to_string(),
+                })),
+            }
+        }
+        self.attach_rules(ebpf, library, groups, &mut outcomes);
+        let failed = outcomes
+            .iter()
+            .any(|o| matches!(o, ProbeOutcome::Failed { .. }));
+        if failed && !library.open_path.exists() {
+            // The process exited while we attached: nothing is wrong with the library.
+            // Undo, so that the next process that maps it gets it probed.
+            debug!(
+                "{} went away while attaching; will attach again",
+                library.shown_path.display()
+            );
+            self.forget(ebpf, library.file);
+            return None;
+        }
+        for outcome in &outcomes {
+            match outcome {
+                ProbeOutcome::Attached {
+                    symbol,
+                    offset,
+                    version,
+                } => debug!(
+                    "attached {symbol}{} at {offset:#x} in {}",
+                    version.as_ref().map_or(String::new(), |v| format!("@@{v}")),
+                    library.shown_path.display()
+                ),
+                ProbeOutcome::Failed { symbol, reason } => warn!(
+                    "cannot probe {symbol} in {}: {reason}",
+                    library.shown_path.display()
+                ),
+            }
+        }
+        for note in notes {
+            warn!("{}: {note}", library.shown_path.display());
+        }
+        self.attachments.push(LibraryAttachment {
+            library: library.clone(),
+            outcomes,
+        });
+        self.attachments.last()
+    }
+
+    /// Attached probes per probe id (both entry and return count as one probe each).
+    pub fn attached_by_probe(&self) -> BTreeMap<ProbeId, usize> {
+        let mut by_probe = BTreeMap::new();
+        for attachment in &self.attachments {
+            for symbol in attachment.attached() {
+                if let Some(spec) = catalog::CATALOG
+                    .iter()
+                    .find(|s| s.symbol == symbol || s.optional_aliases.contains(&symbol))
+                {
+                    *by_probe.entry(spec.id).or_default() += 1;
+                }
+            }
+        }
+        by_probe
+    }
+}
+
+/// A `count_only` probe (a launch's program) at `offset` in `path`, outside the
+/// bookkeeping of libraries: for measuring what one probe hit costs. Dropping the link
+/// takes it out.
+pub fn attach_count_only(
+    ebpf: &mut Ebpf,
+    path: &std::path::Path,
+    offset: u64,
+    id: ProbeId,
+) -> Result<aya::programs::uprobe::UProbeLink> {
+    let uprobe = uprobe_mut(ebpf, Program::CountOnly)?;
+    let link = attach_at(uprobe, Program::CountOnly, path, offset, id)?;
+    uprobe.take_link(link).map_err(|source| LensError::Program {
+        program: Program::CountOnly.name(),
+        source,
+    })
+}
+
+fn attach_at(
+    uprobe: &mut UProbe,
+    program: Program,
+    path: &std::path::Path,
+    offset: u64,
+    id: ProbeId,
+) -> Result<UProbeLinkId> {
+    uprobe
+        .attach(
+            UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(offset),
+                cookie: Some(catalog::cookie(id)),
+            },
+            path,
+            UProbeScope::AllProcesses,
+        )
+        .map_err(|source| LensError::Program {
+            program: program.name(),
+            source,
+        })
+}
+
+/// The loader's own dynamic linker, as this process maps it: the one a child started
+/// with `--exec` will almost always use too.
+pub fn own_dynamic_loader() -> Result<Option<MappedLibrary>> {
+    let pid = std::process::id();
+    Ok(super::library::find_libraries(pid)?
+        .into_iter()
+        .find(|l| l.kind == LibraryKind::DynamicLoader))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::symbol_places::*;
+    use super::*;
+    use crate::probes::library::{FileId, LibraryKind};
+    use crate::probes::symbols::{Symbol, Symbols};
+
+    fn nccl_without(missing: &str) -> (MappedLibrary, Symbols) {
+        let library = MappedLibrary {
+            kind: LibraryKind::Nccl,
+            file: FileId { dev: 1, ino: 2 },
+            shown_path: "/opt/nccl/libnccl.so.2".into(),
+            open_path: "/opt/nccl/libnccl.so.2".into(),
+        };
+        let found = catalog::CATALOG
+            .iter()
+            .filter(|spec| spec.library == LibraryKind::Nccl && spec.symbol != missing)
+            .enumerate()
+            .map(|(i, spec)| {
+                let place = Symbol {
+                    offset: 0x1000 + 0x100 * i as u64,
+                    version: None,
+                    other_versions: Vec::new(),
+                };
+                (spec.symbol.to_string(), place)
+            })
+            .collect();
+        let symbols = Symbols {
+            found,
+            has_static_symbols: true,
+        };
+        (library, symbols)
+    }
+
+    fn outcomes_for(id: ProbeId, missing: &str) -> (usize, Vec<ProbeOutcome>) {
+        let (library, symbols) = nccl_without(missing);
+        let (mut outcomes, mut notes) = (Vec::new(), Vec::new());
+        let found = places(
+            &library,
+            catalog::spec_of(id),
+            &symbols,
+            &mut HashMap::new(),
+            &mut outcomes,
+            &mut notes,
+        );
+        (found.len(), outcomes)
+    }
+
+    #[test]
+    fn an_older_library_without_a_newer_api_is_not_reported() {
+        // ncclAlltoAll is newer than many NCCL releases users run.
+        let (found, outcomes) = outcomes_for(ProbeId::NcclAlltoAll, "ncclAlltoAll");
+        assert_eq!((found, outcomes.len()), (0, 0), "{outcomes:?}");
+        let (found, outcomes) = outcomes_for(ProbeId::NcclAlltoAll, "");
+        assert_eq!((found, outcomes.len()), (1, 0), "{outcomes:?}");
+    }
+
+    #[test]
+    fn a_library_without_a_core_api_is_reported() {
+        let (found, outcomes) = outcomes_for(ProbeId::NcclAllReduce, "ncclAllReduce");
+        assert_eq!(found, 0);
+        assert!(
+            matches!(&outcomes[..], [ProbeOutcome::Failed { symbol, reason }]
+                if symbol == "ncclAllReduce" && reason.contains("defines no such symbol")),
+            "{outcomes:?}"
+        );
+    }
+}

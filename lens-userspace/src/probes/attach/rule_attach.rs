@@ -1,0 +1,207 @@
+//! Configured probe rules (`--config`): every function each rule's symbol pattern
+//! matches in a library, entry and return, the rule in the attach cookie.
+use std::collections::HashSet;
+
+use aya::{
+    Ebpf,
+    programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+};
+
+use lens_common::rule_cookie;
+use log::warn;
+
+use super::object::uprobe_mut;
+use super::{Attacher, ProbeOutcome};
+use crate::probes::{
+    catalog::Program,
+    library::MappedLibrary,
+    symbols::{Symbol, resolve_matching, resolve_symbols},
+};
+use crate::{
+    config::{ArgType, NativeRule},
+    error::LensError,
+    groups::SpanGroups,
+};
+
+impl Attacher {
+    /// Attaches the configured rules (of enabled groups) whose `library` names `library`:
+    /// every function each one's `symbol` matches, entry and return, the cookie saying
+    /// which rule. A rule that matches nothing here is one failed outcome (one warning); a
+    /// rule that matches more than its `max_matches` is probed on the first ones, said in
+    /// one warning.
+    pub(super) fn attach_rules(
+        &mut self,
+        ebpf: &mut Ebpf,
+        library: &MappedLibrary,
+        groups: &SpanGroups,
+        outcomes: &mut Vec<ProbeOutcome>,
+    ) {
+        let all = self.rules.clone();
+        let rules: Vec<&NativeRule> = all
+            .native
+            .iter()
+            .filter(|rule| groups.contains(rule.group) && rule.library.matches(&library.shown_path))
+            .collect();
+        if rules.is_empty() {
+            return;
+        }
+        self.rules_seen.extend(rules.iter().map(|rule| rule.index));
+        let exact: Vec<&str> = rules
+            .iter()
+            .filter(|rule| !rule.symbol.is_pattern())
+            .map(|rule| rule.symbol.text())
+            .collect();
+        let patterns: Vec<&NativeRule> = rules
+            .iter()
+            .copied()
+            .filter(|rule| rule.symbol.is_pattern())
+            .collect();
+        let exact_found = (!exact.is_empty())
+            .then(|| resolve_symbols(&library.open_path, &exact))
+            .transpose();
+        let matched = (!patterns.is_empty())
+            .then(|| {
+                let symbols: Vec<_> = patterns.iter().map(|rule| &rule.symbol).collect();
+                let caps: Vec<usize> = patterns
+                    .iter()
+                    .map(|rule| rule.max_matches as usize)
+                    .collect();
+                resolve_matching(&library.open_path, &symbols, &caps)
+            })
+            .transpose();
+        let links = self.links.entry(library.file).or_default();
+        for rule in rules {
+            let symbol = rule.symbol.text();
+            let found: std::result::Result<RulePlaces, String> = if rule.symbol.is_pattern() {
+                let at = patterns.iter().position(|p| p.index == rule.index);
+                match (&matched, at) {
+                    (Ok(Some(matches)), Some(at)) => Ok(RulePlaces {
+                        places: matches.found[at].clone(),
+                        capped: matches.capped[at],
+                        has_static: matches.has_static_symbols,
+                    }),
+                    (Err(error), _) => Err(error.to_string()),
+                    _ => Ok(RulePlaces::default()),
+                }
+            } else {
+                match &exact_found {
+                    Ok(Some(symbols)) => Ok(RulePlaces {
+                        places: symbols
+                            .found
+                            .get(symbol)
+                            .map(|place| (symbol.to_string(), place.clone()))
+                            .into_iter()
+                            .collect(),
+                        capped: false,
+                        has_static: symbols.has_static_symbols,
+                    }),
+                    Err(error) => Err(error.to_string()),
+                    Ok(None) => Ok(RulePlaces::default()),
+                }
+            };
+            let RulePlaces {
+                places,
+                capped,
+                has_static,
+            } = match found {
+                Ok(found) => found,
+                Err(reason) => {
+                    outcomes.push(ProbeOutcome::Failed {
+                        symbol: symbol.to_string(),
+                        reason: format!("{}: {reason}", rule.origin),
+                    });
+                    continue;
+                }
+            };
+            if places.is_empty() {
+                let searched = if has_static {
+                    ".dynsym and .symtab"
+                } else {
+                    ".dynsym only: the file is stripped"
+                };
+                outcomes.push(ProbeOutcome::Failed {
+                    symbol: symbol.to_string(),
+                    reason: format!(
+                        "{}: no symbol matches it (searched {searched})",
+                        rule.origin
+                    ),
+                });
+                continue;
+            }
+            if capped {
+                warn!(
+                    "{}: {symbol} matches more than {} functions in {}: the first {} (by name) \
+                     are probed; raise max_matches to probe more",
+                    rule.origin,
+                    rule.max_matches,
+                    library.shown_path.display(),
+                    places.len()
+                );
+            }
+            let string = rule.string_arg();
+            let cookie = rule_cookie(
+                rule.index,
+                string.map(|arg| arg.index),
+                string.is_some_and(|arg| arg.kind == ArgType::StdString),
+            );
+            let mut offsets = HashSet::new();
+            let total = places.len();
+            for (done, (name, place)) in places.into_iter().enumerate() {
+                // Thousands of probes take minutes (~20 ms each): a stop request ends it.
+                if crate::target::stop_requested() {
+                    warn!(
+                        "stopping: {} of the {total} functions {symbol} matches in {} were \
+                         not probed",
+                        total - done,
+                        library.shown_path.display()
+                    );
+                    return;
+                }
+                // Aliases of one function fire once.
+                if !offsets.insert(place.offset) {
+                    continue;
+                }
+                for program in [Program::UserRuleEntry, Program::UserRuleReturn] {
+                    let result = uprobe_mut(ebpf, program).and_then(|uprobe| {
+                        uprobe
+                            .attach(
+                                UProbeAttachPoint {
+                                    location: UProbeAttachLocation::AbsoluteOffset(place.offset),
+                                    cookie: Some(cookie),
+                                },
+                                &library.open_path,
+                                UProbeScope::AllProcesses,
+                            )
+                            .map_err(|source| LensError::Program {
+                                program: program.name(),
+                                source,
+                            })
+                    });
+                    outcomes.push(match result {
+                        Ok(id) => {
+                            links.push((program, id));
+                            ProbeOutcome::Attached {
+                                symbol: name.clone(),
+                                offset: place.offset,
+                                version: place.version.clone(),
+                            }
+                        }
+                        Err(error) => ProbeOutcome::Failed {
+                            symbol: name.clone(),
+                            reason: format!("{}: {error}", rule.origin),
+                        },
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Where a configured rule goes in one library: the functions it matched (name and
+/// place), whether more matched than its cap, and whether the file has a `.symtab`.
+#[derive(Default)]
+pub(super) struct RulePlaces {
+    pub(super) places: Vec<(String, Symbol)>,
+    pub(super) capped: bool,
+    pub(super) has_static: bool,
+}
