@@ -1,3 +1,6 @@
+//! Every BPF program and map: the uprobes (launch counters, NCCL and sync calls, phase
+//! marks, configured rules), the scheduler tracepoints and the Python sampler. (One file
+//! for now: its split by concern is issue 18's next step.)
 use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},

@@ -1,3 +1,5 @@
+//! The `lens-probe` binary: parse the command line and environment, check privileges,
+//! then run a session with its sinks and exporters and say how it ended (exit code).
 use std::{io::Write, process::ExitCode, sync::Arc};
 
 use lens_probe::{

@@ -1,3 +1,4 @@
+//! Hang detection on synthetic collective streams: which ranks a hang names, when.
 use std::time::Duration;
 
 use super::*;
