@@ -17,9 +17,9 @@ use lens_common::{MAX_RULES, RULE_ARGS};
 use crate::{
     error::LensError,
     groups::{SpanGroup, SpanGroups},
-    probes::rules::{LibraryPattern, SymbolPattern},
+    names,
+    patterns::{LibraryPattern, SymbolPattern},
     semconv,
-    spans::names,
 };
 
 /// How many functions one native rule may probe in one library unless its

@@ -9,6 +9,15 @@ use crate::nccl::{DataType, RedOp};
 
 pub use crate::probes::calls::{CollectiveOp, SyncKind};
 
+/// The communicator identity of a gloo call, for its span and for hang detection:
+/// numbered by the hang watcher (`hangs::HangWatcher::observe`), which sees every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GlooComm {
+    pub id: u64,
+    pub rank: i32,
+    pub seq: u64,
+}
+
 /// A torch `record_function` scope, by what its name says about the training loop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -166,7 +175,7 @@ pub enum ProbeEvent {
         /// Its communicator and number across the job's ranks, when known (the session
         /// fills it in: `hangs::HangWatcher::observe`).
         #[serde(skip)]
-        comm: Option<crate::hangs::GlooComm>,
+        comm: Option<GlooComm>,
     },
     Phase {
         tgid: u32,

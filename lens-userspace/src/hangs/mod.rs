@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, HashMap};
 use lens_common::ProbeId;
 
 use crate::{
-    events::{CollectiveOp, ProbeEvent},
+    events::{CollectiveOp, GlooComm, ProbeEvent},
     target::ProcessInfo,
 };
 
@@ -192,14 +192,6 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
         (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
     })
-}
-
-/// The communicator identity of a gloo call, for the span and for hang detection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GlooComm {
-    pub id: u64,
-    pub rank: i32,
-    pub seq: u64,
 }
 
 pub struct HangWatcher {

@@ -8,5 +8,4 @@ pub mod files;
 pub mod library;
 pub mod plt;
 pub mod processes;
-pub mod rules;
 pub mod symbols;

@@ -22,25 +22,7 @@ use crate::{groups::SpanGroup, semconv, target::ProcessInfo};
 
 pub use builder::SpanBuilder;
 
-/// Span names, as the NeMo Lens docs' own examples name them.
-pub mod names {
-    pub const JOB: &str = "train.job";
-    pub const MODEL_INIT: &str = "train.model_init";
-    pub const LOAD_CHECKPOINT: &str = "train.load_checkpoint";
-    pub const STEP: &str = "train.step";
-    pub const FORWARD_BACKWARD: &str = "train.forward_backward";
-    pub const OPTIMIZER: &str = "train.optimizer";
-    pub const EVALUATE: &str = "train.evaluate";
-    pub const CHECKPOINT: &str = "train.checkpoint";
-    pub const NCCL_COMM_INIT: &str = "nccl.comm_init";
-    /// A collective found hung (`--hang-timeout`): exported when found, error status;
-    /// also the name of the event added to the calls its ranks were waiting in.
-    pub const HANG: &str = "lens_probe.hang";
-    /// Span event: one backward pass inside `train.forward_backward`.
-    pub const BACKWARD_EVENT: &str = "backward";
-    /// Span event on `train.step`: one of its most launched kernels.
-    pub const KERNEL_TOP_EVENT: &str = "cuda.kernel.top";
-}
+pub use crate::names;
 
 /// Unique within one lens-probe run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]

@@ -8,7 +8,7 @@ use super::layout::{Class, Layout};
 use super::scan::{Candidate, Versions, scan_symbols};
 use super::{CHUNK, Definition, Symbol};
 use crate::error::{LensError, Result};
-use crate::probes::rules::SymbolPattern;
+use crate::patterns::SymbolPattern;
 
 /// What a library defines of the names some patterns match ([`resolve_matching`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -18,8 +18,8 @@ use std::{
     sync::{Mutex, PoisonError},
 };
 
-use super::rules::SymbolPattern;
 use crate::error::{LensError, Result};
+use crate::patterns::SymbolPattern;
 
 mod functions;
 mod layout;
