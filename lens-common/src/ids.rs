@@ -22,6 +22,8 @@ macro_rules! numbered {
         impl $name {
             pub const COUNT: usize = [$($value),+].len();
             pub const ALL: [$name; Self::COUNT] = [$($name::$variant),+];
+            /// Each variant's number, in list order.
+            pub const VALUES: [u32; Self::COUNT] = [$($value),+];
 
             pub const fn from_u32(value: u32) -> Option<$name> {
                 match value {
@@ -240,19 +242,22 @@ numbered! {
     }
 }
 
-// `ALL[i]` is the variant numbered `i`: `from_u32` and the arrays indexed by id rely on it.
-const _: () = {
+/// Whether `values` are 0, 1, 2, … in order: `from_u32` and the arrays indexed by id
+/// (the catalog, the loss counters) rely on it.
+const fn dense_from_zero(values: &[u32]) -> bool {
     let mut i = 0;
-    while i < ProbeId::COUNT {
-        assert!(ProbeId::ALL[i] as usize == i);
+    while i < values.len() {
+        if values[i] != i as u32 {
+            return false;
+        }
         i += 1;
     }
-    let mut i = 0;
-    while i < LossCause::COUNT {
-        assert!(LossCause::ALL[i] as usize == i);
-        i += 1;
-    }
-};
+    true
+}
+
+const _: () = assert!(dense_from_zero(&ProbeId::VALUES));
+const _: () = assert!(dense_from_zero(&LossCause::VALUES));
+const _: () = assert!(dense_from_zero(&NcclArgs::VALUES));
 
 numbered! {
     /// How an NCCL call lays out its arguments (x86-64 SysV; `docs/probes.md`), carried
