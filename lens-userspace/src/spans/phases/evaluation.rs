@@ -2,7 +2,7 @@
 //! an `evaluate` span (`docs/spans.md`, "Rules").
 
 use crate::groups::SpanGroup;
-use crate::spans::names;
+use crate::names;
 
 use super::*;
 
