@@ -766,6 +766,24 @@ mod tests {
         assert!(script.is_file(), "{} missing", script.display());
     }
 
+    /// The loader's top-level modules import one way (docs/architecture.md): a cycle
+    /// between two of them fails here, named.
+    #[test]
+    fn no_import_cycles_between_top_level_modules() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let out = Command::new("python3")
+            .arg(root.join("scripts/module-cycles.py"))
+            .current_dir(&root)
+            .output()
+            .expect("running scripts/module-cycles.py");
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// When setup has run, the venv found is a Python >= 3.13 one whose `bin/python` runs.
     #[test]
     fn torch_venv_python_runs_when_present() {
