@@ -166,13 +166,13 @@ fn uprobes_attached_grow_with_the_preset() {
     // writer open, writer close (return).
     assert_eq!(default, 1 + 2 + 2 + 1 + 2);
     // per_step adds backward (entry+return), reader open/close, 8 gloo calls (entry+
-    // return), from the fake libnccl the 7 collectives (entry+return) and group
-    // start/end, and from the fake libcudart the 3 launches (entry), 3 syncs
+    // return), from the fake libnccl the 8 collectives (entry+return; ncclAlltoAll the
+    // eighth) and group start/end, and from the fake libcudart the 3 launches (entry), 3 syncs
     // (entry+return), the 2 event records (entry), the event query (entry+return) and
     // kernel registration (entry).
     assert_eq!(
         per_step,
-        default + 2 + 2 + 8 * 2 + 7 * 2 + 2 + 3 + 3 * 2 + 2 + 2 + 1
+        default + 2 + 2 + 8 * 2 + 8 * 2 + 2 + 3 + 3 * 2 + 2 + 2 + 1
     );
 }
 
