@@ -21,140 +21,97 @@ pub struct ProcessEnd {
     pub exit: Option<ExitStatus>,
 }
 
-pub trait EventSink {
-    fn on_process_start(&mut self, _process: &ProcessInfo) {}
-    /// A traced process replaced its program (`execve`); `process` describes the new one.
-    fn on_process_exec(&mut self, _process: &ProcessInfo) {}
-    fn on_event(&mut self, event: &ProbeEvent);
+/// Everything a sink is told, one variant per kind of news.
+#[derive(Clone, Copy, Debug)]
+pub enum SinkInput<'a> {
+    ProcessStart(&'a ProcessInfo),
+    /// A traced process replaced its program (`execve`); the new one.
+    ProcessExec(&'a ProcessInfo),
+    Event(&'a ProbeEvent),
     /// The kernel's call counters of a running process so far (totals, by probe):
     /// launches are counted there, not sent as events.
-    fn on_call_counts(&mut self, _pid: u32, _calls: &BTreeMap<ProbeId, u64>) {}
+    CallCounts {
+        pid: u32,
+        calls: &'a BTreeMap<ProbeId, u64>,
+    },
     /// The launch probes of `pid`'s libraries went in (`counting`) or out at `at_ns`
     /// (monotonic clock). `sampled`: an overhead budget moves them in and out.
-    fn on_launch_counting(&mut self, _pid: u32, _counting: bool, _at_ns: u64, _sampled: bool) {}
-    /// Launches per kernel of `pid` since the last call, by phase epoch: counted in the
+    LaunchCounting {
+        pid: u32,
+        counting: bool,
+        at_ns: u64,
+        sampled: bool,
+    },
+    /// Launches per kernel of `pid` since the last time, by phase epoch: counted in the
     /// kernel, read by the session before the phase marks that may need them.
-    fn on_kernel_launches(&mut self, _pid: u32, _launches: &[KernelLaunches]) {}
-    fn on_process_end(&mut self, _end: &ProcessEnd) {}
+    KernelLaunches {
+        pid: u32,
+        launches: &'a [KernelLaunches],
+    },
+    ProcessEnd(&'a ProcessEnd),
     /// A collective found hung (`--hang-timeout`), with where its ranks are.
-    fn on_hang(&mut self, _report: &HangReport) {}
+    Hang(&'a HangReport),
     /// A hang reported before ended.
-    fn on_hang_resolved(&mut self, _resolved: &Resolved) {}
+    HangResolved(&'a Resolved),
 }
 
-impl<A: EventSink, B: EventSink> EventSink for (A, B) {
+/// A consumer of the stream: one method over one input type. The `on_*` methods are
+/// shorthands that build the input; a sink implements `on` alone.
+pub trait EventSink {
+    fn on(&mut self, input: &SinkInput<'_>);
+
     fn on_process_start(&mut self, process: &ProcessInfo) {
-        self.0.on_process_start(process);
-        self.1.on_process_start(process);
+        self.on(&SinkInput::ProcessStart(process));
     }
     fn on_process_exec(&mut self, process: &ProcessInfo) {
-        self.0.on_process_exec(process);
-        self.1.on_process_exec(process);
+        self.on(&SinkInput::ProcessExec(process));
     }
     fn on_event(&mut self, event: &ProbeEvent) {
-        self.0.on_event(event);
-        self.1.on_event(event);
+        self.on(&SinkInput::Event(event));
     }
     fn on_call_counts(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
-        self.0.on_call_counts(pid, calls);
-        self.1.on_call_counts(pid, calls);
+        self.on(&SinkInput::CallCounts { pid, calls });
     }
     fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
-        self.0.on_launch_counting(pid, counting, at_ns, sampled);
-        self.1.on_launch_counting(pid, counting, at_ns, sampled);
+        self.on(&SinkInput::LaunchCounting {
+            pid,
+            counting,
+            at_ns,
+            sampled,
+        });
     }
     fn on_kernel_launches(&mut self, pid: u32, launches: &[KernelLaunches]) {
-        self.0.on_kernel_launches(pid, launches);
-        self.1.on_kernel_launches(pid, launches);
+        self.on(&SinkInput::KernelLaunches { pid, launches });
     }
     fn on_process_end(&mut self, end: &ProcessEnd) {
-        self.0.on_process_end(end);
-        self.1.on_process_end(end);
+        self.on(&SinkInput::ProcessEnd(end));
     }
     fn on_hang(&mut self, report: &HangReport) {
-        self.0.on_hang(report);
-        self.1.on_hang(report);
+        self.on(&SinkInput::Hang(report));
     }
     fn on_hang_resolved(&mut self, resolved: &Resolved) {
-        self.0.on_hang_resolved(resolved);
-        self.1.on_hang_resolved(resolved);
+        self.on(&SinkInput::HangResolved(resolved));
+    }
+}
+
+/// Fan-out: both sinks are told everything, the first first.
+impl<A: EventSink, B: EventSink> EventSink for (A, B) {
+    fn on(&mut self, input: &SinkInput<'_>) {
+        self.0.on(input);
+        self.1.on(input);
     }
 }
 
 impl<S: EventSink + ?Sized> EventSink for &mut S {
-    fn on_process_start(&mut self, process: &ProcessInfo) {
-        (**self).on_process_start(process);
-    }
-    fn on_process_exec(&mut self, process: &ProcessInfo) {
-        (**self).on_process_exec(process);
-    }
-    fn on_event(&mut self, event: &ProbeEvent) {
-        (**self).on_event(event);
-    }
-    fn on_call_counts(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
-        (**self).on_call_counts(pid, calls);
-    }
-    fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
-        (**self).on_launch_counting(pid, counting, at_ns, sampled);
-    }
-    fn on_kernel_launches(&mut self, pid: u32, launches: &[KernelLaunches]) {
-        (**self).on_kernel_launches(pid, launches);
-    }
-    fn on_process_end(&mut self, end: &ProcessEnd) {
-        (**self).on_process_end(end);
-    }
-    fn on_hang(&mut self, report: &HangReport) {
-        (**self).on_hang(report);
-    }
-    fn on_hang_resolved(&mut self, resolved: &Resolved) {
-        (**self).on_hang_resolved(resolved);
+    fn on(&mut self, input: &SinkInput<'_>) {
+        (**self).on(input);
     }
 }
 
 impl<S: EventSink> EventSink for Option<S> {
-    fn on_process_start(&mut self, process: &ProcessInfo) {
+    fn on(&mut self, input: &SinkInput<'_>) {
         if let Some(sink) = self {
-            sink.on_process_start(process);
-        }
-    }
-    fn on_process_exec(&mut self, process: &ProcessInfo) {
-        if let Some(sink) = self {
-            sink.on_process_exec(process);
-        }
-    }
-    fn on_event(&mut self, event: &ProbeEvent) {
-        if let Some(sink) = self {
-            sink.on_event(event);
-        }
-    }
-    fn on_call_counts(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
-        if let Some(sink) = self {
-            sink.on_call_counts(pid, calls);
-        }
-    }
-    fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
-        if let Some(sink) = self {
-            sink.on_launch_counting(pid, counting, at_ns, sampled);
-        }
-    }
-    fn on_kernel_launches(&mut self, pid: u32, launches: &[KernelLaunches]) {
-        if let Some(sink) = self {
-            sink.on_kernel_launches(pid, launches);
-        }
-    }
-    fn on_process_end(&mut self, end: &ProcessEnd) {
-        if let Some(sink) = self {
-            sink.on_process_end(end);
-        }
-    }
-    fn on_hang(&mut self, report: &HangReport) {
-        if let Some(sink) = self {
-            sink.on_hang(report);
-        }
-    }
-    fn on_hang_resolved(&mut self, resolved: &Resolved) {
-        if let Some(sink) = self {
-            sink.on_hang_resolved(resolved);
+            sink.on(input);
         }
     }
 }
@@ -167,15 +124,26 @@ pub struct EventLog {
     pub ended: Vec<ProcessEnd>,
 }
 
-impl EventSink for EventLog {
-    fn on_process_start(&mut self, process: &ProcessInfo) {
+impl EventLog {
+    fn process_start(&mut self, process: &ProcessInfo) {
         self.started.push(process.clone());
     }
-    fn on_event(&mut self, event: &ProbeEvent) {
+    fn event(&mut self, event: &ProbeEvent) {
         self.events.push(event.clone());
     }
-    fn on_process_end(&mut self, end: &ProcessEnd) {
+    fn process_end(&mut self, end: &ProcessEnd) {
         self.ended.push(end.clone());
+    }
+}
+
+impl EventSink for EventLog {
+    fn on(&mut self, input: &SinkInput<'_>) {
+        match *input {
+            SinkInput::ProcessStart(process) => self.process_start(process),
+            SinkInput::Event(event) => self.event(event),
+            SinkInput::ProcessEnd(end) => self.process_end(end),
+            _ => {}
+        }
     }
 }
 
@@ -337,15 +305,25 @@ fn describe(event: &ProbeEvent) -> String {
     }
 }
 
-impl<W: Write> EventSink for EventPrinter<W> {
-    fn on_process_start(&mut self, process: &ProcessInfo) {
+impl<W: Write> EventPrinter<W> {
+    fn process_start(&mut self, process: &ProcessInfo) {
         let _ = writeln!(
             self.out,
             "lens-probe: tracing pid {} ({})",
             process.pid, process.name
         );
     }
-    fn on_event(&mut self, event: &ProbeEvent) {
+    fn event(&mut self, event: &ProbeEvent) {
         let _ = writeln!(self.out, "lens-probe: {}", describe(event));
+    }
+}
+
+impl<W: Write> EventSink for EventPrinter<W> {
+    fn on(&mut self, input: &SinkInput<'_>) {
+        match *input {
+            SinkInput::ProcessStart(process) => self.process_start(process),
+            SinkInput::Event(event) => self.event(event),
+            _ => {}
+        }
     }
 }

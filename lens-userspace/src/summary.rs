@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::{
     events::{CollectiveOp, PhaseSignal, ProbeEvent, SyncKind},
-    sink::{EventSink, ProcessEnd},
+    sink::{EventSink, ProcessEnd, SinkInput},
     target::{ExitStatus, ProcessInfo},
 };
 
@@ -188,16 +188,16 @@ impl Summary {
     }
 }
 
-impl EventSink for Summary {
-    fn on_process_start(&mut self, process: &ProcessInfo) {
+impl Summary {
+    fn process_start(&mut self, process: &ProcessInfo) {
         self.processes.entry(process.pid).or_default().process = Some(process.clone());
     }
 
-    fn on_process_exec(&mut self, process: &ProcessInfo) {
+    fn process_exec(&mut self, process: &ProcessInfo) {
         self.on_process_start(process);
     }
 
-    fn on_event(&mut self, event: &ProbeEvent) {
+    fn event(&mut self, event: &ProbeEvent) {
         let process = self.processes.entry(event.tgid()).or_default();
         process.active |= match event {
             ProbeEvent::Phase { signal, .. } => !matches!(signal, PhaseSignal::GradMode { .. }),
@@ -260,7 +260,7 @@ impl EventSink for Summary {
         }
     }
 
-    fn on_process_end(&mut self, end: &ProcessEnd) {
+    fn process_end(&mut self, end: &ProcessEnd) {
         let process = self.processes.entry(end.pid).or_default();
         for (probe, count) in &end.calls {
             *process.calls.entry(*probe).or_default() += count;
@@ -271,6 +271,18 @@ impl EventSink for Summary {
         if self.forget_ended {
             self.processes.remove(&end.pid);
             self.ended_and_forgotten += 1;
+        }
+    }
+}
+
+impl EventSink for Summary {
+    fn on(&mut self, input: &SinkInput<'_>) {
+        match *input {
+            SinkInput::ProcessStart(process) => self.process_start(process),
+            SinkInput::ProcessExec(process) => self.process_exec(process),
+            SinkInput::Event(event) => self.event(event),
+            SinkInput::ProcessEnd(end) => self.process_end(end),
+            _ => {}
         }
     }
 }

@@ -13,7 +13,7 @@ use lens_probe::{
     groups::SpanGroups,
     semconv,
     session::{KernelState, Session, TraceOptions},
-    sink::{EventLog, EventSink, ProcessEnd},
+    sink::{EventLog, EventSink, ProcessEnd, SinkInput},
     spans::{SpanBuilder, SpanLog, SpanStatus, names},
     target::{ExitStatus, ProcessInfo},
 };
@@ -96,11 +96,11 @@ struct KillAfterFirstBackward {
     killer: Option<std::thread::JoinHandle<()>>,
 }
 
-impl EventSink for KillAfterFirstBackward {
-    fn on_process_start(&mut self, process: &ProcessInfo) {
+impl KillAfterFirstBackward {
+    fn process_start(&mut self, process: &ProcessInfo) {
         self.builder.on_process_start(process);
     }
-    fn on_event(&mut self, event: &ProbeEvent) {
+    fn event(&mut self, event: &ProbeEvent) {
         self.builder.on_event(event);
         if let ProbeEvent::Phase {
             signal: PhaseSignal::BackwardEnd,
@@ -116,8 +116,19 @@ impl EventSink for KillAfterFirstBackward {
             }));
         }
     }
-    fn on_process_end(&mut self, end: &ProcessEnd) {
+    fn process_end(&mut self, end: &ProcessEnd) {
         self.builder.on_process_end(end);
+    }
+}
+
+impl EventSink for KillAfterFirstBackward {
+    fn on(&mut self, input: &SinkInput<'_>) {
+        match *input {
+            SinkInput::ProcessStart(process) => self.process_start(process),
+            SinkInput::Event(event) => self.event(event),
+            SinkInput::ProcessEnd(end) => self.process_end(end),
+            _ => {}
+        }
     }
 }
 
@@ -202,21 +213,33 @@ struct Watched {
     most_thread_states: usize,
 }
 
-impl EventSink for Watched {
-    fn on_process_start(&mut self, process: &ProcessInfo) {
+impl Watched {
+    fn process_start(&mut self, process: &ProcessInfo) {
         self.builder.on_process_start(process);
     }
-    fn on_process_exec(&mut self, process: &ProcessInfo) {
+    fn process_exec(&mut self, process: &ProcessInfo) {
         self.builder.on_process_exec(process);
     }
-    fn on_event(&mut self, event: &ProbeEvent) {
+    fn event(&mut self, event: &ProbeEvent) {
         self.builder.on_event(event);
         self.most_thread_states = self
             .most_thread_states
             .max(self.builder.thread_states(self.pid));
     }
-    fn on_process_end(&mut self, end: &ProcessEnd) {
+    fn process_end(&mut self, end: &ProcessEnd) {
         self.builder.on_process_end(end);
+    }
+}
+
+impl EventSink for Watched {
+    fn on(&mut self, input: &SinkInput<'_>) {
+        match *input {
+            SinkInput::ProcessStart(process) => self.process_start(process),
+            SinkInput::ProcessExec(process) => self.process_exec(process),
+            SinkInput::Event(event) => self.event(event),
+            SinkInput::ProcessEnd(end) => self.process_end(end),
+            _ => {}
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use lens_probe::{
     events::{CollectiveOp, ProbeEvent},
     groups::SpanGroups,
     nccl::{DataType, RedOp},
-    sink::EventSink,
+    sink::{EventSink, SinkInput},
     spans::{SpanBuilder, SpanExporter, SpanRecord},
     throughput::{self, EVENT_COMM, EVENT_COUNT, EVENT_STREAM, MAX_EVENTS_PER_RUN, Options},
 };
@@ -23,8 +23,8 @@ struct Expect {
     others: u64,
 }
 
-impl EventSink for Expect {
-    fn on_event(&mut self, event: &ProbeEvent) {
+impl Expect {
+    fn event(&mut self, event: &ProbeEvent) {
         let expected = matches!(
             event,
             ProbeEvent::Collective {
@@ -47,6 +47,14 @@ impl EventSink for Expect {
             if self.unexpected.len() < 5 {
                 self.unexpected.push(format!("{event:?}"));
             }
+        }
+    }
+}
+
+impl EventSink for Expect {
+    fn on(&mut self, input: &SinkInput<'_>) {
+        if let SinkInput::Event(event) = *input {
+            self.event(event);
         }
     }
 }

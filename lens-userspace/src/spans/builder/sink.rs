@@ -8,22 +8,22 @@ use crate::{
     events::ProbeEvent,
     hangs::{HangReport, Resolved},
     semconv,
-    sink::{EventSink, ProcessEnd},
+    sink::{EventSink, ProcessEnd, SinkInput},
     target::ProcessInfo,
 };
 
 use super::*;
 
-impl<E: SpanExporter> EventSink for SpanBuilder<E> {
-    fn on_process_start(&mut self, process: &ProcessInfo) {
+impl<E: SpanExporter> SpanBuilder<E> {
+    fn process_start(&mut self, process: &ProcessInfo) {
         self.start_process(process, monotonic_now_ns());
     }
 
-    fn on_process_exec(&mut self, process: &ProcessInfo) {
+    fn process_exec(&mut self, process: &ProcessInfo) {
         self.exec_process(process, monotonic_now_ns());
     }
 
-    fn on_event(&mut self, event: &ProbeEvent) {
+    fn event(&mut self, event: &ProbeEvent) {
         // Where each step's time goes, for the stragglers' causes: calls as they return.
         let call = match event {
             ProbeEvent::Collective { timing, .. } | ProbeEvent::GlooCall { timing, .. } => {
@@ -218,7 +218,7 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
         }
     }
 
-    fn on_call_counts(
+    fn call_counts(
         &mut self,
         pid: u32,
         calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
@@ -234,7 +234,7 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
         self.bound_held(pid, now);
     }
 
-    fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
+    fn launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
         if sampled {
             self.exporter.launches_sampled(pid);
         }
@@ -246,7 +246,7 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
         }
     }
 
-    fn on_kernel_launches(&mut self, pid: u32, launches: &[crate::kernels::KernelLaunches]) {
+    fn kernel_launches(&mut self, pid: u32, launches: &[crate::kernels::KernelLaunches]) {
         if let Some(process) = self.processes.get_mut(&pid) {
             let ledger = process.arena.launches_mut();
             for kernel in launches {
@@ -255,14 +255,14 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
         }
     }
 
-    fn on_process_end(&mut self, end: &ProcessEnd) {
+    fn process_end(&mut self, end: &ProcessEnd) {
         self.end_process_with_calls(end.pid, end.exit, monotonic_now_ns(), &end.calls);
     }
 
     /// Each traced rank's process gets a `lens_probe.hang` span at once (error status,
     /// from the first arrival to the finding, under its `train.job`), and the calls its
     /// ranks wait in get the event when they return.
-    fn on_hang(&mut self, report: &HangReport) {
+    fn hang(&mut self, report: &HangReport) {
         let hang = &report.hang;
         let summary = hang.summary();
         let lines = report.rank_lines().join("\n");
@@ -341,7 +341,7 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
         }
     }
 
-    fn on_hang_resolved(&mut self, resolved: &Resolved) {
+    fn hang_resolved(&mut self, resolved: &Resolved) {
         // Calls that never returned (their process ended) need no event any more.
         for rank in resolved.hang.ranks() {
             if let Some(call) = &rank.waiting_in
@@ -349,6 +349,27 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
             {
                 self.hung_calls.remove(&(call.pid, call.tid, call.start_ns));
             }
+        }
+    }
+}
+
+impl<E: SpanExporter> EventSink for SpanBuilder<E> {
+    fn on(&mut self, input: &SinkInput<'_>) {
+        match *input {
+            SinkInput::ProcessStart(process) => self.process_start(process),
+            SinkInput::ProcessExec(process) => self.process_exec(process),
+            SinkInput::Event(event) => self.event(event),
+            SinkInput::CallCounts { pid, calls } => self.call_counts(pid, calls),
+            SinkInput::LaunchCounting {
+                pid,
+                counting,
+                at_ns,
+                sampled,
+            } => self.launch_counting(pid, counting, at_ns, sampled),
+            SinkInput::KernelLaunches { pid, launches } => self.kernel_launches(pid, launches),
+            SinkInput::ProcessEnd(end) => self.process_end(end),
+            SinkInput::Hang(report) => self.hang(report),
+            SinkInput::HangResolved(resolved) => self.hang_resolved(resolved),
         }
     }
 }
