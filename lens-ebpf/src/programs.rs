@@ -241,10 +241,17 @@ fn traced() -> Option<(u64, TargetConfig)> {
     Some((pid_tgid, config))
 }
 
+/// The running program's attach cookie: the probe (low 32 bits) and, for some, a detail
+/// of its shape (`lens_common::probe_cookie`, `rule_cookie`).
+#[inline(always)]
+fn attach_cookie<C: EbpfContext>(ctx: &C) -> u64 {
+    // SAFETY: the helper only reads the attach cookie of the running program.
+    unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) }
+}
+
 #[inline(always)]
 fn probe_id<C: EbpfContext>(ctx: &C) -> u32 {
-    // SAFETY: the helper only reads the attach cookie of the running program.
-    unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) as u32 }
+    attach_cookie(ctx) as u32
 }
 
 #[inline(always)]
@@ -342,10 +349,18 @@ fn arg_i32(ctx: &ProbeContext, n: usize) -> i32 {
 /// a new event of `kind`.
 #[inline(always)]
 fn begin_call(ctx: &ProbeContext, kind: EventKind) -> Option<(u64, Event)> {
+    begin_call_with_cookie(ctx, kind).map(|(pid_tgid, event, _)| (pid_tgid, event))
+}
+
+/// [`begin_call`], also giving the whole attach cookie (an NCCL call's argument layout),
+/// read once.
+#[inline(always)]
+fn begin_call_with_cookie(ctx: &ProbeContext, kind: EventKind) -> Option<(u64, Event, u64)> {
     let (pid_tgid, _) = traced()?;
-    let probe = probe_id(ctx);
+    let cookie = attach_cookie(ctx);
+    let probe = cookie as u32;
     count_call(pid_tgid, probe);
-    Some((pid_tgid, new_event(kind, probe, pid_tgid)))
+    Some((pid_tgid, new_event(kind, probe, pid_tgid), cookie))
 }
 
 /// Adds `value` to `*counter`, shared with other CPUs. (The old value is not used: BPF's
@@ -537,7 +552,8 @@ pub fn nccl_group(ctx: ProbeContext) -> u32 {
 #[uprobe]
 pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
     sample_if_saving();
-    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::Collective) else {
+    let Some((pid_tgid, mut event, cookie)) = begin_call_with_cookie(&ctx, EventKind::Collective)
+    else {
         return 0;
     };
     event.count = arg_u64(&ctx, 2);
@@ -549,8 +565,6 @@ pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
     const OP_ROOT_COMM_STREAM: u32 = NcclArgs::OpRootCommStream as u32;
     const COMM_STREAM: u32 = NcclArgs::CommStream as u32;
     const POINT_TO_POINT: u32 = NcclArgs::PointToPoint as u32;
-    // SAFETY: the helper only reads the attach cookie of the running program.
-    let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
     match cookie_shape(cookie) {
         OP_COMM_STREAM => {
             event.redop = arg_i32(&ctx, 4);
@@ -1072,8 +1086,7 @@ pub fn user_rule_entry(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, _)) = traced() else {
         return 0;
     };
-    // SAFETY: the helper only reads the attach cookie of the running program.
-    let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
+    let cookie = attach_cookie(&ctx);
     let mut event = new_event(EventKind::RuleCall, cookie as u32, pid_tgid);
     // A launch mark like a phase mark's: the span's launches (and kernels) are counted
     // between its two marks.
