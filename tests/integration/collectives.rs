@@ -58,15 +58,28 @@ fn truths(path: &Path) -> Vec<Truth> {
         .collect()
 }
 
-/// When each rank's host code learnt of each completion (`COLLECTIVE_OBSERVED`): the
-/// return of the query that found it done, or of the sync. By (pid, step).
-fn observations(path: &Path) -> std::collections::HashMap<(u32, u64), u64> {
+/// What each rank's host code saw of each collective (`COLLECTIVE_OBSERVED`), by (pid,
+/// step).
+struct Observed {
+    /// When it learnt of the completion: the return of the query that found it done, or
+    /// of the sync.
+    completion_ns: u64,
+    /// Its clock just after the collective's call returned.
+    returned_ns: u64,
+}
+
+fn observations(path: &Path) -> std::collections::HashMap<(u32, u64), Observed> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
         .map(|line| {
             let fields: Vec<u64> = line.split(' ').map(|f| f.parse().unwrap()).collect();
-            ((fields[0] as u32, fields[1]), fields[2])
+            assert_eq!(fields.len(), 4, "{line}");
+            let observed = Observed {
+                completion_ns: fields[2],
+                returned_ns: fields[3],
+            };
+            ((fields[0] as u32, fields[1]), observed)
         })
         .collect()
 }
@@ -178,7 +191,9 @@ fn completion_is_inferred(mode: &str, source: &str) {
         errors_us.push(error_ns / 1_000);
         // What the host code saw: the end is the return of the call that told it, just
         // before the fixture read the clock.
-        let seen = observed[&(truth.pid, truth.seq)];
+        let seen = &observed[&(truth.pid, truth.seq)];
+        let returned = seen.returned_ns;
+        let seen = seen.completion_ns;
         assert!(
             span.end_ns <= seen && seen - span.end_ns < 1_000_000,
             "seq {}: span end {} vs the host's observation {seen}",
@@ -194,10 +209,20 @@ fn completion_is_inferred(mode: &str, source: &str) {
         } else {
             late_wakeups += 1;
         }
+        // The call returned after the library's clock inside it and before the caller's
+        // just after it. (Not "shorter than the collective": on a loaded machine the
+        // thread can be kept off the CPU inside the call for longer.)
         let enqueue = span
             .int_attr(semconv::DL_COLLECTIVE_ENQUEUE_DURATION_NS)
-            .unwrap();
-        assert!(enqueue > 0 && (enqueue as u64) < COLLECTIVE_US * 1_000);
+            .unwrap() as u64;
+        let call_return = span.start_ns + enqueue;
+        assert!(
+            truth.inside_ns <= call_return && call_return <= returned,
+            "seq {}: the call returned at {call_return} ns, not in the fixture's [{}, \
+             {returned}] ns",
+            truth.seq,
+            truth.inside_ns
+        );
     }
     eprintln!("{mode}: span end − true completion, µs: {errors_us:?}");
     // The check above applies to the waits the fixture itself returned from within 1 ms
@@ -338,12 +363,17 @@ fn a_late_rank_is_named_with_its_lateness() {
     skew_errors.sort_unstable();
     let median_error = skew_errors[skew_errors.len() / 2];
     assert!(median_error < 100_000, "skew errors {skew_errors:?} ns");
-    // The schedule made rank 1 late by LATE_MS (± 10 %: the ranks' own wake-ups jitter).
+    // The fixture's own clocks say rank 1 arrived last at every collective, which the
+    // summary below must report, and late by about what the schedule asked. Not to
+    // ± 10 %: on a loaded machine a rank's wake-ups overshoot by several ms (a CI run saw
+    // 10.0–17.5 ms, median 11.3, for 10 ms asked), which says nothing about lens-probe:
+    // its measurement is held to the fixture's clocks above, exactly.
     true_skews.sort_unstable();
     let median = true_skews[true_skews.len() / 2];
     assert!(
-        (median - (LATE_MS * 1_000_000) as i64).unsigned_abs() <= LATE_MS * 100_000,
-        "true skews {true_skews:?} ns, expected {LATE_MS} ms"
+        true_skews[0] > 0 && median >= (LATE_MS * 1_000_000 / 2) as i64,
+        "the schedule did not make rank 1 late: true skews {true_skews:?} ns, \
+         {LATE_MS} ms asked"
     );
     assert!(
         summary.contains(&format!(
