@@ -1037,6 +1037,42 @@ fn a_framework_load_counts_the_files_it_opens_not_its_stream_reads() {
 }
 
 #[test]
+fn a_safetensors_load_counts_each_file_once_however_many_opens_are_seen() {
+    // Two `load_file`s, each a `safe_open` that opens its file twice (its own mapping,
+    // then torch's `UntypedStorage.from_file`). Opens are seen once the loader has
+    // learnt of the load from a sample: from none of the four to all of them.
+    for seen_from in 0..=4 {
+        let (mut run, rules) = Run::with_framework_rules("per_step");
+        let load_file = framework_rule(&rules, "safetensors.torch:load_file");
+        run.at(5, PhaseSignal::CheckpointReadStart);
+        for file in 0..2 {
+            if file == 1 {
+                run.at(0, PhaseSignal::GradMode { enabled: false })
+                    .at(1, PhaseSignal::GradMode { enabled: true })
+                    .at(1, PhaseSignal::CheckpointReadStart);
+            }
+            run.framework(0, PID, load_file, false);
+            for open in 0..2 {
+                if 2 * file + open >= 4 - seen_from {
+                    run.at(0, PhaseSignal::FileRead);
+                }
+            }
+            run.at(1, PhaseSignal::CheckpointReadEnd)
+                .framework(1, PID, load_file, true);
+        }
+        run.step(1);
+        let log = run.end(1, Some(ExitStatus::Exited(0)));
+        let loads: Vec<_> = log.named(names::LOAD_CHECKPOINT).collect();
+        assert_eq!(loads.len(), 1, "{}", log.outline(&[]));
+        assert_eq!(
+            loads[0].int_attr(semconv::NEMO_CHECKPOINT_FILES),
+            Some(2),
+            "{seen_from} opens seen"
+        );
+    }
+}
+
+#[test]
 fn a_dcp_load_starts_with_its_get_state_dict_though_it_steps_a_fresh_optimizer() {
     let (mut run, rules) = Run::with_framework_rules("per_step");
     let prepare = framework_rule(

@@ -25,6 +25,11 @@ impl ThreadPhases {
         true
     }
 
+    /// Whether a reader (writer) of `span` has a file open now.
+    pub(super) fn in_reader(span: &Option<FileSpan>) -> bool {
+        span.as_ref().is_some_and(|f| f.open_files > 0)
+    }
+
     /// Whether `signal` is the running preparation's own work, not another phase: DCP's
     /// `get_state_dict` gives a fresh optimizer its state with a zero-lr
     /// `optimizer.step()` and `zero_grad()` (`_init_optim_state`), as a job that resumes

@@ -549,6 +549,12 @@ impl ThreadPhases {
                     prelude.created += 1;
                 }
             }
+            // A file opened while a reader of the load is open is that reader's own, which
+            // counts once as it: safetensors' `safe_open` opens its file, then torch's
+            // `UntypedStorage.from_file` opens it again. Whether these opens are seen at
+            // all depends on when the loader learnt of the load (`PY_SAVING`), so they
+            // must not decide the count.
+            PhaseSignal::FileRead if Self::in_reader(&self.load_checkpoint) => {}
             PhaseSignal::FileRead => {
                 if !Self::file_created(&mut self.load_checkpoint)
                     && let Some(prelude) = self.prelude.as_mut()
