@@ -3,8 +3,8 @@
 //! the user's filter (command line, cgroup, environment).
 use std::fs;
 
-use crate::{
-    probes::library::{LibraryKind, MappedLibrary},
+use crate::sys::{
+    library::{LibraryKind, MappedLibrary},
     target::{self, ProcessInfo},
 };
 
@@ -78,7 +78,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::target::TargetView;
+    use crate::sys::target::TargetView;
 
     fn info(command_line: &str, cgroup: &str, env: &[(&str, &str)]) -> ProcessInfo {
         ProcessInfo {

@@ -13,7 +13,7 @@ use std::{
     sync::Arc,
 };
 
-use crate::probes::{
+use crate::sys::{
     library::{FileId, parse_maps},
     symbols,
 };

@@ -12,13 +12,15 @@ use lens_probe::{
         otlp::{Destination, ExportStats, OtelPipeline},
         spool::Spool,
     },
-    output::OutputFile,
-    privileges,
     session::{Session, StopReason, TraceOptions},
     sink::EventPrinter,
     spans::{SpanBuilder, SpanExporter, console::ConsoleTree},
     summary::Summary,
-    target::{self, ExitStatus},
+    sys::{
+        output::OutputFile,
+        privileges,
+        target::{self, ExitStatus},
+    },
 };
 
 fn main() -> ExitCode {
@@ -112,7 +114,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         log::warn!("{warning}");
     }
     // Forked while lens-probe is single-threaded (the exporter starts threads).
-    let guardian = match lens_probe::guardian::Guardian::start() {
+    let guardian = match lens_probe::sys::guardian::Guardian::start() {
         Ok(guardian) => Some(guardian),
         Err(error) => {
             log::warn!(

@@ -81,7 +81,7 @@ impl SymbolPattern {
     }
 
     /// Whether matching needs more than an exact look-up: then every name of a symbol
-    /// table is tested ([`crate::probes::symbols::resolve_matching`]).
+    /// table is tested ([`crate::sys::symbols::resolve_matching`]).
     pub fn is_pattern(&self) -> bool {
         !matches!(self, SymbolPattern::Exact(_))
     }

@@ -8,7 +8,7 @@ use crate::{
     events::ProbeEvent,
     hangs::{HangReport, Resolved},
     kernels::KernelLaunches,
-    target::{ExitStatus, ProcessInfo},
+    sys::target::{ExitStatus, ProcessInfo},
 };
 
 /// How a traced process's tracing ended.

@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::{
     events::{CollectiveOp, PhaseSignal, ProbeEvent, SyncKind},
     sink::{EventSink, ProcessEnd, SinkInput},
-    target::{ExitStatus, ProcessInfo},
+    sys::target::{ExitStatus, ProcessInfo},
 };
 
 #[derive(Clone, Debug, Default, Serialize)]

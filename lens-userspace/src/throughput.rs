@@ -31,10 +31,9 @@ use tokio::{io::unix::AsyncFd, sync::oneshot};
 use crate::{
     error::{LensError, Result},
     events::{self, ProbeEvent},
-    privileges,
     probes::attach,
     sink::{EventSink, ProcessEnd},
-    target::ProcessInfo,
+    sys::{privileges, target::ProcessInfo},
 };
 
 /// The generator program in the BPF object.

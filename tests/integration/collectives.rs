@@ -120,7 +120,7 @@ fn trace(script: &str, truth: &Path, observed: &Path) -> (SpanLog, String) {
         .unwrap();
     assert_eq!(
         report.child_exit,
-        Some(lens_probe::target::ExitStatus::Exited(0))
+        Some(lens_probe::sys::target::ExitStatus::Exited(0))
     );
     let stragglers = lens_probe::spans::stragglers::render(builder.stragglers());
     (builder.into_exporter(), stragglers)
@@ -459,7 +459,7 @@ fn trace_slow_rank(name: &str, slow: (&str, &str)) -> (SpanLog, String) {
         .unwrap();
     assert_eq!(
         report.child_exit,
-        Some(lens_probe::target::ExitStatus::Exited(0))
+        Some(lens_probe::sys::target::ExitStatus::Exited(0))
     );
     opener.join().unwrap();
     let _ = std::fs::remove_dir_all(&rendezvous);

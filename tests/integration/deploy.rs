@@ -195,9 +195,9 @@ fn the_daemonset_has_the_documented_security_posture() {
     let cap_eff: u64 = CAPABILITIES.iter().map(|(_, bit)| 1u64 << bit).sum();
     let status = format!("CapEff:\t{cap_eff:016x}\n");
     assert!(
-        lens_probe::privileges::missing_capabilities(&status).is_empty(),
+        lens_probe::sys::privileges::missing_capabilities(&status).is_empty(),
         "{:?}",
-        lens_probe::privileges::missing_capabilities(&status)
+        lens_probe::sys::privileges::missing_capabilities(&status)
     );
     // Each one is explained where it is granted and in the deployment guide.
     let manifest_text = fs::read_to_string(k8s_dir().join("daemonset.yaml")).unwrap();

@@ -9,7 +9,7 @@ use lens_probe::{
     nccl::{DataType, RedOp},
     session::{RunReport, Session, StopReason, TraceOptions},
     sink::EventLog,
-    target::ExitStatus,
+    sys::target::ExitStatus,
 };
 
 const STEPS: u64 = 3;
@@ -365,10 +365,8 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
 
 #[test]
 fn a_library_without_the_symbols_gets_one_report_per_probe_and_nothing_breaks() {
-    use lens_probe::probes::{
-        attach::{Attacher, ProbeOutcome, load_object},
-        library::{FileId, LibraryKind, MappedLibrary},
-    };
+    use lens_probe::probes::attach::{Attacher, ProbeOutcome, load_object};
+    use lens_probe::sys::library::{FileId, LibraryKind, MappedLibrary};
     if !lens_tests::require_bpf("a_library_without_the_symbols_gets_one_report_per_probe") {
         return;
     }

@@ -15,7 +15,7 @@ use lens_probe::{
     session::{KernelState, Session, TraceOptions},
     sink::{EventLog, EventSink, ProcessEnd, SinkInput},
     spans::{SpanBuilder, SpanLog, SpanStatus, names},
-    target::{ExitStatus, ProcessInfo},
+    sys::target::{ExitStatus, ProcessInfo},
 };
 use lens_tests::torch_trainer_argv as torch_trainer;
 

@@ -19,10 +19,10 @@ use std::{
 use lens_common::ProbeId;
 use lens_probe::{
     events::{PhaseSignal, ProbeEvent},
-    probes::{attach::ProbeOutcome, library::LibraryKind},
+    probes::attach::ProbeOutcome,
     session::{RunReport, Session, TraceOptions},
     sink::EventLog,
-    target::ExitStatus,
+    sys::{library::LibraryKind, target::ExitStatus},
 };
 
 const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");

@@ -7,10 +7,10 @@ use lens_probe::{
     discovery::NodeFilter,
     export::strategy::ExportStrategy,
     groups::SpanGroups,
-    probes::library::LibraryKind,
     semconv,
     session::{Session, TraceOptions},
     spans::{SpanBuilder, SpanLog, names},
+    sys::library::LibraryKind,
 };
 
 #[test]
@@ -141,7 +141,7 @@ fn the_mapped_inode_is_probed_not_what_the_maps_path_names_here() {
     .unwrap();
     let decoy = dir.join("libnccl.so.2");
     let decoy_symbols =
-        lens_probe::probes::symbols::resolve_file_offsets(&decoy, &["ncclAllReduce"]).unwrap();
+        lens_probe::sys::symbols::resolve_file_offsets(&decoy, &["ncclAllReduce"]).unwrap();
     assert!(
         decoy_symbols.is_empty(),
         "the decoy must have no NCCL symbol"

@@ -123,7 +123,7 @@ fn a_launchers_running_workers_are_traced_with_their_ranks() {
         .unwrap();
     // Both workers started (the shell forks them at once).
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while lens_probe::target::descendants(launcher.id()).len() < 2 {
+    while lens_probe::sys::target::descendants(launcher.id()).len() < 2 {
         assert!(std::time::Instant::now() < deadline, "no workers");
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lens_probe::privileges::{
+use lens_probe::sys::privileges::{
     CAP_BPF, CAP_DAC_READ_SEARCH, CAP_PERFMON, CAP_SYS_ADMIN, CAP_SYS_PTRACE, Capability,
     status_mask,
 };
@@ -377,7 +377,7 @@ fn check_drop(user: Option<(u32, &[Capability])>, kept: u64) {
         .expect("a guardian process");
     let guardian_caps =
         thread_caps(&fs::read_to_string(format!("/proc/{guardian}/status")).unwrap());
-    let kill = lens_probe::privileges::CAP_KILL.mask();
+    let kill = lens_probe::sys::privileges::CAP_KILL.mask();
     assert_eq!(
         guardian_caps.permitted & !kill,
         0,

@@ -213,7 +213,7 @@ fn run_traced(rules: &str, argv: &[OsString]) -> (SpanLog, Vec<String>) {
         .unwrap();
     assert_eq!(
         report.child_exit,
-        Some(lens_probe::target::ExitStatus::Exited(0))
+        Some(lens_probe::sys::target::ExitStatus::Exited(0))
     );
     (builder.into_exporter(), session.unmatched_python_rules())
 }

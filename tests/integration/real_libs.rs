@@ -6,10 +6,10 @@ use lens_common::ProbeId;
 use lens_probe::{
     events::{CollectiveOp, ProbeEvent, SyncKind},
     nccl::{DataType, RedOp},
-    probes::{attach::ProbeOutcome, library::LibraryKind},
+    probes::attach::ProbeOutcome,
     session::{Session, TraceOptions},
     sink::EventLog,
-    target::ExitStatus,
+    sys::{library::LibraryKind, target::ExitStatus},
 };
 
 #[test]

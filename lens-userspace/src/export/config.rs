@@ -376,7 +376,7 @@ fn check_otlp_env(env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
         if let Some(value) = env(&endpoint) {
             check_otlp_endpoint(&value).map_err(|reason| LensError::InvalidSetting {
                 key: endpoint,
-                value: crate::target::redact_url_userinfo(&value),
+                value: crate::sys::target::redact_url_userinfo(&value),
                 reason,
             })?;
         }

@@ -21,7 +21,7 @@
 //! | `k8s.*` | `K8S_*` (downward API), when in Kubernetes; the namespace also from the service account, the pod UID also from the cgroup |
 //! | others | the target's `OTEL_RESOURCE_ATTRIBUTES` (`key=value,…`, as the OpenTelemetry SDK in the target would read it), under the attributes above and without keys that look like secrets |
 //!
-//! Only the variables of [`crate::target::ENVIRONMENT_ALLOW_LIST`] are ever read from the
+//! Only the variables of [`crate::sys::target::ENVIRONMENT_ALLOW_LIST`] are ever read from the
 //! target's environment; see `docs/security.md`.
 use std::{
     fs,
@@ -35,7 +35,7 @@ use md5::{Digest, Md5};
 use crate::{
     semconv,
     spans::AttrValue,
-    target::{ProcessInfo, RankInfo, TargetView, looks_secret},
+    sys::target::{ProcessInfo, RankInfo, TargetView, looks_secret},
 };
 
 /// Service name when neither the target nor lens-probe sets `OTEL_SERVICE_NAME` (Lens'
@@ -953,7 +953,7 @@ mod tests {
         let tables = SLURM_ATTRIBUTES.iter().chain(K8S_ATTRIBUTES.iter());
         for variable in read.into_iter().chain(tables.map(|(v, _)| *v)) {
             assert!(
-                crate::target::ENVIRONMENT_ALLOW_LIST.contains(&variable),
+                crate::sys::target::ENVIRONMENT_ALLOW_LIST.contains(&variable),
                 "{variable} is read but not allow-listed"
             );
         }

@@ -8,7 +8,7 @@ use md5::{Digest, Md5};
 
 use crate::{
     error::{LensError, Result},
-    target::RankInfo,
+    sys::target::RankInfo,
 };
 
 /// A rank-selection rule (`NEMO_LENS_EXPORT_STRATEGY`).

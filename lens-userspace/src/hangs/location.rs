@@ -11,8 +11,8 @@ use std::{fmt, fs::File, os::unix::fs::FileExt, path::Path};
 use lens_common::{PY_NO_FIELD, PyOffsets};
 
 use crate::{
-    probes::{library::parse_maps, symbols},
     python::{self, code::CodeReader},
+    sys::{library::parse_maps, symbols},
 };
 
 /// Frames read per stack, innermost first.
@@ -279,7 +279,7 @@ fn native_place(pid: u32, tid: u32) -> Option<NativePlace> {
 fn return_addresses(
     mem: &File,
     sp: u64,
-    executable: &[crate::probes::library::MapsEntry],
+    executable: &[crate::sys::library::MapsEntry],
 ) -> Vec<u64> {
     let mut stack = vec![0u8; STACK_SCAN_BYTES];
     // The stack may end before the scan does: read what there is.

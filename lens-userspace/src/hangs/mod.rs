@@ -24,7 +24,7 @@ use lens_common::ProbeId;
 
 use crate::{
     events::{CollectiveOp, GlooComm, ProbeEvent},
-    target::ProcessInfo,
+    sys::target::ProcessInfo,
 };
 
 /// The default `--hang-timeout`: under PyTorch's 10-minute collective timeout, so the

@@ -156,12 +156,12 @@ fn gloo_process(pid: u32, rank: i64) -> ProcessInfo {
         name: "python3".into(),
         command_line: vec![],
         traced_from_start: true,
-        rank: Some(crate::target::RankInfo {
+        rank: Some(crate::sys::target::RankInfo {
             rank,
             world_size: Some(2),
             local_rank: Some(rank),
         }),
-        view: std::sync::Arc::new(crate::target::TargetView {
+        view: std::sync::Arc::new(crate::sys::target::TargetView {
             environment: vec![
                 ("MASTER_ADDR".into(), "127.0.0.1".into()),
                 ("MASTER_PORT".into(), "29500".into()),

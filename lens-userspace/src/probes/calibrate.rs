@@ -14,8 +14,9 @@ use aya::{
 use lens_common::{CallKey, KernelKey, LaunchTotals, ProbeId, TargetConfig, maps};
 use log::warn;
 
-use super::{attach, symbols};
+use super::attach;
 use crate::error::{LensError, Result};
+use crate::sys::symbols;
 
 /// Used when the measurement cannot be made (a stripped lens-probe binary): the median
 /// `cargo xtask bench` found on the 2-vCPU CI VM (docs/performance.md).

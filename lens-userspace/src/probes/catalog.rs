@@ -3,11 +3,9 @@
 //! is not attached (the gate costs nothing).
 use lens_common::{NcclArgs, ProbeId, probe_cookie};
 
-use super::{
-    calls::{CollectiveOp, SyncKind},
-    library::LibraryKind,
-};
+use super::calls::{CollectiveOp, SyncKind};
 use crate::groups::{SpanGroup, SpanGroups};
+use crate::sys::library::LibraryKind;
 
 /// Makes [`Program`] from one list: each variant and the name of its function in
 /// `lens-ebpf` (the name the loaded object knows it by).

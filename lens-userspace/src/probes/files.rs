@@ -15,8 +15,8 @@ use aya::{
 };
 use log::{debug, warn};
 
-use super::{
-    catalog::{self, Program},
+use super::catalog::{self, Program};
+use crate::sys::{
     library::{self, LibraryKind},
     symbols::resolve_symbols,
 };

@@ -5,7 +5,4 @@ pub mod calibrate;
 pub mod calls;
 pub mod catalog;
 pub mod files;
-pub mod library;
-pub mod plt;
 pub mod processes;
-pub mod symbols;

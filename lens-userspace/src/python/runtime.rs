@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use lens_common::{PY_NO_FIELD, PyOffsets};
 
-use crate::probes::{library::parse_maps, symbols};
+use crate::sys::{library::parse_maps, symbols};
 
 /// Where a code object and a `str` keep what names a function.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -207,7 +207,7 @@ pub fn find_runtime(pid: u32) -> Result<Option<PythonRuntime>, RuntimeError> {
     };
     let entries = parse_maps(&text);
     // A shared libpython first (pyenv, conda); else the executable itself (Debian).
-    let mut candidates: Vec<&crate::probes::library::MapsEntry> = entries
+    let mut candidates: Vec<&crate::sys::library::MapsEntry> = entries
         .iter()
         .filter(|e| {
             let name = file_name(&e.path);

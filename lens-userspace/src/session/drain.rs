@@ -7,7 +7,7 @@ use log::warn;
 use crate::{
     events::{self, ProbeEvent},
     sink::EventSink,
-    target::{self, ExitStatus},
+    sys::target::{self, ExitStatus},
 };
 
 use super::Session;

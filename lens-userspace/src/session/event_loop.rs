@@ -16,7 +16,7 @@ use crate::{
     hangs::{self},
     sink::EventSink,
     summary::Losses,
-    target::{self, ExitStatus},
+    sys::target::{self, ExitStatus},
 };
 
 use super::{

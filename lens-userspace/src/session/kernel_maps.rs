@@ -13,7 +13,7 @@ use log::warn;
 
 use crate::{
     error::{LensError, Result},
-    probes::library::{self, LibraryKind, MappedLibrary},
+    sys::library::{self, LibraryKind, MappedLibrary},
 };
 
 use super::{KernelState, Session};

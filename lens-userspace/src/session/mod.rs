@@ -26,9 +26,7 @@ use crate::{
     error::Result,
     export::strategy::ExportStrategy,
     groups::{SpanGroup, SpanGroups},
-    guardian::Guardian,
     hangs::HangWatcher,
-    privileges,
     probes::{
         attach::{self, Attacher},
         calibrate,
@@ -36,7 +34,11 @@ use crate::{
     },
     python::{self, PythonTracker},
     summary::Losses,
-    target::{ExitStatus, ProcessInfo},
+    sys::{
+        guardian::Guardian,
+        privileges,
+        target::{ExitStatus, ProcessInfo},
+    },
 };
 
 mod budget;

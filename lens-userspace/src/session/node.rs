@@ -9,12 +9,12 @@ use crate::{
     discovery::{self, NodeFilter},
     error::Result,
     events::{self, ProbeEvent},
-    probes::{
-        attach::{self},
-        library::{self, LibraryKind, MappedLibrary},
-    },
+    probes::attach::{self},
     sink::{EventSink, ProcessEnd},
-    target::{self, ProcessInfo},
+    sys::{
+        library::{self, LibraryKind, MappedLibrary},
+        target::{self, ProcessInfo},
+    },
 };
 
 use super::Session;

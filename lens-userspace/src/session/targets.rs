@@ -10,13 +10,13 @@ use crate::{
     attach_status::{AttachStatus, Traced},
     discovery::{self},
     error::{LensError, Result},
-    probes::{
-        attach::{self},
-        library::{self, LibraryKind, MappedLibrary},
-    },
+    probes::attach::{self},
     python::{self, PythonTracker},
     sink::{EventSink, ProcessEnd},
-    target::{self, ExitStatus, ProcessInfo},
+    sys::{
+        library::{self, LibraryKind, MappedLibrary},
+        target::{self, ExitStatus, ProcessInfo},
+    },
 };
 
 use super::budget::{launch_total, scale_launches};
@@ -349,7 +349,7 @@ impl Session {
             warn!(
                 "pid {pid} waited over {} ms at a library load: lens-probe's guardian let it \
                  go on, and its new library's first calls were not seen (attached late)",
-                crate::guardian::MAX_HOLD.as_millis()
+                crate::sys::guardian::MAX_HOLD.as_millis()
             );
         }
         target::resume(pid);

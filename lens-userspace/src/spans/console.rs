@@ -10,7 +10,7 @@ use super::{AttrValue, SpanExporter, SpanId, SpanRecord, SpanStatus};
 use crate::{
     semconv,
     summary::{bytes, format_duration},
-    target::ProcessInfo,
+    sys::target::ProcessInfo,
 };
 
 /// The widest line printed without `-v`: a terminal's.

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use lens_common::ProbeId;
 use serde::Serialize;
 
-use crate::{groups::SpanGroup, semconv, target::ProcessInfo};
+use crate::{groups::SpanGroup, semconv, sys::target::ProcessInfo};
 
 pub use builder::SpanBuilder;
 

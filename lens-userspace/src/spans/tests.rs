@@ -7,7 +7,7 @@ use crate::{
     nccl::{DataType, RedOp},
     semconv,
     sink::{EventSink, ProcessEnd},
-    target::{ExitStatus, ProcessInfo},
+    sys::target::{ExitStatus, ProcessInfo},
 };
 
 const PID: u32 = 100;
@@ -368,7 +368,7 @@ fn exec_before_training_starts_the_job_over_as_the_new_program() {
         name: "python3".into(),
         command_line: vec!["python3".into(), "train.py".into()],
         traced_from_start: true,
-        rank: Some(crate::target::RankInfo {
+        rank: Some(crate::sys::target::RankInfo {
             rank: 1,
             world_size: Some(2),
             local_rank: Some(1),

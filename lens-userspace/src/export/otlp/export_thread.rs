@@ -75,7 +75,7 @@ pub(super) fn export_thread(
         {
             warn!(
                 "metric export failed ({})",
-                crate::target::redact_url_userinfo(&error.to_string())
+                crate::sys::target::redact_url_userinfo(&error.to_string())
             );
             metrics_warned = true;
         }

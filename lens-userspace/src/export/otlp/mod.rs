@@ -34,7 +34,7 @@ use super::{
 use crate::{
     error::{LensError, Result},
     spans::{SpanExporter, SpanId, SpanRecord, monotonic_now_ns},
-    target::ProcessInfo,
+    sys::target::ProcessInfo,
 };
 
 mod export_thread;
@@ -133,7 +133,7 @@ impl Counters {
                 if !self.failure_warned.swap(true, Ordering::Relaxed) {
                     warn!(
                         "span export failed ({}); spans are counted as lost",
-                        crate::target::redact_url_userinfo(&error)
+                        crate::sys::target::redact_url_userinfo(&error)
                     );
                 }
             }

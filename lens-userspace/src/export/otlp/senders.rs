@@ -43,7 +43,7 @@ pub(super) fn spool_batch(
         warn!(
             "span export failed ({}); spans wait in the spool {} and are sent when the \
              collector answers",
-            crate::target::redact_url_userinfo(error),
+            crate::sys::target::redact_url_userinfo(error),
             spool.dir().display()
         );
     }
@@ -285,7 +285,7 @@ impl Sink {
                 ),
             },
             Destination::File(path) => Sink::File(BufWriter::new(
-                crate::output::OutputFile::create("--export-file", path)?.into_file(),
+                crate::sys::output::OutputFile::create("--export-file", path)?.into_file(),
             )),
         })
     }

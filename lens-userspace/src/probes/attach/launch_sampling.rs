@@ -8,8 +8,8 @@ use log::warn;
 
 use super::object::uprobe_mut;
 use super::{Attacher, ProbeOutcome, attach_at};
-use crate::probes::{
-    catalog::{self, Program},
+use crate::probes::catalog::{self, Program};
+use crate::sys::{
     library::{FileId, MappedLibrary},
     symbols::Symbol,
 };

@@ -18,8 +18,8 @@ use std::{path::Path, sync::Arc};
 use lens_common::ProbeId;
 use log::{debug, warn};
 
-use super::{
-    catalog::{self, Program},
+use super::catalog::{self, Program};
+use crate::sys::{
     library::{FileId, LibraryKind, MappedLibrary},
     symbols::resolve_symbols,
 };
@@ -365,7 +365,7 @@ fn attach_at(
 /// with `--exec` will almost always use too.
 pub fn own_dynamic_loader() -> Result<Option<MappedLibrary>> {
     let pid = std::process::id();
-    Ok(super::library::find_libraries(pid)?
+    Ok(crate::sys::library::find_libraries(pid)?
         .into_iter()
         .find(|l| l.kind == LibraryKind::DynamicLoader))
 }
@@ -374,8 +374,8 @@ pub fn own_dynamic_loader() -> Result<Option<MappedLibrary>> {
 mod tests {
     use super::symbol_places::*;
     use super::*;
-    use crate::probes::library::{FileId, LibraryKind};
-    use crate::probes::symbols::{Symbol, Symbols};
+    use crate::sys::library::{FileId, LibraryKind};
+    use crate::sys::symbols::{Symbol, Symbols};
 
     fn nccl_without(missing: &str) -> (MappedLibrary, Symbols) {
         let library = MappedLibrary {

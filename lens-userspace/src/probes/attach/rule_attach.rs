@@ -12,8 +12,8 @@ use log::warn;
 
 use super::object::uprobe_mut;
 use super::{Attacher, ProbeOutcome};
-use crate::probes::{
-    catalog::Program,
+use crate::probes::catalog::Program;
+use crate::sys::{
     library::MappedLibrary,
     symbols::{Symbol, resolve_matching, resolve_symbols},
 };
@@ -148,7 +148,7 @@ impl Attacher {
             let total = places.len();
             for (done, (name, place)) in places.into_iter().enumerate() {
                 // Thousands of probes take minutes (~20 ms each): a stop request ends it.
-                if crate::target::stop_requested() {
+                if crate::sys::target::stop_requested() {
                     warn!(
                         "stopping: {} of the {total} functions {symbol} matches in {} were \
                          not probed",

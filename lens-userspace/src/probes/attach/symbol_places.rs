@@ -10,8 +10,8 @@ use aya::{
 use super::ProbeOutcome;
 use super::object::uprobe_mut;
 use crate::error::LensError;
-use crate::probes::{
-    catalog::{self, Program},
+use crate::probes::catalog::{self, Program};
+use crate::sys::{
     library::MappedLibrary,
     symbols::{Symbol, Symbols},
 };
@@ -99,7 +99,7 @@ pub(super) fn attach_spec(
     for (symbol, place) in places {
         // Each uprobe can wait for the kernel (seconds, while another tracer's teardown
         // runs): a stop request ends the attaching.
-        if crate::target::stop_requested() {
+        if crate::sys::target::stop_requested() {
             return;
         }
         let offset = place.offset;

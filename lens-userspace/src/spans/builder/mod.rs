@@ -19,7 +19,7 @@ use crate::{
     events::CallTiming,
     groups::{SpanGroup, SpanGroups},
     semconv,
-    target::{ExitStatus, ProcessInfo},
+    sys::target::{ExitStatus, ProcessInfo},
 };
 
 mod calls;

@@ -9,7 +9,7 @@ use crate::{
     hangs::{HangReport, Resolved},
     semconv,
     sink::{EventSink, ProcessEnd, SinkInput},
-    target::ProcessInfo,
+    sys::target::ProcessInfo,
 };
 
 use super::*;

@@ -84,7 +84,7 @@ impl Symbols {
 /// through different files (containers, node mode) is scanned once.
 ///
 /// A name ending in [`super::plt::SUFFIX`] (`name@plt`) is the library's PLT stub for
-/// the import `name` (see `probes::plt`); a name with `*` is a glob (Rust names end in a
+/// the import `name` (see `sys::plt`); a name with `*` is a glob (Rust names end in a
 /// hash of the build), of which the first match (by name) is taken.
 pub fn resolve_symbols(path: &Path, wanted: &[&str]) -> Result<Symbols> {
     static MEMO: Memo = Mutex::new(None);
@@ -711,7 +711,7 @@ mod tests {
 
     /// The real libtorch_cpu.so (`LENS_LIBTORCH_CPU`, else the test venv's): the offsets
     /// are the ones `object` finds, and the peak RSS and time of both are printed.
-    /// `cargo test -p lens-userspace --lib probes::symbols -- --ignored --nocapture`
+    /// `cargo test -p lens-userspace --lib sys::symbols -- --ignored --nocapture`
     #[test]
     #[ignore = "needs libtorch_cpu.so; measures memory"]
     fn libtorch_offsets_and_peak_memory() {
@@ -774,7 +774,7 @@ mod tests {
     /// The real libtorch_cpu.so through configured-rule patterns: a demangled name (every
     /// overload) and C++ globs, each found at the offset the exact look-up gives, with
     /// the time and peak RSS printed.
-    /// `cargo test -p lens-userspace --lib probes::symbols -- --ignored --nocapture`
+    /// `cargo test -p lens-userspace --lib sys::symbols -- --ignored --nocapture`
     #[test]
     #[ignore = "needs libtorch_cpu.so; measures memory"]
     fn libtorch_patterns_and_peak_memory() {

@@ -75,7 +75,8 @@ fn guard(socket: UnixStream) -> ! {
     }
     // All it does is SIGCONT, to processes of other users too, and read and delete the
     // entries of one map it was handed: CAP_KILL, nothing else.
-    let _ = crate::privileges::keep_only_in_this_thread(crate::privileges::CAP_KILL.mask());
+    let _ =
+        crate::sys::privileges::keep_only_in_this_thread(crate::sys::privileges::CAP_KILL.mask());
     let _ = socket.set_read_timeout(Some(CHECK_EVERY));
     let mut known = HashSet::new();
     let mut stops: Option<OwnedFd> = None;

@@ -1,0 +1,11 @@
+//! The operating system as lens-probe sees it, with nothing of tracing in it: processes
+//! (starting, attaching, waiting: `target`; the guardian that resumes a stopped one),
+//! their mappings (`library`), ELF symbol tables and PLT stubs (`symbols`, `plt`),
+//! capabilities (`privileges`) and the files created as root (`output`).
+pub mod guardian;
+pub mod library;
+pub mod output;
+pub mod plt;
+pub mod privileges;
+pub mod symbols;
+pub mod target;
