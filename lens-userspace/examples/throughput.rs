@@ -15,7 +15,7 @@ use clap::{Parser, ValueEnum};
 use lens_probe::{
     events::CollectiveOp,
     export::otlp::{Destination, OtelPipeline},
-    groups::SpanGroups,
+    settings::groups::SpanGroups,
     spans::{SpanBuilder, SpanExporter, SpanRecord},
     summary::Summary,
     throughput::{self, MAX_EVENTS_PER_RUN, Options},

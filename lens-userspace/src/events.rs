@@ -238,7 +238,7 @@ pub enum ProbeEvent {
         epoch: u64,
         frames: Vec<PyFrame>,
     },
-    /// Entry or return of a function a configured probe rule names (`crate::config`).
+    /// Entry or return of a function a configured probe rule names (`crate::settings::config`).
     RuleCall {
         tgid: u32,
         tid: u32,

@@ -5,13 +5,10 @@
 //! drives it for the processes in [`target`].
 pub mod attach_status;
 pub mod budget;
-pub mod cli;
-pub mod config;
 pub mod discovery;
 pub mod error;
 pub mod events;
 pub mod export;
-pub mod groups;
 pub mod hangs;
 pub mod kernels;
 pub mod names;
@@ -21,6 +18,7 @@ pub mod probes;
 pub mod python;
 pub mod semconv;
 pub mod session;
+pub mod settings;
 pub mod sink;
 pub mod spans;
 pub mod summary;

@@ -4,8 +4,6 @@ use std::{io::Write, process::ExitCode, sync::Arc};
 
 use lens_probe::{
     LensError,
-    cli::{Cli, Rejected},
-    config::ProbeRules,
     discovery::NodeFilter,
     export::{
         config::{ExportSettings, ExporterKind},
@@ -13,6 +11,10 @@ use lens_probe::{
         spool::Spool,
     },
     session::{Session, StopReason, TraceOptions},
+    settings::{
+        cli::{Cli, Rejected},
+        config::ProbeRules,
+    },
     sink::EventPrinter,
     spans::{SpanBuilder, SpanExporter, console::ConsoleTree},
     summary::Summary,
@@ -24,7 +26,7 @@ use lens_probe::{
 };
 
 fn main() -> ExitCode {
-    let cli = match lens_probe::cli::parse() {
+    let cli = match lens_probe::settings::cli::parse() {
         Ok(cli) => cli,
         Err(Rejected::Info(help)) => {
             let _ = help.print();

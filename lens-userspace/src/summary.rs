@@ -164,7 +164,7 @@ const NOT_PROBED: &str = "not probed under these span groups (the step, forward_
 
 impl Summary {
     /// Says "not probed" for what `groups` leave unattached, instead of "none seen".
-    pub fn for_groups(mut self, groups: &crate::groups::SpanGroups) -> Summary {
+    pub fn for_groups(mut self, groups: &crate::settings::groups::SpanGroups) -> Summary {
         self.per_call_unprobed = !crate::probes::catalog::STEP_DETAIL
             .iter()
             .any(|group| groups.contains(*group));

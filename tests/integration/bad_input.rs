@@ -17,14 +17,16 @@ use std::{
 use lens_common::{Event, EventKind, NONE_I32, ProbeId, SCOPE_NAME_BYTES};
 use lens_probe::{
     budget::OverheadBudget,
-    cli::{self, Cli, Rejected},
     discovery::NodeFilter,
     events::{self, DecodeError, PhaseSignal, ProbeEvent},
     export::{
         config::{self, ExportSettings},
         strategy::ExportStrategy,
     },
-    groups::{SpanGroup, SpanGroups},
+    settings::{
+        cli::{self, Cli, Rejected},
+        groups::{SpanGroup, SpanGroups},
+    },
 };
 use lens_tests::{assert_one_line_error, stderr_text};
 use proptest::{

@@ -12,9 +12,9 @@ use std::{
 };
 
 use lens_probe::{
-    groups::SpanGroups,
     semconv,
     session::{Session, TraceOptions},
+    settings::groups::SpanGroups,
     spans::{AttrValue, SpanBuilder, SpanLog, SpanRecord, monotonic_now_ns},
 };
 

@@ -13,10 +13,9 @@ use std::{
 };
 
 use lens_probe::{
-    config::ProbeRules,
-    groups::SpanGroups,
     semconv,
     session::{Session, TraceOptions},
+    settings::{config::ProbeRules, groups::SpanGroups},
     spans::{SpanBuilder, SpanLog, names},
 };
 use lens_tests::{assert_one_line_error, stderr_text};

@@ -5,9 +5,9 @@ use std::{collections::BTreeMap, time::Duration};
 use lens_common::{NCCL_UNIQUE_ID_WORDS, ProbeId, comm_id_hash};
 use lens_probe::{
     events::{CollectiveOp, ProbeEvent, SyncKind},
-    groups::SpanGroups,
     nccl::{DataType, RedOp},
     session::{RunReport, Session, StopReason, TraceOptions},
+    settings::groups::SpanGroups,
     sink::EventLog,
     sys::target::ExitStatus,
 };

@@ -10,9 +10,9 @@ use std::{
 use lens_common::ProbeId;
 use lens_probe::{
     events::{PhaseSignal, ProbeEvent},
-    groups::SpanGroups,
     semconv,
     session::{KernelState, Session, TraceOptions},
+    settings::groups::SpanGroups,
     sink::{EventLog, EventSink, ProcessEnd, SinkInput},
     spans::{SpanBuilder, SpanLog, SpanStatus, names},
     sys::target::{ExitStatus, ProcessInfo},

@@ -29,11 +29,13 @@ use std::{
 };
 
 use lens_probe::{
-    config::{ProbeRules, Profile},
     export::strategy::ExportStrategy,
-    groups::SpanGroups,
     semconv,
     session::{Session, TraceOptions},
+    settings::{
+        config::{ProbeRules, Profile},
+        groups::SpanGroups,
+    },
     spans::{SpanBuilder, SpanLog, SpanRecord, names},
 };
 use lens_tests::TorchVenv;

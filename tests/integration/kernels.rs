@@ -7,9 +7,9 @@ use std::{ffi::OsString, time::Duration};
 
 use lens_common::ProbeId;
 use lens_probe::{
-    groups::SpanGroups,
     semconv,
     session::{KernelState, Session, TraceOptions},
+    settings::groups::SpanGroups,
     spans::{AttrValue, SpanBuilder, SpanLog, names},
     summary::Summary,
 };

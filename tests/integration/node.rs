@@ -6,9 +6,9 @@ use std::{process::Command, time::Duration};
 use lens_probe::{
     discovery::NodeFilter,
     export::strategy::ExportStrategy,
-    groups::SpanGroups,
     semconv,
     session::{Session, TraceOptions},
+    settings::groups::SpanGroups,
     spans::{SpanBuilder, SpanLog, names},
     sys::library::LibraryKind,
 };

@@ -14,10 +14,9 @@ use std::{
 };
 
 use lens_probe::{
-    config::ProbeRules,
-    groups::SpanGroups,
     semconv,
     session::{Session, TraceOptions},
+    settings::{config::ProbeRules, groups::SpanGroups},
     spans::{AttrValue, SpanBuilder, SpanLog, SpanRecord, names},
 };
 

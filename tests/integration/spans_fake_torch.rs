@@ -9,9 +9,9 @@ use std::{
 
 use lens_common::ProbeId;
 use lens_probe::{
-    groups::SpanGroups,
     semconv,
     session::{Session, TraceOptions},
+    settings::groups::SpanGroups,
     spans::{SpanBuilder, SpanLog, SpanStatus, names},
 };
 use lens_tests::torch_trainer_argv as trainer;

@@ -5,9 +5,9 @@ use std::{ffi::OsString, path::Path, time::Duration};
 
 use lens_common::ProbeId;
 use lens_probe::{
-    groups::SpanGroups,
     semconv,
     session::{Session, TraceOptions},
+    settings::groups::SpanGroups,
     spans::{SpanBuilder, SpanLog, SpanRecord, SpanStatus, names},
 };
 use lens_tests::TorchVenv;

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use lens_probe::{
     events::{CollectiveOp, ProbeEvent},
-    groups::SpanGroups,
     nccl::{DataType, RedOp},
+    settings::groups::SpanGroups,
     sink::{EventSink, SinkInput},
     spans::{SpanBuilder, SpanExporter, SpanRecord},
     throughput::{self, EVENT_COMM, EVENT_COUNT, EVENT_STREAM, MAX_EVENTS_PER_RUN, Options},

@@ -36,8 +36,8 @@ use super::{
     strategy::ExportStrategy,
 };
 use crate::{
-    cli::{self, Cli},
     error::{LensError, Result},
+    settings::cli::{self, Cli},
 };
 
 /// Where finished spans go.

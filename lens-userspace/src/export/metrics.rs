@@ -252,7 +252,7 @@ impl ProcessMetrics {
             self.collective_duration.record(seconds, &attributes);
         } else if let Some(kind) = string_attr(span, semconv::CUDA_SYNC_KIND) {
             self.sync_duration.record(seconds, &[kind]);
-        } else if span.name != names::JOB && span.group != crate::groups::SpanGroup::Job {
+        } else if span.name != names::JOB && span.group != crate::settings::groups::SpanGroup::Job {
             if span.name == names::STEP && !span.truncated() {
                 self.step_duration.record(seconds, &[]);
             }

@@ -4,7 +4,7 @@
 use lens_common::{NcclArgs, ProbeId, probe_cookie};
 
 use super::calls::{CollectiveOp, SyncKind};
-use crate::groups::{SpanGroup, SpanGroups};
+use crate::settings::groups::{SpanGroup, SpanGroups};
 use crate::sys::library::LibraryKind;
 
 /// Makes [`Program`] from one list: each variant and the name of its function in
@@ -43,7 +43,7 @@ programs! {
     TorchScopeEnter => "torch_scope_enter",
     TimedCallEntry => "timed_call_entry",
     DriverLaunch => "driver_launch",
-    /// Configured probe rules (`crate::config`): entry and return of any function.
+    /// Configured probe rules (`crate::settings::config`): entry and return of any function.
     UserRuleEntry => "user_rule_entry",
     UserRuleReturn => "user_rule_return",
     CudaEventRecord => "cuda_event_record",

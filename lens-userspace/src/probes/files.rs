@@ -22,7 +22,7 @@ use crate::sys::{
 };
 use crate::{
     error::{LensError, Result},
-    groups::SpanGroups,
+    settings::groups::SpanGroups,
 };
 
 /// The file-creation links of every traced process that has them.

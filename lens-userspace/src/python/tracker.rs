@@ -15,9 +15,11 @@ use super::{
     runtime::CodeLayout,
 };
 use crate::{
-    config::{DCP_GET_STATE_DICT, PythonRule},
     events::{ProbeEvent, PyFrame},
-    groups::SpanGroup,
+    settings::{
+        config::{DCP_GET_STATE_DICT, PythonRule},
+        groups::SpanGroup,
+    },
 };
 
 /// One open Python rule call on a thread.

@@ -21,11 +21,9 @@ use tokio::sync::mpsc;
 use crate::{
     attach_status::AttachStatus,
     budget::{BudgetController, BudgetReport, OverheadBudget},
-    config::ProbeRules,
     discovery::NodeFilter,
     error::Result,
     export::strategy::ExportStrategy,
-    groups::{SpanGroup, SpanGroups},
     hangs::HangWatcher,
     probes::{
         attach::{self, Attacher},
@@ -33,6 +31,10 @@ use crate::{
         files::FileProbes,
     },
     python::{self, PythonTracker},
+    settings::{
+        config::ProbeRules,
+        groups::{SpanGroup, SpanGroups},
+    },
     summary::Losses,
     sys::{
         guardian::Guardian,

@@ -11,8 +11,8 @@ use super::{
 /// `cuda.kernel.top` events on a step, at most.
 pub const TOP_KERNELS_PER_STEP: usize = 10;
 use crate::{
-    groups::{SpanGroup, SpanGroups},
     semconv,
+    settings::groups::{SpanGroup, SpanGroups},
 };
 
 /// Span ids: a random base per lens-probe run plus a counter, so ids of two runs (or of

@@ -507,7 +507,7 @@ impl Collectives {
 mod tests {
     use super::*;
     use crate::{
-        groups::SpanGroup,
+        settings::groups::SpanGroup,
         spans::{AttrValue, SpanId, SpanStatus},
     };
 

@@ -270,7 +270,7 @@ impl<W: Write> SpanExporter for ConsoleTree<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::groups::SpanGroup;
+    use crate::settings::groups::SpanGroup;
 
     /// A collective span with everything a completed, matched all-reduce carries.
     fn collective() -> SpanRecord {

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use lens_common::ProbeId;
 use serde::Serialize;
 
-use crate::{groups::SpanGroup, semconv, sys::target::ProcessInfo};
+use crate::{semconv, settings::groups::SpanGroup, sys::target::ProcessInfo};
 
 pub use builder::SpanBuilder;
 

@@ -247,7 +247,7 @@ impl PhaseHistory {
 mod tests {
     use super::*;
     use crate::{
-        groups::SpanGroup,
+        settings::groups::SpanGroup,
         spans::{SpanId, SpanStatus},
     };
 

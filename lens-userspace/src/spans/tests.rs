@@ -2,10 +2,10 @@
 use super::{AttrValue, SpanBuilder, SpanLog, SpanStatus, names};
 use crate::{
     events::{CallTiming, CollectiveOp, PhaseSignal, ProbeEvent, TorchScope},
-    groups::SpanGroups,
     kernels::KernelLaunches,
     nccl::{DataType, RedOp},
     semconv,
+    settings::groups::SpanGroups,
     sink::{EventSink, ProcessEnd},
     sys::target::{ExitStatus, ProcessInfo},
 };
@@ -910,7 +910,7 @@ fn a_recompile_after_an_evaluation_does_not_stretch_it_into_the_next_step() {
 const WRITER: u32 = PID + 7;
 
 /// DCP's `async_save` and the `save` it runs on a background thread.
-fn dcp_async_save_rules(rules: &crate::config::ProbeRules) -> (u32, u32) {
+fn dcp_async_save_rules(rules: &crate::settings::config::ProbeRules) -> (u32, u32) {
     (
         framework_rule(
             rules,
@@ -920,7 +920,7 @@ fn dcp_async_save_rules(rules: &crate::config::ProbeRules) -> (u32, u32) {
     )
 }
 
-fn framework_rule(rules: &crate::config::ProbeRules, name: &str) -> u32 {
+fn framework_rule(rules: &crate::settings::config::ProbeRules, name: &str) -> u32 {
     rules
         .python
         .iter()
@@ -930,9 +930,15 @@ fn framework_rule(rules: &crate::config::ProbeRules, name: &str) -> u32 {
 }
 
 impl Run {
-    fn with_framework_rules(groups: &str) -> (Run, std::sync::Arc<crate::config::ProbeRules>) {
+    fn with_framework_rules(
+        groups: &str,
+    ) -> (Run, std::sync::Arc<crate::settings::config::ProbeRules>) {
         let rules = std::sync::Arc::new(
-            crate::config::ProbeRules::load(None, crate::config::Profile::default()).unwrap(),
+            crate::settings::config::ProbeRules::load(
+                None,
+                crate::settings::config::Profile::default(),
+            )
+            .unwrap(),
         );
         let mut run = Run::new(groups, true);
         run.builder = std::mem::replace(

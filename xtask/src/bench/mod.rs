@@ -1757,7 +1757,7 @@ fn notes(ctx: &Ctx, r: &Results, watch: &Watch, slack: bool) -> String {
     }
     n.push_str(
         "- `all` and `per_step` enable the same eight span groups today \
-         (lens-userspace/src/groups.rs): their rows differ by noise only.\n",
+         (lens-userspace/src/settings/groups.rs): their rows differ by noise only.\n",
     );
     if let Some(torch) = torch {
         let base = torch.times(None);

@@ -24,9 +24,8 @@ use crate::sys::{
     symbols::resolve_symbols,
 };
 use crate::{
-    config::ProbeRules,
     error::{LensError, Result},
-    groups::SpanGroups,
+    settings::{config::ProbeRules, groups::SpanGroups},
 };
 
 mod launch_sampling;

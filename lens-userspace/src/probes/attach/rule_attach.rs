@@ -18,9 +18,11 @@ use crate::sys::{
     symbols::{Symbol, resolve_matching, resolve_symbols},
 };
 use crate::{
-    config::{ArgType, NativeRule},
     error::LensError,
-    groups::SpanGroups,
+    settings::{
+        config::{ArgType, NativeRule},
+        groups::SpanGroups,
+    },
 };
 
 impl Attacher {

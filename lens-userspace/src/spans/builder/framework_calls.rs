@@ -6,10 +6,12 @@ use crate::spans::{
     phases::{ProcessContext, ThreadPhases},
 };
 use crate::{
-    config::{ArgType, DCP_ASYNC_SAVE, DCP_GET_STATE_DICT, NativeRule},
     events::ProbeEvent,
-    groups::SpanGroup,
     semconv,
+    settings::{
+        config::{ArgType, DCP_ASYNC_SAVE, DCP_GET_STATE_DICT, NativeRule},
+        groups::SpanGroup,
+    },
 };
 
 use super::*;

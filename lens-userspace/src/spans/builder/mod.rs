@@ -15,10 +15,12 @@ use super::{
     straggler_cause::{PhaseCall, PhaseHistory},
 };
 use crate::{
-    config::ProbeRules,
     events::CallTiming,
-    groups::{SpanGroup, SpanGroups},
     semconv,
+    settings::{
+        config::ProbeRules,
+        groups::{SpanGroup, SpanGroups},
+    },
     sys::target::{ExitStatus, ProcessInfo},
 };
 

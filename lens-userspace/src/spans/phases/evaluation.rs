@@ -1,8 +1,8 @@
 //! Evaluation loops: grad mode switched off between steps, then batches fetched, make
 //! an `evaluate` span (`docs/spans.md`, "Rules").
 
-use crate::groups::SpanGroup;
 use crate::names;
+use crate::settings::groups::SpanGroup;
 
 use super::*;
 

@@ -5,8 +5,8 @@
 use crate::spans::{Attributes, SpanId, names};
 use crate::{
     events::{PhaseSignal, TorchScope},
-    groups::SpanGroup,
     semconv,
+    settings::groups::SpanGroup,
 };
 
 use super::*;

@@ -9,8 +9,8 @@ use super::{
 };
 use crate::{
     events::{PhaseSignal, TorchScope},
-    groups::SpanGroup,
     semconv,
+    settings::groups::SpanGroup,
 };
 
 mod evaluation;

@@ -2,7 +2,7 @@
 //! group over from torch's signals (`docs/spans.md`, "Configured probes").
 
 use crate::spans::Attributes;
-use crate::{groups::SpanGroup, semconv};
+use crate::{semconv, settings::groups::SpanGroup};
 
 use super::*;
 

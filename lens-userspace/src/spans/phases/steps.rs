@@ -3,7 +3,7 @@
 //! (`docs/spans.md`, "Rules").
 
 use crate::spans::{SpanEvent, SpanId, names};
-use crate::{events::TorchScope, groups::SpanGroup, semconv};
+use crate::{events::TorchScope, semconv, settings::groups::SpanGroup};
 
 use super::*;
 

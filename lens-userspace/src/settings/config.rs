@@ -16,10 +16,10 @@ use lens_common::{MAX_RULES, RULE_ARGS};
 
 use crate::{
     error::LensError,
-    groups::{SpanGroup, SpanGroups},
     names,
     patterns::{LibraryPattern, SymbolPattern},
     semconv,
+    settings::groups::{SpanGroup, SpanGroups},
 };
 
 /// How many functions one native rule may probe in one library unless its

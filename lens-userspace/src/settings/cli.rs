@@ -18,7 +18,10 @@ use clap::{
     error::{ContextKind, ContextValue, ErrorKind},
 };
 
-use crate::{budget::OverheadBudget, config::Profile, groups::SpanGroups};
+use crate::{
+    budget::OverheadBudget,
+    settings::{config::Profile, groups::SpanGroups},
+};
 
 /// Zero-code observability for distributed ML training: attaches eBPF uprobes to a job's
 /// NCCL collectives and CUDA launch/sync calls.
