@@ -20,7 +20,7 @@
 use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::raw_tracepoint, programs::RawTracePointContext};
 use lens_common::{Event, EventKind, ProbeId};
 
-use crate::programs::{EVENTS, submit_flags};
+use crate::{ctx::submit_flags, maps::EVENTS};
 
 /// Events one run writes at most (the loop's bound for the verifier).
 const MAX_EVENTS_PER_RUN: u64 = 64;

@@ -12,10 +12,33 @@
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
 #![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
+// One module per concern; the programs are the `pub fn`s with a program attribute.
 #[cfg(target_arch = "bpf")]
 mod bench_gen;
 #[cfg(target_arch = "bpf")]
-mod programs;
+mod ctx;
+#[cfg(target_arch = "bpf")]
+mod cuda;
+#[cfg(target_arch = "bpf")]
+mod launches;
+#[cfg(target_arch = "bpf")]
+mod loader;
+#[cfg(target_arch = "bpf")]
+mod maps;
+#[cfg(target_arch = "bpf")]
+mod nccl;
+#[cfg(target_arch = "bpf")]
+mod phases;
+#[cfg(target_arch = "bpf")]
+mod python;
+#[cfg(target_arch = "bpf")]
+mod returns;
+#[cfg(target_arch = "bpf")]
+mod rules;
+#[cfg(target_arch = "bpf")]
+mod sched;
+#[cfg(target_arch = "bpf")]
+mod task;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

@@ -1,0 +1,206 @@
+//! Kernel launches: counted per process and phase epoch (never sent one by one), with
+//! the launch totals that phase marks carry and the kernel names `cudaRegisterFunction`
+//! registers.
+use aya_ebpf::bindings::BPF_NOEXIST;
+use aya_ebpf::helpers::bpf_probe_read_user;
+use aya_ebpf::macros::uprobe;
+use aya_ebpf::programs::ProbeContext;
+use core::intrinsics::{AtomicOrdering, atomic_xadd};
+use lens_common::{CODE_RANGES, HandleKey, KernelKey, LaunchTotals, LossCause, ProbeId};
+
+use crate::ctx::{arg_u64, count_call, count_loss, probe_id, traced};
+use crate::maps::{KERNEL_COUNTS, KERNEL_REGISTRY, LAUNCH_TOTALS, RUNTIME_RANGES, kernel_names};
+
+/// Adds `value` to `*counter`, shared with other CPUs. (The old value is not used: BPF's
+/// plain atomic add, without fetch, is what the `generic` CPU has.)
+#[inline(always)]
+pub(crate) fn atomic_add(counter: *mut u64, value: u64) {
+    // SAFETY: a live map value; threads of one process on other CPUs add to it too.
+    unsafe {
+        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(counter, value);
+    }
+}
+
+/// Counts one launch of the current process: per probe, in the process's total and,
+/// when kernel names are on, per (epoch, kernel) under the epoch it runs in.
+#[inline(always)]
+pub(crate) fn count_launch(ctx: &ProbeContext, pid_tgid: u64, probe: u32, driver: bool) {
+    count_call(pid_tgid, probe);
+    let tgid = (pid_tgid >> 32) as u32;
+    let epoch = match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
+        Some(totals) => {
+            // SAFETY: a live map value (see `atomic_add`); the epoch is read as it is now.
+            unsafe {
+                atomic_add(&raw mut (*totals).launches, 1);
+                core::ptr::read_volatile(&raw const (*totals).epoch)
+            }
+        }
+        None => {
+            let first = LaunchTotals {
+                launches: 1,
+                epoch: 0,
+            };
+            if LAUNCH_TOTALS
+                .insert(&tgid, &first, BPF_NOEXIST as u64)
+                .is_err()
+            {
+                // Another thread's first launch or mark came first, or the map is full.
+                match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
+                    // SAFETY: as above.
+                    Some(totals) => unsafe {
+                        atomic_add(&raw mut (*totals).launches, 1);
+                        core::ptr::read_volatile(&raw const (*totals).epoch)
+                    },
+                    None => {
+                        count_loss(LossCause::CounterMapFull);
+                        0
+                    }
+                }
+            } else {
+                0
+            }
+        }
+    };
+    if !kernel_names() {
+        return;
+    }
+    // The kernel argument (`ProbeId::kernel_argument`), compared as plain integers.
+    const RUNTIME_KERNEL: u32 = ProbeId::CudaLaunchKernel as u32;
+    const RUNTIME_KERNEL_EX: u32 = ProbeId::CudaLaunchKernelExC as u32;
+    const DRIVER_KERNEL: u32 = ProbeId::CuLaunchKernel as u32;
+    const DRIVER_KERNEL_EX: u32 = ProbeId::CuLaunchKernelEx as u32;
+    // Both registers read first, volatile: a context read at a computed offset (the
+    // compiler folding the two) is one the verifier refuses.
+    // SAFETY: reads of the probe's saved registers.
+    let (first, second) = unsafe {
+        (
+            core::ptr::read_volatile(&(*ctx.regs).rdi),
+            core::ptr::read_volatile(&(*ctx.regs).rsi),
+        )
+    };
+    let function = match probe {
+        RUNTIME_KERNEL | DRIVER_KERNEL => first,
+        RUNTIME_KERNEL_EX | DRIVER_KERNEL_EX => second,
+        _ => return,
+    };
+    let key = KernelKey {
+        tgid,
+        epoch: epoch as u32,
+        function,
+        driver: driver as u32,
+        _pad: 0,
+    };
+    if let Some(count) = KERNEL_COUNTS.get_ptr_mut(&key) {
+        atomic_add(count, 1);
+        return;
+    }
+    if KERNEL_COUNTS.insert(&key, &1, BPF_NOEXIST as u64).is_ok() {
+        return;
+    }
+    match KERNEL_COUNTS.get_ptr_mut(&key) {
+        Some(count) => atomic_add(count, 1),
+        None => count_loss(LossCause::KernelMapFull),
+    }
+}
+
+/// Entry-only functions whose calls are counted, not sent (runtime kernel and graph
+/// launches).
+#[uprobe]
+pub fn count_only(ctx: ProbeContext) -> u32 {
+    if let Some((pid_tgid, _)) = traced() {
+        count_launch(&ctx, pid_tgid, probe_id(&ctx), false);
+    }
+    0
+}
+
+/// The driver's launch functions (`cuLaunchKernel`, `cuLaunchKernelEx`, `cuGraphLaunch`).
+/// The runtime launches through them too: a call whose return address (`[rsp]` at entry)
+/// lies in the process's libcudart was counted by `count_only` already and is left out,
+/// so each launch counts once. Calls from anywhere else (cuBLAS, cuDNN, NCCL's static
+/// runtime, compiled graphs) are counted here.
+#[uprobe]
+pub fn driver_launch(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: the value is copied out before the map can change under us.
+    if let Some(runtime) = unsafe { RUNTIME_RANGES.get(&tgid) }.copied() {
+        // SAFETY: reading the traced thread's stack through the checked helper.
+        let caller = unsafe { bpf_probe_read_user((*ctx.regs).rsp as *const u64) }.unwrap_or(0);
+        let mut i = 0;
+        while i < CODE_RANGES {
+            let [start, end] = runtime.ranges[i];
+            if caller >= start && caller < end {
+                return 0;
+            }
+            i += 1;
+        }
+    }
+    count_launch(&ctx, pid_tgid, probe_id(&ctx), true);
+    0
+}
+
+/// The process's launches so far, stamped on phase marks.
+#[inline(always)]
+pub(crate) fn launches_so_far(pid_tgid: u64) -> u64 {
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: a plain read of a counter; a torn read cannot happen for an aligned u64.
+    unsafe { LAUNCH_TOTALS.get(&tgid) }.map_or(0, |totals| totals.launches)
+}
+
+/// Adds one to the process's epoch and reads it back. (Two marks of two threads at the
+/// same instant may both read the later epoch: the earlier one's launches, none between
+/// them, are not misplaced.)
+#[inline(always)]
+pub(crate) fn bump_epoch(totals: *mut LaunchTotals) -> u64 {
+    // SAFETY: a live map value (see `atomic_add`).
+    unsafe {
+        atomic_add(&raw mut (*totals).epoch, 1);
+        core::ptr::read_volatile(&raw const (*totals).epoch)
+    }
+}
+
+/// A phase mark opens the process's next epoch: launches after it are counted per kernel
+/// under that epoch. Returns it (1 for the first mark).
+#[inline(always)]
+pub(crate) fn next_epoch(pid_tgid: u64) -> u64 {
+    let tgid = (pid_tgid >> 32) as u32;
+    if let Some(totals) = LAUNCH_TOTALS.get_ptr_mut(&tgid) {
+        return bump_epoch(totals);
+    }
+    let first = LaunchTotals {
+        launches: 0,
+        epoch: 1,
+    };
+    if LAUNCH_TOTALS
+        .insert(&tgid, &first, BPF_NOEXIST as u64)
+        .is_ok()
+    {
+        return 1;
+    }
+    match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
+        Some(totals) => bump_epoch(totals),
+        None => 0,
+    }
+}
+
+/// `__cudaRegisterFunction(handle, hostFun, deviceFun, deviceName, …)`: remember which
+/// name the host stub `hostFun` launches, for kernel names.
+#[uprobe]
+pub fn cuda_register_function(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    count_call(pid_tgid, probe_id(&ctx));
+    if !kernel_names() {
+        return 0;
+    }
+    let stub = HandleKey {
+        tgid: (pid_tgid >> 32) as u32,
+        _pad: 0,
+        handle: arg_u64(&ctx, 1),
+    };
+    let _ = KERNEL_REGISTRY.insert(&stub, &arg_u64(&ctx, 2), 0);
+    0
+}

@@ -1,0 +1,64 @@
+//! The dynamic loader's `_dl_debug_state`: a library mapped or unmapped, and a
+//! single-threaded target stopped there until its new library's probes are in.
+use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
+use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, generated};
+use aya_ebpf::macros::uprobe;
+use aya_ebpf::programs::ProbeContext;
+use aya_log_ebpf::debug;
+use lens_common::{Event, EventKind, LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE};
+
+use crate::ctx::{count_loss, new_event, submit_flags};
+use crate::maps::{EVENTS, STOPPED, TARGETS, node_mode};
+use crate::task::has_other_threads;
+
+pub(crate) const SIGSTOP: u32 = 19;
+
+/// glibc's `_dl_debug_state`: the target's set of loaded objects changed. Tell the loader
+/// at once; for processes it started, stop them until it has attached to new libraries.
+#[uprobe]
+pub fn dl_debug_state(ctx: ProbeContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: the value is copied out before the map can change under us.
+    let config = unsafe { TARGETS.get(&tgid) }.copied();
+    if config.is_none() && !node_mode() {
+        return 0;
+    }
+    let mut event = new_event(
+        EventKind::LinkMapChanged,
+        ProbeId::DlDebugState as u32,
+        pid_tgid,
+    );
+    // Job-control stops make some blocking calls of *other* threads fail with EINTR
+    // (epoll_wait, semtimedop...; see signal(7)), which libraries such as gloo treat as
+    // fatal: only a single-threaded process is stopped. A multi-threaded one runs on
+    // while its new libraries are attached (a few ms).
+    let stop = config.is_some_and(|c| c.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0)
+        && !has_other_threads();
+    // `count`: 1 when the process was stopped and waits for the loader's SIGCONT;
+    // `peer`: 1 when it is a target (else a candidate of node-wide discovery).
+    event.count = stop as u64;
+    event.peer = config.is_some() as i32;
+    // Reserve first: without room for the event nobody would resume a stopped target.
+    let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
+        count_loss(LossCause::RingBufferFull);
+        return 0;
+    };
+    entry.write(event);
+    if stop {
+        // The stop is queued before the loader can see the event, so its SIGCONT always
+        // comes after it (a SIGCONT discards a pending stop).
+        debug!(&ctx, "lens: stopping {} for attach", event.tgid);
+        // SAFETY: the helper only reads the clock.
+        let _ = STOPPED.insert(&event.tgid, &unsafe { bpf_ktime_get_ns() }, 0);
+        // SAFETY: signals the current process, which is the traced target.
+        unsafe { generated::bpf_send_signal(SIGSTOP) };
+    }
+    let flags = if config.is_some() {
+        BPF_RB_FORCE_WAKEUP as u64
+    } else {
+        submit_flags()
+    };
+    entry.submit(flags);
+    0
+}

@@ -1,0 +1,104 @@
+//! The maps every program shares: the ring buffer, the target filter, the counters, the
+//! calls in flight, the Python sampler's state and the run-wide switches.
+use aya_ebpf::macros::map;
+use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf};
+use lens_common::{
+    CallKey, CodeRanges, Event, HandleKey, InflightKey, KernelKey, LaunchTotals, LossCause,
+    PyOffsets, TargetConfig, limits, settings,
+};
+
+#[map(name = "EVENTS")]
+pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(limits::RING_BUFFER_BYTES, 0);
+
+/// Processes being traced (tgid → settings). Probes are attached per library file, so
+/// they fire in every process that maps it; this map is the filter.
+#[map(name = "TARGETS")]
+pub(crate) static TARGETS: HashMap<u32, TargetConfig> =
+    HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Targets this program stopped at a library load (tgid → when), until lens-probe (or,
+/// past a bound, its guardian) continues them.
+#[map(name = "STOPPED")]
+pub(crate) static STOPPED: HashMap<u32, u64> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+#[map(name = "CALL_COUNTS")]
+pub(crate) static CALL_COUNTS: PerCpuHashMap<CallKey, u64> =
+    PerCpuHashMap::with_max_entries(limits::MAX_CALL_COUNTERS, 0);
+
+/// Kernel launches and phase epoch per process (tgid → totals), read by the
+/// phase-marking programs so that launches per phase need no event per launch.
+#[map(name = "LAUNCH_TOTALS")]
+pub(crate) static LAUNCH_TOTALS: HashMap<u32, LaunchTotals> =
+    HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Launches per (process, phase epoch, kernel), read and cleared by the loader: the top
+/// kernels of each step.
+#[map(name = "KERNEL_COUNTS")]
+pub(crate) static KERNEL_COUNTS: HashMap<KernelKey, u64> =
+    HashMap::with_max_entries(limits::MAX_KERNEL_COUNTS, 0);
+
+/// Where each target maps libcudart (tgid → ranges): a driver launch called from there
+/// is the runtime's own, already counted.
+#[map(name = "RUNTIME_RANGES")]
+pub(crate) static RUNTIME_RANGES: HashMap<u32, CodeRanges> =
+    HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Streams (per process) holding a collective that no event was recorded after yet:
+/// the next `cudaEventRecord` on one is sent, its event watched.
+#[map(name = "COLLECTIVE_STREAMS")]
+pub(crate) static COLLECTIVE_STREAMS: LruHashMap<HandleKey, u8> =
+    LruHashMap::with_max_entries(limits::MAX_COLLECTIVE_HANDLES, 0);
+
+/// Events (per process) recorded after a collective and not seen complete yet → entry
+/// time of the last query that found one not ready (0: none yet).
+#[map(name = "COLLECTIVE_EVENTS")]
+pub(crate) static COLLECTIVE_EVENTS: LruHashMap<HandleKey, u64> =
+    LruHashMap::with_max_entries(limits::MAX_COLLECTIVE_HANDLES, 0);
+
+/// Kernels as nvcc's module constructors registered them: (process, host stub) → the
+/// address of the kernel's mangled name in the process (read by the loader when the
+/// stub is launched and its library has no symbol for it).
+#[map(name = "KERNEL_REGISTRY")]
+pub(crate) static KERNEL_REGISTRY: LruHashMap<HandleKey, u64> =
+    LruHashMap::with_max_entries(limits::MAX_REGISTERED_KERNELS, 0);
+
+/// Traced CPython processes (tgid → where their interpreter state is).
+#[map(name = "PY_TARGETS")]
+pub(crate) static PY_TARGETS: HashMap<u32, PyOffsets> =
+    HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Python processes inside a framework save (`maps::PY_SAVING`).
+#[map(name = "PY_SAVING")]
+pub(crate) static PY_SAVING: HashMap<u32, u8> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Per Python thread, a hash of the stack last sent (low bit: sent once, to be sent again
+/// at the next sample): an unchanged stack is not sent a third time.
+#[map(name = "PY_LAST_STACK")]
+pub(crate) static PY_LAST_STACK: LruHashMap<u32, u64> =
+    LruHashMap::with_max_entries(limits::MAX_PY_THREADS, 0);
+
+#[map(name = "INFLIGHT")]
+pub(crate) static INFLIGHT: HashMap<InflightKey, Event> =
+    HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+
+/// Run-wide switches set by the loader (`lens_common::settings`).
+#[map(name = "SETTINGS")]
+pub(crate) static SETTINGS: Array<u32> = Array::with_max_entries(settings::COUNT, 0);
+
+#[inline(always)]
+pub(crate) fn node_mode() -> bool {
+    SETTINGS
+        .get(settings::NODE_MODE)
+        .is_some_and(|value| *value != 0)
+}
+
+#[inline(always)]
+pub(crate) fn kernel_names() -> bool {
+    SETTINGS
+        .get(settings::KERNEL_NAMES)
+        .is_some_and(|value| *value != 0)
+}
+
+#[map(name = "LOSSES")]
+pub(crate) static LOSSES: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(LossCause::COUNT as u32, 0);

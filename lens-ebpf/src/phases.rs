@@ -1,0 +1,135 @@
+//! PyTorch's phase marks: `record_function` scopes, backward passes, grad mode, and the
+//! checkpoint files written or read (libc's `open`, safetensors, torch's file writers).
+use aya_ebpf::helpers::{
+    bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
+};
+use aya_ebpf::macros::{uprobe, uretprobe};
+use aya_ebpf::programs::{ProbeContext, RetProbeContext};
+use lens_common::{EventKind, ProbeId, saving};
+
+use crate::ctx::{arg_u64, begin_call, emit, new_event, probe_id, submit_flags, traced};
+use crate::launches::{launches_so_far, next_epoch};
+use crate::maps::PY_SAVING;
+use crate::python::send_python_stack;
+
+/// Entry of a function that marks a phase boundary (torch scope exit, backward, grad
+/// mode, checkpoint writer/reader): sent at once with the first integer argument
+/// (`set_enabled`'s flag).
+#[uprobe]
+pub fn phase_mark(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+        return 0;
+    };
+    event.count = arg_u64(&ctx, 0);
+    event.epoch = next_epoch(pid_tgid);
+    event.launches = launches_so_far(pid_tgid);
+    emit(&event, submit_flags());
+    0
+}
+
+/// libc's `open(path, flags)` / `openat(dirfd, path, flags)` entered: a file created
+/// (`O_CREAT`) is sent as a mark (a checkpoint's file), and so is a file opened for
+/// reading while the process is in a framework load (`PY_SAVING`); any other open sends
+/// nothing and counts nothing, nor does one under `/dev/` or `/proc/` (POSIX semaphores
+/// in `/dev/shm`, which progress bars create, are no checkpoint files).
+#[uprobe]
+pub fn file_open_entry(ctx: ProbeContext) -> u32 {
+    use lens_common::open_flags::{ACCMODE, CREAT, DIRECTORY};
+    // Both registers are read, then one chosen: the verifier takes context loads at
+    // constant offsets only, which a branch between two loads can be merged out of.
+    let (open_path, open_flags) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1));
+    let (openat_path, openat_flags) = (ctx.arg::<u64>(1), ctx.arg::<u64>(2));
+    let (path, flags) = if probe_id(&ctx) == ProbeId::FileOpenAt as u32 {
+        (openat_path, openat_flags)
+    } else {
+        (open_path, open_flags)
+    };
+    let flags = flags.unwrap_or(0);
+    if flags & CREAT == 0 {
+        // A file opened for reading counts only inside a framework load (DCP's reader
+        // opens each file once; the per-item `torch.load`s read from streams).
+        let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+        // SAFETY: the value is copied out.
+        let loading = unsafe { PY_SAVING.get(&tgid) }.is_some_and(|v| *v & saving::LOAD != 0);
+        if !loading || flags & ACCMODE != 0 || flags & DIRECTORY != 0 {
+            return 0;
+        }
+    }
+    // SAFETY: reading the traced thread's memory through the checked helper.
+    let prefix =
+        unsafe { bpf_probe_read_user(path.unwrap_or(0) as *const [u8; 6]) }.unwrap_or([0; 6]);
+    if prefix[..5] == *b"/dev/" || prefix == *b"/proc/" {
+        return 0;
+    }
+    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+        return 0;
+    };
+    // The Python stack first (stamped before the mark): the loader knows whether the
+    // framework save that may have created it is still running.
+    send_python_stack(pid_tgid, true);
+    // The flags tell the loader a file created from one opened for reading.
+    event.args[0] = flags;
+    // SAFETY: the helper only reads the clock.
+    event.start_ns = unsafe { bpf_ktime_get_ns() };
+    event.end_ns = event.start_ns;
+    event.epoch = next_epoch(pid_tgid);
+    event.launches = launches_so_far(pid_tgid);
+    emit(&event, submit_flags());
+    0
+}
+
+/// Return of a phase-marking function (end of a backward, of a checkpoint file).
+#[uretprobe]
+pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let mut event = new_event(EventKind::PhaseMark, probe_id(&ctx), pid_tgid);
+    event.at_return = 1;
+    event.ret = ctx.ret::<i64>();
+    event.epoch = next_epoch(pid_tgid);
+    event.launches = launches_so_far(pid_tgid);
+    emit(&event, submit_flags());
+    0
+}
+
+/// `torch::autograd::Engine::execute(roots, inputs, keep_graph, create_graph,
+/// accumulate_grad, outputs)` entered: sent at once with `accumulate_grad`, which tells
+/// a backward pass (`.backward()`) from `torch.autograd.grad` (graph capture). The
+/// function returns a vector by value, so the hidden return pointer takes rdi and
+/// `accumulate_grad` is the seventh integer argument, the first on the stack.
+#[uprobe]
+pub fn torch_backward_entry(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+        return 0;
+    };
+    event.count = arg_u64(&ctx, 6) & 0xff;
+    event.epoch = next_epoch(pid_tgid);
+    event.launches = launches_so_far(pid_tgid);
+    emit(&event, submit_flags());
+    0
+}
+
+/// `record_function_enter_new(const std::string& name, ...)`: the name is read here, in
+/// the kernel, while the string is alive. The function returns a class by value, so the
+/// hidden return pointer takes rdi and `name` is the second argument. libstdc++'s
+/// `std::string` starts with its data pointer and length.
+#[uprobe]
+pub fn torch_scope_enter(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+        return 0;
+    };
+    event.epoch = next_epoch(pid_tgid);
+    event.launches = launches_so_far(pid_tgid);
+    let string = arg_u64(&ctx, 1);
+    // SAFETY: reads of the traced thread's memory through the checked helpers.
+    unsafe {
+        let data = bpf_probe_read_user(string as *const u64).unwrap_or(0);
+        event.count = bpf_probe_read_user((string + 8) as *const u64).unwrap_or(0);
+        if let Ok(name) = bpf_probe_read_user_str_bytes(data as *const u8, &mut event.name) {
+            event.name_len = name.len() as u32;
+        }
+    }
+    emit(&event, submit_flags());
+    0
+}

@@ -1,0 +1,234 @@
+//! The Python sampler: the interpreter's frames walked from the thread state (offsets
+//! from `PY_TARGETS`), sent on a timer and before calls made inside a framework save or
+//! load.
+use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
+use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user};
+use aya_ebpf::macros::{perf_event, uprobe};
+use aya_ebpf::programs::{PerfEventContext, ProbeContext};
+use lens_common::{
+    DCP_LOAD_API_EVENT, EventKind, LossCause, PY_MAX_DEPTH, PY_MAX_WALK, PY_NO_FIELD, PyOffsets,
+    PyStack, limits, saving,
+};
+
+use crate::ctx::{count_loss, read_user_u64};
+use crate::launches::{launches_so_far, next_epoch};
+use crate::maps::{EVENTS, PY_LAST_STACK, PY_SAVING, PY_TARGETS};
+use crate::task::thread_pointer;
+
+/// Sends the thread's Python stack before a collective or sync entry while the loader
+/// has its process inside a framework save: whether the call is the save's is then read.
+#[inline(always)]
+pub(crate) fn sample_if_saving() {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: only presence is read.
+    if unsafe { PY_SAVING.get(&((pid_tgid >> 32) as u32)) }.is_some() {
+        send_python_stack(pid_tgid, true);
+    }
+}
+
+/// Entry of `torch._C._log_api_usage_once` (`ProbeId::TorchApiUsage`): the first line of
+/// torch's and DCP's save and load functions. The Python stack is sent at once: the
+/// framework call shows there, where it begins.
+#[uprobe]
+pub fn python_stack_entry(ctx: ProbeContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    send_python_stack(pid_tgid, true);
+    mark_if_dcp_load(&ctx, pid_tgid);
+    0
+}
+
+/// DCP's load begins reading (`DCP_LOAD_API_EVENT`, the first argument after the module):
+/// the process is loading from here on (`PY_SAVING`), before the loader has handled the
+/// sample that shows it, as the `.metadata` file is read next. The loader clears it when
+/// that load returns.
+#[inline(always)]
+pub(crate) fn mark_if_dcp_load(ctx: &ProbeContext, pid_tgid: u64) {
+    const N: usize = DCP_LOAD_API_EVENT.len();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: copied out before the map can change under us.
+    let Some(offsets) = (unsafe { PY_TARGETS.get(&tgid) }).copied() else {
+        return;
+    };
+    let Some(event) = ctx.arg::<u64>(1) else {
+        return;
+    };
+    // The text and its terminating NUL: an equal prefix of a longer name is not it.
+    // SAFETY: reading the traced thread's memory through the checked helper.
+    let Ok(text) =
+        (unsafe { bpf_probe_read_user((event + offsets.str_data as u64) as *const [u8; N + 1]) })
+    else {
+        return;
+    };
+    if text[N] != 0 {
+        return;
+    }
+    for i in 0..N {
+        if text[i] != DCP_LOAD_API_EVENT[i] {
+            return;
+        }
+    }
+    // SAFETY: copied out.
+    let bits = unsafe { PY_SAVING.get(&tgid) }.copied().unwrap_or(0);
+    let _ = PY_SAVING.insert(&tgid, &(bits | saving::LOAD), 0);
+}
+
+/// The sampled thread's `PyThreadState`, 0 if it has none (not a Python thread): the
+/// main interpreter's thread whose id is the thread's (tid, or thread pointer on 3.10).
+#[inline(always)]
+pub(crate) fn python_thread_state(offsets: &PyOffsets, tid: u32) -> u64 {
+    let wanted = if offsets.match_thread_pointer != 0 {
+        thread_pointer()
+    } else {
+        tid as u64
+    };
+    if wanted == 0 {
+        return 0;
+    }
+    let interpreter = read_user_u64(offsets.runtime + offsets.interpreters_head as u64);
+    if interpreter == 0 {
+        return 0;
+    }
+    let mut state = read_user_u64(interpreter + offsets.threads_head as u64);
+    let mut walked = 0;
+    while walked < limits::MAX_PY_THREAD_WALK && state != 0 {
+        if read_user_u64(state + offsets.tstate_native_thread_id as u64) == wanted {
+            return state;
+        }
+        state = read_user_u64(state + offsets.tstate_next as u64);
+        walked += 1;
+    }
+    0
+}
+
+/// The innermost Python frame of thread `tid` (Some(0) when it runs none); `None` when it
+/// is no Python thread of the process.
+#[inline(always)]
+pub(crate) fn innermost_frame(offsets: &PyOffsets, tid: u32) -> Option<u64> {
+    let state = python_thread_state(offsets, tid);
+    if state == 0 {
+        return None;
+    }
+    let frame = read_user_u64(state + offsets.tstate_frame as u64);
+    if offsets.cframe_current_frame != PY_NO_FIELD && frame != 0 {
+        return Some(read_user_u64(frame + offsets.cframe_current_frame as u64));
+    }
+    Some(frame)
+}
+
+/// The code object of the innermost Python frame of the calling thread, in a sampled
+/// CPython process (0 otherwise, or when the thread runs no Python).
+#[inline(always)]
+pub(crate) fn python_caller(pid_tgid: u64) -> u64 {
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: copied out before the map can change under us.
+    let Some(offsets) = (unsafe { PY_TARGETS.get(&tgid) }).copied() else {
+        return 0;
+    };
+    let frame = innermost_frame(&offsets, pid_tgid as u32).unwrap_or(0);
+    if frame == 0 {
+        return 0;
+    }
+    read_user_u64(frame + offsets.frame_code as u64)
+}
+
+/// Samples traced Python threads on the CPU clock (every CPU, ~1 ms): reads the thread's
+/// frame stack (code object, frame, first local per frame) and sends it when it differs
+/// from the thread's last one. docs/python.md.
+#[perf_event]
+pub fn python_sample(_ctx: PerfEventContext) -> u32 {
+    send_python_stack(bpf_get_current_pid_tgid(), false);
+    0
+}
+
+/// Sends the current thread's Python stack (a CPython target's): from the sampler only
+/// when it changed (`forced` false), or at once (a file created: which Python call
+/// created it is then exact, not sampled).
+#[inline(always)]
+pub(crate) fn send_python_stack(pid_tgid: u64, forced: bool) {
+    let tgid = (pid_tgid >> 32) as u32;
+    let tid = pid_tgid as u32;
+    // SAFETY: copied out before the map can change under us.
+    let Some(offsets) = (unsafe { PY_TARGETS.get(&tgid) }).copied() else {
+        return;
+    };
+    // A Python thread with no frame (idle in C) is sampled too: an empty stack ends calls.
+    let Some(mut frame) = innermost_frame(&offsets, tid) else {
+        return;
+    };
+    let Some(mut entry) = EVENTS.reserve::<PyStack>(0) else {
+        count_loss(LossCause::RingBufferFull);
+        return;
+    };
+    let stack = entry.as_mut_ptr();
+    // Walk up to PY_MAX_WALK frames from the innermost, keeping the outermost
+    // PY_MAX_DEPTH in a ring (slot = frame number mod PY_MAX_DEPTH): the functions rules
+    // name (a step, an evaluation) sit near the bottom of a deep stack. One path through
+    // the loop (no per-frame branch but its end): the verifier walks each iteration.
+    let mut depth = 0usize;
+    for i in 0..PY_MAX_WALK {
+        if frame == 0 {
+            break;
+        }
+        let slot = i % PY_MAX_DEPTH;
+        // SAFETY: `slot` < PY_MAX_DEPTH: inside the reserved record.
+        unsafe {
+            (*stack).code[slot] = read_user_u64(frame + offsets.frame_code as u64);
+            (*stack).frame[slot] = frame;
+            (*stack).first_local[slot] = read_user_u64(frame + offsets.frame_first_local as u64);
+        }
+        depth = i + 1;
+        frame = read_user_u64(frame + offsets.frame_previous as u64);
+    }
+    // The hash of the frames kept: a change deeper inside (a model's layers) is not a
+    // change to send.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for slot in 0..PY_MAX_DEPTH {
+        if slot >= depth {
+            break;
+        }
+        // SAFETY: as above; written by the walk.
+        let (code, frame, local) = unsafe {
+            (
+                (*stack).code[slot],
+                (*stack).frame[slot],
+                (*stack).first_local[slot],
+            )
+        };
+        hash = (hash ^ code).wrapping_mul(0x100_0000_01b3);
+        hash = (hash ^ frame).wrapping_mul(0x100_0000_01b3);
+        hash = (hash ^ local).wrapping_mul(0x100_0000_01b3);
+    }
+    // A new stack is sent twice, at its first sample and at the next (the user side
+    // takes a change two samples agree on: one can catch the chain mid-update); then not
+    // again until it changes. The low bit of the remembered hash: the second is due.
+    let hash = hash & !1;
+    // A forced sample leaves the sampler's record alone: its next change is still sent.
+    if !forced {
+        // SAFETY: copied out.
+        let last = unsafe { PY_LAST_STACK.get(&tid) }.copied();
+        let remember = match last {
+            Some(last) if last & !1 == hash && last & 1 == 0 => {
+                entry.discard(0);
+                return;
+            }
+            Some(last) if last & !1 == hash => hash,
+            _ => hash | 1,
+        };
+        let _ = PY_LAST_STACK.insert(&tid, &remember, 0);
+    }
+    // SAFETY: the reserved record, filled before it is submitted.
+    unsafe {
+        (*stack).kind = EventKind::PyStack as u32;
+        (*stack).depth = depth as u32;
+        (*stack).tgid = tgid;
+        (*stack).tid = tid;
+        (*stack).synchronous = forced as u32;
+        (*stack)._pad = 0;
+        (*stack).at_ns = bpf_ktime_get_ns();
+        (*stack).launches = launches_so_far(pid_tgid);
+        (*stack).epoch = next_epoch(pid_tgid);
+    }
+    // Delivered at once: the loader names the frames from the process's memory, which a
+    // process that exits soon after takes with it.
+    entry.submit(BPF_RB_FORCE_WAKEUP as u64);
+}

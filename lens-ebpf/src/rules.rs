@@ -1,0 +1,77 @@
+//! Configured probes: the rule's entry and return, the rule in the attach cookie.
+use aya_ebpf::helpers::{bpf_probe_read_user, bpf_probe_read_user_str_bytes};
+use aya_ebpf::macros::{uprobe, uretprobe};
+use aya_ebpf::programs::{ProbeContext, RetProbeContext};
+use lens_common::EventKind;
+
+use crate::ctx::{arg_u64, attach_cookie, emit, new_event, probe_id, submit_flags, traced};
+use crate::launches::{launches_so_far, next_epoch};
+
+/// Entry of a function a configured probe rule names. The cookie carries the rule
+/// (`lens_common::rule_cookie`): its index and which argument, if any, is read as a
+/// string. Sent at once, like a phase mark, with the six argument registers.
+#[uprobe]
+pub fn user_rule_entry(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let cookie = attach_cookie(&ctx);
+    let mut event = new_event(EventKind::RuleCall, cookie as u32, pid_tgid);
+    // A launch mark like a phase mark's: the span's launches (and kernels) are counted
+    // between its two marks.
+    event.epoch = next_epoch(pid_tgid);
+    event.launches = launches_so_far(pid_tgid);
+    let args = [
+        arg_u64(&ctx, 0),
+        arg_u64(&ctx, 1),
+        arg_u64(&ctx, 2),
+        arg_u64(&ctx, 3),
+        arg_u64(&ctx, 4),
+        arg_u64(&ctx, 5),
+    ];
+    // Which argument is a string: compared as plain integers, no index the verifier
+    // would have to trust.
+    let pointer = match (cookie >> 32) & 0xff {
+        1 => args[0],
+        2 => args[1],
+        3 => args[2],
+        4 => args[3],
+        5 => args[4],
+        6 => args[5],
+        _ => 0,
+    };
+    event.args = args;
+    if pointer != 0 {
+        // SAFETY: reads of the traced thread's memory through the checked helpers.
+        unsafe {
+            let data = if (cookie >> 40) & 1 != 0 {
+                // libstdc++'s std::string starts with its data pointer.
+                bpf_probe_read_user(pointer as *const u64).unwrap_or(0)
+            } else {
+                pointer
+            };
+            if data != 0
+                && let Ok(text) = bpf_probe_read_user_str_bytes(data as *const u8, &mut event.name)
+            {
+                event.name_len = text.len() as u32;
+            }
+        }
+    }
+    emit(&event, submit_flags());
+    0
+}
+
+/// Return of a function a configured probe rule names: the span it opened ends here.
+#[uretprobe]
+pub fn user_rule_return(ctx: RetProbeContext) -> u32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let mut event = new_event(EventKind::RuleCall, probe_id(&ctx), pid_tgid);
+    event.at_return = 1;
+    event.ret = ctx.ret::<i64>();
+    event.epoch = next_epoch(pid_tgid);
+    event.launches = launches_so_far(pid_tgid);
+    emit(&event, submit_flags());
+    0
+}

@@ -1,0 +1,97 @@
+//! The scheduler's fork, exec and exit tracepoints: process trees followed from the
+//! kernel, and how each traced process ended.
+use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
+use aya_ebpf::helpers::bpf_get_current_pid_tgid;
+use aya_ebpf::macros::raw_tracepoint;
+use aya_ebpf::programs::RawTracePointContext;
+use lens_common::{EventKind, LossCause};
+
+use crate::ctx::{count_loss, emit, new_event, submit_flags, traced};
+use crate::maps::{TARGETS, node_mode};
+use crate::task::{EXIT_HAS_GROUP_DEAD, TASK_EXIT_CODE_OFFSET, TASK_TGID_OFFSET};
+
+/// `sched_process_fork(parent, child)`: a traced process created another. A new process
+/// (not a thread) is traced from here, with its parent's settings, before it runs.
+#[raw_tracepoint(tracepoint = "sched_process_fork")]
+pub fn process_fork(ctx: RawTracePointContext) -> i32 {
+    let Some((pid_tgid, config)) = traced() else {
+        return 0;
+    };
+    let child: u64 = ctx.arg(1);
+    // SAFETY: reads of kernel memory through the checked helper; the offsets come from
+    // the running kernel's BTF.
+    let child_tgid = unsafe {
+        let offset = core::ptr::read_volatile(&TASK_TGID_OFFSET) as u64;
+        aya_ebpf::helpers::bpf_probe_read_kernel((child + offset) as *const i32).unwrap_or(0)
+    } as u32;
+    let parent_tgid = (pid_tgid >> 32) as u32;
+    if child_tgid == 0 || child_tgid == parent_tgid {
+        // A new thread of the same process: already traced.
+        return 0;
+    }
+    if TARGETS.insert(&child_tgid, &config, 0).is_err() {
+        count_loss(LossCause::TargetMapFull);
+        return 0;
+    }
+    let mut event = new_event(EventKind::ProcessForked, 0, pid_tgid);
+    event.tgid = child_tgid;
+    event.tid = child_tgid;
+    event.count = parent_tgid as u64;
+    emit(&event, BPF_RB_FORCE_WAKEUP as u64);
+    0
+}
+
+/// `sched_process_exec`: a traced process now runs another program.
+#[raw_tracepoint(tracepoint = "sched_process_exec")]
+pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: only the presence is read.
+    let traced = unsafe { TARGETS.get(&tgid) }.is_some();
+    if !traced && !node_mode() {
+        return 0;
+    }
+    let mut event = new_event(EventKind::ProcessExec, 0, pid_tgid);
+    // 1: a target; 0: any process, for node-wide discovery (its loader may be new).
+    event.peer = traced as i32;
+    emit(
+        &event,
+        if traced {
+            BPF_RB_FORCE_WAKEUP as u64
+        } else {
+            submit_flags()
+        },
+    );
+    0
+}
+
+/// `sched_process_exit(task[, group_dead])`: a thread of a traced process exits. The last
+/// one (or, on kernels without `group_dead`, the leader) reports the process's wait
+/// status, which only its parent could otherwise collect.
+#[raw_tracepoint(tracepoint = "sched_process_exit")]
+pub fn process_exit(ctx: RawTracePointContext) -> i32 {
+    let Some((pid_tgid, _)) = traced() else {
+        return 0;
+    };
+    let task: u64 = ctx.arg(0);
+    // SAFETY: reads of placeholders the loader set (volatile: not folded) and of kernel
+    // memory through the checked helper, at offsets from the running kernel's BTF.
+    let (last, code) = unsafe {
+        let last = if core::ptr::read_volatile(&EXIT_HAS_GROUP_DEAD) != 0 {
+            ctx.arg::<u64>(1) & 0xff != 0
+        } else {
+            pid_tgid as u32 == (pid_tgid >> 32) as u32
+        };
+        let offset = core::ptr::read_volatile(&TASK_EXIT_CODE_OFFSET) as u64;
+        let code =
+            aya_ebpf::helpers::bpf_probe_read_kernel((task + offset) as *const i32).unwrap_or(0);
+        (last, code)
+    };
+    if !last {
+        return 0;
+    }
+    let mut event = new_event(EventKind::ProcessExit, 0, pid_tgid);
+    event.count = code as u32 as u64;
+    emit(&event, BPF_RB_FORCE_WAKEUP as u64);
+    0
+}
