@@ -82,7 +82,7 @@ impl BudgetBlock {
     }
 
     fn ratio(&self, variant: Variant) -> Option<f64> {
-        super::ratio_to(self.times(variant), self.times(Variant::None))
+        super::tables::ratio_to(self.times(variant), self.times(Variant::None))
     }
 }
 

@@ -6,11 +6,13 @@
 
 use std::time::Instant;
 
+use super::fake::parse_elapsed;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, row};
+use super::tables::ratio_to;
 use super::{
-    Ctx, FAKE_WRAPPER, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, parse_elapsed,
-    say, wait_teardown,
+    Ctx, FAKE_WRAPPER, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say,
+    wait_teardown,
 };
 
 /// The variants, as `--hang-timeout` values.
@@ -79,7 +81,7 @@ fn run(ctx: &Ctx, timeout: &str, round: u32) -> Result<f64, String> {
 impl HangsBlock {
     pub(super) fn section(&self) -> Section {
         let label = |what: &str| format!("fake `trainer {}`, `per_step`: {what}", self.steps);
-        let ratio = super::ratio_to(&self.on, &self.off);
+        let ratio = ratio_to(&self.on, &self.off);
         let rows: Vec<Row> = vec![
             row(
                 label("`--hang-timeout 0` (off)"),

@@ -8,13 +8,11 @@ use std::fs;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use super::fake::{parse_bpftrace_count, sum_members};
 use super::json::Json;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, fmt_duration, median};
-use super::{
-    Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, parse_bpftrace_count, say,
-    sum_members, wait_teardown,
-};
+use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {

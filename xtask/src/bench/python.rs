@@ -121,7 +121,7 @@ impl PythonBlock {
         let rows = match &self.skipped {
             Some(why) => vec![Row::not_measured(label("sampled"), "≤ 1.01×", why)],
             None => {
-                let ratio = super::ratio_to(&self.sampled, &self.none);
+                let ratio = super::tables::ratio_to(&self.sampled, &self.none);
                 vec![
                     row(
                         label("untraced"),

@@ -1,0 +1,333 @@
+//! Block 1: the fake `trainer` (tests/fixtures) uninstrumented, under lens-probe with each
+//! preset and under bpftrace `count()` on the same functions: per-hit cost, launch-heavy
+//! slowdown per preset and event throughput (from `--summary-json`).
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::{
+    CALLS_PER_PROCESS, CALLS_PER_STEP, Ctx, FAKE_PROBES, FAKE_WRAPPER, PRESETS, RUN_TIMEOUT, Watch,
+    fake_env,
+    json::Json,
+    lens_command, lens_probe_pids,
+    proc::{Line, Proc, Stream},
+    report::median,
+    say, wait_teardown,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Fake {
+    None,
+    Lens(&'static str),
+    /// bpftrace `count()` on the entries; with `returns`, also on the return probes
+    /// lens-probe uses.
+    Bpftrace {
+        returns: bool,
+    },
+}
+
+impl Fake {
+    fn name(self) -> &'static str {
+        match self {
+            Fake::None => "none",
+            Fake::Lens(preset) => preset,
+            Fake::Bpftrace { returns: false } => "bpftrace",
+            Fake::Bpftrace { returns: true } => "bpftrace-ret",
+        }
+    }
+}
+
+/// What `--summary-json` says about the timed trainer process, and the run's losses.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct TrainerSummary {
+    pub(super) calls: u64,
+    pub(super) events: u64,
+    pub(super) lost: u64,
+}
+
+pub(super) fn sum_members(value: Option<&Json>, field: Option<&str>) -> u64 {
+    value
+        .map(|v| {
+            v.members()
+                .iter()
+                .filter_map(|(_, m)| match field {
+                    Some(f) => m.get(f)?.as_u64(),
+                    None => m.as_u64(),
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// The trainer process run with `steps` (not the `trainer 1` warm-up) in a summary.
+pub(super) fn trainer_summary(json: &Json, steps: u64) -> Result<TrainerSummary, String> {
+    let steps = steps.to_string();
+    let process = json
+        .get("processes")
+        .map(Json::as_array)
+        .unwrap_or_default()
+        .iter()
+        .find(|p| {
+            let argv = p
+                .get("command_line")
+                .map(Json::as_array)
+                .unwrap_or_default();
+            argv.len() == 2
+                && argv[0].as_str().is_some_and(|a| a.ends_with("trainer"))
+                && argv[1].as_str() == Some(steps.as_str())
+        })
+        .ok_or_else(|| format!("no `trainer {steps}` process in the summary"))?;
+    let losses = json.get("losses");
+    let lost = sum_members(losses.and_then(|l| l.get("kernel")), None)
+        + losses
+            .and_then(|l| l.get("undecodable"))
+            .and_then(Json::as_u64)
+            .unwrap_or(0);
+    Ok(TrainerSummary {
+        calls: sum_members(process.get("calls"), None),
+        events: sum_members(process.get("collectives"), Some("calls"))
+            + sum_members(process.get("sync_waits"), Some("calls")),
+        lost,
+    })
+}
+
+pub(super) fn parse_elapsed(line: &str) -> Option<f64> {
+    let ns: u64 = line
+        .trim()
+        .strip_prefix("lens-bench elapsed_ns=")?
+        .parse()
+        .ok()?;
+    Some(ns as f64 / 1e9)
+}
+
+/// bpftrace's final `@: N` line.
+pub(super) fn parse_bpftrace_count(line: &str) -> Option<u64> {
+    line.trim().strip_prefix("@: ")?.trim().parse().ok()
+}
+
+pub(super) fn bpftrace_script(fixtures: &Path, returns: bool) -> String {
+    let probe = |kind: &str, lib: &str, func: &str| {
+        format!("{kind}:{}:{func}", fixtures.join(lib).display())
+    };
+    let entries: Vec<String> = FAKE_PROBES
+        .iter()
+        .map(|(lib, func, _)| probe("uprobe", lib, func))
+        .collect();
+    let mut script = format!(
+        "BEGIN {{ printf(\"lens-bench-ready\\n\"); }}\n{}\n{{ @ = count(); }}\n",
+        entries.join(",\n")
+    );
+    if returns {
+        let rets: Vec<String> = FAKE_PROBES
+            .iter()
+            .filter(|(_, _, ret)| *ret)
+            .map(|(lib, func, _)| probe("uretprobe", lib, func))
+            .collect();
+        script.push_str(&format!("{}\n{{ @ret = count(); }}\n", rets.join(",\n")));
+    }
+    script
+}
+
+pub(super) struct FakeRun {
+    pub(super) elapsed_s: f64,
+    pub(super) summary: Option<TrainerSummary>,
+    pub(super) bpftrace_count: Option<u64>,
+    /// lens-probe's exit → its teardown child gone.
+    pub(super) teardown_s: Option<f64>,
+}
+
+pub(super) struct FakeBlock {
+    pub(super) steps: u64,
+    pub(super) runs: Vec<(Fake, Vec<FakeRun>)>,
+    /// Why bpftrace was not measured.
+    pub(super) bpftrace_skipped: Option<String>,
+    /// bpftrace counts that differ from the fixture's documented pattern.
+    pub(super) count_mismatches: Vec<String>,
+}
+
+impl FakeBlock {
+    pub(super) fn runs(&self, variant: Fake) -> &[FakeRun] {
+        self.runs
+            .iter()
+            .find(|(v, _)| *v == variant)
+            .map_or(&[], |(_, r)| r)
+    }
+
+    pub(super) fn times(&self, variant: Fake) -> Vec<f64> {
+        self.runs(variant).iter().map(|r| r.elapsed_s).collect()
+    }
+
+    /// Probed calls of one timed run: the per_step summaries' count, else the pattern's.
+    pub(super) fn calls(&self) -> u64 {
+        let counted: Vec<f64> = self
+            .runs(Fake::Lens("per_step"))
+            .iter()
+            .filter_map(|r| r.summary.as_ref().map(|s| s.calls as f64))
+            .collect();
+        median(&counted).map_or(self.steps * CALLS_PER_STEP + CALLS_PER_PROCESS, |c| {
+            c as u64
+        })
+    }
+
+    /// Per round: (time of `variant` − uninstrumented time of the same round) / calls.
+    pub(super) fn per_call(&self, variant: Fake) -> Vec<f64> {
+        let calls = self.calls() as f64;
+        self.times(variant)
+            .iter()
+            .zip(self.times(Fake::None))
+            .map(|(t, base)| (t - base) / calls)
+            .collect()
+    }
+}
+
+pub(super) fn fake_block(ctx: &Ctx, watch: &mut Watch) -> Result<FakeBlock, String> {
+    let steps = ctx.sizes.trainer_steps;
+    let mut variants = vec![Fake::None];
+    variants.extend(PRESETS.map(Fake::Lens));
+    if ctx.bpftrace.is_ok() {
+        variants.push(Fake::Bpftrace { returns: false });
+        variants.push(Fake::Bpftrace { returns: true });
+    }
+    let mut block = FakeBlock {
+        steps,
+        runs: variants.iter().map(|v| (*v, Vec::new())).collect(),
+        bpftrace_skipped: ctx.bpftrace.as_ref().err().cloned(),
+        count_mismatches: Vec::new(),
+    };
+    for round in 1..=ctx.rounds {
+        for (variant, runs) in block.runs.iter_mut() {
+            watch.check();
+            let run = fake_run(ctx, *variant, round)?;
+            if let Some(count) = run.bpftrace_count {
+                // The warm-up `trainer 1` and the timed run.
+                let expected = CALLS_PER_STEP * (steps + 1) + 2 * CALLS_PER_PROCESS;
+                if count != expected {
+                    block.count_mismatches.push(format!(
+                        "{} round {round}: bpftrace counted {count} calls, expected {expected}",
+                        variant.name()
+                    ));
+                }
+            }
+            say(&format!(
+                "round {round}/{}: trainer {steps} under {:<12} {:.3} s",
+                ctx.rounds,
+                variant.name(),
+                run.elapsed_s
+            ));
+            runs.push(run);
+        }
+    }
+    Ok(block)
+}
+
+pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun, String> {
+    let steps = ctx.sizes.trainer_steps.to_string();
+    let trainer = ctx.fixtures.join("trainer");
+    let name = format!("fake-{}-r{round}", variant.name());
+    let log = ctx.logs.join(format!("{name}.log"));
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    let wrapper = |cmd: &mut Command| {
+        cmd.args(["sh", "-c", FAKE_WRAPPER])
+            .arg(&trainer)
+            .arg(&steps);
+    };
+    let mut elapsed = None;
+    let mut on_line = |l: &Line| {
+        if l.stream == Stream::Out
+            && let Some(s) = parse_elapsed(&l.text)
+        {
+            elapsed = Some(s);
+        }
+    };
+    let mut summary = None;
+    let mut bpftrace_count = None;
+    let mut teardown_s = None;
+    match variant {
+        Fake::None => {
+            let mut cmd = Command::new("sh");
+            cmd.current_dir(&ctx.root)
+                .args(["-c", FAKE_WRAPPER])
+                .arg(&trainer)
+                .arg(&steps);
+            fake_env(&mut cmd);
+            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
+        }
+        Fake::Lens(preset) => {
+            let summary_path = ctx.out.join(format!("{name}.summary.json"));
+            let _ = fs::remove_file(&summary_path);
+            let pid_file = ctx.out.join(format!("{name}.pid"));
+            let mut cmd = lens_command(ctx, None, preset, &pid_file);
+            // The console tree would hold every span of the run in memory (the fake trainer
+            // never ends its first phase) and print it at exit: see the notes.
+            cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
+                .arg("--summary-json")
+                .arg(&summary_path)
+                .args(["--exec", "--"]);
+            wrapper(&mut cmd);
+            fake_env(&mut cmd);
+            let before = lens_probe_pids();
+            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
+            teardown_s = Some(wait_teardown(&name, &before));
+            let text = fs::read_to_string(&summary_path)
+                .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
+            let json = Json::parse(&text)
+                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
+            summary = Some(
+                trainer_summary(&json, ctx.sizes.trainer_steps)
+                    .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?,
+            );
+        }
+        Fake::Bpftrace { returns } => {
+            let program = ctx.bpftrace.as_ref().map_err(Clone::clone)?;
+            let mut bt = Command::new(program);
+            bt.current_dir(&ctx.root).args([
+                "-B",
+                "none",
+                "-e",
+                &bpftrace_script(&ctx.fixtures, returns),
+            ]);
+            let mut bt = Proc::spawn(&format!("{name} (bpftrace)"), &mut bt, &log)?;
+            // BEGIN runs once every probe is attached.
+            bt.wait_line(
+                Instant::now() + Duration::from_secs(120),
+                "its BEGIN probe ran",
+                |l| l.text.trim() == "lens-bench-ready",
+            )?;
+            let mut cmd = Command::new("sh");
+            cmd.current_dir(&ctx.root)
+                .args(["-c", FAKE_WRAPPER])
+                .arg(&trainer)
+                .arg(&steps);
+            fake_env(&mut cmd);
+            let trainer_log = ctx.logs.join(format!("{name}.trainer.log"));
+            let result =
+                Proc::spawn(&name, &mut cmd, &trainer_log)?.finish_ok(deadline, &mut on_line);
+            bt.signal("INT");
+            bt.finish(Instant::now() + Duration::from_secs(120), |l| {
+                if let Some(n) = parse_bpftrace_count(&l.text) {
+                    bpftrace_count = Some(n);
+                }
+            })?;
+            result?;
+            if bpftrace_count.is_none() {
+                return Err(format!(
+                    "{name}: bpftrace printed no count (output in {})",
+                    log.display()
+                ));
+            }
+        }
+    }
+    let elapsed_s = elapsed.ok_or_else(|| {
+        format!(
+            "{name}: the wrapper printed no elapsed time (output in {})",
+            log.display()
+        )
+    })?;
+    Ok(FakeRun {
+        elapsed_s,
+        summary,
+        bpftrace_count,
+        teardown_s,
+    })
+}
