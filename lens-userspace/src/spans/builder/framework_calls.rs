@@ -132,34 +132,18 @@ impl<E: SpanExporter> SpanBuilder<E> {
             process.rule_iteration += 1;
             process.rule_iteration - 1
         });
-        let traced_from_start = process.traced_from_start;
-        let thread = process
-            .threads
-            .entry(tid)
-            .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
-        let mut output = ProcessOutput {
-            exporting: process.exporting,
-            held: &mut process.held,
-            out: &mut self.exporter,
-        };
-        let mut ctx = ProcessContext {
-            arena: &mut process.arena,
-            ids: &mut self.ids,
-            out: &mut output,
-            job: process.job,
-            model_init: &mut process.model_init,
-            ruled: &process.ruled,
-        };
-        match attributes {
-            None => thread.rule_return(&mut ctx, at, index),
-            Some(attributes) => {
-                thread.rule_enter(&mut ctx, at, index, name, group, attributes, iteration)
-            }
-        }
-        if process.loop_thread.is_none() && thread.is_active() {
-            process.loop_thread = Some(tid);
-        }
-        let idle = thread.is_idle() && process.loop_thread != Some(tid);
+        let idle =
+            process.on_thread(
+                tid,
+                &mut self.ids,
+                &mut self.exporter,
+                |thread, ctx| match attributes {
+                    None => thread.rule_return(ctx, at, index),
+                    Some(attributes) => {
+                        thread.rule_enter(ctx, at, index, name, group, attributes, iteration)
+                    }
+                },
+            );
         process.export_if_training(&mut self.exporter, &self.groups);
         self.place_when_known(*tgid, tid);
         if idle && let Some(process) = self.processes.get_mut(tgid) {

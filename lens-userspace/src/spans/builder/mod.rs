@@ -93,6 +93,42 @@ impl SpanExporter for ProcessOutput<'_> {
 }
 
 impl ProcessSpans {
+    /// Runs `f` on thread `tid`'s phases (made on first use) with this process's span
+    /// context; the first thread with phase activity becomes the loop thread. Returns
+    /// whether the thread is left idle (nothing open, not the loop thread): its state
+    /// can go.
+    fn on_thread(
+        &mut self,
+        tid: u32,
+        ids: &mut IdSource,
+        out: &mut dyn SpanExporter,
+        f: impl FnOnce(&mut ThreadPhases, &mut ProcessContext<'_>),
+    ) -> bool {
+        let traced_from_start = self.traced_from_start;
+        let thread = self
+            .threads
+            .entry(tid)
+            .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
+        let mut output = ProcessOutput {
+            exporting: self.exporting,
+            held: &mut self.held,
+            out,
+        };
+        let mut ctx = ProcessContext {
+            arena: &mut self.arena,
+            ids,
+            out: &mut output,
+            job: self.job,
+            model_init: &mut self.model_init,
+            ruled: &self.ruled,
+        };
+        f(thread, &mut ctx);
+        if self.loop_thread.is_none() && thread.is_active() {
+            self.loop_thread = Some(tid);
+        }
+        thread.is_idle() && self.loop_thread != Some(tid)
+    }
+
     /// Once training shows, announce the job and release what was held, in order.
     fn export_if_training(&mut self, out: &mut dyn SpanExporter, groups: &SpanGroups) {
         if self.exporting || !self.arena.training_seen() {
@@ -421,31 +457,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
             }
             _ => {}
         }
-        let traced_from_start = process.traced_from_start;
-        let thread = process
-            .threads
-            .entry(tid)
-            .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
-        let mut output = ProcessOutput {
-            exporting: process.exporting,
-            held: &mut process.held,
-            out: &mut self.exporter,
-        };
-        let mut ctx = ProcessContext {
-            arena: &mut process.arena,
-            ids: &mut self.ids,
-            out: &mut output,
-            job: process.job,
-            model_init: &mut process.model_init,
-            ruled: &process.ruled,
-        };
-        thread.on_signal(&mut ctx, at, signal);
-        if process.loop_thread.is_none() && thread.is_active() {
-            process.loop_thread = Some(tid);
-        }
         // Threads come and go (workers, per-step helpers): keep state only for those
         // with something open.
-        let idle = thread.is_idle() && process.loop_thread != Some(tid);
+        let idle = process.on_thread(tid, &mut self.ids, &mut self.exporter, |thread, ctx| {
+            thread.on_signal(ctx, at, signal)
+        });
         process.export_if_training(&mut self.exporter, &self.groups);
         self.place_when_known(tgid, tid);
         if idle && let Some(process) = self.processes.get_mut(&tgid) {
