@@ -68,7 +68,13 @@ impl Attacher {
                 continue;
             };
             if probes_in {
-                match attach_at(uprobe, probe.program, &probe.path(), probe.offset, probe.id) {
+                match attach_at(
+                    uprobe,
+                    probe.program,
+                    &probe.path(),
+                    probe.offset,
+                    catalog::cookie(probe.id),
+                ) {
                     Ok(link) => {
                         probe.link = Some(link);
                         moved += 1;
@@ -158,8 +164,15 @@ pub(super) fn sample_spec(
             link: None,
         };
         if sampled.probes_in {
-            let attached = uprobe_mut(ebpf, program)
-                .and_then(|uprobe| attach_at(uprobe, program, &probe.path(), offset, spec.id));
+            let attached = uprobe_mut(ebpf, program).and_then(|uprobe| {
+                attach_at(
+                    uprobe,
+                    program,
+                    &probe.path(),
+                    offset,
+                    catalog::cookie(spec.id),
+                )
+            });
             match attached {
                 Ok(link) => probe.link = Some(link),
                 Err(error) => {

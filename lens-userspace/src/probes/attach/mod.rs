@@ -331,25 +331,33 @@ pub fn attach_count_only(
     id: ProbeId,
 ) -> Result<aya::programs::uprobe::UProbeLink> {
     let uprobe = uprobe_mut(ebpf, Program::CountOnly)?;
-    let link = attach_at(uprobe, Program::CountOnly, path, offset, id)?;
+    let link = attach_at(
+        uprobe,
+        Program::CountOnly,
+        path,
+        offset,
+        catalog::cookie(id),
+    )?;
     uprobe.take_link(link).map_err(|source| LensError::Program {
         program: Program::CountOnly.name(),
         source,
     })
 }
 
-fn attach_at(
+/// Attaches `uprobe` (the object's `program`) at `offset` in the file at `path`, in
+/// every process that maps it, with `cookie`: the one way every library probe goes in.
+pub(super) fn attach_at(
     uprobe: &mut UProbe,
     program: Program,
     path: &std::path::Path,
     offset: u64,
-    id: ProbeId,
+    cookie: u64,
 ) -> Result<UProbeLinkId> {
     uprobe
         .attach(
             UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(offset),
-                cookie: Some(catalog::cookie(id)),
+                cookie: Some(cookie),
             },
             path,
             UProbeScope::AllProcesses,

@@ -2,27 +2,21 @@
 //! matches in a library, entry and return, the rule in the attach cookie.
 use std::collections::HashSet;
 
-use aya::{
-    Ebpf,
-    programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
-};
+use aya::Ebpf;
 
 use lens_common::rule_cookie;
 use log::warn;
 
 use super::object::uprobe_mut;
-use super::{Attacher, ProbeOutcome};
+use super::{Attacher, ProbeOutcome, attach_at};
 use crate::probes::catalog::Program;
+use crate::settings::{
+    config::{ArgType, NativeRule},
+    groups::SpanGroups,
+};
 use crate::sys::{
     library::MappedLibrary,
     symbols::{Symbol, resolve_matching, resolve_symbols},
-};
-use crate::{
-    error::LensError,
-    settings::{
-        config::{ArgType, NativeRule},
-        groups::SpanGroups,
-    },
 };
 
 impl Attacher {
@@ -165,19 +159,7 @@ impl Attacher {
                 }
                 for program in [Program::UserRuleEntry, Program::UserRuleReturn] {
                     let result = uprobe_mut(ebpf, program).and_then(|uprobe| {
-                        uprobe
-                            .attach(
-                                UProbeAttachPoint {
-                                    location: UProbeAttachLocation::AbsoluteOffset(place.offset),
-                                    cookie: Some(cookie),
-                                },
-                                &library.open_path,
-                                UProbeScope::AllProcesses,
-                            )
-                            .map_err(|source| LensError::Program {
-                                program: program.name(),
-                                source,
-                            })
+                        attach_at(uprobe, program, &library.open_path, place.offset, cookie)
                     });
                     outcomes.push(match result {
                         Ok(id) => {

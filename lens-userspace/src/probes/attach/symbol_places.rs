@@ -2,14 +2,10 @@
 //! address, missing ones reported; and the attaching there.
 use std::collections::HashMap;
 
-use aya::{
-    Ebpf,
-    programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
-};
+use aya::{Ebpf, programs::uprobe::UProbeLinkId};
 
-use super::ProbeOutcome;
 use super::object::uprobe_mut;
-use crate::error::LensError;
+use super::{ProbeOutcome, attach_at};
 use crate::probes::catalog::{self, Program};
 use crate::sys::{
     library::MappedLibrary,
@@ -105,19 +101,7 @@ pub(super) fn attach_spec(
         let offset = place.offset;
         for program in spec.entry.into_iter().chain(spec.exit) {
             let result = uprobe_mut(ebpf, program).and_then(|uprobe| {
-                uprobe
-                    .attach(
-                        UProbeAttachPoint {
-                            location: UProbeAttachLocation::AbsoluteOffset(offset),
-                            cookie: Some(spec.cookie()),
-                        },
-                        &library.open_path,
-                        UProbeScope::AllProcesses,
-                    )
-                    .map_err(|source| LensError::Program {
-                        program: program.name(),
-                        source,
-                    })
+                attach_at(uprobe, program, &library.open_path, offset, spec.cookie())
             });
             outcomes.push(match result {
                 Ok(id) => {
