@@ -221,6 +221,52 @@ impl Layout {
             .find_map(|section| from(section.notes(endian, data)))
     }
 
+    /// The symbol tables in the order they are read, each with its version table: the
+    /// dynamic one first (the only one with versions), then the static one, the large one.
+    pub(super) fn tables(&self) -> impl Iterator<Item = (SymbolTable, Option<(u64, u64)>)> {
+        [
+            self.dynsym.map(|table| (table, self.versym)),
+            self.symtab.map(|table| (table, None)),
+        ]
+        .into_iter()
+        .flatten()
+    }
+
+    /// Scans `table` for the entries whose names start at the string offsets `at`
+    /// (offset, index into `names`), as `scan_symbols` does, for this file's class.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn scan_table<'a>(
+        &self,
+        file: &File,
+        table: SymbolTable,
+        versym: Option<(u64, u64)>,
+        at: &[(u64, usize)],
+        names: &[&'a str],
+        chunk: usize,
+        found: &mut HashMap<&'a str, Candidate>,
+    ) -> std::result::Result<(), String> {
+        let scan = match self.class {
+            Class::Elf32 => scan_symbols::<elf::FileHeader32<Endianness>>,
+            Class::Elf64 => scan_symbols::<elf::FileHeader64<Endianness>>,
+        };
+        let versions = Versions {
+            versym,
+            // Without version definitions a name is defined once: the scan may stop at
+            // the last name found.
+            defined: !self.version_names.is_empty(),
+        };
+        scan(
+            file,
+            self.endian,
+            table.symbols,
+            versions,
+            at,
+            names,
+            chunk,
+            found,
+        )
+    }
+
     /// The definitions of the symbols named `names` (sorted, unique) that the library
     /// defines, reading the tables `chunk` bytes at a time.
     pub(super) fn definitions(
@@ -230,13 +276,8 @@ impl Layout {
         chunk: usize,
     ) -> std::result::Result<HashMap<String, Definition>, String> {
         let mut found: HashMap<&str, Candidate> = HashMap::with_capacity(names.len());
-        // The static table is read only when the dynamic one lacks a wanted name: it is
-        // the large one. Only the dynamic one has versions.
-        let tables = [
-            self.dynsym.map(|table| (table, self.versym)),
-            self.symtab.map(|table| (table, None)),
-        ];
-        for (table, versym) in tables.into_iter().flatten() {
+        // The static table is read only when the dynamic one lacks a wanted name.
+        for (table, versym) in self.tables() {
             let missing: Vec<&str> = names
                 .iter()
                 .copied()
@@ -249,26 +290,7 @@ impl Layout {
             if at.is_empty() {
                 continue;
             }
-            let scan = match self.class {
-                Class::Elf32 => scan_symbols::<elf::FileHeader32<Endianness>>,
-                Class::Elf64 => scan_symbols::<elf::FileHeader64<Endianness>>,
-            };
-            let versions = Versions {
-                versym,
-                // Without version definitions a name is defined once: the scan may stop
-                // at the last name found.
-                defined: !self.version_names.is_empty(),
-            };
-            scan(
-                file,
-                self.endian,
-                table.symbols,
-                versions,
-                &at,
-                &missing,
-                chunk,
-                &mut found,
-            )?;
+            self.scan_table(file, table, versym, &at, &missing, chunk, &mut found)?;
         }
 
         let version_name = |index: u16| self.version_names.get(&index).cloned();

@@ -2,10 +2,8 @@
 //! streaming the string table once.
 use std::{collections::HashMap, fs::File, os::unix::fs::FileExt, path::Path};
 
-use object::{Endianness, elf};
-
-use super::layout::{Class, Layout};
-use super::scan::{Candidate, Versions, scan_symbols};
+use super::layout::Layout;
+use super::scan::Candidate;
 use super::{CHUNK, Definition, Symbol};
 use crate::error::{LensError, Result};
 use crate::patterns::SymbolPattern;
@@ -58,11 +56,7 @@ pub(super) fn resolve_matching_chunked(
     // Name → definition, and the patterns each name matched.
     let mut definitions: HashMap<String, Definition> = HashMap::new();
     let mut matched_by: HashMap<String, Vec<usize>> = HashMap::new();
-    let tables = [
-        layout.dynsym.map(|table| (table, layout.versym)),
-        layout.symtab.map(|table| (table, None)),
-    ];
-    for (table, versym) in tables.into_iter().flatten() {
+    for (table, versym) in layout.tables() {
         let mut candidates =
             matching_offsets(&file, table.strings, patterns, caps, chunk, &mut capped)
                 .map_err(elf_error)?;
@@ -91,25 +85,9 @@ pub(super) fn resolve_matching_chunked(
         }
         let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let mut found: HashMap<&str, Candidate> = HashMap::new();
-        let scan = match layout.class {
-            Class::Elf32 => scan_symbols::<elf::FileHeader32<Endianness>>,
-            Class::Elf64 => scan_symbols::<elf::FileHeader64<Endianness>>,
-        };
-        let versions = Versions {
-            versym,
-            defined: !layout.version_names.is_empty(),
-        };
-        scan(
-            &file,
-            layout.endian,
-            table.symbols,
-            versions,
-            &at,
-            &name_refs,
-            chunk,
-            &mut found,
-        )
-        .map_err(elf_error)?;
+        layout
+            .scan_table(&file, table, versym, &at, &name_refs, chunk, &mut found)
+            .map_err(elf_error)?;
         let version_name = |index: u16| layout.version_names.get(&index).cloned();
         // Patterns probe functions: data (a glob's `my_*` catching `my_table`) and IFUNC
         // resolvers are no place for a uprobe.
