@@ -109,6 +109,31 @@ impl CallTiming {
     }
 }
 
+/// The Python function that made a native call: the code object the kernel read from
+/// the calling thread's innermost frame, named by the session before any sink sees the
+/// call.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PythonCaller {
+    /// Not a sampled CPython thread, or no frame.
+    #[default]
+    None,
+    /// The code object's address, not (yet) named.
+    Code(u64),
+    /// Named: `code.function` and `code.filepath`.
+    Named { function: String, file: String },
+}
+
+impl PythonCaller {
+    /// As the kernel sent it: 0 is no caller.
+    pub fn from_code(code: u64) -> PythonCaller {
+        match code {
+            0 => PythonCaller::None,
+            code => PythonCaller::Code(code),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ProbeEvent {
@@ -126,9 +151,8 @@ pub enum ProbeEvent {
         comm: u64,
         stream: u64,
         result: i32,
-        /// The code object of the Python function that made the call (sampled CPython
-        /// processes; 0 when unknown).
-        python_caller: u64,
+        /// The Python function that made the call (sampled CPython processes).
+        python_caller: PythonCaller,
     },
     SyncWait {
         #[serde(flatten)]
@@ -138,16 +162,7 @@ pub enum ProbeEvent {
         handle: u64,
         result: i32,
         /// As for collectives.
-        python_caller: u64,
-    },
-    /// The Python function that made the native call of `tid` that started at `at_ns`
-    /// (the session names a collective's or sync's `python_caller` just before it).
-    PythonCaller {
-        tgid: u32,
-        tid: u32,
-        at_ns: u64,
-        function: String,
-        file: String,
+        python_caller: PythonCaller,
     },
     CommInit {
         #[serde(flatten)]
@@ -274,8 +289,7 @@ impl ProbeEvent {
             | ProbeEvent::ProcessExec { tgid, .. }
             | ProbeEvent::ProcessExit { tgid, .. }
             | ProbeEvent::RuleCall { tgid, .. }
-            | ProbeEvent::PyStack { tgid, .. }
-            | ProbeEvent::PythonCaller { tgid, .. } => *tgid,
+            | ProbeEvent::PyStack { tgid, .. } => *tgid,
             ProbeEvent::ProcessForked { child, .. } => *child,
         }
     }
@@ -450,14 +464,14 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
             comm: raw.comm,
             stream: raw.handle,
             result,
-            python_caller: raw.python_caller,
+            python_caller: PythonCaller::from_code(raw.python_caller),
         },
         EventKind::SyncWait => ProbeEvent::SyncWait {
             timing,
             kind: SyncKind::from_probe(probe).ok_or(DecodeError::UnknownProbe(raw.probe))?,
             handle: raw.handle,
             result,
-            python_caller: raw.python_caller,
+            python_caller: PythonCaller::from_code(raw.python_caller),
         },
         EventKind::CommInit => ProbeEvent::CommInit {
             timing,

@@ -5,7 +5,7 @@ use std::{collections::BTreeMap, io::Write};
 use lens_common::ProbeId;
 
 use crate::{
-    events::ProbeEvent,
+    events::{ProbeEvent, PythonCaller},
     hangs::{HangReport, Resolved},
     kernels::KernelLaunches,
     sys::target::{ExitStatus, ProcessInfo},
@@ -158,6 +158,14 @@ impl<W: Write> EventPrinter<W> {
     }
 }
 
+/// ` from Python FUNCTION (FILE)` when the caller was named.
+fn called_from(caller: &PythonCaller) -> String {
+    match caller {
+        PythonCaller::Named { function, file } => format!(" from Python {function} ({file})"),
+        PythonCaller::None | PythonCaller::Code(_) => String::new(),
+    }
+}
+
 fn describe(event: &ProbeEvent) -> String {
     fn us(ns: u64) -> f64 {
         ns as f64 / 1_000.0
@@ -174,7 +182,7 @@ fn describe(event: &ProbeEvent) -> String {
             comm,
             stream,
             result,
-            ..
+            python_caller,
         } => {
             let dtype =
                 datatype.map_or_else(|| format!("dtype({raw_datatype})"), |d| d.name().into());
@@ -194,8 +202,9 @@ fn describe(event: &ProbeEvent) -> String {
                 line += &format!(" peer={peer}");
             }
             line + &format!(
-                " comm={comm:#x} stream={stream:#x} ret={result} call={:.1}us",
-                us(timing.duration_ns())
+                " comm={comm:#x} stream={stream:#x} ret={result} call={:.1}us{}",
+                us(timing.duration_ns()),
+                called_from(python_caller)
             )
         }
         ProbeEvent::SyncWait {
@@ -203,13 +212,14 @@ fn describe(event: &ProbeEvent) -> String {
             kind,
             handle,
             result,
-            ..
+            python_caller,
         } => format!(
-            "[{}:{}] {} handle={handle:#x} ret={result} wait={:.1}us",
+            "[{}:{}] {} handle={handle:#x} ret={result} wait={:.1}us{}",
             timing.tgid,
             timing.tid,
             kind.span_name(),
-            us(timing.duration_ns())
+            us(timing.duration_ns()),
+            called_from(python_caller)
         ),
         ProbeEvent::CommInit {
             timing,
@@ -280,13 +290,6 @@ fn describe(event: &ProbeEvent) -> String {
                 us(timing.end_ns.saturating_sub(at))
             ))
         ),
-        ProbeEvent::PythonCaller {
-            tgid,
-            tid,
-            function,
-            file,
-            ..
-        } => format!("[{tgid}:{tid}] called from Python {function} ({file})"),
         ProbeEvent::PyStack {
             tgid, tid, frames, ..
         } => format!(

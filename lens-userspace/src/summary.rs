@@ -250,7 +250,6 @@ impl Summary {
             | ProbeEvent::EventRecorded { .. }
             | ProbeEvent::EventQueryComplete { .. }
             | ProbeEvent::PyStack { .. }
-            | ProbeEvent::PythonCaller { .. }
             | ProbeEvent::Phase { .. }
             | ProbeEvent::LinkMapChanged { .. }
             | ProbeEvent::ProcessForked { .. }
@@ -519,7 +518,7 @@ impl Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::events::CallTiming;
+    use crate::events::{CallTiming, PythonCaller};
 
     fn timing(start_ns: u64, end_ns: u64) -> CallTiming {
         CallTiming {
@@ -545,14 +544,14 @@ mod tests {
                 comm: 1,
                 stream: 2,
                 result: 0,
-                python_caller: 0,
+                python_caller: PythonCaller::None,
             });
             summary.on_event(&ProbeEvent::SyncWait {
                 timing: timing(0, step * 10_000_000),
                 kind: SyncKind::Stream,
                 handle: 2,
                 result: 0,
-                python_caller: 0,
+                python_caller: PythonCaller::None,
             });
         }
         let process = &summary.processes[&7];
@@ -644,7 +643,7 @@ mod tests {
                 comm: 1,
                 stream: 0,
                 result: 0,
-                python_caller: 0,
+                python_caller: PythonCaller::None,
             });
         }
         summary.on_process_end(&ProcessEnd {

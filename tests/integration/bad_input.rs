@@ -18,7 +18,7 @@ use lens_common::{Event, EventKind, NONE_I32, ProbeId, SCOPE_NAME_BYTES};
 use lens_probe::{
     budget::OverheadBudget,
     discovery::NodeFilter,
-    events::{self, DecodeError, PhaseSignal, ProbeEvent},
+    events::{self, DecodeError, PhaseSignal, ProbeEvent, PythonCaller},
     export::{
         config::{self, ExportSettings},
         strategy::ExportStrategy,
@@ -311,18 +311,15 @@ fn assert_key_fields(raw: &Event, event: &ProbeEvent) -> Result<(), TestCaseErro
                 (*count, *raw_datatype, *comm, *stream, *r),
                 (raw.count, raw.datatype, raw.comm, raw.handle, result)
             );
-            prop_assert_eq!(*python_caller, raw.python_caller);
+            prop_assert_eq!(python_caller, &PythonCaller::from_code(raw.python_caller));
             prop_assert_eq!(*peer, (raw.peer != NONE_I32).then_some(raw.peer));
         }
         ProbeEvent::GlooCall { timing, .. } => {
             prop_assert_eq!(kind, Some(EventKind::Collective));
             prop_assert!(timing_matches(timing));
         }
-        ProbeEvent::PyStack { .. } | ProbeEvent::PythonCaller { .. } => {
-            prop_assert!(
-                false,
-                "the decoder made a Python stack or caller of an event"
-            );
+        ProbeEvent::PyStack { .. } => {
+            prop_assert!(false, "the decoder made a Python stack of an event");
         }
         ProbeEvent::EventRecorded {
             timing,

@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, time::Duration};
 
 use lens_common::{NCCL_UNIQUE_ID_WORDS, ProbeId, comm_id_hash};
 use lens_probe::{
-    events::{CollectiveOp, ProbeEvent, SyncKind},
+    events::{CollectiveOp, ProbeEvent, PythonCaller, SyncKind},
     nccl::{DataType, RedOp},
     session::{RunReport, Session, StopReason, TraceOptions},
     settings::groups::SpanGroups,
@@ -256,7 +256,7 @@ fn exec_trainer_every_call_counted_with_exact_arguments() {
                 } if *k == kind => {
                     assert_eq!(*h, handle, "{kind:?}");
                     assert_eq!(*result, 0);
-                    assert_eq!(*python_caller, 0, "not a Python process");
+                    assert_eq!(*python_caller, PythonCaller::None, "not a Python process");
                     Some(timing.duration_ns())
                 }
                 _ => None,

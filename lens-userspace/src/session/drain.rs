@@ -104,9 +104,7 @@ impl Session {
                             let calls = tracker.settle_framework_calls(tgid, tid, at);
                             self.deliver_rule_calls(calls, sink);
                         }
-                        if let Some(caller) = self.python_caller(&event) {
-                            sink.on_event(&caller);
-                        }
+                        self.name_python_caller(&mut event);
                         sink.on_event(&event);
                     }
                     Err(error) => {

@@ -8,7 +8,7 @@ use lens_common::{maps, saving};
 use log::{info, warn};
 
 use crate::{
-    events::ProbeEvent,
+    events::{ProbeEvent, PythonCaller},
     python::{self, PythonTracker},
     sink::EventSink,
 };
@@ -16,9 +16,9 @@ use crate::{
 use super::Session;
 
 impl Session {
-    /// The Python function that made a collective or sync call, named, for the sinks to
-    /// see just before the call.
-    pub(super) fn python_caller(&mut self, event: &ProbeEvent) -> Option<ProbeEvent> {
+    /// Names the Python function that made a collective or sync call, in the event
+    /// itself, before any sink sees it.
+    pub(super) fn name_python_caller(&mut self, event: &mut ProbeEvent) {
         let (ProbeEvent::Collective {
             timing,
             python_caller,
@@ -30,22 +30,18 @@ impl Session {
             ..
         }) = event
         else {
-            return None;
+            return;
         };
-        if *python_caller == 0 {
-            return None;
-        }
-        let (function, file) = self
+        let PythonCaller::Code(code) = *python_caller else {
+            return;
+        };
+        if let Some((function, file)) = self
             .python
-            .as_mut()?
-            .name_code(timing.tgid, *python_caller)?;
-        Some(ProbeEvent::PythonCaller {
-            tgid: timing.tgid,
-            tid: timing.tid,
-            at_ns: timing.start_ns,
-            function,
-            file,
-        })
+            .as_mut()
+            .and_then(|python| python.name_code(timing.tgid, code))
+        {
+            *python_caller = PythonCaller::Named { function, file };
+        }
     }
 
     /// Python rules that no traced process called, one line each (after a run).

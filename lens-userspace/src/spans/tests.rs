@@ -1,7 +1,7 @@
 //! The phase rules on synthetic event streams: exact trees and boundaries.
 use super::{AttrValue, SpanBuilder, SpanLog, SpanStatus, names};
 use crate::{
-    events::{CallTiming, CollectiveOp, PhaseSignal, ProbeEvent, TorchScope},
+    events::{CallTiming, CollectiveOp, PhaseSignal, ProbeEvent, PythonCaller, TorchScope},
     kernels::KernelLaunches,
     nccl::{DataType, RedOp},
     semconv,
@@ -141,7 +141,7 @@ impl Run {
             comm: 0xC0FFEE00,
             stream: 0,
             result: 0,
-            python_caller: 0,
+            python_caller: PythonCaller::None,
         });
         self
     }
@@ -533,14 +533,7 @@ fn a_call_named_by_its_python_caller_carries_the_function_and_file() {
     let mut run = Run::new("per_step", true);
     run.step(1);
     let at = run.now + 1_000_000;
-    run.builder.on_event(&ProbeEvent::PythonCaller {
-        tgid: PID,
-        tid: PID,
-        at_ns: at,
-        function: "Trainer.reduce_gradients".into(),
-        file: "/src/trainer.py".into(),
-    });
-    let sync = |start_ns: u64| ProbeEvent::SyncWait {
+    let sync = |start_ns: u64, python_caller| ProbeEvent::SyncWait {
         timing: CallTiming {
             tgid: PID,
             tid: PID,
@@ -550,11 +543,16 @@ fn a_call_named_by_its_python_caller_carries_the_function_and_file() {
         kind: crate::events::SyncKind::Device,
         handle: 0,
         result: 0,
-        python_caller: 1,
+        python_caller,
     };
-    run.builder.on_event(&sync(at));
-    // The next call of the thread has no caller of its own: none carried over.
-    run.builder.on_event(&sync(at + 2_000_000));
+    let named = PythonCaller::Named {
+        function: "Trainer.reduce_gradients".into(),
+        file: "/src/trainer.py".into(),
+    };
+    run.builder.on_event(&sync(at, named));
+    // A code object the session could not name gives no attributes.
+    run.builder
+        .on_event(&sync(at + 2_000_000, PythonCaller::Code(0x7f00)));
     let log = run.end(5, Some(ExitStatus::Exited(0)));
     let syncs: Vec<_> = log.named("cuda.device_synchronize").collect();
     assert_eq!(syncs.len(), 2);

@@ -7,7 +7,7 @@ use std::{
 };
 
 use super::{
-    Attributes, SpanEvent, SpanExporter, SpanId, SpanRecord,
+    SpanEvent, SpanExporter, SpanId, SpanRecord,
     arena::{IdSource, Placement, SpanArena},
     collectives::Collectives,
     names,
@@ -15,7 +15,6 @@ use super::{
     straggler_cause::{PhaseCall, PhaseHistory},
 };
 use crate::{
-    events::CallTiming,
     semconv,
     settings::{
         config::ProbeRules,
@@ -151,9 +150,6 @@ pub struct SpanBuilder<E: SpanExporter> {
     processes: HashMap<u32, ProcessSpans>,
     /// Collective spans held until their completion and the other ranks are known.
     collectives: Collectives,
-    /// Per thread, the Python function that made its next native call: (the call's
-    /// start, function, file).
-    python_callers: HashMap<(u32, u32), (u64, String, String)>,
     /// Calls in flight when a hang was found, by (process, thread, entry): their spans
     /// get a `lens_probe.hang` event when they return.
     hung_calls: HashMap<(u32, u32, u64), SpanEvent>,
@@ -202,7 +198,6 @@ impl<E: SpanExporter> SpanBuilder<E> {
             ids: IdSource::new(),
             processes: HashMap::new(),
             collectives: Collectives::default(),
-            python_callers: HashMap::new(),
             hung_calls: HashMap::new(),
             scope_stacks: HashMap::new(),
             exporter: Tap {
@@ -232,18 +227,6 @@ impl<E: SpanExporter> SpanBuilder<E> {
     ) -> &std::collections::BTreeMap<crate::events::CollectiveOp, super::stragglers::OpStragglers>
     {
         self.collectives.stragglers()
-    }
-
-    /// `code.function` and `code.filepath` of the Python function that made the call
-    /// `timing` describes, when the session named it.
-    fn python_caller_of(&mut self, timing: &CallTiming) -> Attributes {
-        match self.python_callers.remove(&(timing.tgid, timing.tid)) {
-            Some((at_ns, function, file)) if at_ns == timing.start_ns => vec![
-                (semconv::CODE_FUNCTION, function.into()),
-                (semconv::CODE_FILEPATH, file.into()),
-            ],
-            _ => Attributes::new(),
-        }
     }
 
     /// Starts the job of `info` at `start_ns` (the library entry point; the sink uses now).

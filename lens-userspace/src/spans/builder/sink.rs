@@ -5,7 +5,7 @@ use crate::spans::{
     names, straggler_cause::PhaseCall,
 };
 use crate::{
-    events::ProbeEvent,
+    events::{ProbeEvent, PythonCaller},
     hangs::{HangReport, Resolved},
     semconv,
     sink::{EventSink, ProcessEnd, SinkInput},
@@ -57,7 +57,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 comm,
                 stream,
                 result,
-                ..
+                python_caller,
             } => {
                 let mut attributes: Attributes = vec![
                     (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
@@ -92,7 +92,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                     attributes.push((semconv::DL_RANK, c.rank.into()));
                     attributes.push((semconv::DL_WORLD_SIZE, c.nranks.into()));
                 }
-                attributes.extend(self.python_caller_of(timing));
+                attributes.extend(python_caller_attributes(python_caller));
                 let Some(record) = self.call_record(timing, op.span_name(), attributes, *result)
                 else {
                     return;
@@ -132,10 +132,10 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 kind,
                 handle,
                 result,
-                ..
+                python_caller,
             } => {
                 let mut attributes = vec![(semconv::CUDA_SYNC_KIND, kind.name().into())];
-                attributes.extend(self.python_caller_of(timing));
+                attributes.extend(python_caller_attributes(python_caller));
                 self.on_call(timing, kind.span_name(), attributes, *result);
                 if *result == 0 {
                     let released =
@@ -196,17 +196,6 @@ impl<E: SpanExporter> SpanBuilder<E> {
                     (semconv::DL_WORLD_SIZE, (*nranks).into()),
                 ];
                 self.on_call(timing, names::NCCL_COMM_INIT, attributes, *result);
-            }
-            // The session turns samples into rule calls first.
-            ProbeEvent::PythonCaller {
-                tgid,
-                tid,
-                at_ns,
-                function,
-                file,
-            } => {
-                self.python_callers
-                    .insert((*tgid, *tid), (*at_ns, function.clone(), file.clone()));
             }
             ProbeEvent::Group { .. }
             | ProbeEvent::PyStack { .. }
@@ -371,5 +360,17 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
             SinkInput::Hang(report) => self.hang(report),
             SinkInput::HangResolved(resolved) => self.hang_resolved(resolved),
         }
+    }
+}
+
+/// `code.function` and `code.filepath` of the Python function that made a call, when
+/// the session named it.
+fn python_caller_attributes(caller: &PythonCaller) -> Attributes {
+    match caller {
+        PythonCaller::Named { function, file } => vec![
+            (semconv::CODE_FUNCTION, function.as_str().into()),
+            (semconv::CODE_FILEPATH, file.as_str().into()),
+        ],
+        PythonCaller::None | PythonCaller::Code(_) => Attributes::new(),
     }
 }
