@@ -9,11 +9,11 @@ fn main() {
         .expect("lens-userspace sits in the workspace");
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
 
-    for input in xtask::ebpf::inputs(workspace_root) {
+    for input in lens_ebpf_builder::ebpf::inputs(workspace_root) {
         println!("cargo::rerun-if-changed={}", input.display());
     }
     let target_dir = workspace_root.join("target").join("bpf");
-    match xtask::ebpf::build(workspace_root, &target_dir, true) {
+    match lens_ebpf_builder::ebpf::build(workspace_root, &target_dir, true) {
         Ok(object) => {
             let embedded = out_dir.join("lens-ebpf.o");
             if let Err(error) = std::fs::copy(&object, &embedded) {

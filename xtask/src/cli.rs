@@ -1,264 +1,188 @@
-//! Hand-parsed command line of `cargo xtask`.
+//! The command line of `cargo xtask`.
+
+use clap::{Parser, Subcommand};
 
 use crate::bench::Blocks;
 
-pub const USAGE: &str = "\
-usage: cargo xtask <command>
-
-commands:
-  setup [--dry-run]     install what the build and tests need (nightly + rust-src, bpf-linker,
-                        the NVIDIA PyPI wheels, gcc, a Python 3.13 venv with PyTorch and
-                        NeMo Lens); each step is skipped when already done;
-                        --dry-run only prints what it would do
-  build-ebpf [--debug]  build the eBPF object into target/bpf and print its path (release by default)
-  test                  setup, then build, test, clippy -D warnings and fmt --check the workspace
-  demo                  setup, build lens-probe and the fixtures, trace the fake trainer
-  bench [--quick] [--rounds N] [--only BLOCK,...]
-                        measure lens-probe's overhead (per-hit cost vs bpftrace, overall and
-                        per probe kind, slowdown per preset on the fake trainer and on
-                        PyTorch, attach time, CPU and RSS, event throughput, the Python
-                        sampler, hang detection), variants interleaved, N rounds (default 5),
-                        medians; prints one markdown table and writes it into
-                        docs/performance.md. Needs root.
-                        --quick: 1 round, smaller loops, docs left as they are. --only: these
-                        blocks only (trainer, per-kind, torch, attach, throughput, budget,
-                        python, hangs), docs left as they are
-  help                  print this help";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Command {
-    Setup {
-        dry_run: bool,
-    },
-    BuildEbpf {
-        release: bool,
-    },
-    Test,
-    Demo,
-    Bench {
-        quick: bool,
-        rounds: Option<u32>,
-        only: Option<Blocks>,
-    },
-    Help,
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", about = "Project automation for lens-probe")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
 }
 
-/// Parses the arguments after `xtask`. `Err` is a one-line reason (then print usage, exit 2).
-pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, String> {
-    let Some((first, rest)) = args.split_first() else {
-        return Err("missing command".into());
-    };
-    let rest: Vec<&str> = rest.iter().map(AsRef::as_ref).collect();
-    let unexpected = |cmd: &str, arg: &str| Err(format!("unexpected argument `{arg}` for `{cmd}`"));
-    match first.as_ref() {
-        "help" | "-h" | "--help" => Ok(Command::Help),
-        "setup" => {
-            let mut dry_run = false;
-            for arg in rest {
-                match arg {
-                    "--dry-run" | "-n" => dry_run = true,
-                    "-h" | "--help" => return Ok(Command::Help),
-                    other => return unexpected("setup", other),
-                }
-            }
-            Ok(Command::Setup { dry_run })
-        }
-        "build-ebpf" => {
-            let mut release = true;
-            for arg in rest {
-                match arg {
-                    "--debug" => release = false,
-                    "--release" => release = true,
-                    "-h" | "--help" => return Ok(Command::Help),
-                    other => return unexpected("build-ebpf", other),
-                }
-            }
-            Ok(Command::BuildEbpf { release })
-        }
-        "bench" => {
-            let mut quick = false;
-            let mut rounds = None;
-            let mut only = None;
-            let mut args = rest.iter();
-            while let Some(arg) = args.next() {
-                let value = match *arg {
-                    "--quick" => {
-                        quick = true;
-                        continue;
-                    }
-                    "-h" | "--help" => return Ok(Command::Help),
-                    "--rounds" => args.next().copied(),
-                    "--only" => {
-                        let list = args.next().ok_or("`--only` needs a list of blocks")?;
-                        only = Some(Blocks::parse(list)?);
-                        continue;
-                    }
-                    other => match (
-                        other.strip_prefix("--rounds="),
-                        other.strip_prefix("--only="),
-                    ) {
-                        (Some(value), _) => Some(value),
-                        (_, Some(list)) => {
-                            only = Some(Blocks::parse(list)?);
-                            continue;
-                        }
-                        _ => return unexpected("bench", other),
-                    },
-                };
-                match value.map(str::parse::<u32>) {
-                    Some(Ok(n)) if n > 0 => rounds = Some(n),
-                    Some(_) => {
-                        return Err(format!(
-                            "`--rounds` wants a whole number of at least 1, not `{}`",
-                            value.unwrap_or_default()
-                        ));
-                    }
-                    None => return Err("`--rounds` needs a value".into()),
-                }
-            }
-            Ok(Command::Bench {
-                quick,
-                rounds,
-                only,
-            })
-        }
-        cmd @ ("test" | "demo") => match rest.first() {
-            None => Ok(if cmd == "test" {
-                Command::Test
-            } else {
-                Command::Demo
-            }),
-            Some(&("-h" | "--help")) => Ok(Command::Help),
-            Some(other) => unexpected(cmd, other),
-        },
-        other => Err(format!("unknown command `{other}`")),
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+pub enum Command {
+    /// Install what the build and tests need
+    ///
+    /// The nightly toolchain with rust-src, bpf-linker, the NVIDIA PyPI wheels, gcc, and a
+    /// Python 3.13 venv with PyTorch and NeMo Lens; each step is skipped when already done.
+    Setup {
+        /// Only print what it would do
+        #[arg(long, short = 'n')]
+        dry_run: bool,
+    },
+    /// Build the eBPF object into target/bpf and print its path
+    BuildEbpf {
+        /// A debug build (the default is release; the last of --debug and --release wins)
+        #[arg(long, overrides_with = "release")]
+        debug: bool,
+        /// A release build (the default)
+        #[arg(long, overrides_with = "debug")]
+        release: bool,
+    },
+    /// Setup, then build, test, clippy -D warnings and fmt --check the workspace
+    Test,
+    /// Setup, build lens-probe and the fixtures, trace the fake trainer
+    Demo,
+    /// Measure lens-probe's overhead into docs/performance.md (needs root)
+    ///
+    /// Per-hit cost against bpftrace, overall and per probe kind; slowdown per preset on
+    /// the fake trainer and on PyTorch; attach time, CPU and RSS; event throughput; the
+    /// Python sampler; hang detection. Variants interleaved, medians of the rounds; one
+    /// markdown table, printed and written into docs/performance.md.
+    Bench {
+        /// 1 round, smaller loops, docs left as they are
+        #[arg(long)]
+        quick: bool,
+        /// Rounds of interleaved variants (default 5; 1 with --quick)
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        rounds: Option<u32>,
+        /// These blocks only (trainer, per-kind, torch, attach, throughput, budget,
+        /// python, hangs), comma-separated; docs left as they are
+        #[arg(long, value_parser = Blocks::parse)]
+        only: Option<Blocks>,
+    },
+}
+
+impl Command {
+    /// For `build-ebpf`: whether the build is a release one.
+    pub fn release(debug: bool, release: bool) -> bool {
+        release || !debug
     }
+}
+
+/// Parses the arguments after `xtask`. An error is clap's: `--help` is one too, which
+/// `exit()` prints with status 0; a bad argument is named with the usage, status 2.
+pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, clap::Error> {
+    let argv = std::iter::once("cargo xtask").chain(args.iter().map(AsRef::as_ref));
+    Cli::try_parse_from(argv).map(|cli| cli.command)
 }
 
 #[cfg(test)]
 mod tests {
+    use clap::error::ErrorKind;
+
     use super::*;
 
     #[test]
     fn commands() {
-        assert_eq!(parse(&["setup"]), Ok(Command::Setup { dry_run: false }));
         assert_eq!(
-            parse(&["setup", "--dry-run"]),
-            Ok(Command::Setup { dry_run: true })
+            parse(&["setup"]).unwrap(),
+            Command::Setup { dry_run: false }
         );
         assert_eq!(
-            parse(&["build-ebpf"]),
-            Ok(Command::BuildEbpf { release: true })
+            parse(&["setup", "--dry-run"]).unwrap(),
+            Command::Setup { dry_run: true }
         );
-        assert_eq!(
-            parse(&["build-ebpf", "--debug"]),
-            Ok(Command::BuildEbpf { release: false })
-        );
-        assert_eq!(
-            parse(&["build-ebpf", "--debug", "--release"]),
-            Ok(Command::BuildEbpf { release: true })
-        );
-        assert_eq!(parse(&["test"]), Ok(Command::Test));
-        assert_eq!(parse(&["demo"]), Ok(Command::Demo));
-        for help in ["help", "-h", "--help"] {
-            assert_eq!(parse(&[help]), Ok(Command::Help));
+        let build = |args: &[&str]| match parse(args).unwrap() {
+            Command::BuildEbpf { debug, release } => Command::release(debug, release),
+            other => panic!("{other:?}"),
+        };
+        assert!(build(&["build-ebpf"]));
+        assert!(!build(&["build-ebpf", "--debug"]));
+        assert!(build(&["build-ebpf", "--debug", "--release"]));
+        assert!(!build(&["build-ebpf", "--release", "--debug"]));
+        assert_eq!(parse(&["test"]).unwrap(), Command::Test);
+        assert_eq!(parse(&["demo"]).unwrap(), Command::Demo);
+        for help in [&["help"][..], &["-h"], &["--help"], &["test", "--help"]] {
+            assert_eq!(parse(help).unwrap_err().kind(), ErrorKind::DisplayHelp);
         }
-        assert_eq!(parse(&["test", "--help"]), Ok(Command::Help));
         assert_eq!(
-            parse(&["bench"]),
-            Ok(Command::Bench {
+            parse(&["bench"]).unwrap(),
+            Command::Bench {
                 quick: false,
                 rounds: None,
                 only: None
-            })
+            }
         );
         assert_eq!(
-            parse(&["bench", "--quick"]),
-            Ok(Command::Bench {
-                quick: true,
-                rounds: None,
-                only: None
-            })
-        );
-        assert_eq!(
-            parse(&["bench", "--rounds", "3", "--quick"]),
-            Ok(Command::Bench {
+            parse(&["bench", "--rounds", "3", "--quick"]).unwrap(),
+            Command::Bench {
                 quick: true,
                 rounds: Some(3),
                 only: None
-            })
+            }
         );
         assert_eq!(
-            parse(&["bench", "--rounds=7"]),
-            Ok(Command::Bench {
+            parse(&["bench", "--rounds=7"]).unwrap(),
+            Command::Bench {
                 quick: false,
                 rounds: Some(7),
                 only: None
-            })
+            }
         );
         let only = Blocks::parse("per-kind,throughput").unwrap();
-        assert_eq!(
-            parse(&["bench", "--only", "per-kind,throughput", "--quick"]),
-            Ok(Command::Bench {
-                quick: true,
-                rounds: None,
-                only: Some(only)
-            })
-        );
-        assert_eq!(
-            parse(&["bench", "--only=per-kind,throughput"]),
-            Ok(Command::Bench {
-                quick: false,
-                rounds: None,
-                only: Some(only)
-            })
-        );
+        for args in [
+            &["bench", "--only", "per-kind,throughput", "--quick"][..],
+            &["bench", "--only=per-kind,throughput", "--quick"],
+        ] {
+            assert_eq!(
+                parse(args).unwrap(),
+                Command::Bench {
+                    quick: true,
+                    rounds: None,
+                    only: Some(only)
+                }
+            );
+        }
     }
 
+    /// Each bad command line is refused, the error naming what was wrong.
     #[test]
     fn errors() {
-        assert_eq!(parse::<&str>(&[]), Err("missing command".to_owned()));
-        assert_eq!(
-            parse(&["frobnicate"]),
-            Err("unknown command `frobnicate`".to_owned())
+        let refused = |args: &[&str], kind: ErrorKind, named: &str| {
+            let error = parse(args).unwrap_err();
+            assert_eq!(error.kind(), kind, "{args:?}: {error}");
+            assert!(error.to_string().contains(named), "{args:?}: {error}");
+        };
+        refused(
+            &[],
+            ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand,
+            "Usage",
         );
-        assert_eq!(
-            parse(&["build-ebpf", "--fast"]),
-            Err("unexpected argument `--fast` for `build-ebpf`".to_owned())
+        refused(&["frobnicate"], ErrorKind::InvalidSubcommand, "frobnicate");
+        refused(
+            &["build-ebpf", "--fast"],
+            ErrorKind::UnknownArgument,
+            "--fast",
         );
-        assert_eq!(
-            parse(&["test", "x"]),
-            Err("unexpected argument `x` for `test`".to_owned())
+        refused(&["test", "x"], ErrorKind::UnknownArgument, "'x'");
+        refused(
+            &["demo", "--release"],
+            ErrorKind::UnknownArgument,
+            "--release",
         );
-        assert_eq!(
-            parse(&["demo", "--release"]),
-            Err("unexpected argument `--release` for `demo`".to_owned())
+        refused(&["setup", "--force"], ErrorKind::UnknownArgument, "--force");
+        refused(&["bench", "--rounds"], ErrorKind::InvalidValue, "--rounds");
+        refused(
+            &["bench", "--rounds", "0"],
+            ErrorKind::ValueValidation,
+            "'0'",
         );
-        assert!(parse(&["setup", "--force"]).is_err());
-        assert_eq!(
-            parse(&["bench", "--rounds"]),
-            Err("`--rounds` needs a value".to_owned())
+        refused(
+            &["bench", "--rounds", "x"],
+            ErrorKind::ValueValidation,
+            "'x'",
         );
-        assert_eq!(
-            parse(&["bench", "--rounds", "0"]),
-            Err("`--rounds` wants a whole number of at least 1, not `0`".to_owned())
+        refused(&["bench", "--only"], ErrorKind::InvalidValue, "--only");
+        refused(
+            &["bench", "--only", "trainer,gpu"],
+            ErrorKind::ValueValidation,
+            "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput, \
+             budget, python, hangs)",
         );
-        assert!(parse(&["bench", "--rounds", "x"]).is_err());
-        assert_eq!(
-            parse(&["bench", "--only"]),
-            Err("`--only` needs a list of blocks".to_owned())
-        );
-        assert_eq!(
-            parse(&["bench", "--only", "trainer,gpu"]),
-            Err(
-                "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput, budget, python, hangs)"
-                    .to_owned()
-            )
-        );
-        assert_eq!(
-            parse(&["bench", "--fast"]),
-            Err("unexpected argument `--fast` for `bench`".to_owned())
-        );
-        assert!(parse(&["BUILD-EBPF"]).is_err());
+        refused(&["bench", "--fast"], ErrorKind::UnknownArgument, "--fast");
+        refused(&["BUILD-EBPF"], ErrorKind::InvalidSubcommand, "BUILD-EBPF");
     }
 }

@@ -26,18 +26,17 @@ fn main() -> ExitCode {
     };
     let command = match cli::parse(&args) {
         Ok(command) => command,
-        Err(reason) => return usage_error(&reason),
+        // `--help` too: printed with status 0; a bad argument with the usage, status 2.
+        Err(error) => error.exit(),
     };
     match command {
-        cli::Command::Help => {
-            println!("{}", cli::USAGE);
-            ExitCode::SUCCESS
-        }
         cli::Command::Setup { dry_run } => match setup::run(dry_run) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => fail(&format!("xtask setup: {e}")),
         },
-        cli::Command::BuildEbpf { release } => build_ebpf(release),
+        cli::Command::BuildEbpf { debug, release } => {
+            build_ebpf(cli::Command::release(debug, release))
+        }
         cli::Command::Test => test(),
         cli::Command::Demo => demo(),
         cli::Command::Bench {
@@ -63,7 +62,7 @@ fn main() -> ExitCode {
 }
 
 fn usage_error(reason: &str) -> ExitCode {
-    eprintln!("xtask: {reason}\n\n{}", cli::USAGE);
+    eprintln!("xtask: {reason} (see `cargo xtask help`)");
     ExitCode::from(2)
 }
 

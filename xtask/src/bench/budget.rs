@@ -10,10 +10,10 @@ use std::fs;
 use std::process::Command;
 use std::time::Instant;
 
-use super::json::Json;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, median, row};
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
+use serde_json::Value as Json;
 
 const EXTRA_LAUNCHES: &str = "2000";
 const LAUNCH_NS: &str = "3000";
@@ -161,7 +161,7 @@ fn run(
         if variant == Variant::AllBudget {
             let text = fs::read_to_string(&summary_path)
                 .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-            let json = Json::parse(&text)
+            let json = serde_json::from_str::<Json>(&text)
                 .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
             account_found = Some(account(&json).ok_or_else(|| {
                 format!("{name}: no overhead_budget in {}", summary_path.display())
@@ -293,7 +293,7 @@ mod tests {
     fn loop_lines_and_accounts() {
         assert_eq!(parse_loop("lens-bench-loop 1500000000\n"), Some(1.5));
         assert_eq!(parse_loop("trainer: 3 steps done"), None);
-        let json = Json::parse(
+        let json = serde_json::from_str::<Json>(
             r#"{"processes": [], "overhead_budget": {"budget_percent": 1.0, "per_hit_ns": 780.0,
                 "estimated_percent": 0.4, "sampled_percent": 2.5, "windows": 3}}"#,
         )
@@ -307,6 +307,9 @@ mod tests {
                 windows: 3.0
             })
         );
-        assert_eq!(account(&Json::parse(r#"{"processes": []}"#).unwrap()), None);
+        assert_eq!(
+            account(&serde_json::from_str::<Json>(r#"{"processes": []}"#).unwrap()),
+            None
+        );
     }
 }

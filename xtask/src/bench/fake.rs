@@ -6,11 +6,11 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use serde_json::Value as Json;
+
 use super::{
     CALLS_PER_PROCESS, CALLS_PER_STEP, Ctx, FAKE_PROBES, FAKE_WRAPPER, PRESETS, RUN_TIMEOUT, Watch,
-    fake_env,
-    json::Json,
-    lens_command, lens_probe_pids,
+    fake_env, lens_command, lens_probe_pids,
     proc::{Line, Proc, Stream},
     report::median,
     say, wait_teardown,
@@ -49,8 +49,9 @@ pub(super) struct TrainerSummary {
 pub(super) fn sum_members(value: Option<&Json>, field: Option<&str>) -> u64 {
     value
         .map(|v| {
-            v.members()
-                .iter()
+            v.as_object()
+                .into_iter()
+                .flatten()
                 .filter_map(|(_, m)| match field {
                     Some(f) => m.get(f)?.as_u64(),
                     None => m.as_u64(),
@@ -65,13 +66,15 @@ pub(super) fn trainer_summary(json: &Json, steps: u64) -> Result<TrainerSummary,
     let steps = steps.to_string();
     let process = json
         .get("processes")
-        .map(Json::as_array)
+        .and_then(Json::as_array)
+        .map(Vec::as_slice)
         .unwrap_or_default()
         .iter()
         .find(|p| {
             let argv = p
                 .get("command_line")
-                .map(Json::as_array)
+                .and_then(Json::as_array)
+                .map(Vec::as_slice)
                 .unwrap_or_default();
             argv.len() == 2
                 && argv[0].as_str().is_some_and(|a| a.ends_with("trainer"))
@@ -271,7 +274,7 @@ pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun, 
             teardown_s = Some(wait_teardown(&name, &before));
             let text = fs::read_to_string(&summary_path)
                 .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-            let json = Json::parse(&text)
+            let json = serde_json::from_str::<Json>(&text)
                 .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
             summary = Some(
                 trainer_summary(&json, ctx.sizes.trainer_steps)

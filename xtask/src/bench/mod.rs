@@ -27,7 +27,6 @@ mod attach;
 mod budget;
 mod fake;
 mod hangs;
-mod json;
 mod per_kind;
 mod proc;
 mod python;
@@ -653,9 +652,9 @@ mod tests {
     use super::fake::{
         TrainerSummary, bpftrace_script, parse_bpftrace_count, parse_elapsed, trainer_summary,
     };
-    use super::json::Json;
     use super::torch::parse_time_output;
     use super::*;
+    use serde_json::Value as Json;
 
     #[test]
     fn wrapper_lines() {
@@ -694,7 +693,7 @@ mod tests {
              "collectives": {"all_reduce": {"calls": 40, "bytes": 9}, "send": {"calls": 40}},
              "sync_waits": {"stream": {"calls": 40, "p50_ns": 3}}}
           ]}"#;
-        let json = Json::parse(doc).unwrap();
+        let json = serde_json::from_str::<Json>(doc).unwrap();
         assert_eq!(
             trainer_summary(&json, 40).unwrap(),
             TrainerSummary {

@@ -9,10 +9,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use super::fake::{parse_bpftrace_count, sum_members};
-use super::json::Json;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, fmt_duration, median};
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
+use serde_json::Value as Json;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
@@ -170,13 +170,15 @@ fn hammer_summary(json: &Json, kind: Kind, calls: u64) -> Result<(u64, u64), Str
     let n = calls.to_string();
     let process = json
         .get("processes")
-        .map(Json::as_array)
+        .and_then(Json::as_array)
+        .map(Vec::as_slice)
         .unwrap_or_default()
         .iter()
         .find(|p| {
             let argv = p
                 .get("command_line")
-                .map(Json::as_array)
+                .and_then(Json::as_array)
+                .map(Vec::as_slice)
                 .unwrap_or_default();
             argv.len() == 3
                 && argv[0].as_str().is_some_and(|a| a.ends_with("hammer"))
@@ -329,7 +331,7 @@ fn run(
             wait_teardown(&name, &before);
             let text = fs::read_to_string(&summary_path)
                 .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-            let json = Json::parse(&text)
+            let json = serde_json::from_str::<Json>(&text)
                 .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
             let (counted, lost) = hammer_summary(&json, kind, calls)
                 .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
@@ -574,7 +576,7 @@ mod tests {
             {"command_line": ["/f/hammer", "group", "1"], "calls": {"ncclGroupStart": 1}},
             {"command_line": ["/f/hammer", "group", "500"], "calls": {"ncclGroupStart": 500}}
           ]}"#;
-        let json = Json::parse(doc).unwrap();
+        let json = serde_json::from_str::<Json>(doc).unwrap();
         assert_eq!(hammer_summary(&json, Kind::Group, 500), Ok((500, 1)));
         assert!(hammer_summary(&json, Kind::Launch, 500).is_err());
     }

@@ -8,10 +8,10 @@
 use std::process::Command;
 use std::time::Instant;
 
-use super::json::Json;
 use super::proc::{Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, median, min_max};
 use super::{Ctx, RUN_TIMEOUT, Watch, say, scrub_lens_env};
+use serde_json::Value as Json;
 
 /// Target rates (events/s); `None`: as fast as the producer goes.
 const RATES: [Option<u64>; 6] = [
@@ -66,7 +66,7 @@ struct GenRun {
 
 impl GenRun {
     fn parse(line: &str) -> Option<GenRun> {
-        let json = Json::parse(line.trim()).ok()?;
+        let json = serde_json::from_str::<Json>(line.trim()).ok()?;
         let u = |key: &str| json.get(key).and_then(Json::as_u64);
         let f = |key: &str| json.get(key).and_then(Json::as_f64);
         Some(GenRun {
