@@ -134,6 +134,39 @@ impl PythonCaller {
     }
 }
 
+/// A ring-buffer record, decoded: a process-lifecycle notice the session acts on, or
+/// what traced code did, for the sinks.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decoded {
+    Control(ControlEvent),
+    Probe(ProbeEvent),
+}
+
+/// Process-lifecycle notices from the kernel. The session acts on them (targets,
+/// attaching, exits); no sink sees them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ControlEvent {
+    /// `tgid`'s dynamic loader mapped or unmapped libraries.
+    LinkMapChanged {
+        tgid: u32,
+        /// The process is stopped until the loader resumes it.
+        stopped: bool,
+        /// A target (else a process seen by node-wide discovery).
+        traced: bool,
+    },
+    /// Traced process `parent` forked `child`, which is traced from now on.
+    ProcessForked { parent: u32, child: u32 },
+    /// Traced process `tgid` called `execve`: it runs another program now.
+    ProcessExec {
+        tgid: u32,
+        /// A target (else a process seen by node-wide discovery).
+        traced: bool,
+    },
+    /// Traced process `tgid` exited with this wait status (as `waitpid` gives it).
+    ProcessExit { tgid: u32, wait_status: i32 },
+}
+
+/// What traced code did, as the sinks see it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ProbeEvent {
@@ -204,23 +237,6 @@ pub enum ProbeEvent {
         #[serde(flatten)]
         signal: PhaseSignal,
     },
-    LinkMapChanged {
-        tgid: u32,
-        /// The process is stopped until the loader resumes it.
-        stopped: bool,
-        /// A target (else a process seen by node-wide discovery).
-        traced: bool,
-    },
-    /// Traced process `parent` forked `child`, which is traced from now on.
-    ProcessForked { parent: u32, child: u32 },
-    /// Traced process `tgid` called `execve`: it runs another program now.
-    ProcessExec {
-        tgid: u32,
-        /// A target (else a process seen by node-wide discovery).
-        traced: bool,
-    },
-    /// Traced process `tgid` exited with this wait status (as `waitpid` gives it).
-    ProcessExit { tgid: u32, wait_status: i32 },
     /// `cudaEventRecord` of `event` on `stream`, sent when the stream holds collectives
     /// no event was recorded after yet (they complete when the event does), or when the
     /// event was such an event before (it now stands for later work).
@@ -285,12 +301,8 @@ impl ProbeEvent {
             | ProbeEvent::EventRecorded { timing, .. }
             | ProbeEvent::EventQueryComplete { timing, .. } => timing.tgid,
             ProbeEvent::Phase { tgid, .. }
-            | ProbeEvent::LinkMapChanged { tgid, .. }
-            | ProbeEvent::ProcessExec { tgid, .. }
-            | ProbeEvent::ProcessExit { tgid, .. }
             | ProbeEvent::RuleCall { tgid, .. }
             | ProbeEvent::PyStack { tgid, .. } => *tgid,
-            ProbeEvent::ProcessForked { child, .. } => *child,
         }
     }
 
@@ -348,7 +360,7 @@ pub struct PyFrame {
 }
 
 /// Decodes one ring buffer record.
-pub fn decode(bytes: &[u8]) -> Result<ProbeEvent, DecodeError> {
+pub fn decode(bytes: &[u8]) -> Result<Decoded, DecodeError> {
     let kind = bytes
         .get(..4)
         .map(|b| u32::from_ne_bytes(b.try_into().expect("4 bytes")));
@@ -358,7 +370,7 @@ pub fn decode(bytes: &[u8]) -> Result<ProbeEvent, DecodeError> {
         }
         // SAFETY: length checked; plain integers, valid for any bit pattern.
         let raw: PyStack = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-        return Ok(decode_py_stack(&raw));
+        return Ok(Decoded::Probe(decode_py_stack(&raw)));
     }
     if bytes.len() < size_of::<Event>() {
         return Err(DecodeError::TooShort(bytes.len()));
@@ -393,47 +405,58 @@ pub fn decode_py_stack(raw: &PyStack) -> ProbeEvent {
     }
 }
 
-pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
+pub fn decode_event(raw: &Event) -> Result<Decoded, DecodeError> {
     let kind = EventKind::from_u32(raw.kind).ok_or(DecodeError::UnknownKind(raw.kind))?;
-    // Scheduler events come from tracepoints, not from a probed function.
-    match kind {
-        EventKind::ProcessForked => {
-            return Ok(ProbeEvent::ProcessForked {
-                parent: raw.count as u32,
-                child: raw.tgid,
-            });
-        }
-        EventKind::ProcessExec => {
-            return Ok(ProbeEvent::ProcessExec {
-                tgid: raw.tgid,
-                traced: raw.peer == 1,
-            });
-        }
-        EventKind::ProcessExit => {
-            return Ok(ProbeEvent::ProcessExit {
-                tgid: raw.tgid,
-                wait_status: raw.count as i32,
-            });
-        }
-        EventKind::RuleCall => {
-            let rule = rule_index(raw.probe).ok_or(DecodeError::UnknownProbe(raw.probe))?;
-            let at_return = raw.at_return != 0;
-            let len = (raw.name_len as usize).min(raw.name.len());
-            return Ok(ProbeEvent::RuleCall {
-                tgid: raw.tgid,
-                tid: raw.tid,
-                at_ns: raw.start_ns,
-                launches: raw.launches,
-                epoch: raw.epoch,
-                rule,
-                at_return,
-                args: raw.args,
-                text: (!at_return && len > 0)
-                    .then(|| String::from_utf8_lossy(&raw.name[..len]).into_owned()),
-                ret: raw.ret,
-            });
-        }
-        _ => {}
+    Ok(match control_event(kind, raw) {
+        Some(control) => Decoded::Control(control),
+        None => Decoded::Probe(probe_event(kind, raw)?),
+    })
+}
+
+/// The process-lifecycle notices: from the scheduler's tracepoints and the dynamic
+/// loader's probe.
+fn control_event(kind: EventKind, raw: &Event) -> Option<ControlEvent> {
+    Some(match kind {
+        EventKind::ProcessForked => ControlEvent::ProcessForked {
+            parent: raw.count as u32,
+            child: raw.tgid,
+        },
+        EventKind::ProcessExec => ControlEvent::ProcessExec {
+            tgid: raw.tgid,
+            traced: raw.peer == 1,
+        },
+        EventKind::ProcessExit => ControlEvent::ProcessExit {
+            tgid: raw.tgid,
+            wait_status: raw.count as i32,
+        },
+        EventKind::LinkMapChanged => ControlEvent::LinkMapChanged {
+            tgid: raw.tgid,
+            stopped: raw.count == 1,
+            traced: raw.peer == 1,
+        },
+        _ => return None,
+    })
+}
+
+fn probe_event(kind: EventKind, raw: &Event) -> Result<ProbeEvent, DecodeError> {
+    // A configured rule's call: its probe field is the rule, not a catalog probe.
+    if kind == EventKind::RuleCall {
+        let rule = rule_index(raw.probe).ok_or(DecodeError::UnknownProbe(raw.probe))?;
+        let at_return = raw.at_return != 0;
+        let len = (raw.name_len as usize).min(raw.name.len());
+        return Ok(ProbeEvent::RuleCall {
+            tgid: raw.tgid,
+            tid: raw.tid,
+            at_ns: raw.start_ns,
+            launches: raw.launches,
+            epoch: raw.epoch,
+            rule,
+            at_return,
+            args: raw.args,
+            text: (!at_return && len > 0)
+                .then(|| String::from_utf8_lossy(&raw.name[..len]).into_owned()),
+            ret: raw.ret,
+        });
     }
     let probe = ProbeId::from_u32(raw.probe).ok_or(DecodeError::UnknownProbe(raw.probe))?;
     let timing = CallTiming {
@@ -500,14 +523,10 @@ pub fn decode_event(raw: &Event) -> Result<ProbeEvent, DecodeError> {
             },
             _ => return Err(DecodeError::UnknownProbe(raw.probe)),
         },
-        EventKind::LinkMapChanged => ProbeEvent::LinkMapChanged {
-            tgid: raw.tgid,
-            stopped: raw.count == 1,
-            traced: raw.peer == 1,
-        },
         EventKind::ProcessForked
         | EventKind::ProcessExec
         | EventKind::ProcessExit
+        | EventKind::LinkMapChanged
         | EventKind::RuleCall => {
             unreachable!("decoded above")
         }
@@ -595,7 +614,9 @@ mod tests {
 
     #[test]
     fn allreduce_decodes_with_bytes_and_duration() {
-        let event = decode(as_bytes(&raw_allreduce())).unwrap();
+        let Ok(Decoded::Probe(event)) = decode(as_bytes(&raw_allreduce())) else {
+            panic!("not a probe event");
+        };
         assert_eq!(event.bytes(), Some(4096));
         match event {
             ProbeEvent::Collective {
@@ -617,6 +638,20 @@ mod tests {
     }
 
     #[test]
+    fn process_lifecycle_records_are_control_events() {
+        let mut raw = raw_allreduce();
+        raw.kind = EventKind::ProcessExit as u32;
+        raw.count = 9;
+        assert_eq!(
+            decode_event(&raw),
+            Ok(Decoded::Control(ControlEvent::ProcessExit {
+                tgid: 10,
+                wait_status: 9
+            }))
+        );
+    }
+
+    #[test]
     fn malformed_records_are_reported_not_guessed() {
         assert_eq!(decode(&[0u8; 8]), Err(DecodeError::TooShort(8)));
         let mut raw = raw_allreduce();
@@ -631,7 +666,9 @@ mod tests {
     fn unknown_datatype_keeps_the_raw_value_and_no_bytes() {
         let mut raw = raw_allreduce();
         raw.datatype = 42;
-        let event = decode_event(&raw).unwrap();
+        let Ok(Decoded::Probe(event)) = decode_event(&raw) else {
+            panic!("not a probe event");
+        };
         assert_eq!(event.bytes(), None);
         assert!(matches!(
             event,

@@ -296,15 +296,6 @@ fn describe(event: &ProbeEvent) -> String {
             "[{tgid}:{tid}] Python stack changed: {} frames",
             frames.len()
         ),
-        ProbeEvent::LinkMapChanged { tgid, .. } => format!("[{tgid}] libraries changed"),
-        ProbeEvent::ProcessForked { parent, child } => format!("[{parent}] forked {child}"),
-        ProbeEvent::ProcessExec { tgid, .. } => format!("[{tgid}] exec"),
-        ProbeEvent::ProcessExit { tgid, wait_status } => {
-            format!(
-                "[{tgid}] exit {:?}",
-                ExitStatus::from_wait_status(*wait_status)
-            )
-        }
     }
 }
 

@@ -251,10 +251,6 @@ impl Summary {
             | ProbeEvent::EventQueryComplete { .. }
             | ProbeEvent::PyStack { .. }
             | ProbeEvent::Phase { .. }
-            | ProbeEvent::LinkMapChanged { .. }
-            | ProbeEvent::ProcessForked { .. }
-            | ProbeEvent::ProcessExec { .. }
-            | ProbeEvent::ProcessExit { .. }
             | ProbeEvent::RuleCall { .. } => {}
         }
     }

@@ -30,7 +30,7 @@ use tokio::{io::unix::AsyncFd, sync::oneshot};
 
 use crate::{
     error::{LensError, Result},
-    events::{self, ProbeEvent},
+    events::{self, Decoded},
     probes::attach,
     sink::{EventSink, ProcessEnd},
     sys::{privileges, target::ProcessInfo},
@@ -344,7 +344,7 @@ async fn consume(
 /// `Session::drain`: decode in batches of up to 4096 records, then hand them on.
 fn drain(ring: &mut RingBuf<MapData>, sink: &mut dyn EventSink, report: &mut Report) {
     loop {
-        let mut batch: Vec<std::result::Result<ProbeEvent, events::DecodeError>> = Vec::new();
+        let mut batch: Vec<std::result::Result<Decoded, events::DecodeError>> = Vec::new();
         while let Some(item) = ring.next() {
             batch.push(events::decode(&item));
             if batch.len() == 4096 {
@@ -357,7 +357,9 @@ fn drain(ring: &mut RingBuf<MapData>, sink: &mut dyn EventSink, report: &mut Rep
         report.received += batch.len() as u64;
         for decoded in batch {
             match decoded {
-                Ok(event) => sink.on_event(&event),
+                Ok(Decoded::Probe(event)) => sink.on_event(&event),
+                // The generator sends none; the session would act on them.
+                Ok(Decoded::Control(_)) => {}
                 Err(_) => report.undecodable += 1,
             }
         }

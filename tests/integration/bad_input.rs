@@ -18,7 +18,7 @@ use lens_common::{Event, EventKind, NONE_I32, ProbeId, SCOPE_NAME_BYTES};
 use lens_probe::{
     budget::OverheadBudget,
     discovery::NodeFilter,
-    events::{self, DecodeError, PhaseSignal, ProbeEvent, PythonCaller},
+    events::{self, ControlEvent, DecodeError, Decoded, PhaseSignal, ProbeEvent, PythonCaller},
     export::{
         config::{self, ExportSettings},
         strategy::ExportStrategy,
@@ -276,14 +276,49 @@ fn event_from(bytes: &[u8]) -> Event {
     unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) }
 }
 
+/// As `assert_key_fields`, for the process-lifecycle notices.
+fn assert_control_fields(raw: &Event, control: &ControlEvent) -> Result<(), TestCaseError> {
+    let kind = EventKind::from_u32(raw.kind);
+    match *control {
+        ControlEvent::LinkMapChanged {
+            tgid,
+            stopped,
+            traced,
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::LinkMapChanged));
+            prop_assert_eq!(
+                (tgid, stopped, traced),
+                (raw.tgid, raw.count == 1, raw.peer == 1)
+            );
+        }
+        ControlEvent::ProcessForked { parent, child } => {
+            prop_assert_eq!(kind, Some(EventKind::ProcessForked));
+            prop_assert_eq!((parent, child), (raw.count as u32, raw.tgid));
+        }
+        ControlEvent::ProcessExec { tgid, traced } => {
+            prop_assert_eq!(kind, Some(EventKind::ProcessExec));
+            prop_assert_eq!((tgid, traced), (raw.tgid, raw.peer == 1));
+        }
+        ControlEvent::ProcessExit { tgid, wait_status } => {
+            prop_assert_eq!(kind, Some(EventKind::ProcessExit));
+            prop_assert_eq!((tgid, wait_status), (raw.tgid, raw.count as i32));
+        }
+    }
+    Ok(())
+}
+
 fn bytes_of(event: &Event) -> Vec<u8> {
     // SAFETY: Event is plain data without padding.
     unsafe { std::slice::from_raw_parts((event as *const Event).cast::<u8>(), size_of::<Event>()) }
         .to_vec()
 }
 
-/// Every field of `raw` that the decoded `event` carries, and the variant for its kind.
-fn assert_key_fields(raw: &Event, event: &ProbeEvent) -> Result<(), TestCaseError> {
+/// Every field of `raw` that the decoded record carries, and the variant for its kind.
+fn assert_key_fields(raw: &Event, decoded: &Decoded) -> Result<(), TestCaseError> {
+    let event = match decoded {
+        Decoded::Control(control) => return assert_control_fields(raw, control),
+        Decoded::Probe(event) => event,
+    };
     prop_assert_eq!(event.tgid(), raw.tgid);
     let timing_matches = |timing: &events::CallTiming| {
         timing.tgid == raw.tgid
@@ -389,24 +424,6 @@ fn assert_key_fields(raw: &Event, event: &ProbeEvent) -> Result<(), TestCaseErro
                 let len = (raw.name_len as usize).min(SCOPE_NAME_BYTES);
                 prop_assert_eq!(name, &String::from_utf8_lossy(&raw.name[..len]));
             }
-        }
-        ProbeEvent::LinkMapChanged {
-            stopped, traced, ..
-        } => {
-            prop_assert_eq!(kind, Some(EventKind::LinkMapChanged));
-            prop_assert_eq!((*stopped, *traced), (raw.count == 1, raw.peer == 1));
-        }
-        ProbeEvent::ProcessForked { parent, child } => {
-            prop_assert_eq!(kind, Some(EventKind::ProcessForked));
-            prop_assert_eq!((*parent, *child), (raw.count as u32, raw.tgid));
-        }
-        ProbeEvent::ProcessExec { traced, .. } => {
-            prop_assert_eq!(kind, Some(EventKind::ProcessExec));
-            prop_assert_eq!(*traced, raw.peer == 1);
-        }
-        ProbeEvent::ProcessExit { wait_status, .. } => {
-            prop_assert_eq!(kind, Some(EventKind::ProcessExit));
-            prop_assert_eq!(*wait_status, raw.count as i32);
         }
         ProbeEvent::RuleCall {
             tid,
@@ -567,7 +584,8 @@ proptest! {
         // SAFETY: plain integers, any bit pattern; the length is the record's.
         let raw: lens_common::PyStack =
             unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-        let Ok(ProbeEvent::PyStack { tgid, frames, .. }) = events::decode(&bytes) else {
+        let Ok(Decoded::Probe(ProbeEvent::PyStack { tgid, frames, .. })) = events::decode(&bytes)
+        else {
             return Err(TestCaseError::fail("not a stack"));
         };
         prop_assert_eq!(tgid, raw.tgid);

@@ -5,7 +5,7 @@ use aya::maps::{MapData, RingBuf};
 use log::warn;
 
 use crate::{
-    events::{self, ProbeEvent},
+    events::{self, ControlEvent, Decoded, ProbeEvent},
     sink::EventSink,
     sys::target::{self, ExitStatus},
 };
@@ -16,7 +16,7 @@ impl Session {
     pub(super) fn drain(&mut self, ring: &mut RingBuf<MapData>, sink: &mut dyn EventSink) {
         // Decode in batches: the ring's items borrow it, handling needs `self`.
         loop {
-            let mut batch: Vec<std::result::Result<ProbeEvent, events::DecodeError>> = Vec::new();
+            let mut batch: Vec<std::result::Result<Decoded, events::DecodeError>> = Vec::new();
             while let Some(item) = ring.next() {
                 batch.push(events::decode(&item));
                 if batch.len() == 4096 {
@@ -30,7 +30,7 @@ impl Session {
             // before the marks has been counted by now).
             if let Some(kernels) = self.kernels.as_mut() {
                 let mut marked = Vec::new();
-                for event in batch.iter().flatten() {
+                for event in probe_events(&batch) {
                     if let ProbeEvent::Phase {
                         tgid,
                         epoch,
@@ -70,33 +70,14 @@ impl Session {
             self.hold_candidates(&batch);
             for decoded in batch {
                 match decoded {
-                    Ok(ProbeEvent::LinkMapChanged {
-                        tgid,
-                        stopped,
-                        traced,
-                    }) => self.on_link_map_changed(tgid, stopped, traced, sink),
-                    Ok(ProbeEvent::ProcessForked { parent, child }) => {
-                        self.on_fork(parent, child, sink);
-                    }
-                    Ok(ProbeEvent::ProcessExec { tgid, traced: true }) => self.on_exec(tgid, sink),
-                    Ok(ProbeEvent::ProcessExec {
-                        tgid,
-                        traced: false,
-                    }) => {
-                        self.on_node_exec(tgid);
-                    }
-                    Ok(ProbeEvent::ProcessExit { tgid, wait_status }) => {
-                        if let Some(target) = self.targets.get_mut(&tgid) {
-                            target.exit = Some(ExitStatus::from_wait_status(wait_status));
-                        }
-                    }
-                    Ok(sample @ ProbeEvent::PyStack { .. }) => {
+                    Ok(Decoded::Control(control)) => self.on_control(control, sink),
+                    Ok(Decoded::Probe(sample @ ProbeEvent::PyStack { .. })) => {
                         if let Some(tracker) = self.python.as_mut() {
                             let calls = tracker.on_sample(&sample);
                             self.deliver_rule_calls(calls, sink);
                         }
                     }
-                    Ok(mut event) => {
+                    Ok(Decoded::Probe(mut event)) => {
                         self.hangs.observe(&mut event);
                         if let (Some(tracker), Some((tgid, tid, at))) =
                             (self.python.as_mut(), event.thread_start())
@@ -123,4 +104,36 @@ impl Session {
             }
         }
     }
+
+    /// A process-lifecycle notice: targets, attaching and exits follow it.
+    fn on_control(&mut self, control: ControlEvent, sink: &mut dyn EventSink) {
+        match control {
+            ControlEvent::LinkMapChanged {
+                tgid,
+                stopped,
+                traced,
+            } => self.on_link_map_changed(tgid, stopped, traced, sink),
+            ControlEvent::ProcessForked { parent, child } => self.on_fork(parent, child, sink),
+            ControlEvent::ProcessExec { tgid, traced: true } => self.on_exec(tgid, sink),
+            ControlEvent::ProcessExec {
+                tgid,
+                traced: false,
+            } => self.on_node_exec(tgid),
+            ControlEvent::ProcessExit { tgid, wait_status } => {
+                if let Some(target) = self.targets.get_mut(&tgid) {
+                    target.exit = Some(ExitStatus::from_wait_status(wait_status));
+                }
+            }
+        }
+    }
+}
+
+/// The events of a batch that are for the sinks.
+pub(super) fn probe_events(
+    batch: &[std::result::Result<Decoded, events::DecodeError>],
+) -> impl Iterator<Item = &ProbeEvent> {
+    batch.iter().filter_map(|decoded| match decoded {
+        Ok(Decoded::Probe(event)) => Some(event),
+        _ => None,
+    })
 }

@@ -8,7 +8,7 @@ use log::{debug, info};
 use crate::{
     discovery::{self, NodeFilter},
     error::Result,
-    events::{self, ProbeEvent},
+    events::{self, ControlEvent, Decoded},
     probes::attach::{self},
     sink::{EventSink, ProcessEnd},
     sys::{
@@ -138,18 +138,18 @@ impl Session {
     /// short job: seen, one SLURM task of two missing). `consider_candidate` resumes each.
     pub(super) fn hold_candidates(
         &mut self,
-        batch: &[std::result::Result<ProbeEvent, events::DecodeError>],
+        batch: &[std::result::Result<Decoded, events::DecodeError>],
     ) {
         let Some(filter) = self.node.as_ref() else {
             return;
         };
         let mut hold = Vec::new();
         for event in batch.iter().flatten() {
-            let ProbeEvent::LinkMapChanged {
+            let Decoded::Control(ControlEvent::LinkMapChanged {
                 tgid,
                 traced: false,
                 ..
-            } = event
+            }) = event
             else {
                 continue;
             };

@@ -197,12 +197,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 ];
                 self.on_call(timing, names::NCCL_COMM_INIT, attributes, *result);
             }
-            ProbeEvent::Group { .. }
-            | ProbeEvent::PyStack { .. }
-            | ProbeEvent::LinkMapChanged { .. }
-            | ProbeEvent::ProcessForked { .. }
-            | ProbeEvent::ProcessExec { .. }
-            | ProbeEvent::ProcessExit { .. } => {}
+            ProbeEvent::Group { .. } | ProbeEvent::PyStack { .. } => {}
             ProbeEvent::RuleCall { .. } => self.on_rule_call(event),
         }
     }
