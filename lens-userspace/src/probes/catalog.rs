@@ -581,7 +581,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         &[SpanGroup::Checkpoint],
     ),
     // Where torch's and DCP's save and load functions begin: a Python stack sample there
-    // (the framework save rules are the sampler's, `config::FRAMEWORK_SAVE_RULES`).
+    // (the framework save rules are the sampler's, `profiles::FRAMEWORK_SAVE_RULES`).
     mark(
         ProbeId::TorchApiUsage,
         "_ZL25LogAPIUsageOnceFromPythonP7_objectS0_",

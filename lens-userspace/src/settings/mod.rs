@@ -1,6 +1,7 @@
 //! What the user asked for, as plain values: the command line (`cli`), the configured
-//! probe rules and profiles (`config`), and the span groups (`groups`). Export settings
-//! stay with the exporters (`export::config`).
+//! probe rules (`config`) and the built-in ones (`profiles`), and the span groups
+//! (`groups`). Export settings stay with the exporters (`export::config`).
 pub mod cli;
 pub mod config;
 pub mod groups;
+pub mod profiles;

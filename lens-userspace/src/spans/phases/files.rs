@@ -124,7 +124,7 @@ impl ThreadPhases {
         }
     }
 
-    /// A framework's save (load) function (`config::FRAMEWORK_SAVE_RULES`) was entered:
+    /// A framework's save (load) function (`profiles::FRAMEWORK_SAVE_RULES`) was entered:
     /// `at` is the first Python sample showing it, so it began within the sample interval
     /// before. Its span starts there (not before the last phase's end), or an open one
     /// (its file already began: samples arrive a sample later than native signals) is
