@@ -61,32 +61,44 @@ pub(super) fn sum_members(value: Option<&Json>, field: Option<&str>) -> u64 {
         .unwrap_or(0)
 }
 
-/// The trainer process run with `steps` (not the `trainer 1` warm-up) in a summary.
-pub(super) fn trainer_summary(json: &Json, steps: u64) -> Result<TrainerSummary, String> {
-    let steps = steps.to_string();
-    let process = json
-        .get("processes")
-        .and_then(Json::as_array)
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-        .iter()
-        .find(|p| {
-            let argv = p
-                .get("command_line")
-                .and_then(Json::as_array)
-                .map(Vec::as_slice)
-                .unwrap_or_default();
-            argv.len() == 2
-                && argv[0].as_str().is_some_and(|a| a.ends_with("trainer"))
-                && argv[1].as_str() == Some(steps.as_str())
-        })
-        .ok_or_else(|| format!("no `trainer {steps}` process in the summary"))?;
+/// The process of a `--summary-json` run as `PROGRAM ARGS…` (the program named by the
+/// end of its path), if the summary has one.
+pub(super) fn summary_process<'a>(
+    json: &'a Json,
+    program: &str,
+    args: &[&str],
+) -> Option<&'a Json> {
+    json.get("processes")?.as_array()?.iter().find(|p| {
+        let argv = p
+            .get("command_line")
+            .and_then(Json::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        argv.len() == args.len() + 1
+            && argv[0].as_str().is_some_and(|a| a.ends_with(program))
+            && argv[1..]
+                .iter()
+                .zip(args)
+                .all(|(arg, want)| arg.as_str() == Some(want))
+    })
+}
+
+/// Events the kernel and the decoder lost in a `--summary-json` run.
+pub(super) fn summary_losses(json: &Json) -> u64 {
     let losses = json.get("losses");
-    let lost = sum_members(losses.and_then(|l| l.get("kernel")), None)
+    sum_members(losses.and_then(|l| l.get("kernel")), None)
         + losses
             .and_then(|l| l.get("undecodable"))
             .and_then(Json::as_u64)
-            .unwrap_or(0);
+            .unwrap_or(0)
+}
+
+/// The trainer process run with `steps` (not the `trainer 1` warm-up) in a summary.
+pub(super) fn trainer_summary(json: &Json, steps: u64) -> Result<TrainerSummary, String> {
+    let steps = steps.to_string();
+    let process = summary_process(json, "trainer", &[&steps])
+        .ok_or_else(|| format!("no `trainer {steps}` process in the summary"))?;
+    let lost = summary_losses(json);
     Ok(TrainerSummary {
         calls: sum_members(process.get("calls"), None),
         events: sum_members(process.get("collectives"), Some("calls"))

@@ -8,7 +8,7 @@ use std::fs;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::fake::{parse_bpftrace_count, sum_members};
+use super::fake::{parse_bpftrace_count, summary_losses, summary_process};
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, fmt_duration, median};
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
@@ -168,36 +168,14 @@ fn bpftrace_script(ctx: &Ctx, kind: Kind, returns: bool) -> String {
 /// process run as `hammer KIND N`.
 fn hammer_summary(json: &Json, kind: Kind, calls: u64) -> Result<(u64, u64), String> {
     let n = calls.to_string();
-    let process = json
-        .get("processes")
-        .and_then(Json::as_array)
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-        .iter()
-        .find(|p| {
-            let argv = p
-                .get("command_line")
-                .and_then(Json::as_array)
-                .map(Vec::as_slice)
-                .unwrap_or_default();
-            argv.len() == 3
-                && argv[0].as_str().is_some_and(|a| a.ends_with("hammer"))
-                && argv[1].as_str() == Some(kind.arg())
-                && argv[2].as_str() == Some(n.as_str())
-        })
+    let process = summary_process(json, "hammer", &[kind.arg(), &n])
         .ok_or_else(|| format!("no `hammer {} {n}` process in the summary", kind.arg()))?;
     let counted = process
         .get("calls")
         .and_then(|c| c.get(kind.function()))
         .and_then(Json::as_u64)
         .unwrap_or(0);
-    let losses = json.get("losses");
-    let lost = sum_members(losses.and_then(|l| l.get("kernel")), None)
-        + losses
-            .and_then(|l| l.get("undecodable"))
-            .and_then(Json::as_u64)
-            .unwrap_or(0);
-    Ok((counted, lost))
+    Ok((counted, summary_losses(json)))
 }
 
 struct Run {
