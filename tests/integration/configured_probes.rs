@@ -465,14 +465,20 @@ fn attaching_to_a_running_loop_by_pid_gives_whole_steps() {
     }
     // A process that maps only a configured library is accepted by --pid; the step in
     // progress at the attach (its entry unseen) is left out, the others are whole and
-    // count from 0.
+    // count from 0. The loop holds in the middle of step 29 until the attach is done.
     let mut child = std::process::Command::new(lens_tests::configured_trainer())
         .args(["60", "0", "0"])
-        .env("CONFIGURED_STEP_MS", "15")
-        .stdout(std::process::Stdio::null())
+        .env("CONFIGURED_HOLD_STEP", "29")
+        .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(200));
+    let mut held = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+        &mut held,
+    )
+    .unwrap();
+    assert_eq!(held.trim(), "held");
     let rules = Arc::new(ProbeRules::parse(RULES).unwrap());
     let mut session = Session::new(TraceOptions {
         span_groups: "all".parse::<SpanGroups>().unwrap(),
@@ -482,6 +488,8 @@ fn attaching_to_a_running_loop_by_pid_gives_whole_steps() {
     .unwrap();
     session.set_rules(rules.clone());
     session.attach_pid(child.id()).unwrap();
+    // SAFETY: a plain signal to the child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
     let mut builder =
         SpanBuilder::new("all".parse().unwrap(), SpanLog::default()).with_rules(rules);
     session
@@ -490,19 +498,14 @@ fn attaching_to_a_running_loop_by_pid_gives_whole_steps() {
     assert!(child.wait().unwrap().success());
     let log = builder.into_exporter();
     let steps: Vec<_> = log.named(names::STEP).collect();
-    assert!(
-        !steps.is_empty() && steps.len() < 60,
-        "{} steps seen",
-        steps.len()
-    );
+    // Steps 30..59: step 29's entry came before the attach.
+    assert_eq!(steps.len(), 30, "{steps:?}");
     for (i, step) in steps.iter().enumerate() {
         assert_eq!(step.int_attr(semconv::DL_ITERATION), Some(i as i64));
+        assert_eq!(step.int_attr("my.step"), Some(30 + i as i64));
         assert!(!step.truncated(), "{step:?}");
         assert_eq!(log.children(step).len(), 3, "{step:?}");
     }
-    // my.step is the loop's own counter: the steps seen are the last ones, in order.
-    let last = steps.last().unwrap();
-    assert_eq!(last.int_attr("my.step"), Some(59));
     let job = log.named(names::JOB).next().unwrap();
     assert_eq!(job.attr(semconv::NEMO_ATTACHED_MID_RUN), Some(&true.into()));
 }

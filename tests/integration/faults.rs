@@ -772,9 +772,11 @@ fn a_target_held_at_a_library_load_goes_on_within_a_second_while_lens_probe_is_s
     wait_for_teardown();
     let _teardown = TeardownAfter;
     // A single-threaded target (stopped at each library load until lens-probe attached)
-    // that loads a library after 2 s; lens-probe is SIGSTOPped before that.
-    let script = "import time, sys\ntime.sleep(2)\nimport ctypes\n\
-                  print('loaded', flush=True)\ntime.sleep(0.5)\n";
+    // that says it is ready, then loads a library when told to. lens-probe is SIGSTOPped
+    // between the two: by the target's word, not after a guessed delay (`python3` may be
+    // a pyenv shim whose dozen processes take seconds to start on a loaded machine).
+    let script = "import sys\nprint('ready', flush=True)\nsys.stdin.readline()\n\
+                  import ctypes\nprint('loaded', flush=True)\n";
     let mut probe = Command::new(LENS_PROBE)
         .args([
             "--span-groups",
@@ -785,11 +787,12 @@ fn a_target_held_at_a_library_load_goes_on_within_a_second_while_lens_probe_is_s
             "-c",
             script,
         ])
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let started = Instant::now();
+    let mut stdin = probe.stdin.take().unwrap();
     let stdout = probe.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -801,27 +804,36 @@ fn a_target_held_at_a_library_load_goes_on_within_a_second_while_lens_probe_is_s
             let _ = tx.send((line, Instant::now()));
         }
     });
-    std::thread::sleep(Duration::from_millis(1000));
+    let ready = rx.recv_timeout(Duration::from_secs(120));
     // SAFETY: plain signals to our child.
     unsafe { libc::kill(probe.id() as i32, libc::SIGSTOP) };
     let stopped_at = Instant::now();
+    use std::io::Write;
+    let told = stdin.write_all(b"go\n").and_then(|()| stdin.flush());
     let loaded = rx.recv_timeout(Duration::from_secs(20));
     // SAFETY: as above.
     unsafe { libc::kill(probe.id() as i32, libc::SIGCONT) };
     let held = stopped_at.elapsed();
+    drop(stdin);
     let output = probe.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(
+        ready.map(|(line, _)| line).ok().as_deref(),
+        Some("ready"),
+        "the target never started:\n{stderr}"
+    );
+    told.unwrap();
     let (line, at) = loaded.unwrap_or_else(|_| {
         panic!("the target never went on while lens-probe was stopped:\n{stderr}")
     });
     assert_eq!(line, "loaded");
-    // The load comes ~2 s after the start; the guardian lets it go ≤ 0.5 s after it (its
-    // check every 0.1 s), so well before lens-probe was continued (≥ 20 s would be
-    // the old behaviour: as long as lens-probe stays stopped).
-    let waited = at.duration_since(started);
+    // The guardian lets the load go ≤ 0.5 s after it (its check every 0.1 s), so long
+    // before lens-probe was continued (20 s would be the old behaviour: as long as
+    // lens-probe stays stopped). 6 s leaves a loaded machine room for the import itself.
+    let waited = at.duration_since(stopped_at);
     assert!(
-        waited < Duration::from_secs(8),
-        "the target went on {waited:?} after its start, lens-probe held {held:?}:\n{stderr}"
+        waited < Duration::from_secs(6),
+        "the target went on {waited:?} after it was told to load, lens-probe held {held:?}:\n{stderr}"
     );
     assert_eq!(output.status.code(), Some(0), "{stderr}");
     assert!(
