@@ -48,7 +48,7 @@ macro_rules! numbered {
 
 numbered! {
     /// Every probed function has one id. It is the attach cookie of the probe, the key of
-    /// the per-call counters and the `probe` field of an [`Event`](crate::Event). Its symbol,
+    /// the per-call counters and the `probe` of a record's [`RecordHeader`](crate::record::RecordHeader). Its symbol,
     /// library and programs are user space's (`probes::catalog`); numbers are dense from 0.
     pub enum ProbeId {
         CudaLaunchKernel = 0,
@@ -182,45 +182,59 @@ impl ProbeId {
 }
 
 numbered! {
-    /// What an [`Event`](crate::Event) record describes; decides which of its fields are
-    /// meaningful.
+    /// What a ring buffer record describes: each kind has a body of its own
+    /// ([`record`](crate::record)), named beside it.
     pub enum EventKind {
-        /// An NCCL collective or point-to-point call, entry to return.
+        /// An NCCL collective or point-to-point call, entry to return
+        /// ([`CollectiveCall`](crate::record::CollectiveCall)).
         Collective = 1,
-        /// A CUDA synchronisation call (stream, event, device), entry to return.
-        SyncWait = 2,
-        /// `ncclCommInitRank`, entry to return: communicator handle, rank, size, id hash.
-        CommInit = 3,
-        /// `ncclGroupStart` / `ncclGroupEnd` (entry only).
-        Group = 4,
-        /// The target's set of loaded objects changed: rescan its mappings.
-        LinkMapChanged = 5,
-        /// Entry (or, with `at_return`, return) of a function that marks a training phase
-        /// boundary: torch scopes, backward, grad mode, checkpoint files. Sent at once, so
-        /// the phases a later event falls in are already known when it arrives.
-        PhaseMark = 6,
-        /// A traced process forked a new process (`tgid` is the child, `count` the parent);
-        /// the child is already traced.
-        ProcessForked = 7,
-        /// A traced process replaced its program (`execve`).
-        ProcessExec = 8,
-        /// A traced process exited; `count` is its wait status (exit code << 8, or the
-        /// signal that killed it).
-        ProcessExit = 9,
-        /// Entry (or, with `at_return`, return) of a function a configured probe rule names
-        /// (`probe` is [`RULE_COOKIE_BASE`] + the rule's index). Sent at once, like phase
-        /// marks, with the first six integer arguments in `args` and, when the rule reads a
-        /// string argument, the string in `name`.
-        RuleCall = 10,
-        /// A CUDA event call that tells when a collective completed: `cudaEventRecord` of
-        /// `handle` on `stream` when that stream holds a collective no event was recorded
-        /// after yet (or when `handle` was such an event: it is re-recorded, the binding
-        /// ends), or the first successful `cudaEventQuery` of such an event, entry to return,
-        /// with `not_ready_ns`. Every other event call is only counted.
-        CudaEvent = 11,
-        /// A Python thread's frame stack changed between two samples: a [`PyStack`] record
-        /// (not an [`Event`]) follows this kind.
-        PyStack = 12,
+        /// A call timed entry to return, arguments not decoded: gloo's collectives
+        /// ([`TimedCall`](crate::record::TimedCall)).
+        TimedCall = 2,
+        /// A CUDA synchronisation call, entry to return
+        /// ([`SyncCall`](crate::record::SyncCall)).
+        SyncWait = 3,
+        /// `ncclCommInitRank`, entry to return: communicator handle, rank, size, id hash
+        /// ([`CommInitCall`](crate::record::CommInitCall)).
+        CommInit = 4,
+        /// The first successful `cudaEventQuery` of an event recorded after a collective,
+        /// entry to return ([`EventQuery`](crate::record::EventQuery)). Every other event
+        /// call is only counted.
+        EventQueried = 5,
+        /// `ncclGroupStart` / `ncclGroupEnd`, entry only
+        /// ([`GroupCall`](crate::record::GroupCall)).
+        Group = 6,
+        /// `cudaEventRecord` binding an event to the collectives on a stream, or
+        /// unbinding a re-recorded one ([`EventRecord`](crate::record::EventRecord)).
+        EventRecorded = 7,
+        /// Entry of a function that marks a training phase boundary: torch scope exit,
+        /// backward, grad mode, checkpoint files ([`PhaseEntry`](crate::record::PhaseEntry)).
+        /// Sent at once, like every mark, so the phases a later event falls in are
+        /// already known when it arrives.
+        PhaseEntry = 8,
+        /// Return of a phase-marking function ([`PhaseReturn`](crate::record::PhaseReturn)).
+        PhaseReturn = 9,
+        /// A torch `record_function` scope entered, with its name
+        /// ([`ScopeEnter`](crate::record::ScopeEnter)).
+        ScopeEnter = 10,
+        /// Entry of a function a configured probe rule names, with the first six integer
+        /// arguments and the string the rule reads ([`RuleEntry`](crate::record::RuleEntry)).
+        RuleEntry = 11,
+        /// Return of such a function ([`RuleReturn`](crate::record::RuleReturn)).
+        RuleReturn = 12,
+        /// A Python thread's frame stack changed between two samples
+        /// ([`PyStack`](crate::record::PyStack)).
+        PyStack = 13,
+        /// The target's set of loaded objects changed: rescan its mappings
+        /// ([`LinkMapChange`](crate::record::LinkMapChange)).
+        LinkMapChanged = 14,
+        /// A traced process forked a new process, already traced
+        /// ([`Fork`](crate::record::Fork)).
+        ProcessForked = 15,
+        /// A process replaced its program (`execve`) ([`Exec`](crate::record::Exec)).
+        ProcessExec = 16,
+        /// A traced process exited, with its wait status ([`Exit`](crate::record::Exit)).
+        ProcessExit = 17,
     }
 }
 

@@ -5,9 +5,11 @@
 #![no_std]
 
 mod ids;
+pub mod record;
 pub use ids::{EventKind, LossCause, NcclArgs, ProbeId};
+pub use record::{Body, NONE_I32, Record, RecordHeader};
 
-/// Room for a torch scope name in an [`Event`]: enough for torch's own scope names
+/// Room for a torch scope name (or a rule's string argument) in a record: enough for torch's own scope names
 /// (`enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__` is 61 bytes).
 pub const SCOPE_NAME_BYTES: usize = 64;
 
@@ -50,109 +52,6 @@ pub const fn rule_index(probe: u32) -> Option<u32> {
         Some(probe - RULE_COOKIE_BASE)
     } else {
         None
-    }
-}
-
-/// "No peer / no root / no op" in the signed fields of [`Event`].
-pub const NONE_I32: i32 = -1;
-
-/// One record in the ring buffer. A flat layout: which fields are meaningful depends on
-/// `kind` (see [`EventKind`]); unused ones are zero, or [`NONE_I32`] for the signed ones.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Event {
-    /// [`EventKind`] as u32.
-    pub kind: u32,
-    /// [`ProbeId`] as u32.
-    pub probe: u32,
-    /// Process id (the kernel's tgid).
-    pub tgid: u32,
-    /// Thread id (the kernel's pid).
-    pub tid: u32,
-    /// `CLOCK_MONOTONIC` at function entry, ns.
-    pub start_ns: u64,
-    /// `CLOCK_MONOTONIC` at function return, ns (equal to `start_ns` for entry-only events).
-    pub end_ns: u64,
-    /// The function's return value (cudaError_t / ncclResult_t), 0 for entry-only events.
-    pub ret: i64,
-    /// Element count argument of a collective.
-    pub count: u64,
-    /// `ncclComm_t` handle (collectives; for CommInit the handle the call wrote).
-    pub comm: u64,
-    /// `cudaStream_t` of a collective, or the handle a sync call waited on
-    /// (stream for cudaStreamSynchronize, event for cudaEventSynchronize).
-    pub handle: u64,
-    /// Hash of the 128-byte `ncclUniqueId` (CommInit).
-    pub comm_id_hash: u64,
-    /// The `cudaStream_t` an event was recorded on (`CudaEvent` records).
-    pub stream: u64,
-    /// Entry time of the last `cudaEventQuery` that found the event not ready yet
-    /// (`CudaEvent` queries; 0 when none did): the collective had not completed then.
-    pub not_ready_ns: u64,
-    /// The code object of the Python function the calling thread was running
-    /// (collectives and sync waits of a sampled CPython process; 0 otherwise): which
-    /// Python function issued the call.
-    pub python_caller: u64,
-    /// The process's phase epoch this mark opens (PhaseMark events): every phase mark
-    /// adds one, and each kernel launch is counted under the epoch it ran in
-    /// ([`KernelKey`]), so launches per kernel per span need no event per launch.
-    pub epoch: u64,
-    /// The process's kernel launches counted so far (PhaseMark events): launches per
-    /// phase are the difference between two marks, aggregated in the kernel.
-    pub launches: u64,
-    /// The first six integer arguments at entry (`RuleCall` events), as the registers
-    /// held them; a file-open mark's open flags in the first.
-    pub args: [u64; RULE_ARGS],
-    /// `ncclDataType_t` (collectives).
-    pub datatype: i32,
-    /// `ncclRedOp_t` (AllReduce, Reduce, ReduceScatter), else [`NONE_I32`].
-    pub redop: i32,
-    /// Root (Broadcast, Reduce) or peer (Send, Recv), else [`NONE_I32`].
-    pub peer: i32,
-    /// `nranks` (CommInit).
-    pub nranks: i32,
-    /// `rank` (CommInit).
-    pub rank: i32,
-    /// 1 for ncclGroupStart, 0 for ncclGroupEnd (Group events).
-    pub group_open: u32,
-    /// 1 when a [`EventKind::PhaseMark`] was taken at the function's return.
-    pub at_return: u32,
-    /// Length of the scope name in `name` (TorchScopeEnter), without the NUL.
-    pub name_len: u32,
-    /// The scope name, NUL-terminated, truncated to [`SCOPE_NAME_BYTES`] - 1 bytes.
-    pub name: [u8; SCOPE_NAME_BYTES],
-}
-
-impl Event {
-    pub const fn zeroed() -> Event {
-        Event {
-            kind: 0,
-            probe: 0,
-            tgid: 0,
-            tid: 0,
-            start_ns: 0,
-            end_ns: 0,
-            ret: 0,
-            count: 0,
-            comm: 0,
-            handle: 0,
-            comm_id_hash: 0,
-            stream: 0,
-            not_ready_ns: 0,
-            python_caller: 0,
-            epoch: 0,
-            launches: 0,
-            args: [0; RULE_ARGS],
-            datatype: NONE_I32,
-            redop: NONE_I32,
-            peer: NONE_I32,
-            nranks: 0,
-            rank: NONE_I32,
-            group_open: 0,
-            at_return: 0,
-            name_len: 0,
-            name: [0; SCOPE_NAME_BYTES],
-        }
     }
 }
 
@@ -206,7 +105,7 @@ pub struct CodeRanges {
 /// CUDA 13 runtime, each in a few segments).
 pub const CODE_RANGES: usize = 8;
 
-/// Key of the entry-state map: a call in flight on one thread.
+/// Key of the entry-state maps (`maps::INFLIGHT_*`): a call in flight on one thread.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct InflightKey {
@@ -267,35 +166,6 @@ pub struct PyOffsets {
 /// (`_load_state_dict`, called by `dcp.load`): the probe at its entry marks the process
 /// as loading in the kernel at once, so the `.metadata` file read next is counted.
 pub const DCP_LOAD_API_EVENT: &[u8] = b"torch.distributed.checkpoint.load_state_dict";
-
-/// A Python thread's frames at a sample, innermost first: the record that follows an
-/// [`EventKind::PyStack`] kind. Sent only when the stack differs from the thread's last.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PyStack {
-    /// [`EventKind::PyStack`] as u32 (the same place as [`Event::kind`]).
-    pub kind: u32,
-    /// Frames walked (at most [`PY_MAX_WALK`]); frame `i` from the innermost is in slot
-    /// `i % PY_MAX_DEPTH`, so the last [`PY_MAX_DEPTH`] walked (the outermost) are kept.
-    pub depth: u32,
-    pub tgid: u32,
-    pub tid: u32,
-    /// 1: taken at a probed call's entry, the thread stopped inside a C call the
-    /// interpreter made (its frame chain complete); 0: by the clock, at any instruction
-    /// (it can catch the chain mid-update).
-    pub synchronous: u32,
-    pub _pad: u32,
-    /// `CLOCK_MONOTONIC` ns of the sample.
-    pub at_ns: u64,
-    /// The process's launches so far and the phase epoch this sample opens, as a phase
-    /// mark's (a changed stack may start or end a span).
-    pub launches: u64,
-    pub epoch: u64,
-    /// Per frame slot: code object, frame address, first local slot.
-    pub code: [u64; PY_MAX_DEPTH],
-    pub frame: [u64; PY_MAX_DEPTH],
-    pub first_local: [u64; PY_MAX_DEPTH],
-}
 
 /// A process's CUDA stream or event handle: the key of the maps that follow collectives
 /// to the event recorded after them.
@@ -366,7 +236,13 @@ pub mod maps {
     pub const EVENTS: &str = "EVENTS";
     pub const TARGETS: &str = "TARGETS";
     pub const CALL_COUNTS: &str = "CALL_COUNTS";
-    pub const INFLIGHT: &str = "INFLIGHT";
+    /// Calls in flight, one map per record body: the entry's record, kept until the
+    /// return pairs it (keyed by [`super::InflightKey`]).
+    pub const INFLIGHT_COLLECTIVES: &str = "INFLIGHT_COLLECTIVES";
+    pub const INFLIGHT_TIMED: &str = "INFLIGHT_TIMED";
+    pub const INFLIGHT_SYNCS: &str = "INFLIGHT_SYNCS";
+    pub const INFLIGHT_COMM_INITS: &str = "INFLIGHT_COMM_INITS";
+    pub const INFLIGHT_QUERIES: &str = "INFLIGHT_QUERIES";
     pub const LOSSES: &str = "LOSSES";
     pub const SETTINGS: &str = "SETTINGS";
     pub const LAUNCH_TOTALS: &str = "LAUNCH_TOTALS";
@@ -433,7 +309,8 @@ pub mod limits {
 #[cfg(feature = "user")]
 mod user {
     // SAFETY: all of these are #[repr(C)] plain integers, valid for any bit pattern.
-    unsafe impl aya::Pod for super::Event {}
+    // SAFETY: a record is a header and a `Body`, both plain integers without padding.
+    unsafe impl<B: super::Body> aya::Pod for super::Record<B> {}
     unsafe impl aya::Pod for super::CallKey {}
     unsafe impl aya::Pod for super::InflightKey {}
     unsafe impl aya::Pod for super::HandleKey {}

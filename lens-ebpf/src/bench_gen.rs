@@ -17,10 +17,14 @@
 //! Each event is an `ncclAllReduce` as its return probe would send it (float32, sum, a
 //! communicator and a stream, start and end stamps). The program returns how many of
 //! them did not fit in the ring buffer (lost); the caller adds those up.
-use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::raw_tracepoint, programs::RawTracePointContext};
-use lens_common::{Event, EventKind, ProbeId};
+use aya_ebpf::{macros::raw_tracepoint, programs::RawTracePointContext};
+use lens_common::record::CollectiveCall;
+use lens_common::{ProbeId, Record};
 
-use crate::{ctx::submit_flags, maps::EVENTS};
+use crate::{
+    ctx::{now_ns, submit_flags},
+    maps::EVENTS,
+};
 
 /// Events one run writes at most (the loop's bound for the verifier).
 const MAX_EVENTS_PER_RUN: u64 = 64;
@@ -36,23 +40,24 @@ pub fn bench_emit(ctx: RawTracePointContext) -> i32 {
     let tid: u64 = ctx.arg(1);
     let wanted: u64 = ctx.arg(2);
     let count: u64 = ctx.arg(3);
-    let mut event = Event::zeroed();
-    event.kind = EventKind::Collective as u32;
-    event.probe = ProbeId::NcclAllReduce as u32;
-    event.tgid = tgid as u32;
-    event.tid = tid as u32;
-    event.count = count;
-    event.datatype = FLOAT32;
-    event.redop = SUM;
-    event.comm = COMM;
-    event.handle = STREAM;
+    let mut record =
+        Record::<CollectiveCall>::new(ProbeId::NcclAllReduce as u32, tgid as u32, tid as u32);
+    record.body.count = count;
+    record.body.datatype = FLOAT32;
+    record.body.redop = SUM;
+    record.body.comm = COMM;
+    record.body.stream = STREAM;
     let mut lost = 0;
     let mut i = 0;
     while i < MAX_EVENTS_PER_RUN && i < wanted {
-        // SAFETY: plain helper calls (entry and return stamps, as a probe pair takes).
-        event.start_ns = unsafe { bpf_ktime_get_ns() };
-        event.end_ns = unsafe { bpf_ktime_get_ns() };
-        if EVENTS.output::<Event>(&event, submit_flags()).is_err() {
+        // Entry and return stamps, as a probe pair takes.
+        record.body.times.start_ns = now_ns();
+        record.body.times.end_ns = now_ns();
+        let flags = submit_flags(Record::<CollectiveCall>::RING_BYTES);
+        if EVENTS
+            .output::<Record<CollectiveCall>>(&record, flags)
+            .is_err()
+        {
             lost += 1;
         }
         i += 1;

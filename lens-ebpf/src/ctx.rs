@@ -1,16 +1,18 @@
 //! What every program does first and last: is this process traced, which probe fired
-//! (the attach cookie), the call's arguments, a new event, its entry kept for the
-//! return, and the event sent (with batched wakeups) or its loss counted.
+//! (the attach cookie), the call's arguments, a new record, its entry kept for the
+//! return, and the record sent (with batched wakeups) or its loss counted.
 use aya_ebpf::EbpfContext;
 use aya_ebpf::bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP};
 use aya_ebpf::helpers::{
     bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated,
 };
+use aya_ebpf::maps::HashMap;
 use aya_ebpf::programs::ProbeContext;
 use aya_log_ebpf::warn;
-use lens_common::{CallKey, Event, EventKind, InflightKey, LossCause, TargetConfig, limits};
+use lens_common::record::CallTimes;
+use lens_common::{Body, CallKey, InflightKey, LossCause, Record, TargetConfig, limits};
 
-use crate::maps::{CALL_COUNTS, EVENTS, INFLIGHT, LOSSES, TARGETS};
+use crate::maps::{CALL_COUNTS, EVENTS, LOSSES, TARGETS};
 
 #[inline(always)]
 pub(crate) fn count_loss(cause: LossCause) {
@@ -60,19 +62,16 @@ pub(crate) fn count_call(pid_tgid: u64, probe: u32) {
     }
 }
 
-/// Bytes one event takes in the ring buffer (its 8-byte record header included).
-pub(crate) const EVENT_RECORD_BYTES: u64 = (core::mem::size_of::<Event>() as u64 + 8 + 7) & !7;
-
 /// Batched wakeups: the reader is woken each time the data waiting crosses a multiple of
 /// the threshold, so once per 256 KiB however far it lags; it also drains on a timer,
 /// so nothing stays behind. (A wakeup is an interrupt raised on the probed thread's CPU,
 /// a VM exit on a virtual machine: woken on every event past the threshold, a lagging
 /// reader made each probed collective cost ~5 µs more.)
 #[inline(always)]
-pub(crate) fn submit_flags() -> u64 {
+pub(crate) fn submit_flags(ring_bytes: u64) -> u64 {
     let waiting = EVENTS.query(BPF_RB_AVAIL_DATA as u64);
     let threshold = limits::WAKEUP_THRESHOLD_BYTES;
-    if (waiting + EVENT_RECORD_BYTES) / threshold != waiting / threshold {
+    if (waiting + ring_bytes) / threshold != waiting / threshold {
         BPF_RB_FORCE_WAKEUP as u64
     } else {
         BPF_RB_NO_WAKEUP as u64
@@ -80,39 +79,84 @@ pub(crate) fn submit_flags() -> u64 {
 }
 
 #[inline(always)]
-pub(crate) fn emit(event: &Event, flags: u64) {
-    if EVENTS.output::<Event>(event, flags).is_err() {
+fn emit<B: Body>(record: &Record<B>, flags: u64) {
+    if EVENTS.output::<Record<B>>(record, flags).is_err() {
         count_loss(LossCause::RingBufferFull);
     }
 }
 
+/// Sends a record, waking the reader only past the batching threshold.
 #[inline(always)]
-pub(crate) fn new_event(kind: EventKind, probe: u32, pid_tgid: u64) -> Event {
-    let mut event = Event::zeroed();
-    event.kind = kind as u32;
-    event.probe = probe;
-    event.tgid = (pid_tgid >> 32) as u32;
-    event.tid = pid_tgid as u32;
-    // SAFETY: plain helper call.
-    event.start_ns = unsafe { bpf_ktime_get_ns() };
-    event.end_ns = event.start_ns;
-    event
+pub(crate) fn send<B: Body>(record: &Record<B>) {
+    emit(record, submit_flags(Record::<B>::RING_BYTES));
+}
+
+/// Sends a record and wakes the reader now: rare records the loader must act on at once.
+#[inline(always)]
+pub(crate) fn send_now<B: Body>(record: &Record<B>) {
+    emit(record, BPF_RB_FORCE_WAKEUP as u64);
+}
+
+/// A record of `B`'s kind for the current thread, its body empty.
+#[inline(always)]
+pub(crate) fn new_record<B: Body>(probe: u32, pid_tgid: u64) -> Record<B> {
+    Record::new(probe, (pid_tgid >> 32) as u32, pid_tgid as u32)
 }
 
 #[inline(always)]
-pub(crate) fn remember_entry<C: EbpfContext>(ctx: &C, pid_tgid: u64, event: &Event) {
+pub(crate) fn now_ns() -> u64 {
+    // SAFETY: the helper only reads the clock.
+    unsafe { bpf_ktime_get_ns() }
+}
+
+/// A call's times at its entry: both stamps now, the end replaced at the return.
+#[inline(always)]
+pub(crate) fn call_starting_now() -> CallTimes {
+    let now = now_ns();
+    CallTimes {
+        start_ns: now,
+        end_ns: now,
+    }
+}
+
+/// Keeps a call's entry record in `inflight` until its return pairs it.
+#[inline(always)]
+pub(crate) fn remember_entry<C: EbpfContext, B: Body>(
+    ctx: &C,
+    inflight: &HashMap<InflightKey, Record<B>>,
+    pid_tgid: u64,
+    record: &Record<B>,
+) {
     let key = InflightKey {
         pid_tgid,
-        probe: event.probe,
+        probe: record.header.probe,
         _pad: 0,
     };
-    if INFLIGHT.insert(&key, event, 0).is_err() {
+    if inflight.insert(&key, record, 0).is_err() {
         count_loss(LossCause::InflightMapFull);
         warn!(
             ctx,
-            "lens: inflight map full, call of probe {} lost", event.probe
+            "lens: inflight map full, call of probe {} lost", record.header.probe
         );
     }
+}
+
+/// The entry record of the call returning on this thread, removed from `inflight`.
+#[inline(always)]
+pub(crate) fn take_entry<C: EbpfContext, B: Body>(
+    ctx: &C,
+    inflight: &HashMap<InflightKey, Record<B>>,
+    pid_tgid: u64,
+) -> Option<Record<B>> {
+    let key = InflightKey {
+        pid_tgid,
+        probe: probe_id(ctx),
+        _pad: 0,
+    };
+    // SAFETY: copied out before the entry is removed.
+    let record = unsafe { inflight.get(&key) }.copied()?;
+    let _ = inflight.remove(&key);
+    Some(record)
 }
 
 /// The `n`th integer argument at function entry on x86-64: six in registers, the rest on
@@ -134,25 +178,16 @@ pub(crate) fn arg_i32(ctx: &ProbeContext, n: usize) -> i32 {
     arg_u64(ctx, n) as i32
 }
 
-/// Common start of the entry programs: skip untraced processes, count the call, stamp
-/// a new event of `kind`.
+/// Common start of the entry programs: skip untraced processes, count the call, and a
+/// new record of `B`'s kind; with the whole attach cookie (an NCCL call's argument
+/// layout), read once.
 #[inline(always)]
-pub(crate) fn begin_call(ctx: &ProbeContext, kind: EventKind) -> Option<(u64, Event)> {
-    begin_call_with_cookie(ctx, kind).map(|(pid_tgid, event, _)| (pid_tgid, event))
-}
-
-/// [`begin_call`], also giving the whole attach cookie (an NCCL call's argument layout),
-/// read once.
-#[inline(always)]
-pub(crate) fn begin_call_with_cookie(
-    ctx: &ProbeContext,
-    kind: EventKind,
-) -> Option<(u64, Event, u64)> {
+pub(crate) fn begin_call<B: Body>(ctx: &ProbeContext) -> Option<(u64, Record<B>, u64)> {
     let (pid_tgid, _) = traced()?;
     let cookie = attach_cookie(ctx);
     let probe = cookie as u32;
     count_call(pid_tgid, probe);
-    Some((pid_tgid, new_event(kind, probe, pid_tgid), cookie))
+    Some((pid_tgid, new_record(probe, pid_tgid), cookie))
 }
 
 #[inline(always)]

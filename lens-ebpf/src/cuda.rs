@@ -1,15 +1,16 @@
 //! CUDA's event and sync calls: an event recorded after a collective, queried until it
 //! completes, and the synchronizations that wait for streams, events or the device.
-use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns};
+use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
-use lens_common::{EventKind, HandleKey, InflightKey, ProbeId};
+use lens_common::record::{EventQuery, EventRecord, SyncCall};
+use lens_common::{HandleKey, ProbeId};
 
 use crate::ctx::{
-    arg_u64, begin_call, count_call, emit, new_event, probe_id, remember_entry, submit_flags,
-    traced,
+    arg_u64, begin_call, call_starting_now, count_call, new_record, now_ns, probe_id,
+    remember_entry, send, take_entry, traced,
 };
-use crate::maps::{COLLECTIVE_EVENTS, COLLECTIVE_STREAMS, INFLIGHT};
+use crate::maps::{COLLECTIVE_EVENTS, COLLECTIVE_STREAMS, INFLIGHT_QUERIES, INFLIGHT_SYNCS};
 use crate::python::{python_caller, sample_if_saving};
 
 /// `cudaEventRecord[WithFlags](event, stream)`: sent only when it binds an event to the
@@ -41,10 +42,13 @@ pub fn cuda_event_record(ctx: ProbeContext) -> u32 {
         // Neither after a collective nor a watched event re-recorded: nothing to say.
         return 0;
     }
-    let mut event = new_event(EventKind::CudaEvent, probe, pid_tgid);
-    event.handle = cuda_event.handle;
-    event.stream = stream.handle;
-    emit(&event, submit_flags());
+    let mut record = new_record::<EventRecord>(probe, pid_tgid);
+    record.body = EventRecord {
+        at_ns: now_ns(),
+        event: cuda_event.handle,
+        stream: stream.handle,
+    };
+    send(&record);
     0
 }
 
@@ -66,9 +70,10 @@ pub fn cuda_event_query_entry(ctx: ProbeContext) -> u32 {
     if unsafe { COLLECTIVE_EVENTS.get(&key) }.is_none() {
         return 0;
     }
-    let mut event = new_event(EventKind::CudaEvent, probe, pid_tgid);
-    event.handle = key.handle;
-    remember_entry(&ctx, pid_tgid, &event);
+    let mut record = new_record::<EventQuery>(probe, pid_tgid);
+    record.body.times = call_starting_now();
+    record.body.event = key.handle;
+    remember_entry(&ctx, &INFLIGHT_QUERIES, pid_tgid, &record);
     0
 }
 
@@ -80,25 +85,18 @@ pub(crate) const CUDA_ERROR_NOT_READY: i64 = 600;
 #[uretprobe]
 pub fn cuda_event_query_return(ctx: RetProbeContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    let key = InflightKey {
-        pid_tgid,
-        probe: probe_id(&ctx),
-        _pad: 0,
-    };
-    // SAFETY: copied out before the entry is removed.
-    let Some(mut event) = (unsafe { INFLIGHT.get(&key) }).copied() else {
+    let Some(mut record) = take_entry(&ctx, &INFLIGHT_QUERIES, pid_tgid) else {
         // An event nobody watches: its entry was not remembered.
         return 0;
     };
-    let _ = INFLIGHT.remove(&key);
     let watched = HandleKey {
-        tgid: event.tgid,
+        tgid: record.header.tgid,
         _pad: 0,
-        handle: event.handle,
+        handle: record.body.event,
     };
-    event.ret = ctx.ret::<i64>() as i32 as i64;
-    if event.ret == CUDA_ERROR_NOT_READY {
-        let _ = COLLECTIVE_EVENTS.insert(&watched, &event.start_ns, 0);
+    let result = ctx.ret::<i64>() as i32 as i64;
+    if result == CUDA_ERROR_NOT_READY {
+        let _ = COLLECTIVE_EVENTS.insert(&watched, &record.body.times.start_ns, 0);
         return 0;
     }
     // SAFETY: copied out before the entry is removed.
@@ -106,13 +104,12 @@ pub fn cuda_event_query_return(ctx: RetProbeContext) -> u32 {
         return 0;
     };
     let _ = COLLECTIVE_EVENTS.remove(&watched);
-    if event.ret != 0 {
+    if result != 0 {
         return 0;
     }
-    // SAFETY: plain helper call.
-    event.end_ns = unsafe { bpf_ktime_get_ns() };
-    event.not_ready_ns = not_ready_ns;
-    emit(&event, submit_flags());
+    record.body.times.end_ns = now_ns();
+    record.body.not_ready_ns = not_ready_ns;
+    send(&record);
     0
 }
 
@@ -120,13 +117,14 @@ pub fn cuda_event_query_return(ctx: RetProbeContext) -> u32 {
 #[uprobe]
 pub fn cuda_sync_entry(ctx: ProbeContext) -> u32 {
     sample_if_saving();
-    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::SyncWait) else {
+    let Some((pid_tgid, mut record, _)) = begin_call::<SyncCall>(&ctx) else {
         return 0;
     };
-    if event.probe != ProbeId::CudaDeviceSynchronize as u32 {
-        event.handle = arg_u64(&ctx, 0);
+    record.body.times = call_starting_now();
+    if record.header.probe != ProbeId::CudaDeviceSynchronize as u32 {
+        record.body.handle = arg_u64(&ctx, 0);
     }
-    event.python_caller = python_caller(pid_tgid);
-    remember_entry(&ctx, pid_tgid, &event);
+    record.body.python_caller = python_caller(pid_tgid);
+    remember_entry(&ctx, &INFLIGHT_SYNCS, pid_tgid, &record);
     0
 }

@@ -6,9 +6,10 @@ use aya_ebpf::helpers::bpf_probe_read_user;
 use aya_ebpf::macros::uprobe;
 use aya_ebpf::programs::ProbeContext;
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
+use lens_common::record::LaunchMark;
 use lens_common::{CODE_RANGES, HandleKey, KernelKey, LaunchTotals, LossCause, ProbeId};
 
-use crate::ctx::{arg_u64, count_call, count_loss, probe_id, traced};
+use crate::ctx::{arg_u64, count_call, count_loss, now_ns, probe_id, traced};
 use crate::maps::{KERNEL_COUNTS, KERNEL_REGISTRY, LAUNCH_TOTALS, RUNTIME_RANGES, kernel_names};
 
 /// Adds `value` to `*counter`, shared with other CPUs. (The old value is not used: BPF's
@@ -182,6 +183,18 @@ pub(crate) fn next_epoch(pid_tgid: u64) -> u64 {
     match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
         Some(totals) => bump_epoch(totals),
         None => 0,
+    }
+}
+
+/// A mark taken now: the clock, the epoch it opens and the process's launches so far.
+#[inline(always)]
+pub(crate) fn mark_now(pid_tgid: u64) -> LaunchMark {
+    let at_ns = now_ns();
+    let epoch = next_epoch(pid_tgid);
+    LaunchMark {
+        at_ns,
+        launches: launches_so_far(pid_tgid),
+        epoch,
     }
 }
 

@@ -5,9 +5,10 @@ use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, generated};
 use aya_ebpf::macros::uprobe;
 use aya_ebpf::programs::ProbeContext;
 use aya_log_ebpf::debug;
-use lens_common::{Event, EventKind, LossCause, ProbeId, TARGET_STOP_ON_LINK_MAP_CHANGE};
+use lens_common::record::LinkMapChange;
+use lens_common::{LossCause, ProbeId, Record, TARGET_STOP_ON_LINK_MAP_CHANGE};
 
-use crate::ctx::{count_loss, new_event, submit_flags};
+use crate::ctx::{count_loss, new_record, submit_flags};
 use crate::maps::{EVENTS, STOPPED, TARGETS, node_mode};
 use crate::task::has_other_threads;
 
@@ -24,40 +25,36 @@ pub fn dl_debug_state(ctx: ProbeContext) -> u32 {
     if config.is_none() && !node_mode() {
         return 0;
     }
-    let mut event = new_event(
-        EventKind::LinkMapChanged,
-        ProbeId::DlDebugState as u32,
-        pid_tgid,
-    );
+    let mut record = new_record::<LinkMapChange>(ProbeId::DlDebugState as u32, pid_tgid);
     // Job-control stops make some blocking calls of *other* threads fail with EINTR
     // (epoll_wait, semtimedop...; see signal(7)), which libraries such as gloo treat as
     // fatal: only a single-threaded process is stopped. A multi-threaded one runs on
     // while its new libraries are attached (a few ms).
     let stop = config.is_some_and(|c| c.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0)
         && !has_other_threads();
-    // `count`: 1 when the process was stopped and waits for the loader's SIGCONT;
-    // `peer`: 1 when it is a target (else a candidate of node-wide discovery).
-    event.count = stop as u64;
-    event.peer = config.is_some() as i32;
-    // Reserve first: without room for the event nobody would resume a stopped target.
-    let Some(mut entry) = EVENTS.reserve::<Event>(0) else {
+    record.body = LinkMapChange {
+        stopped: stop as u32,
+        traced: config.is_some() as u32,
+    };
+    // Reserve first: without room for the record nobody would resume a stopped target.
+    let Some(mut entry) = EVENTS.reserve::<Record<LinkMapChange>>(0) else {
         count_loss(LossCause::RingBufferFull);
         return 0;
     };
-    entry.write(event);
+    entry.write(record);
     if stop {
         // The stop is queued before the loader can see the event, so its SIGCONT always
         // comes after it (a SIGCONT discards a pending stop).
-        debug!(&ctx, "lens: stopping {} for attach", event.tgid);
+        debug!(&ctx, "lens: stopping {} for attach", tgid);
         // SAFETY: the helper only reads the clock.
-        let _ = STOPPED.insert(&event.tgid, &unsafe { bpf_ktime_get_ns() }, 0);
+        let _ = STOPPED.insert(&tgid, &unsafe { bpf_ktime_get_ns() }, 0);
         // SAFETY: signals the current process, which is the traced target.
         unsafe { generated::bpf_send_signal(SIGSTOP) };
     }
     let flags = if config.is_some() {
         BPF_RB_FORCE_WAKEUP as u64
     } else {
-        submit_flags()
+        submit_flags(Record::<LinkMapChange>::RING_BYTES)
     };
     entry.submit(flags);
     0

@@ -3,7 +3,8 @@
 //! Each program is attached to one or more functions; the attach cookie is the
 //! [`ProbeId`] of the function, so one program serves every function of the same shape.
 //! Calls that need a duration (collectives, sync waits, communicator init) keep their
-//! entry state in `INFLIGHT` until the return probe pairs it and emits one [`Event`].
+//! entry record in an `INFLIGHT_*` map until the return probe pairs it and sends one
+//! record ([`lens_common::record`]).
 //! Launches are only counted, in `CALL_COUNTS`.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]

@@ -2,9 +2,10 @@
 //! calls in flight, the Python sampler's state and the run-wide switches.
 use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf};
+use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall, TimedCall};
 use lens_common::{
-    CallKey, CodeRanges, Event, HandleKey, InflightKey, KernelKey, LaunchTotals, LossCause,
-    PyOffsets, TargetConfig, limits, settings,
+    CallKey, CodeRanges, HandleKey, InflightKey, KernelKey, LaunchTotals, LossCause, PyOffsets,
+    Record, TargetConfig, limits, settings,
 };
 
 #[map(name = "EVENTS")]
@@ -77,8 +78,27 @@ pub(crate) static PY_SAVING: HashMap<u32, u8> = HashMap::with_max_entries(limits
 pub(crate) static PY_LAST_STACK: LruHashMap<u32, u64> =
     LruHashMap::with_max_entries(limits::MAX_PY_THREADS, 0);
 
-#[map(name = "INFLIGHT")]
-pub(crate) static INFLIGHT: HashMap<InflightKey, Event> =
+// Calls in flight (entry → return), one map per record body: each return program pairs
+// its own kind, and a map's values are the size of that kind's record.
+
+#[map(name = "INFLIGHT_COLLECTIVES")]
+pub(crate) static INFLIGHT_COLLECTIVES: HashMap<InflightKey, Record<CollectiveCall>> =
+    HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+
+#[map(name = "INFLIGHT_TIMED")]
+pub(crate) static INFLIGHT_TIMED: HashMap<InflightKey, Record<TimedCall>> =
+    HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+
+#[map(name = "INFLIGHT_SYNCS")]
+pub(crate) static INFLIGHT_SYNCS: HashMap<InflightKey, Record<SyncCall>> =
+    HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+
+#[map(name = "INFLIGHT_COMM_INITS")]
+pub(crate) static INFLIGHT_COMM_INITS: HashMap<InflightKey, Record<CommInitCall>> =
+    HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+
+#[map(name = "INFLIGHT_QUERIES")]
+pub(crate) static INFLIGHT_QUERIES: HashMap<InflightKey, Record<EventQuery>> =
     HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
 
 /// Run-wide switches set by the loader (`lens_common::settings`).

@@ -3,24 +3,22 @@
 use aya_ebpf::helpers::bpf_probe_read_user;
 use aya_ebpf::macros::uprobe;
 use aya_ebpf::programs::ProbeContext;
-use lens_common::{
-    EventKind, HandleKey, NCCL_UNIQUE_ID_WORDS, NcclArgs, ProbeId, comm_id_hash, cookie_shape,
-};
+use lens_common::record::{CollectiveCall, CommInitCall, GroupCall};
+use lens_common::{HandleKey, NCCL_UNIQUE_ID_WORDS, NcclArgs, ProbeId, comm_id_hash, cookie_shape};
 
-use crate::ctx::{
-    arg_i32, arg_u64, begin_call, begin_call_with_cookie, emit, remember_entry, submit_flags,
-};
-use crate::maps::COLLECTIVE_STREAMS;
+use crate::ctx::{arg_i32, arg_u64, begin_call, call_starting_now, now_ns, remember_entry, send};
+use crate::maps::{COLLECTIVE_STREAMS, INFLIGHT_COLLECTIVES, INFLIGHT_COMM_INITS};
 use crate::python::{python_caller, sample_if_saving};
 
 /// `ncclGroupStart` / `ncclGroupEnd`: counted and sent, they bracket fused collectives.
 #[uprobe]
 pub fn nccl_group(ctx: ProbeContext) -> u32 {
-    let Some((_, mut event)) = begin_call(&ctx, EventKind::Group) else {
+    let Some((_, mut record, _)) = begin_call::<GroupCall>(&ctx) else {
         return 0;
     };
-    event.group_open = (event.probe == ProbeId::NcclGroupStart as u32) as u32;
-    emit(&event, submit_flags());
+    record.body.at_ns = now_ns();
+    record.body.open = (record.header.probe == ProbeId::NcclGroupStart as u32) as u32;
+    send(&record);
     0
 }
 
@@ -28,12 +26,13 @@ pub fn nccl_group(ctx: ProbeContext) -> u32 {
 #[uprobe]
 pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
     sample_if_saving();
-    let Some((pid_tgid, mut event, cookie)) = begin_call_with_cookie(&ctx, EventKind::Collective)
-    else {
+    let Some((pid_tgid, mut record, cookie)) = begin_call::<CollectiveCall>(&ctx) else {
         return 0;
     };
-    event.count = arg_u64(&ctx, 2);
-    event.datatype = arg_i32(&ctx, 3);
+    let call = &mut record.body;
+    call.times = call_starting_now();
+    call.count = arg_u64(&ctx, 2);
+    call.datatype = arg_i32(&ctx, 3);
     // The cookie's shape says where the rest is. Compared as plain integers: a table
     // lookup would give the verifier an index to distrust.
     const OP_COMM_STREAM: u32 = NcclArgs::OpCommStream as u32;
@@ -43,47 +42,47 @@ pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
     const POINT_TO_POINT: u32 = NcclArgs::PointToPoint as u32;
     match cookie_shape(cookie) {
         OP_COMM_STREAM => {
-            event.redop = arg_i32(&ctx, 4);
-            event.comm = arg_u64(&ctx, 5);
-            event.handle = arg_u64(&ctx, 6);
+            call.redop = arg_i32(&ctx, 4);
+            call.comm = arg_u64(&ctx, 5);
+            call.stream = arg_u64(&ctx, 6);
         }
         ROOT_COMM_STREAM => {
-            event.peer = arg_i32(&ctx, 4);
-            event.comm = arg_u64(&ctx, 5);
-            event.handle = arg_u64(&ctx, 6);
+            call.peer = arg_i32(&ctx, 4);
+            call.comm = arg_u64(&ctx, 5);
+            call.stream = arg_u64(&ctx, 6);
         }
         OP_ROOT_COMM_STREAM => {
-            event.redop = arg_i32(&ctx, 4);
-            event.peer = arg_i32(&ctx, 5);
-            event.comm = arg_u64(&ctx, 6);
-            event.handle = arg_u64(&ctx, 7);
+            call.redop = arg_i32(&ctx, 4);
+            call.peer = arg_i32(&ctx, 5);
+            call.comm = arg_u64(&ctx, 6);
+            call.stream = arg_u64(&ctx, 7);
         }
         COMM_STREAM => {
-            event.comm = arg_u64(&ctx, 4);
-            event.handle = arg_u64(&ctx, 5);
+            call.comm = arg_u64(&ctx, 4);
+            call.stream = arg_u64(&ctx, 5);
         }
         POINT_TO_POINT => {
-            event.count = arg_u64(&ctx, 1);
-            event.datatype = arg_i32(&ctx, 2);
-            event.peer = arg_i32(&ctx, 3);
-            event.comm = arg_u64(&ctx, 4);
-            event.handle = arg_u64(&ctx, 5);
+            call.count = arg_u64(&ctx, 1);
+            call.datatype = arg_i32(&ctx, 2);
+            call.peer = arg_i32(&ctx, 3);
+            call.comm = arg_u64(&ctx, 4);
+            call.stream = arg_u64(&ctx, 5);
         }
         _ => return 0,
     }
     // The next event recorded on this stream tells when the collective completed.
     let stream = HandleKey {
-        tgid: event.tgid,
+        tgid: record.header.tgid,
         _pad: 0,
-        handle: event.handle,
+        handle: record.body.stream,
     };
     // Marked once: an LRU update allocates a new element even for a key already there.
     // SAFETY: only presence is read.
     if unsafe { COLLECTIVE_STREAMS.get(&stream) }.is_none() {
         let _ = COLLECTIVE_STREAMS.insert(&stream, &1, 0);
     }
-    event.python_caller = python_caller(pid_tgid);
-    remember_entry(&ctx, pid_tgid, &event);
+    record.body.python_caller = python_caller(pid_tgid);
+    remember_entry(&ctx, &INFLIGHT_COLLECTIVES, pid_tgid, &record);
     0
 }
 
@@ -91,13 +90,14 @@ pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
 /// The 128-byte id is passed by value in memory, so `rank` takes the third register.
 #[uprobe]
 pub fn nccl_comm_init_entry(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::CommInit) else {
+    let Some((pid_tgid, mut record, _)) = begin_call::<CommInitCall>(&ctx) else {
         return 0;
     };
-    // Where the call will write the new handle; read back at return.
-    event.comm = arg_u64(&ctx, 0);
-    event.nranks = arg_i32(&ctx, 1);
-    event.rank = arg_i32(&ctx, 2);
+    let call = &mut record.body;
+    call.times = call_starting_now();
+    call.comm_out = arg_u64(&ctx, 0);
+    call.nranks = arg_i32(&ctx, 1);
+    call.rank = arg_i32(&ctx, 2);
     let mut words = [0u64; NCCL_UNIQUE_ID_WORDS];
     // SAFETY: reading the traced thread's stack through the checked helper.
     unsafe {
@@ -106,7 +106,7 @@ pub fn nccl_comm_init_entry(ctx: ProbeContext) -> u32 {
             words = read;
         }
     }
-    event.comm_id_hash = comm_id_hash(&words);
-    remember_entry(&ctx, pid_tgid, &event);
+    call.comm_id_hash = comm_id_hash(&words);
+    remember_entry(&ctx, &INFLIGHT_COMM_INITS, pid_tgid, &record);
     0
 }

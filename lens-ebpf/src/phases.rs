@@ -1,14 +1,15 @@
 //! PyTorch's phase marks: `record_function` scopes, backward passes, grad mode, and the
 //! checkpoint files written or read (libc's `open`, safetensors, torch's file writers).
 use aya_ebpf::helpers::{
-    bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
+    bpf_get_current_pid_tgid, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
 };
 use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
-use lens_common::{EventKind, ProbeId, saving};
+use lens_common::record::{PhaseEntry, PhaseReturn, ScopeEnter};
+use lens_common::{ProbeId, saving};
 
-use crate::ctx::{arg_u64, begin_call, emit, new_event, probe_id, submit_flags, traced};
-use crate::launches::{launches_so_far, next_epoch};
+use crate::ctx::{arg_u64, begin_call, new_record, probe_id, send, traced};
+use crate::launches::mark_now;
 use crate::maps::PY_SAVING;
 use crate::python::send_python_stack;
 
@@ -17,13 +18,14 @@ use crate::python::send_python_stack;
 /// (`set_enabled`'s flag).
 #[uprobe]
 pub fn phase_mark(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+    let Some((pid_tgid, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
         return 0;
     };
-    event.count = arg_u64(&ctx, 0);
-    event.epoch = next_epoch(pid_tgid);
-    event.launches = launches_so_far(pid_tgid);
-    emit(&event, submit_flags());
+    record.body = PhaseEntry {
+        mark: mark_now(pid_tgid),
+        argument: arg_u64(&ctx, 0),
+    };
+    send(&record);
     0
 }
 
@@ -61,20 +63,18 @@ pub fn file_open_entry(ctx: ProbeContext) -> u32 {
     if prefix[..5] == *b"/dev/" || prefix == *b"/proc/" {
         return 0;
     }
-    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+    let Some((pid_tgid, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
         return 0;
     };
     // The Python stack first (stamped before the mark): the loader knows whether the
     // framework save that may have created it is still running.
     send_python_stack(pid_tgid, true);
-    // The flags tell the loader a file created from one opened for reading.
-    event.args[0] = flags;
-    // SAFETY: the helper only reads the clock.
-    event.start_ns = unsafe { bpf_ktime_get_ns() };
-    event.end_ns = event.start_ns;
-    event.epoch = next_epoch(pid_tgid);
-    event.launches = launches_so_far(pid_tgid);
-    emit(&event, submit_flags());
+    record.body = PhaseEntry {
+        mark: mark_now(pid_tgid),
+        // The flags tell the loader a file created from one opened for reading.
+        argument: flags,
+    };
+    send(&record);
     0
 }
 
@@ -84,12 +84,9 @@ pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
     let Some((pid_tgid, _)) = traced() else {
         return 0;
     };
-    let mut event = new_event(EventKind::PhaseMark, probe_id(&ctx), pid_tgid);
-    event.at_return = 1;
-    event.ret = ctx.ret::<i64>();
-    event.epoch = next_epoch(pid_tgid);
-    event.launches = launches_so_far(pid_tgid);
-    emit(&event, submit_flags());
+    let mut record = new_record::<PhaseReturn>(probe_id(&ctx), pid_tgid);
+    record.body.mark = mark_now(pid_tgid);
+    send(&record);
     0
 }
 
@@ -100,13 +97,14 @@ pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
 /// `accumulate_grad` is the seventh integer argument, the first on the stack.
 #[uprobe]
 pub fn torch_backward_entry(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+    let Some((pid_tgid, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
         return 0;
     };
-    event.count = arg_u64(&ctx, 6) & 0xff;
-    event.epoch = next_epoch(pid_tgid);
-    event.launches = launches_so_far(pid_tgid);
-    emit(&event, submit_flags());
+    record.body = PhaseEntry {
+        mark: mark_now(pid_tgid),
+        argument: arg_u64(&ctx, 6) & 0xff,
+    };
+    send(&record);
     0
 }
 
@@ -116,20 +114,18 @@ pub fn torch_backward_entry(ctx: ProbeContext) -> u32 {
 /// `std::string` starts with its data pointer and length.
 #[uprobe]
 pub fn torch_scope_enter(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::PhaseMark) else {
+    let Some((pid_tgid, mut record, _)) = begin_call::<ScopeEnter>(&ctx) else {
         return 0;
     };
-    event.epoch = next_epoch(pid_tgid);
-    event.launches = launches_so_far(pid_tgid);
+    record.body.mark = mark_now(pid_tgid);
     let string = arg_u64(&ctx, 1);
     // SAFETY: reads of the traced thread's memory through the checked helpers.
     unsafe {
         let data = bpf_probe_read_user(string as *const u64).unwrap_or(0);
-        event.count = bpf_probe_read_user((string + 8) as *const u64).unwrap_or(0);
-        if let Ok(name) = bpf_probe_read_user_str_bytes(data as *const u8, &mut event.name) {
-            event.name_len = name.len() as u32;
+        if let Ok(name) = bpf_probe_read_user_str_bytes(data as *const u8, &mut record.body.name) {
+            record.body.name_len = name.len() as u32;
         }
     }
-    emit(&event, submit_flags());
+    send(&record);
     0
 }

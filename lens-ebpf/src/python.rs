@@ -2,16 +2,17 @@
 //! from `PY_TARGETS`), sent on a timer and before calls made inside a framework save or
 //! load.
 use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
-use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user};
+use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user};
 use aya_ebpf::macros::{perf_event, uprobe};
 use aya_ebpf::programs::{PerfEventContext, ProbeContext};
+use lens_common::record::{NO_PROBE, PyStack};
 use lens_common::{
     DCP_LOAD_API_EVENT, EventKind, LossCause, PY_MAX_DEPTH, PY_MAX_WALK, PY_NO_FIELD, PyOffsets,
-    PyStack, limits, saving,
+    Record, RecordHeader, limits, saving,
 };
 
 use crate::ctx::{count_loss, read_user_u64};
-use crate::launches::{launches_so_far, next_epoch};
+use crate::launches::mark_now;
 use crate::maps::{EVENTS, PY_LAST_STACK, PY_SAVING, PY_TARGETS};
 use crate::task::thread_pointer;
 
@@ -155,7 +156,7 @@ pub(crate) fn send_python_stack(pid_tgid: u64, forced: bool) {
     let Some(mut frame) = innermost_frame(&offsets, tid) else {
         return;
     };
-    let Some(mut entry) = EVENTS.reserve::<PyStack>(0) else {
+    let Some(mut entry) = EVENTS.reserve::<Record<PyStack>>(0) else {
         count_loss(LossCause::RingBufferFull);
         return;
     };
@@ -172,9 +173,10 @@ pub(crate) fn send_python_stack(pid_tgid: u64, forced: bool) {
         let slot = i % PY_MAX_DEPTH;
         // SAFETY: `slot` < PY_MAX_DEPTH: inside the reserved record.
         unsafe {
-            (*stack).code[slot] = read_user_u64(frame + offsets.frame_code as u64);
-            (*stack).frame[slot] = frame;
-            (*stack).first_local[slot] = read_user_u64(frame + offsets.frame_first_local as u64);
+            (*stack).body.code[slot] = read_user_u64(frame + offsets.frame_code as u64);
+            (*stack).body.frame[slot] = frame;
+            (*stack).body.first_local[slot] =
+                read_user_u64(frame + offsets.frame_first_local as u64);
         }
         depth = i + 1;
         frame = read_user_u64(frame + offsets.frame_previous as u64);
@@ -189,9 +191,9 @@ pub(crate) fn send_python_stack(pid_tgid: u64, forced: bool) {
         // SAFETY: as above; written by the walk.
         let (code, frame, local) = unsafe {
             (
-                (*stack).code[slot],
-                (*stack).frame[slot],
-                (*stack).first_local[slot],
+                (*stack).body.code[slot],
+                (*stack).body.frame[slot],
+                (*stack).body.first_local[slot],
             )
         };
         hash = (hash ^ code).wrapping_mul(0x100_0000_01b3);
@@ -218,15 +220,15 @@ pub(crate) fn send_python_stack(pid_tgid: u64, forced: bool) {
     }
     // SAFETY: the reserved record, filled before it is submitted.
     unsafe {
-        (*stack).kind = EventKind::PyStack as u32;
-        (*stack).depth = depth as u32;
-        (*stack).tgid = tgid;
-        (*stack).tid = tid;
-        (*stack).synchronous = forced as u32;
-        (*stack)._pad = 0;
-        (*stack).at_ns = bpf_ktime_get_ns();
-        (*stack).launches = launches_so_far(pid_tgid);
-        (*stack).epoch = next_epoch(pid_tgid);
+        (*stack).header = RecordHeader {
+            kind: EventKind::PyStack as u32,
+            probe: NO_PROBE,
+            tgid,
+            tid,
+        };
+        (*stack).body.depth = depth as u32;
+        (*stack).body.synchronous = forced as u32;
+        (*stack).body.mark = mark_now(pid_tgid);
     }
     // Delivered at once: the loader names the frames from the process's memory, which a
     // process that exits soon after takes with it.

@@ -1,57 +1,107 @@
-//! Returns of calls whose duration matters: the entry kept in `INFLIGHT` paired with its
-//! return into one event.
-use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
-use aya_ebpf::helpers::{bpf_ktime_get_ns, bpf_probe_read_user};
+//! Returns of calls whose duration matters: each kind's entry, kept in its own
+//! `INFLIGHT_*` map, paired with its return into one record.
+use aya_ebpf::helpers::bpf_probe_read_user;
 use aya_ebpf::macros::{uprobe, uretprobe};
+use aya_ebpf::maps::HashMap;
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
-use lens_common::{EventKind, InflightKey, LossCause};
+use lens_common::record::{CollectiveCall, CommInitCall, SyncCall, TimedCall};
+use lens_common::{Body, InflightKey, LossCause, Record};
 
-use crate::ctx::{begin_call, count_loss, emit, probe_id, remember_entry, submit_flags, traced};
-use crate::maps::INFLIGHT;
+use crate::ctx::{
+    begin_call, call_starting_now, count_loss, now_ns, remember_entry, send, send_now, take_entry,
+    traced,
+};
+use crate::maps::{INFLIGHT_COLLECTIVES, INFLIGHT_COMM_INITS, INFLIGHT_SYNCS, INFLIGHT_TIMED};
 use crate::python::sample_if_saving;
 
-/// Return of any call with entry state: pair it, stamp the end and the result, send it.
-#[uretprobe]
-pub fn call_return(ctx: RetProbeContext) -> u32 {
-    let Some((pid_tgid, _)) = traced() else {
-        return 0;
+/// A body timed entry to return, with the call's result.
+pub(crate) trait Returning: Body {
+    fn returned(&mut self, end_ns: u64, result: i32);
+}
+
+macro_rules! returning {
+    ($($body:ty),+) => {
+        $(
+            impl Returning for $body {
+                #[inline(always)]
+                fn returned(&mut self, end_ns: u64, result: i32) {
+                    self.times.end_ns = end_ns;
+                    self.result = result;
+                }
+            }
+        )+
     };
-    let key = InflightKey {
-        pid_tgid,
-        probe: probe_id(&ctx),
-        _pad: 0,
-    };
-    // SAFETY: copied out before the entry is removed.
-    let Some(mut event) = (unsafe { INFLIGHT.get(&key) }).copied() else {
+}
+
+returning!(CollectiveCall, TimedCall, SyncCall, CommInitCall);
+
+/// The return paired with its entry in `inflight`: the end stamped and the result read.
+#[inline(always)]
+fn finish<B: Returning>(
+    ctx: &RetProbeContext,
+    inflight: &HashMap<InflightKey, Record<B>>,
+) -> Option<Record<B>> {
+    let (pid_tgid, _) = traced()?;
+    let Some(mut record) = take_entry(ctx, inflight, pid_tgid) else {
         count_loss(LossCause::UnmatchedReturn);
-        return 0;
+        return None;
     };
-    let _ = INFLIGHT.remove(&key);
-    // SAFETY: plain helper call.
-    event.end_ns = unsafe { bpf_ktime_get_ns() };
-    event.ret = ctx.ret::<i64>() as i32 as i64;
-    let mut flags = submit_flags();
-    if event.kind == EventKind::CommInit as u32 {
-        // SAFETY: the out-pointer the caller passed; read through the checked helper.
-        event.comm = unsafe { bpf_probe_read_user(event.comm as *const u64) }.unwrap_or(0);
-        // Rare and needed to name every later collective's communicator: deliver now.
-        flags = BPF_RB_FORCE_WAKEUP as u64;
+    record.body.returned(now_ns(), ctx.ret::<i64>() as i32);
+    Some(record)
+}
+
+/// Return of an NCCL collective or point-to-point call.
+#[uretprobe]
+pub fn nccl_collective_return(ctx: RetProbeContext) -> u32 {
+    if let Some(record) = finish(&ctx, &INFLIGHT_COLLECTIVES) {
+        send(&record);
     }
-    emit(&event, flags);
+    0
+}
+
+/// Return of a CUDA synchronisation call.
+#[uretprobe]
+pub fn cuda_sync_return(ctx: RetProbeContext) -> u32 {
+    if let Some(record) = finish(&ctx, &INFLIGHT_SYNCS) {
+        send(&record);
+    }
+    0
+}
+
+/// Return of `ncclCommInitRank`: the handle it wrote read back.
+#[uretprobe]
+pub fn nccl_comm_init_return(ctx: RetProbeContext) -> u32 {
+    if let Some(mut record) = finish(&ctx, &INFLIGHT_COMM_INITS) {
+        // SAFETY: the out-pointer the caller passed; read through the checked helper.
+        record.body.comm =
+            unsafe { bpf_probe_read_user(record.body.comm_out as *const u64) }.unwrap_or(0);
+        // Rare and needed to name every later collective's communicator: deliver now.
+        send_now(&record);
+    }
     0
 }
 
 /// Entry of a call whose duration is wanted but whose arguments are not decoded
 /// (gloo collectives: the tensors live behind C++ vectors). The first argument, the
-/// `ProcessGroupGloo` object of a member function, is kept in `comm`: it tells the
-/// process's groups apart (hang detection numbers each group's collectives).
+/// `ProcessGroupGloo` object of a member function, is kept: it tells the process's
+/// groups apart (hang detection numbers each group's collectives).
 #[uprobe]
 pub fn timed_call_entry(ctx: ProbeContext) -> u32 {
     sample_if_saving();
-    let Some((pid_tgid, mut event)) = begin_call(&ctx, EventKind::Collective) else {
+    let Some((pid_tgid, mut record, _)) = begin_call::<TimedCall>(&ctx) else {
         return 0;
     };
-    event.comm = ctx.arg::<u64>(0).unwrap_or(0);
-    remember_entry(&ctx, pid_tgid, &event);
+    record.body.times = call_starting_now();
+    record.body.object = ctx.arg::<u64>(0).unwrap_or(0);
+    remember_entry(&ctx, &INFLIGHT_TIMED, pid_tgid, &record);
+    0
+}
+
+/// Return of such a call.
+#[uretprobe]
+pub fn timed_call_return(ctx: RetProbeContext) -> u32 {
+    if let Some(record) = finish(&ctx, &INFLIGHT_TIMED) {
+        send(&record);
+    }
     0
 }

@@ -2,10 +2,10 @@
 use aya_ebpf::helpers::{bpf_probe_read_user, bpf_probe_read_user_str_bytes};
 use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
-use lens_common::EventKind;
+use lens_common::record::{RuleEntry, RuleReturn};
 
-use crate::ctx::{arg_u64, attach_cookie, emit, new_event, probe_id, submit_flags, traced};
-use crate::launches::{launches_so_far, next_epoch};
+use crate::ctx::{arg_u64, attach_cookie, new_record, probe_id, send, traced};
+use crate::launches::mark_now;
 
 /// Entry of a function a configured probe rule names. The cookie carries the rule
 /// (`lens_common::rule_cookie`): its index and which argument, if any, is read as a
@@ -16,11 +16,10 @@ pub fn user_rule_entry(ctx: ProbeContext) -> u32 {
         return 0;
     };
     let cookie = attach_cookie(&ctx);
-    let mut event = new_event(EventKind::RuleCall, cookie as u32, pid_tgid);
+    let mut record = new_record::<RuleEntry>(cookie as u32, pid_tgid);
     // A launch mark like a phase mark's: the span's launches (and kernels) are counted
     // between its two marks.
-    event.epoch = next_epoch(pid_tgid);
-    event.launches = launches_so_far(pid_tgid);
+    record.body.mark = mark_now(pid_tgid);
     let args = [
         arg_u64(&ctx, 0),
         arg_u64(&ctx, 1),
@@ -40,7 +39,7 @@ pub fn user_rule_entry(ctx: ProbeContext) -> u32 {
         6 => args[5],
         _ => 0,
     };
-    event.args = args;
+    record.body.args = args;
     if pointer != 0 {
         // SAFETY: reads of the traced thread's memory through the checked helpers.
         unsafe {
@@ -51,13 +50,14 @@ pub fn user_rule_entry(ctx: ProbeContext) -> u32 {
                 pointer
             };
             if data != 0
-                && let Ok(text) = bpf_probe_read_user_str_bytes(data as *const u8, &mut event.name)
+                && let Ok(text) =
+                    bpf_probe_read_user_str_bytes(data as *const u8, &mut record.body.text)
             {
-                event.name_len = text.len() as u32;
+                record.body.text_len = text.len() as u32;
             }
         }
     }
-    emit(&event, submit_flags());
+    send(&record);
     0
 }
 
@@ -67,11 +67,11 @@ pub fn user_rule_return(ctx: RetProbeContext) -> u32 {
     let Some((pid_tgid, _)) = traced() else {
         return 0;
     };
-    let mut event = new_event(EventKind::RuleCall, probe_id(&ctx), pid_tgid);
-    event.at_return = 1;
-    event.ret = ctx.ret::<i64>();
-    event.epoch = next_epoch(pid_tgid);
-    event.launches = launches_so_far(pid_tgid);
-    emit(&event, submit_flags());
+    let mut record = new_record::<RuleReturn>(probe_id(&ctx), pid_tgid);
+    record.body = RuleReturn {
+        mark: mark_now(pid_tgid),
+        ret: ctx.ret::<i64>(),
+    };
+    send(&record);
     0
 }

@@ -1,12 +1,12 @@
 //! The scheduler's fork, exec and exit tracepoints: process trees followed from the
 //! kernel, and how each traced process ended.
-use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
 use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use aya_ebpf::macros::raw_tracepoint;
 use aya_ebpf::programs::RawTracePointContext;
-use lens_common::{EventKind, LossCause};
+use lens_common::record::{Exec, Exit, Fork, NO_PROBE};
+use lens_common::{LossCause, Record};
 
-use crate::ctx::{count_loss, emit, new_event, submit_flags, traced};
+use crate::ctx::{count_loss, new_record, send, send_now, traced};
 use crate::maps::{TARGETS, node_mode};
 use crate::task::{EXIT_HAS_GROUP_DEAD, TASK_EXIT_CODE_OFFSET, TASK_TGID_OFFSET};
 
@@ -33,11 +33,9 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
         count_loss(LossCause::TargetMapFull);
         return 0;
     }
-    let mut event = new_event(EventKind::ProcessForked, 0, pid_tgid);
-    event.tgid = child_tgid;
-    event.tid = child_tgid;
-    event.count = parent_tgid as u64;
-    emit(&event, BPF_RB_FORCE_WAKEUP as u64);
+    let mut record = Record::<Fork>::new(NO_PROBE, child_tgid, child_tgid);
+    record.body.parent = parent_tgid;
+    send_now(&record);
     0
 }
 
@@ -51,17 +49,14 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     if !traced && !node_mode() {
         return 0;
     }
-    let mut event = new_event(EventKind::ProcessExec, 0, pid_tgid);
-    // 1: a target; 0: any process, for node-wide discovery (its loader may be new).
-    event.peer = traced as i32;
-    emit(
-        &event,
-        if traced {
-            BPF_RB_FORCE_WAKEUP as u64
-        } else {
-            submit_flags()
-        },
-    );
+    let mut record = new_record::<Exec>(NO_PROBE, pid_tgid);
+    record.body.traced = traced as u32;
+    // A target's at once; any other process's (node-wide discovery) batched.
+    if traced {
+        send_now(&record);
+    } else {
+        send(&record);
+    }
     0
 }
 
@@ -90,8 +85,8 @@ pub fn process_exit(ctx: RawTracePointContext) -> i32 {
     if !last {
         return 0;
     }
-    let mut event = new_event(EventKind::ProcessExit, 0, pid_tgid);
-    event.count = code as u32 as u64;
-    emit(&event, BPF_RB_FORCE_WAKEUP as u64);
+    let mut record = new_record::<Exit>(NO_PROBE, pid_tgid);
+    record.body.wait_status = code;
+    send_now(&record);
     0
 }

@@ -14,7 +14,10 @@ use std::{
     process::{Command, Output},
 };
 
-use lens_common::{Event, EventKind, NONE_I32, ProbeId, SCOPE_NAME_BYTES};
+use lens_common::record::{
+    self as raw, Body, CallTimes, LaunchMark, NONE_I32, Record, RecordHeader, record_bytes,
+};
+use lens_common::{EventKind, ProbeId, SCOPE_NAME_BYTES};
 use lens_probe::{
     budget::OverheadBudget,
     discovery::NodeFilter,
@@ -270,15 +273,88 @@ fn cases(cases: u32) -> ProptestConfig {
     }
 }
 
-fn event_from(bytes: &[u8]) -> Event {
-    assert!(bytes.len() >= size_of::<Event>());
-    // SAFETY: long enough; Event is plain integers, valid for any bit pattern.
+/// A record of `B` read from the front of `bytes` (long enough).
+fn record_from<B: Body>(bytes: &[u8]) -> Record<B> {
+    assert!(bytes.len() >= size_of::<Record<B>>());
+    // SAFETY: long enough; a record is plain integers, valid for any bit pattern.
     unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) }
 }
 
-/// As `assert_key_fields`, for the process-lifecycle notices.
-fn assert_control_fields(raw: &Event, control: &ControlEvent) -> Result<(), TestCaseError> {
-    let kind = EventKind::from_u32(raw.kind);
+fn header_of(bytes: &[u8]) -> RecordHeader {
+    assert!(bytes.len() >= size_of::<RecordHeader>());
+    // SAFETY: long enough; plain integers, valid for any bit pattern.
+    unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) }
+}
+
+/// The probes each kind comes from (`None`: the header's probe is not read).
+fn probes_of(kind: EventKind) -> Option<Vec<u32>> {
+    use ProbeId::*;
+    let ids = |ids: &[ProbeId]| Some(ids.iter().map(|&p| p as u32).collect());
+    match kind {
+        EventKind::Collective => ids(&[
+            NcclAllReduce,
+            NcclBroadcast,
+            NcclReduce,
+            NcclAllGather,
+            NcclReduceScatter,
+            NcclSend,
+            NcclRecv,
+            NcclAlltoAll,
+        ]),
+        EventKind::TimedCall => ids(&[
+            GlooAllReduce,
+            GlooBroadcast,
+            GlooReduce,
+            GlooAllGather,
+            GlooReduceScatter,
+            GlooSend,
+            GlooRecv,
+            GlooBarrier,
+        ]),
+        EventKind::SyncWait => ids(&[
+            CudaStreamSynchronize,
+            CudaEventSynchronize,
+            CudaDeviceSynchronize,
+        ]),
+        EventKind::CommInit => ids(&[NcclCommInitRank]),
+        EventKind::EventQueried => ids(&[CudaEventQuery]),
+        EventKind::Group => ids(&[NcclGroupStart, NcclGroupEnd]),
+        EventKind::EventRecorded => ids(&[CudaEventRecord, CudaEventRecordWithFlags]),
+        EventKind::PhaseEntry => ids(&[
+            TorchScopeExit,
+            TorchBackward,
+            TorchGradMode,
+            TorchInferenceMode,
+            CheckpointWriterOpen,
+            CheckpointReaderOpen,
+            SafetensorsSerializeFile,
+            SafetensorsOpen,
+            FileOpen,
+            FileOpenAt,
+        ]),
+        EventKind::PhaseReturn => ids(&[
+            TorchBackward,
+            CheckpointWriterClose,
+            CheckpointReaderClose,
+            SafetensorsSerializeFile,
+            SafetensorsClose,
+        ]),
+        EventKind::ScopeEnter => ids(&[TorchScopeEnter]),
+        EventKind::RuleEntry | EventKind::RuleReturn => Some(
+            (lens_common::RULE_COOKIE_BASE..lens_common::RULE_COOKIE_BASE + lens_common::MAX_RULES)
+                .collect(),
+        ),
+        EventKind::PyStack
+        | EventKind::LinkMapChanged
+        | EventKind::ProcessForked
+        | EventKind::ProcessExec
+        | EventKind::ProcessExit => None,
+    }
+}
+
+/// As `assert_fields`, for the process-lifecycle notices.
+fn assert_control_fields(bytes: &[u8], control: &ControlEvent) -> Result<(), TestCaseError> {
+    let kind = EventKind::from_u32(header_of(bytes).kind);
     match *control {
         ControlEvent::LinkMapChanged {
             tgid,
@@ -286,93 +362,131 @@ fn assert_control_fields(raw: &Event, control: &ControlEvent) -> Result<(), Test
             traced,
         } => {
             prop_assert_eq!(kind, Some(EventKind::LinkMapChanged));
+            let raw = record_from::<raw::LinkMapChange>(bytes);
             prop_assert_eq!(
                 (tgid, stopped, traced),
-                (raw.tgid, raw.count == 1, raw.peer == 1)
+                (raw.header.tgid, raw.body.stopped == 1, raw.body.traced == 1)
             );
         }
         ControlEvent::ProcessForked { parent, child } => {
             prop_assert_eq!(kind, Some(EventKind::ProcessForked));
-            prop_assert_eq!((parent, child), (raw.count as u32, raw.tgid));
+            let raw = record_from::<raw::Fork>(bytes);
+            prop_assert_eq!((parent, child), (raw.body.parent, raw.header.tgid));
         }
         ControlEvent::ProcessExec { tgid, traced } => {
             prop_assert_eq!(kind, Some(EventKind::ProcessExec));
-            prop_assert_eq!((tgid, traced), (raw.tgid, raw.peer == 1));
+            let raw = record_from::<raw::Exec>(bytes);
+            prop_assert_eq!((tgid, traced), (raw.header.tgid, raw.body.traced == 1));
         }
         ControlEvent::ProcessExit { tgid, wait_status } => {
             prop_assert_eq!(kind, Some(EventKind::ProcessExit));
-            prop_assert_eq!((tgid, wait_status), (raw.tgid, raw.count as i32));
+            let raw = record_from::<raw::Exit>(bytes);
+            prop_assert_eq!((tgid, wait_status), (raw.header.tgid, raw.body.wait_status));
         }
     }
     Ok(())
 }
 
-fn bytes_of(event: &Event) -> Vec<u8> {
-    // SAFETY: Event is plain data without padding.
-    unsafe { std::slice::from_raw_parts((event as *const Event).cast::<u8>(), size_of::<Event>()) }
-        .to_vec()
-}
-
-/// Every field of `raw` that the decoded record carries, and the variant for its kind.
-fn assert_key_fields(raw: &Event, decoded: &Decoded) -> Result<(), TestCaseError> {
+/// Every field of the record in `bytes` that the decoded event carries, and the variant
+/// for its kind and probe.
+fn assert_fields(bytes: &[u8], decoded: &Decoded) -> Result<(), TestCaseError> {
     let event = match decoded {
-        Decoded::Control(control) => return assert_control_fields(raw, control),
+        Decoded::Control(control) => return assert_control_fields(bytes, control),
         Decoded::Probe(event) => event,
     };
-    prop_assert_eq!(event.tgid(), raw.tgid);
-    let timing_matches = |timing: &events::CallTiming| {
-        timing.tgid == raw.tgid
-            && timing.tid == raw.tid
-            && timing.start_ns == raw.start_ns
-            && timing.end_ns == raw.end_ns
+    let header = header_of(bytes);
+    let kind = EventKind::from_u32(header.kind);
+    prop_assert!(
+        probes_of(kind.unwrap()).is_none_or(|probes| probes.contains(&header.probe)),
+        "{:?} decoded from probe {}",
+        kind,
+        header.probe
+    );
+    prop_assert_eq!(event.tgid(), header.tgid);
+    let timing_is = |timing: &events::CallTiming, times: CallTimes| {
+        (timing.tgid, timing.tid, timing.start_ns, timing.end_ns)
+            == (header.tgid, header.tid, times.start_ns, times.end_ns)
     };
-    let kind = EventKind::from_u32(raw.kind);
-    let result = raw.ret as i32;
+    let instant = |at_ns: u64| CallTimes {
+        start_ns: at_ns,
+        end_ns: at_ns,
+    };
+    let mark_is = |(tid, at_ns, launches, epoch): (u32, u64, u64, u64), mark: LaunchMark| {
+        (tid, at_ns, launches, epoch) == (header.tid, mark.at_ns, mark.launches, mark.epoch)
+    };
     match event {
         ProbeEvent::Collective {
             timing,
             count,
             raw_datatype,
+            redop,
             peer,
             comm,
             stream,
-            result: r,
+            result,
             python_caller,
             ..
         } => {
             prop_assert_eq!(kind, Some(EventKind::Collective));
-            prop_assert!(timing_matches(timing));
+            let raw = record_from::<raw::CollectiveCall>(bytes).body;
+            prop_assert!(timing_is(timing, raw.times));
             prop_assert_eq!(
-                (*count, *raw_datatype, *comm, *stream, *r),
-                (raw.count, raw.datatype, raw.comm, raw.handle, result)
+                (*count, *raw_datatype, *comm, *stream, *result),
+                (raw.count, raw.datatype, raw.comm, raw.stream, raw.result)
             );
             prop_assert_eq!(python_caller, &PythonCaller::from_code(raw.python_caller));
             prop_assert_eq!(*peer, (raw.peer != NONE_I32).then_some(raw.peer));
+            prop_assert_eq!(redop.is_some(), raw.redop != NONE_I32);
         }
-        ProbeEvent::GlooCall { timing, .. } => {
-            prop_assert_eq!(kind, Some(EventKind::Collective));
-            prop_assert!(timing_matches(timing));
+        ProbeEvent::GlooCall { timing, group, .. } => {
+            prop_assert_eq!(kind, Some(EventKind::TimedCall));
+            let raw = record_from::<raw::TimedCall>(bytes).body;
+            prop_assert!(timing_is(timing, raw.times));
+            prop_assert_eq!(*group, raw.object);
         }
-        ProbeEvent::PyStack { .. } => {
-            prop_assert!(false, "the decoder made a Python stack of an event");
+        ProbeEvent::PyStack {
+            tid,
+            synchronous,
+            at_ns,
+            launches,
+            epoch,
+            frames,
+            ..
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::PyStack));
+            let raw = record_from::<raw::PyStack>(bytes).body;
+            prop_assert!(mark_is((*tid, *at_ns, *launches, *epoch), raw.mark));
+            prop_assert_eq!(*synchronous, raw.synchronous != 0);
+            let walked = (raw.depth as usize).min(lens_common::PY_MAX_WALK);
+            prop_assert_eq!(frames.len(), walked.min(lens_common::PY_MAX_DEPTH));
+            // The outermost frame walked is the last one.
+            if let Some(last) = frames.last() {
+                let slot = (walked - 1) % lens_common::PY_MAX_DEPTH;
+                prop_assert_eq!(
+                    (last.code, last.frame, last.first_local),
+                    (raw.code[slot], raw.frame[slot], raw.first_local[slot])
+                );
+            }
         }
         ProbeEvent::EventRecorded {
             timing,
             event,
             stream,
         } => {
-            prop_assert_eq!(kind, Some(EventKind::CudaEvent));
-            prop_assert!(timing_matches(timing));
-            prop_assert_eq!((*event, *stream), (raw.handle, raw.stream));
+            prop_assert_eq!(kind, Some(EventKind::EventRecorded));
+            let raw = record_from::<raw::EventRecord>(bytes).body;
+            prop_assert!(timing_is(timing, instant(raw.at_ns)));
+            prop_assert_eq!((*event, *stream), (raw.event, raw.stream));
         }
         ProbeEvent::EventQueryComplete {
             timing,
             event,
             not_ready_ns,
         } => {
-            prop_assert_eq!(kind, Some(EventKind::CudaEvent));
-            prop_assert!(timing_matches(timing));
-            prop_assert_eq!(*event, raw.handle);
+            prop_assert_eq!(kind, Some(EventKind::EventQueried));
+            let raw = record_from::<raw::EventQuery>(bytes).body;
+            prop_assert!(timing_is(timing, raw.times));
+            prop_assert_eq!(*event, raw.event);
             prop_assert_eq!(
                 *not_ready_ns,
                 (raw.not_ready_ns != 0).then_some(raw.not_ready_ns)
@@ -381,12 +495,15 @@ fn assert_key_fields(raw: &Event, decoded: &Decoded) -> Result<(), TestCaseError
         ProbeEvent::SyncWait {
             timing,
             handle,
-            result: r,
+            result,
+            python_caller,
             ..
         } => {
             prop_assert_eq!(kind, Some(EventKind::SyncWait));
-            prop_assert!(timing_matches(timing));
-            prop_assert_eq!((*handle, *r), (raw.handle, result));
+            let raw = record_from::<raw::SyncCall>(bytes).body;
+            prop_assert!(timing_is(timing, raw.times));
+            prop_assert_eq!((*handle, *result), (raw.handle, raw.result));
+            prop_assert_eq!(python_caller, &PythonCaller::from_code(raw.python_caller));
         }
         ProbeEvent::CommInit {
             timing,
@@ -394,134 +511,108 @@ fn assert_key_fields(raw: &Event, decoded: &Decoded) -> Result<(), TestCaseError
             rank,
             nranks,
             comm_id_hash,
-            result: r,
+            result,
         } => {
             prop_assert_eq!(kind, Some(EventKind::CommInit));
-            prop_assert!(timing_matches(timing));
+            let raw = record_from::<raw::CommInitCall>(bytes).body;
+            prop_assert!(timing_is(timing, raw.times));
             prop_assert_eq!(
-                (*comm, *rank, *nranks, *comm_id_hash, *r),
-                (raw.comm, raw.rank, raw.nranks, raw.comm_id_hash, result)
+                (*comm, *rank, *nranks, *comm_id_hash, *result),
+                (raw.comm, raw.rank, raw.nranks, raw.comm_id_hash, raw.result)
             );
         }
         ProbeEvent::Group { timing, open } => {
             prop_assert_eq!(kind, Some(EventKind::Group));
-            prop_assert!(timing_matches(timing));
-            prop_assert_eq!(*open, raw.group_open != 0);
+            let raw = record_from::<raw::GroupCall>(bytes).body;
+            prop_assert!(timing_is(timing, instant(raw.at_ns)));
+            prop_assert_eq!(*open, raw.open != 0);
         }
         ProbeEvent::Phase {
             tid,
             at_ns,
             launches,
+            epoch,
             signal,
             ..
         } => {
-            prop_assert_eq!(kind, Some(EventKind::PhaseMark));
-            prop_assert_eq!(
-                (*tid, *at_ns, *launches),
-                (raw.tid, raw.start_ns, raw.launches)
-            );
-            if let PhaseSignal::ScopeEnter { name, .. } = signal {
-                let len = (raw.name_len as usize).min(SCOPE_NAME_BYTES);
-                prop_assert_eq!(name, &String::from_utf8_lossy(&raw.name[..len]));
+            let found = (*tid, *at_ns, *launches, *epoch);
+            match kind {
+                Some(EventKind::PhaseEntry) => {
+                    let raw = record_from::<raw::PhaseEntry>(bytes).body;
+                    prop_assert!(mark_is(found, raw.mark));
+                }
+                Some(EventKind::PhaseReturn) => {
+                    let raw = record_from::<raw::PhaseReturn>(bytes).body;
+                    prop_assert!(mark_is(found, raw.mark));
+                }
+                Some(EventKind::ScopeEnter) => {
+                    let raw = record_from::<raw::ScopeEnter>(bytes).body;
+                    prop_assert!(mark_is(found, raw.mark));
+                    let len = (raw.name_len as usize).min(SCOPE_NAME_BYTES);
+                    let PhaseSignal::ScopeEnter { name, .. } = signal else {
+                        return Err(TestCaseError::fail("a scope entry without its name"));
+                    };
+                    prop_assert_eq!(name, &String::from_utf8_lossy(&raw.name[..len]));
+                }
+                other => prop_assert!(false, "a phase from a {:?} record", other),
             }
         }
         ProbeEvent::RuleCall {
             tid,
             at_ns,
+            launches,
+            epoch,
             rule,
             at_return,
             args,
+            text,
             ret,
             ..
         } => {
-            prop_assert_eq!(kind, Some(EventKind::RuleCall));
-            prop_assert_eq!(Some(*rule), lens_common::rule_index(raw.probe));
-            prop_assert_eq!(
-                (*tid, *at_ns, *at_return, *args, *ret),
-                (raw.tid, raw.start_ns, raw.at_return != 0, raw.args, raw.ret)
-            );
+            prop_assert_eq!(Some(*rule), lens_common::rule_index(header.probe));
+            let found = (*tid, *at_ns, *launches, *epoch);
+            match kind {
+                Some(EventKind::RuleEntry) => {
+                    let raw = record_from::<raw::RuleEntry>(bytes).body;
+                    prop_assert!(mark_is(found, raw.mark));
+                    prop_assert_eq!((*at_return, *args), (false, raw.args));
+                    let len = (raw.text_len as usize).min(SCOPE_NAME_BYTES);
+                    let expected =
+                        (len > 0).then(|| String::from_utf8_lossy(&raw.text[..len]).into_owned());
+                    prop_assert_eq!(text, &expected);
+                }
+                Some(EventKind::RuleReturn) => {
+                    let raw = record_from::<raw::RuleReturn>(bytes).body;
+                    prop_assert!(mark_is(found, raw.mark));
+                    prop_assert_eq!((*at_return, *ret), (true, raw.ret));
+                }
+                other => prop_assert!(false, "a rule call from a {:?} record", other),
+            }
         }
     }
     Ok(())
 }
 
-/// (kind, probe, at_return) triples the kernel side sends.
-fn valid_kind_probe() -> impl Strategy<Value = (u32, u32, u32)> {
-    use ProbeId::*;
-    let probe = |p: ProbeId| p as u32;
-    let any_probe = 0..ProbeId::COUNT as u32;
-    let collectives: Vec<u32> = [
-        NcclAllReduce,
-        NcclBroadcast,
-        NcclReduce,
-        NcclAllGather,
-        NcclReduceScatter,
-        NcclSend,
-        NcclRecv,
-        GlooAllReduce,
-        GlooBroadcast,
-        GlooReduce,
-        GlooAllGather,
-        GlooReduceScatter,
-        GlooSend,
-        GlooRecv,
-        GlooBarrier,
-    ]
-    .map(probe)
-    .to_vec();
-    let syncs = [
-        CudaStreamSynchronize,
-        CudaEventSynchronize,
-        CudaDeviceSynchronize,
-    ]
-    .map(probe)
-    .to_vec();
-    let phases: Vec<(u32, u32)> = [
-        (TorchScopeEnter, 0),
-        (TorchScopeExit, 0),
-        (TorchBackward, 0),
-        (TorchBackward, 1),
-        (TorchGradMode, 0),
-        (CheckpointWriterOpen, 0),
-        (CheckpointWriterClose, 1),
-        (CheckpointReaderOpen, 0),
-        (CheckpointReaderClose, 1),
-    ]
-    .map(|(p, at_return)| (probe(p), at_return))
-    .to_vec();
-    let kind = |k: EventKind| Just(k as u32);
-    prop_oneof![
-        (
-            kind(EventKind::Collective),
-            select(collectives),
-            any::<u32>()
-        ),
-        (kind(EventKind::SyncWait), select(syncs), any::<u32>()),
-        (
-            prop_oneof![
-                kind(EventKind::CommInit),
-                kind(EventKind::Group),
-                kind(EventKind::LinkMapChanged)
-            ],
-            any_probe,
-            any::<u32>()
-        ),
-        (kind(EventKind::PhaseMark), select(phases)).prop_map(|(k, (p, r))| (k, p, r)),
-        (
-            kind(EventKind::RuleCall),
-            lens_common::RULE_COOKIE_BASE..lens_common::RULE_COOKIE_BASE + lens_common::MAX_RULES,
-            0u32..2
-        ),
-        (
-            prop_oneof![
-                kind(EventKind::ProcessForked),
-                kind(EventKind::ProcessExec),
-                kind(EventKind::ProcessExit)
-            ],
-            any::<u32>(),
-            any::<u32>()
-        ),
-    ]
+/// A valid kind and a probe it comes from.
+fn valid_kind_probe() -> impl Strategy<Value = (u32, u32)> {
+    select(EventKind::ALL.to_vec()).prop_flat_map(|kind| {
+        let probes = probes_of(kind).unwrap_or_else(|| (0..ProbeId::COUNT as u32 + 4).collect());
+        (Just(kind as u32), select(probes))
+    })
+}
+
+/// The longest record the kernel sends.
+const LONGEST_RECORD: usize = size_of::<Record<raw::PyStack>>();
+
+/// `bytes` with the header's kind and probe replaced, cut to the kind's record (a known
+/// kind) or left as they are.
+fn with_header(mut bytes: Vec<u8>, kind: u32, probe: u32) -> Vec<u8> {
+    bytes[..4].copy_from_slice(&kind.to_ne_bytes());
+    bytes[4..8].copy_from_slice(&probe.to_ne_bytes());
+    if let Some(known) = EventKind::from_u32(kind) {
+        bytes.truncate(record_bytes(known));
+    }
+    bytes
 }
 
 proptest! {
@@ -530,85 +621,70 @@ proptest! {
     /// Any record from the ring buffer decodes or is refused, never a panic; short ones
     /// are refused as such.
     #[test]
-    fn the_decoder_takes_any_bytes(bytes in prop::collection::vec(any::<u8>(), 0..2 * size_of::<Event>())) {
+    fn the_decoder_takes_any_bytes(bytes in prop::collection::vec(any::<u8>(), 0..LONGEST_RECORD + 64)) {
+        let known = (bytes.len() >= size_of::<RecordHeader>())
+            .then(|| EventKind::from_u32(header_of(&bytes).kind))
+            .flatten();
         match events::decode(&bytes) {
             Err(DecodeError::TooShort(n)) => {
                 prop_assert_eq!(n, bytes.len());
-                prop_assert!(n < size_of::<Event>());
+                prop_assert!(
+                    n < size_of::<RecordHeader>() || known.is_some_and(|k| n < record_bytes(k))
+                );
             }
-            other => {
-                prop_assert!(bytes.len() >= size_of::<Event>());
-                prop_assert_eq!(&other, &events::decode_event(&event_from(&bytes)));
-                if let Ok(event) = other {
-                    assert_key_fields(&event_from(&bytes), &event)?;
-                }
+            Err(DecodeError::UnknownKind(k)) => {
+                prop_assert_eq!(k, header_of(&bytes).kind);
+                prop_assert!(known.is_none());
             }
+            Err(DecodeError::UnknownProbe(p)) => {
+                prop_assert_eq!(p, header_of(&bytes).probe);
+                prop_assert!(probes_of(known.unwrap()).is_some_and(|probes| !probes.contains(&p)));
+            }
+            Ok(event) => assert_fields(&bytes, &event)?,
         }
     }
 
-    /// Any kind, probe and field values: decoded with every field where it belongs, or
-    /// refused for the kind or the probe.
+    /// Any kind and probe with any field values: decoded with every field where it
+    /// belongs, or refused for the kind or the probe, exactly when the kernel never sends
+    /// that kind from that probe.
     #[test]
-    fn the_decoder_takes_any_event(
-        bytes in prop::collection::vec(any::<u8>(), size_of::<Event>()),
-        kind in 0u32..14,
-        probe in 0u32..ProbeId::COUNT as u32 + 4,
+    fn the_decoder_takes_any_record(
+        bytes in prop::collection::vec(any::<u8>(), LONGEST_RECORD),
+        kind in 0u32..EventKind::COUNT as u32 + 3,
+        probe in prop_oneof![
+            0..ProbeId::COUNT as u32 + 4,
+            lens_common::RULE_COOKIE_BASE - 1..lens_common::RULE_COOKIE_BASE + lens_common::MAX_RULES + 1,
+            Just(u32::MAX),
+        ],
     ) {
-        let mut raw = event_from(&bytes);
-        raw.kind = kind;
-        raw.probe = probe;
-        match events::decode(&bytes_of(&raw)) {
-            Ok(event) => assert_key_fields(&raw, &event)?,
+        let bytes = with_header(bytes, kind, probe);
+        match events::decode(&bytes) {
+            Ok(event) => assert_fields(&bytes, &event)?,
             Err(DecodeError::UnknownKind(k)) => {
                 prop_assert_eq!(k, kind);
                 prop_assert!(EventKind::from_u32(kind).is_none());
             }
             Err(DecodeError::UnknownProbe(p)) => {
-                prop_assert!(EventKind::from_u32(kind).is_some());
                 prop_assert_eq!(p, probe);
+                let known = EventKind::from_u32(kind);
+                prop_assert!(probes_of(known.unwrap()).is_some_and(|probes| !probes.contains(&p)));
             }
-            // A Python stack record is longer than an event.
-            Err(DecodeError::TooShort(_)) => {
-                prop_assert_eq!(EventKind::from_u32(kind), Some(EventKind::PyStack));
+            Err(DecodeError::TooShort(n)) => {
+                prop_assert!(false, "a whole {} record of {} bytes refused as short", kind, n);
             }
-        }
-    }
-
-    /// Any Python stack record decodes, with at most its frames and each where it was.
-    #[test]
-    fn any_python_stack_decodes(
-        bytes in prop::collection::vec(any::<u8>(), size_of::<lens_common::PyStack>()),
-    ) {
-        let mut bytes = bytes;
-        bytes[..4].copy_from_slice(&(EventKind::PyStack as u32).to_ne_bytes());
-        // SAFETY: plain integers, any bit pattern; the length is the record's.
-        let raw: lens_common::PyStack =
-            unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-        let Ok(Decoded::Probe(ProbeEvent::PyStack { tgid, frames, .. })) = events::decode(&bytes)
-        else {
-            return Err(TestCaseError::fail("not a stack"));
-        };
-        prop_assert_eq!(tgid, raw.tgid);
-        let walked = (raw.depth as usize).min(lens_common::PY_MAX_WALK);
-        prop_assert_eq!(frames.len(), walked.min(lens_common::PY_MAX_DEPTH));
-        // The outermost frame walked is the last one.
-        if let Some(last) = frames.last() {
-            let slot = (walked - 1) % lens_common::PY_MAX_DEPTH;
-            prop_assert_eq!((last.code, last.frame), (raw.code[slot], raw.frame[slot]));
         }
     }
 
     /// What the kernel side sends always decodes, with its fields.
     #[test]
-    fn valid_events_round_trip(
-        bytes in prop::collection::vec(any::<u8>(), size_of::<Event>()),
-        (kind, probe, at_return) in valid_kind_probe(),
+    fn valid_records_round_trip(
+        bytes in prop::collection::vec(any::<u8>(), LONGEST_RECORD),
+        (kind, probe) in valid_kind_probe(),
     ) {
-        let mut raw = event_from(&bytes);
-        (raw.kind, raw.probe, raw.at_return) = (kind, probe, at_return);
-        let event = events::decode(&bytes_of(&raw));
-        prop_assert!(event.is_ok(), "{:?} for kind {} probe {} at_return {}", event, kind, probe, at_return);
-        assert_key_fields(&raw, &event.unwrap())?;
+        let bytes = with_header(bytes, kind, probe);
+        let event = events::decode(&bytes);
+        prop_assert!(event.is_ok(), "{:?} for kind {} probe {}", event, kind, probe);
+        assert_fields(&bytes, &event.unwrap())?;
     }
 }
 

@@ -4,7 +4,7 @@
 //! hangs, with where each rank is (`location`), and again when it resolves.
 //!
 //! Nothing runs in the kernel for it: the calls in flight are the entries the kernel
-//! keeps anyway to pair each call with its return (`INFLIGHT`), read by the session once
+//! keeps anyway to pair each call with its return (the `INFLIGHT_*` maps), read by the session once
 //! a second; the collectives that returned are counted here from the events that build
 //! the spans. So it costs a map walk a second and nothing per call (docs/hangs.md).
 //!
@@ -49,7 +49,7 @@ impl Backend {
     }
 }
 
-/// A call a traced thread is in now (an `INFLIGHT` entry).
+/// A call a traced thread is in now (an `INFLIGHT_*` entry).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InflightCall {
     pub pid: u32,

@@ -35,13 +35,16 @@ programs! {
     NcclCollectiveEntry => "nccl_collective_entry",
     CudaSyncEntry => "cuda_sync_entry",
     NcclCommInitEntry => "nccl_comm_init_entry",
-    CallReturn => "call_return",
+    NcclCollectiveReturn => "nccl_collective_return",
+    CudaSyncReturn => "cuda_sync_return",
+    NcclCommInitReturn => "nccl_comm_init_return",
     DlDebugState => "dl_debug_state",
     PhaseMark => "phase_mark",
     PhaseMarkReturn => "phase_mark_return",
     TorchBackwardEntry => "torch_backward_entry",
     TorchScopeEnter => "torch_scope_enter",
     TimedCallEntry => "timed_call_entry",
+    TimedCallReturn => "timed_call_return",
     DriverLaunch => "driver_launch",
     /// Configured probe rules (`crate::settings::config`): entry and return of any function.
     UserRuleEntry => "user_rule_entry",
@@ -52,6 +55,22 @@ programs! {
     CudaRegisterFunction => "cuda_register_function",
     FileOpenEntry => "file_open_entry",
     PythonStackEntry => "python_stack_entry",
+}
+
+impl Program {
+    /// The return program that pairs the record this entry program keeps in flight (each
+    /// timed kind has its own, `lens-ebpf`'s `returns`); `None` for an entry that keeps
+    /// none.
+    pub const fn paired_return(self) -> Option<Program> {
+        match self {
+            Program::NcclCollectiveEntry => Some(Program::NcclCollectiveReturn),
+            Program::CudaSyncEntry => Some(Program::CudaSyncReturn),
+            Program::NcclCommInitEntry => Some(Program::NcclCommInitReturn),
+            Program::TimedCallEntry => Some(Program::TimedCallReturn),
+            Program::CudaEventQueryEntry => Some(Program::CudaEventQueryReturn),
+            _ => None,
+        }
+    }
 }
 
 /// One probed function.
@@ -122,7 +141,6 @@ const fn spec(
     symbol: &'static str,
     library: LibraryKind,
     entry: Program,
-    needs_return: bool,
     groups: &'static [SpanGroup],
 ) -> ProbeSpec {
     ProbeSpec {
@@ -131,11 +149,7 @@ const fn spec(
         library,
         optional_aliases: &[],
         entry: Some(entry),
-        exit: if needs_return {
-            Some(Program::CallReturn)
-        } else {
-            None
-        },
+        exit: entry.paired_return(),
         groups,
         role: Role::Plain,
         optional: false,
@@ -166,14 +180,14 @@ const fn mark(
 
 /// An NCCL collective or point-to-point call: timed, child of the phase it runs in.
 const fn nccl(id: ProbeId, symbol: &'static str, op: CollectiveOp, args: NcclArgs) -> ProbeSpec {
-    let mut spec = spec(id, symbol, Nccl, NcclCollectiveEntry, true, STEP_DETAIL);
+    let mut spec = spec(id, symbol, Nccl, NcclCollectiveEntry, STEP_DETAIL);
     spec.role = Role::Nccl(op, args);
     spec
 }
 
 /// A CUDA runtime sync call: timed, child of the phase it runs in.
 const fn sync(id: ProbeId, symbol: &'static str, kind: SyncKind) -> ProbeSpec {
-    let mut spec = spec(id, symbol, CudaRuntime, CudaSyncEntry, true, STEP_DETAIL);
+    let mut spec = spec(id, symbol, CudaRuntime, CudaSyncEntry, STEP_DETAIL);
     spec.role = Role::Sync(kind);
     spec
 }
@@ -200,7 +214,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
             "cudaLaunchKernel",
             CudaRuntime,
             CountOnly,
-            false,
             STEP_DETAIL,
         ),
         &["cudaLaunchKernel_ptsz"],
@@ -211,7 +224,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
             "cudaLaunchKernelExC",
             CudaRuntime,
             CountOnly,
-            false,
             STEP_DETAIL,
         ),
         &["cudaLaunchKernelExC_ptsz"],
@@ -222,7 +234,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
             "cudaGraphLaunch",
             CudaRuntime,
             CountOnly,
-            false,
             STEP_DETAIL,
         ),
         &["cudaGraphLaunch_ptsz"],
@@ -292,7 +303,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         "ncclGroupStart",
         Nccl,
         NcclGroup,
-        false,
         STEP_DETAIL,
     ),
     spec(
@@ -300,7 +310,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         "ncclGroupEnd",
         Nccl,
         NcclGroup,
-        false,
         STEP_DETAIL,
     ),
     // Rare and cheap, and it names the rank of every communicator: always on.
@@ -313,7 +322,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
             "ncclCommInitRank",
             Nccl,
             NcclCommInitEntry,
-            true,
             ALWAYS,
         ),
         &["ncclCommInitRankConfig"],
@@ -324,7 +332,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         "_dl_debug_state",
         DynamicLoader,
         DlDebugState,
-        false,
         ALWAYS,
     ),
     mark(
@@ -457,7 +464,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
             "cuLaunchKernel",
             CudaDriver,
             DriverLaunch,
-            false,
             STEP_DETAIL,
         ),
         &["cuLaunchKernel_ptsz"],
@@ -468,7 +474,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
             "cuLaunchKernelEx",
             CudaDriver,
             DriverLaunch,
-            false,
             STEP_DETAIL,
         ),
         &["cuLaunchKernelEx_ptsz"],
@@ -479,7 +484,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
             "cuGraphLaunch",
             CudaDriver,
             DriverLaunch,
-            false,
             STEP_DETAIL,
         ),
         &["cuGraphLaunch_ptsz"],
@@ -493,7 +497,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
             "cudaEventRecord",
             CudaRuntime,
             CudaEventRecord,
-            false,
             STEP_DETAIL,
         ),
         &["cudaEventRecord_ptsz"],
@@ -504,7 +507,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
             "cudaEventRecordWithFlags",
             CudaRuntime,
             CudaEventRecord,
-            false,
             STEP_DETAIL,
         ),
         &["cudaEventRecordWithFlags_ptsz"],
@@ -515,7 +517,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         library: CudaRuntime,
         optional_aliases: &[],
         entry: Some(CudaEventQueryEntry),
-        exit: Some(CudaEventQueryReturn),
+        exit: CudaEventQueryEntry.paired_return(),
         groups: STEP_DETAIL,
         role: Role::Plain,
         optional: false,
@@ -527,7 +529,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         "__cudaRegisterFunction",
         CudaRuntime,
         CudaRegisterFunction,
-        false,
         &[SpanGroup::Step],
     ),
     mark(
@@ -606,7 +607,7 @@ const fn gloo(id: ProbeId, op: CollectiveOp, symbol: &'static str) -> ProbeSpec 
         library: TorchCpu,
         optional_aliases: &[],
         entry: Some(TimedCallEntry),
-        exit: Some(CallReturn),
+        exit: TimedCallEntry.paired_return(),
         groups: STEP_DETAIL,
         role: Role::Gloo(op),
         optional: false,

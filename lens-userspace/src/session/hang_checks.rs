@@ -1,46 +1,67 @@
 //! `--hang-timeout`: in-flight collectives read from the kernel, and the watcher's
 //! verdicts handed to the sink.
 
-use aya::maps::HashMap as BpfHashMap;
-use lens_common::{Event, InflightKey, ProbeId, maps};
+use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall, TimedCall};
+use lens_common::{InflightKey, ProbeId, maps};
 
 use crate::{
-    events::{self},
     hangs::{self, HangChange},
+    nccl::DataType,
     sink::EventSink,
 };
 
 use super::Session;
+use super::kernel_maps::inflight_entries;
+
+/// A call in flight, from its key and what its entry record says: when it began, the
+/// communicator or group it runs on (collectives; 0 for the others) and its bytes.
+fn inflight_call(
+    key: InflightKey,
+    start_ns: u64,
+    handle: u64,
+    bytes: Option<u64>,
+) -> Option<hangs::InflightCall> {
+    Some(hangs::InflightCall {
+        pid: (key.pid_tgid >> 32) as u32,
+        tid: key.pid_tgid as u32,
+        probe: ProbeId::from_u32(key.probe)?,
+        start_ns,
+        handle,
+        bytes,
+    })
+}
 
 impl Session {
     /// The calls traced threads are in now (the kernel's entries waiting for returns).
     pub(super) fn inflight_calls(&self) -> Vec<hangs::InflightCall> {
-        let Some(map) = self.ebpf.map(maps::INFLIGHT) else {
-            return Vec::new();
-        };
-        let Ok(inflight) = BpfHashMap::<_, InflightKey, Event>::try_from(map) else {
-            return Vec::new();
-        };
-        inflight
-            .iter()
-            .filter_map(|entry| entry.ok())
-            .filter_map(|(key, event)| {
-                let probe = ProbeId::from_u32(key.probe)?;
-                let nccl = events::CollectiveOp::from_probe(probe).is_some();
-                let bytes = crate::nccl::DataType::from_raw(event.datatype)
-                    .filter(|_| nccl)
-                    .map(|dtype| event.count.saturating_mul(dtype.size_bytes()));
-                let collective = nccl || events::CollectiveOp::from_gloo_probe(probe).is_some();
-                Some(hangs::InflightCall {
-                    pid: (key.pid_tgid >> 32) as u32,
-                    tid: key.pid_tgid as u32,
-                    probe,
-                    start_ns: event.start_ns,
-                    handle: if collective { event.comm } else { 0 },
-                    bytes,
-                })
-            })
-            .collect()
+        let ebpf = &self.ebpf;
+        let collectives = inflight_entries::<CollectiveCall>(ebpf, maps::INFLIGHT_COLLECTIVES)
+            .into_iter()
+            .filter_map(|(key, entry)| {
+                let call = entry.body;
+                let bytes = DataType::from_raw(call.datatype)
+                    .map(|dtype| call.count.saturating_mul(dtype.size_bytes()));
+                inflight_call(key, call.times.start_ns, call.comm, bytes)
+            });
+        let gloo = inflight_entries::<TimedCall>(ebpf, maps::INFLIGHT_TIMED)
+            .into_iter()
+            .filter_map(|(key, entry)| {
+                inflight_call(key, entry.body.times.start_ns, entry.body.object, None)
+            });
+        let syncs = inflight_entries::<SyncCall>(ebpf, maps::INFLIGHT_SYNCS)
+            .into_iter()
+            .map(|(key, entry)| (key, entry.body.times.start_ns));
+        let inits = inflight_entries::<CommInitCall>(ebpf, maps::INFLIGHT_COMM_INITS)
+            .into_iter()
+            .map(|(key, entry)| (key, entry.body.times.start_ns));
+        let queries = inflight_entries::<EventQuery>(ebpf, maps::INFLIGHT_QUERIES)
+            .into_iter()
+            .map(|(key, entry)| (key, entry.body.times.start_ns));
+        let others = syncs
+            .chain(inits)
+            .chain(queries)
+            .filter_map(|(key, start_ns)| inflight_call(key, start_ns, 0, None));
+        collectives.chain(gloo).chain(others).collect()
     }
 
     /// One look for hung collectives (`--hang-timeout`).

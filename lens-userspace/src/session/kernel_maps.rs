@@ -5,9 +5,10 @@ use aya::{
     Ebpf,
     maps::{Array as BpfArray, HashMap as BpfHashMap, MapData, PerCpuHashMap},
 };
+use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall, TimedCall};
 use lens_common::{
-    CODE_RANGES, CallKey, CodeRanges, Event, InflightKey, KernelKey, LaunchTotals, TargetConfig,
-    maps,
+    Body, CODE_RANGES, CallKey, CodeRanges, InflightKey, KernelKey, LaunchTotals, Record,
+    TargetConfig, maps,
 };
 use log::warn;
 
@@ -17,6 +18,20 @@ use crate::{
 };
 
 use super::{KernelState, Session};
+
+/// Calls `function::<Body>(args…, map name)` for each in-flight map (one per record
+/// body, `maps::INFLIGHT_*`), giving an array of the results.
+macro_rules! each_inflight_map {
+    ($function:ident($($arg:expr),*)) => {
+        [
+            $function::<CollectiveCall>($($arg,)* maps::INFLIGHT_COLLECTIVES),
+            $function::<TimedCall>($($arg,)* maps::INFLIGHT_TIMED),
+            $function::<SyncCall>($($arg,)* maps::INFLIGHT_SYNCS),
+            $function::<CommInitCall>($($arg,)* maps::INFLIGHT_COMM_INITS),
+            $function::<EventQuery>($($arg,)* maps::INFLIGHT_QUERIES),
+        ]
+    };
+}
 
 impl Session {
     /// Tells the driver probes where `pid` maps libcudart (all its mappings, merged): a
@@ -111,18 +126,7 @@ impl Session {
         {
             let _ = ranges.remove(&pid);
         }
-        if let Some(map) = self.ebpf.map_mut(maps::INFLIGHT)
-            && let Ok(mut inflight) = BpfHashMap::<_, InflightKey, Event>::try_from(map)
-        {
-            let stale: Vec<InflightKey> = inflight
-                .keys()
-                .filter_map(|k| k.ok())
-                .filter(|k| (k.pid_tgid >> 32) as u32 == pid)
-                .collect();
-            for key in stale {
-                let _ = inflight.remove(&key);
-            }
-        }
+        each_inflight_map!(forget_process_calls(&mut self.ebpf, pid));
     }
 
     /// Entries in the kernel's per-process maps now: targets, calls in flight, call
@@ -141,12 +145,47 @@ impl Session {
             .map_or(0, |map| map.keys().count());
         KernelState {
             targets: entries::<u32, TargetConfig>(&self.ebpf, maps::TARGETS),
-            inflight: entries::<InflightKey, Event>(&self.ebpf, maps::INFLIGHT),
+            inflight: each_inflight_map!(inflight_count(&self.ebpf)).iter().sum(),
             call_counters,
             launch_totals: entries::<u32, LaunchTotals>(&self.ebpf, maps::LAUNCH_TOTALS),
             kernel_counters: entries::<KernelKey, u64>(&self.ebpf, maps::KERNEL_COUNTS),
             runtime_ranges: entries::<u32, CodeRanges>(&self.ebpf, maps::RUNTIME_RANGES),
         }
+    }
+}
+
+/// The calls in flight in one in-flight map, with their entry records.
+pub(super) fn inflight_entries<B: Body>(
+    ebpf: &Ebpf,
+    name: &'static str,
+) -> Vec<(InflightKey, Record<B>)> {
+    ebpf.map(name)
+        .and_then(|map| BpfHashMap::<_, InflightKey, Record<B>>::try_from(map).ok())
+        .map(|map| map.iter().filter_map(|entry| entry.ok()).collect())
+        .unwrap_or_default()
+}
+
+fn inflight_count<B: Body>(ebpf: &Ebpf, name: &'static str) -> usize {
+    ebpf.map(name)
+        .and_then(|map| BpfHashMap::<_, InflightKey, Record<B>>::try_from(map).ok())
+        .map_or(0, |map| map.keys().count())
+}
+
+/// Drops `pid`'s calls from one in-flight map (a process that ended mid-call).
+fn forget_process_calls<B: Body>(ebpf: &mut Ebpf, pid: u32, name: &'static str) {
+    let Some(map) = ebpf.map_mut(name) else {
+        return;
+    };
+    let Ok(mut inflight) = BpfHashMap::<_, InflightKey, Record<B>>::try_from(map) else {
+        return;
+    };
+    let stale: Vec<InflightKey> = inflight
+        .keys()
+        .filter_map(|k| k.ok())
+        .filter(|k| (k.pid_tgid >> 32) as u32 == pid)
+        .collect();
+    for key in stale {
+        let _ = inflight.remove(&key);
     }
 }
 

@@ -79,9 +79,9 @@ impl Kind {
                 "`driver_launch` (entry: the caller checked, counted in the kernel, and per \
                  kernel, no event)"
             }
-            Kind::Sync => "`cuda_sync_entry` + `call_return` (one event per call)",
+            Kind::Sync => "`cuda_sync_entry` + `cuda_sync_return` (one record per call)",
             Kind::Collective => {
-                "`nccl_collective_entry` (marks its stream for completion) + `call_return` \
+                "`nccl_collective_entry` (marks its stream for completion) + `nccl_collective_return` \
                  (one event per call)"
             }
             Kind::Group => "`nccl_group` (entry: one event per call)",
