@@ -1,4 +1,5 @@
-//! Embeds the current BPF object: builds `lens-ebpf` with the same builder as
+//! Embeds the current BPF objects (the programs', and the bench generator's for
+//! `throughput`): builds `lens-ebpf` with the same builder as
 //! `cargo xtask build-ebpf`, so a plain `cargo build` never ships a stale object.
 use std::{env, path::PathBuf};
 
@@ -15,12 +16,14 @@ fn main() {
     let target_dir = workspace_root.join("target").join("bpf");
     match lens_ebpf_builder::ebpf::build(workspace_root, &target_dir, true) {
         Ok(object) => {
-            let embedded = out_dir.join("lens-ebpf.o");
-            if let Err(error) = std::fs::copy(&object, &embedded) {
-                println!(
-                    "cargo::error=cannot copy the BPF object {}: {error}",
-                    object.display()
-                );
+            let bench = lens_ebpf_builder::ebpf::bench_object_path(&target_dir, true);
+            for (built, embedded) in [(object, "lens-ebpf.o"), (bench, "lens-ebpf-bench.o")] {
+                if let Err(error) = std::fs::copy(&built, out_dir.join(embedded)) {
+                    println!(
+                        "cargo::error=cannot copy the BPF object {}: {error}",
+                        built.display()
+                    );
+                }
             }
         }
         Err(error) => println!("cargo::error={error}"),

@@ -1,8 +1,9 @@
-//! A load generator for the event path, for `cargo xtask bench` and its test only:
-//! lens-probe never loads it. A real uprobe costs ~1 µs per hit, so no traced program can
-//! send a million events a second on a small machine; this program writes them straight
-//! into the same `EVENTS` ring buffer the probes use, so everything after the kernel
-//! (wakeups, the ring buffer reader, decoding, the span builder) is measured as it runs.
+//! A load generator for the event path, for `cargo xtask bench` and its test only, in
+//! a BPF object of its own (`bench.rs`): lens-probe's object does not contain it. A real
+//! uprobe costs ~1 µs per hit, so no traced program can send a million events a second
+//! on a small machine; this program writes records straight into a ring buffer defined
+//! and woken as the probes' is (`ring.rs`), so everything after the kernel (wakeups, the
+//! ring buffer reader, decoding, the span builder) is measured as it runs.
 //!
 //! User space runs it with `BPF_PROG_TEST_RUN` (a raw tracepoint program can be run
 //! with fake tracepoint arguments; it is never attached). Arguments, as `u64`s:
@@ -17,14 +18,11 @@
 //! Each event is an `ncclAllReduce` as its return probe would send it (float32, sum, a
 //! communicator and a stream, start and end stamps). The program returns how many of
 //! them did not fit in the ring buffer (lost); the caller adds those up.
-use aya_ebpf::{macros::raw_tracepoint, programs::RawTracePointContext};
+use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::raw_tracepoint, programs::RawTracePointContext};
 use lens_common::record::CollectiveCall;
 use lens_common::{ProbeId, Record};
 
-use crate::{
-    ctx::{now_ns, submit_flags},
-    maps::EVENTS,
-};
+use crate::ring::{EVENTS, submit_flags};
 
 /// Events one run writes at most (the loop's bound for the verifier).
 const MAX_EVENTS_PER_RUN: u64 = 64;
@@ -50,9 +48,9 @@ pub fn bench_emit(ctx: RawTracePointContext) -> i32 {
     let mut lost = 0;
     let mut i = 0;
     while i < MAX_EVENTS_PER_RUN && i < wanted {
-        // Entry and return stamps, as a probe pair takes.
-        record.body.times.start_ns = now_ns();
-        record.body.times.end_ns = now_ns();
+        // SAFETY: plain helper calls (entry and return stamps, as a probe pair takes).
+        record.body.times.start_ns = unsafe { bpf_ktime_get_ns() };
+        record.body.times.end_ns = unsafe { bpf_ktime_get_ns() };
         let flags = submit_flags(Record::<CollectiveCall>::RING_BYTES);
         if EVENTS
             .output::<Record<CollectiveCall>>(&record, flags)

@@ -2,7 +2,7 @@
 //! (the attach cookie), the call's arguments, a new record, its entry kept for the
 //! return, and the record sent (with batched wakeups) or its loss counted.
 use aya_ebpf::EbpfContext;
-use aya_ebpf::bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP};
+use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
 use aya_ebpf::helpers::{
     bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated,
 };
@@ -12,7 +12,8 @@ use aya_log_ebpf::warn;
 use lens_common::record::CallTimes;
 use lens_common::{Body, CallKey, InflightKey, LossCause, Record, TargetConfig, limits};
 
-use crate::maps::{CALL_COUNTS, EVENTS, LOSSES, TARGETS};
+use crate::maps::{CALL_COUNTS, LOSSES, TARGETS};
+use crate::ring::{EVENTS, submit_flags};
 
 #[inline(always)]
 pub(crate) fn count_loss(cause: LossCause) {
@@ -59,22 +60,6 @@ pub(crate) fn count_call(pid_tgid: u64, probe: u32) {
                 count_loss(LossCause::CounterMapFull);
             }
         }
-    }
-}
-
-/// Batched wakeups: the reader is woken each time the data waiting crosses a multiple of
-/// the threshold, so once per 256 KiB however far it lags; it also drains on a timer,
-/// so nothing stays behind. (A wakeup is an interrupt raised on the probed thread's CPU,
-/// a VM exit on a virtual machine: woken on every event past the threshold, a lagging
-/// reader made each probed collective cost ~5 µs more.)
-#[inline(always)]
-pub(crate) fn submit_flags(ring_bytes: u64) -> u64 {
-    let waiting = EVENTS.query(BPF_RB_AVAIL_DATA as u64);
-    let threshold = limits::WAKEUP_THRESHOLD_BYTES;
-    if (waiting + ring_bytes) / threshold != waiting / threshold {
-        BPF_RB_FORCE_WAKEUP as u64
-    } else {
-        BPF_RB_NO_WAKEUP as u64
     }
 }
 

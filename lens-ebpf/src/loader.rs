@@ -8,8 +8,9 @@ use aya_log_ebpf::debug;
 use lens_common::record::LinkMapChange;
 use lens_common::{LossCause, ProbeId, Record, TARGET_STOP_ON_LINK_MAP_CHANGE};
 
-use crate::ctx::{count_loss, new_record, submit_flags};
-use crate::maps::{EVENTS, STOPPED, TARGETS, node_mode};
+use crate::ctx::{count_loss, new_record};
+use crate::maps::{STOPPED, TARGETS, node_mode};
+use crate::ring::{EVENTS, submit_flags};
 use crate::task::has_other_threads;
 
 pub(crate) const SIGSTOP: u32 = 19;

@@ -15,8 +15,6 @@
 
 // One module per concern; the programs are the `pub fn`s with a program attribute.
 #[cfg(target_arch = "bpf")]
-mod bench_gen;
-#[cfg(target_arch = "bpf")]
 mod ctx;
 #[cfg(target_arch = "bpf")]
 mod cuda;
@@ -34,6 +32,8 @@ mod phases;
 mod python;
 #[cfg(target_arch = "bpf")]
 mod returns;
+#[cfg(target_arch = "bpf")]
+mod ring;
 #[cfg(target_arch = "bpf")]
 mod rules;
 #[cfg(target_arch = "bpf")]

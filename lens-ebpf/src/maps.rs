@@ -1,15 +1,12 @@
 //! The maps every program shares: the ring buffer, the target filter, the counters, the
 //! calls in flight, the Python sampler's state and the run-wide switches.
 use aya_ebpf::macros::map;
-use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf};
+use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap};
 use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall, TimedCall};
 use lens_common::{
     CallKey, CodeRanges, HandleKey, InflightKey, KernelKey, LaunchTotals, LossCause, PyOffsets,
     Record, TargetConfig, limits, settings,
 };
-
-#[map(name = "EVENTS")]
-pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(limits::RING_BUFFER_BYTES, 0);
 
 /// Processes being traced (tgid → settings). Probes are attached per library file, so
 /// they fire in every process that maps it; this map is the filter.

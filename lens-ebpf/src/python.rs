@@ -13,7 +13,8 @@ use lens_common::{
 
 use crate::ctx::{count_loss, read_user_u64};
 use crate::launches::mark_now;
-use crate::maps::{EVENTS, PY_LAST_STACK, PY_SAVING, PY_TARGETS};
+use crate::maps::{PY_LAST_STACK, PY_SAVING, PY_TARGETS};
+use crate::ring::EVENTS;
 use crate::task::thread_pointer;
 
 /// Sends the thread's Python stack before a collective or sync entry while the loader

@@ -2,10 +2,11 @@
 //! buffer, decodes and builds spans from, and where events start to be lost.
 //!
 //! No traced program can produce enough events for that (one uprobe hit costs ~1 µs), so
-//! the kernel side is the generator `bench_emit` of lens-ebpf (`lens-ebpf/src/bench_gen.rs`):
-//! a raw tracepoint program that lens-probe never loads, run here with
-//! `BPF_PROG_TEST_RUN`. Each run writes up to [`MAX_EVENTS_PER_RUN`] `ncclAllReduce`
-//! events into the same `EVENTS` ring buffer, with the probes' wakeup policy, and returns
+//! the kernel side is the generator `bench_emit` (`lens-ebpf/src/bench_gen.rs`, in an
+//! object of its own that lens-probe's does not contain): a raw tracepoint program run
+//! here with `BPF_PROG_TEST_RUN`. Each run writes up to [`MAX_EVENTS_PER_RUN`]
+//! `ncclAllReduce` records into an `EVENTS` ring buffer made and woken as the probes'
+//! is (`lens-ebpf/src/ring.rs`), and returns
 //! how many did not fit. A producer thread runs it at a paced rate; the calling thread
 //! drains the ring buffer as [`Session`](crate::session::Session) does (woken by the
 //! kernel past the wakeup threshold, and every 50 ms), decodes every record with
@@ -36,7 +37,11 @@ use crate::{
     sys::{privileges, target::ProcessInfo},
 };
 
-/// The generator program in the BPF object.
+/// The generator's BPF object (`lens-ebpf/src/bench.rs`), built beside lens-probe's.
+static BENCH_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lens-ebpf-bench.o"));
+
+/// The generator program in that object.
 pub const PROGRAM: &str = "bench_emit";
 /// Events one run of the generator writes at most (its loop bound, in bench_gen.rs).
 pub const MAX_EVENTS_PER_RUN: u32 = 64;
@@ -186,8 +191,9 @@ pub fn run(options: Options, sink: &mut dyn EventSink) -> Result<Report> {
         });
     }
     privileges::check()?;
-    // The object and maps lens-probe loads, the same way.
-    let mut ebpf = attach::load_object(false)?;
+    // The generator's own object: its ring buffer is defined and woken as the probes'
+    // (lens-ebpf/src/ring.rs, one source for both objects).
+    let mut ebpf = aya::Ebpf::load(BENCH_OBJECT)?;
     let ring = attach::take_event_ring(&mut ebpf)?;
     let program: &mut RawTracePoint = attach::program_mut(&mut ebpf, PROGRAM)?;
     program.load().map_err(|source| LensError::Program {

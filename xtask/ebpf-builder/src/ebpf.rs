@@ -12,6 +12,9 @@ use crate::toolchain::{self, NIGHTLY};
 pub const TARGET: &str = "bpfel-unknown-none";
 /// The package and binary that hold the BPF programs.
 pub const PACKAGE: &str = "lens-ebpf";
+/// The binary of the same package that holds the bench's event generator, an object of
+/// its own so that lens-probe's carries no test program.
+pub const BENCH_BINARY: &str = "lens-ebpf-bench";
 
 /// Why the eBPF build could not run or failed. Every message is one line that says what to do.
 #[derive(Debug)]
@@ -35,7 +38,7 @@ pub enum BuildError {
         output_log: Option<PathBuf>,
     },
     /// The build succeeded but the object is not where it should be.
-    ObjectMissing { path: PathBuf },
+    ObjectMissing { path: PathBuf, binary: &'static str },
     /// An I/O error, e.g. cargo could not be spawned.
     Io { context: String, source: io::Error },
 }
@@ -84,9 +87,9 @@ impl fmt::Display for BuildError {
                 }
                 write!(f, " (if the toolchain is broken, {SETUP_HINT})")
             }
-            Self::ObjectMissing { path } => write!(
+            Self::ObjectMissing { path, binary } => write!(
                 f,
-                "the eBPF build succeeded but left no object at {} (is `[[bin]] name = \"{PACKAGE}\"` still in \
+                "the eBPF build succeeded but left no object at {} (is `[[bin]] name = \"{binary}\"` still in \
                  {PACKAGE}/Cargo.toml?); {SETUP_HINT} and retry",
                 path.display()
             ),
@@ -148,12 +151,21 @@ pub fn rustflags() -> Vec<String> {
     ]
 }
 
-/// Where `build` leaves the object for a given target dir and profile.
+/// Where `build` leaves the programs' object for a given target dir and profile.
 pub fn object_path(target_dir: &Path, release: bool) -> PathBuf {
+    binary_path(target_dir, release, PACKAGE)
+}
+
+/// Where `build` leaves the bench generator's object.
+pub fn bench_object_path(target_dir: &Path, release: bool) -> PathBuf {
+    binary_path(target_dir, release, BENCH_BINARY)
+}
+
+fn binary_path(target_dir: &Path, release: bool, binary: &str) -> PathBuf {
     target_dir
         .join(TARGET)
         .join(if release { "release" } else { "debug" })
-        .join(PACKAGE)
+        .join(binary)
 }
 
 /// The cargo arguments of the BPF build (after the cargo proxy).
@@ -172,7 +184,15 @@ pub fn cargo_args(target_dir: &Path, release: bool) -> Vec<std::ffi::OsString> {
     if release {
         args.push("--release".into());
     }
-    for a in ["-p", PACKAGE, "--bin", PACKAGE, "--target-dir"] {
+    for a in [
+        "-p",
+        PACKAGE,
+        "--bin",
+        PACKAGE,
+        "--bin",
+        BENCH_BINARY,
+        "--target-dir",
+    ] {
         args.push(a.into());
     }
     args.push(target_dir.as_os_str().to_owned());
@@ -263,11 +283,13 @@ fn build_script_stderr_log() -> Option<PathBuf> {
     Some(out_dir.parent()?.join("stderr"))
 }
 
-/// Builds the lens-ebpf crate for `bpfel-unknown-none` and returns the path of the BPF object
-/// (`<target_dir>/bpfel-unknown-none/<release|debug>/lens-ebpf`).
+/// Builds the lens-ebpf crate for `bpfel-unknown-none` and returns the path of the
+/// programs' BPF object (`<target_dir>/bpfel-unknown-none/<release|debug>/lens-ebpf`); the
+/// bench generator's is beside it ([`bench_object_path`]).
 ///
 /// Runs `cargo +nightly build -Z build-std=core --target bpfel-unknown-none [--release]
-/// -p lens-ebpf --bin lens-ebpf --target-dir <target_dir>` in `workspace_root`, with the
+/// -p lens-ebpf --bin lens-ebpf --bin lens-ebpf-bench --target-dir <target_dir>` in
+/// `workspace_root`, with the
 /// parent cargo's environment scrubbed (safe to call from a build script) and the compiler
 /// output sent to stderr. A relative `target_dir` is taken relative to `workspace_root`.
 /// Checks the toolchain first ([`check_toolchain`]).
@@ -306,11 +328,15 @@ pub fn build(
             output_log: build_script_stderr_log(),
         });
     }
-    let object = object_path(&target_dir, release);
-    if !object.is_file() {
-        return Err(BuildError::ObjectMissing { path: object });
+    for (path, binary) in [
+        (bench_object_path(&target_dir, release), BENCH_BINARY),
+        (object_path(&target_dir, release), PACKAGE),
+    ] {
+        if !path.is_file() {
+            return Err(BuildError::ObjectMissing { path, binary });
+        }
     }
-    Ok(object)
+    Ok(object_path(&target_dir, release))
 }
 
 #[cfg(test)]
@@ -342,6 +368,10 @@ mod tests {
             object_path(Path::new("t"), false),
             Path::new("t/bpfel-unknown-none/debug/lens-ebpf")
         );
+        assert_eq!(
+            bench_object_path(Path::new("t"), true),
+            Path::new("t/bpfel-unknown-none/release/lens-ebpf-bench")
+        );
     }
 
     #[test]
@@ -353,7 +383,7 @@ mod tests {
         assert_eq!(
             args.join(" "),
             "+nightly build -Z build-std=core --target bpfel-unknown-none --release -p lens-ebpf --bin lens-ebpf \
-             --target-dir /ws/target/bpf"
+             --bin lens-ebpf-bench --target-dir /ws/target/bpf"
         );
         let debug = cargo_args(Path::new("x"), false);
         assert!(!debug.iter().any(|a| a == "--release"));
@@ -392,7 +422,10 @@ mod tests {
                 first_error: Some("error[E0283]: type annotations needed at src/a.rs:1:2".into()),
                 output_log: Some("/t/build/x/stderr".into()),
             },
-            BuildError::ObjectMissing { path: "/o".into() },
+            BuildError::ObjectMissing {
+                path: "/o".into(),
+                binary: BENCH_BINARY,
+            },
             BuildError::Io {
                 context: "cannot run `cargo`".into(),
                 source: io::Error::other("a\nb"),

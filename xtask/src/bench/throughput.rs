@@ -1,7 +1,7 @@
 //! Block 5b: event throughput of lens-probe's user side, and where loss starts. A traced
 //! program cannot send a million events a second here (one uprobe hit is ~1 µs), so the
-//! events come from the kernel-side generator `bench_emit` (lens-ebpf/src/bench_gen.rs)
-//! written into the real ring buffer, drained, decoded and built into spans as a tracing
+//! events come from the kernel-side generator `bench_emit` (lens-ebpf/src/bench_gen.rs, an
+//! object of its own) written into a ring buffer made as the probes' is, drained, decoded and built into spans as a tracing
 //! session does: `target/release/examples/throughput` (lens-userspace/examples), which
 //! prints one JSON report per run.
 
@@ -298,15 +298,15 @@ impl ThroughputBlock {
             "- Event throughput (5b): `target/release/examples/throughput --rate R --duration {} \
              --exporter null|file --pin` ({} round{}). A producer thread (pinned to the last \
              CPU) runs the BPF program \
-             `bench_emit` (lens-ebpf/src/bench_gen.rs, never loaded by lens-probe) with \
-             `BPF_PROG_TEST_RUN`, 64 events a run, paced to R; each event is an `ncclAllReduce` \
-             written into the `EVENTS` ring buffer with the probes' wakeup policy (a forced \
+             `bench_emit` (lens-ebpf/src/bench_gen.rs, in an object of its own that \
+             lens-probe's does not contain) with `BPF_PROG_TEST_RUN`, 64 events a run, paced \
+             to R; each event is an 80-byte `ncclAllReduce` record written into an `EVENTS` \
+             ring buffer made and woken as the probes' is (lens-ebpf/src/ring.rs: a forced \
              wakeup each time the data waiting crosses a multiple of 256 KiB, none otherwise). The main thread (pinned to CPU 0: \
              unpinned, the kernel wakes it on the producer's CPU and the two share one core) \
              drains it as \
              lens-probe's session does (on a wakeup, or every 50 ms; `events::decode`, then the \
-             summary and the span builder), from lens-probe's own BPF object \
-             (`lens_probe::throughput`). Lost = not written (ring buffer full) + not received + \
+             summary and the span builder; `lens_probe::throughput`). Lost = not written (ring buffer full) + not received + \
              undecodable. A rate is held when nothing was lost and at least {:.0} % of it \
              arrived: producer, consumer and export thread share the two cores. The probes \
              never wait for the reader: a reader slower than the producer loses events (counted), \
