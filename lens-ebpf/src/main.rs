@@ -42,11 +42,7 @@ mod sched;
 mod task;
 
 #[cfg(target_arch = "bpf")]
-#[panic_handler]
-fn panic(_info: &core::panic::PanicInfo) -> ! {
-    // The verifier rejects any path that could reach this; nothing runs here.
-    loop {}
-}
+mod runtime;
 
 /// Built for the host only so that `cargo clippy --workspace` and `cargo check` work; the
 /// real object is built for `bpfel-unknown-none` by `cargo xtask build-ebpf`.

@@ -133,33 +133,13 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded, DecodeError> {
         }
         EventKind::RuleEntry => {
             let entry = body::<raw::RuleEntry>(bytes)?;
-            Decoded::Probe(ProbeEvent::RuleCall {
-                tgid: h.tgid,
-                tid: h.tid,
-                at_ns: entry.mark.at_ns,
-                launches: entry.mark.launches,
-                epoch: entry.mark.epoch,
-                rule: rule(h)?,
-                at_return: false,
-                args: entry.args,
-                text: (entry.text_len > 0).then(|| text(&entry.text, entry.text_len)),
-                ret: 0,
-            })
+            let text = (entry.text_len > 0).then(|| text(&entry.text, entry.text_len));
+            Decoded::Probe(rule_call(h, &entry.mark, false, entry.args, text, 0)?)
         }
         EventKind::RuleReturn => {
             let exit = body::<raw::RuleReturn>(bytes)?;
-            Decoded::Probe(ProbeEvent::RuleCall {
-                tgid: h.tgid,
-                tid: h.tid,
-                at_ns: exit.mark.at_ns,
-                launches: exit.mark.launches,
-                epoch: exit.mark.epoch,
-                rule: rule(h)?,
-                at_return: true,
-                args: [0; lens_common::RULE_ARGS],
-                text: None,
-                ret: exit.ret,
-            })
+            let no_args = [0; lens_common::RULE_ARGS];
+            Decoded::Probe(rule_call(h, &exit.mark, true, no_args, None, exit.ret)?)
         }
         EventKind::PyStack => Decoded::Probe(py_stack(h, &body(bytes)?)),
     })
@@ -189,8 +169,27 @@ fn expect_probe(h: &RecordHeader, probe: ProbeId) -> Result<(), DecodeError> {
     }
 }
 
-fn rule(h: &RecordHeader) -> Result<u32, DecodeError> {
-    rule_index(h.probe).ok_or(DecodeError::UnknownProbe(h.probe))
+/// A configured rule's entry or return; the header's probe names the rule.
+fn rule_call(
+    h: &RecordHeader,
+    mark: &LaunchMark,
+    at_return: bool,
+    args: [u64; lens_common::RULE_ARGS],
+    text: Option<String>,
+    ret: i64,
+) -> Result<ProbeEvent, DecodeError> {
+    Ok(ProbeEvent::RuleCall {
+        tgid: h.tgid,
+        tid: h.tid,
+        at_ns: mark.at_ns,
+        launches: mark.launches,
+        epoch: mark.epoch,
+        rule: rule_index(h.probe).ok_or(DecodeError::UnknownProbe(h.probe))?,
+        at_return,
+        args,
+        text,
+        ret,
+    })
 }
 
 fn timing(h: &RecordHeader, times: &CallTimes) -> CallTiming {
