@@ -527,25 +527,17 @@ pub fn check_otlp_headers(value: &str) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// `%XX` escapes decoded; `None` for a `%` not followed by two hex digits.
+/// `%XX` escapes decoded; `None` for a `%` not followed by two hex digits (a header
+/// value is refused rather than sent with a broken escape left in it).
 fn percent_decode(text: &str) -> Option<Vec<u8>> {
     let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3)?;
-            if !hex.iter().all(u8::is_ascii_hexdigit) {
-                return None;
-            }
-            out.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    Some(out)
+    let escapes_whole = bytes.iter().enumerate().all(|(i, &b)| {
+        b != b'%'
+            || bytes
+                .get(i + 1..i + 3)
+                .is_some_and(|hex| hex.iter().all(u8::is_ascii_hexdigit))
+    });
+    escapes_whole.then(|| percent_encoding::percent_decode(bytes).collect())
 }
 
 /// `OTEL_METRIC_EXPORT_INTERVAL`: a positive whole number of milliseconds (as

@@ -286,25 +286,9 @@ fn user_attributes(text: &str, own: &[(&'static str, AttrValue)]) -> Vec<(String
 /// `%XX` escapes decoded (as Python's `urllib.parse.unquote`: bad escapes stay as they
 /// are, invalid UTF-8 becomes U+FFFD).
 fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        if bytes[i] == b'%'
-            && let (Some(high), Some(low)) = (
-                bytes.get(i + 1).and_then(|b| hex(*b)),
-                bytes.get(i + 2).and_then(|b| hex(*b)),
-            )
-        {
-            out.push((high * 16 + low) as u8);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    percent_encoding::percent_decode_str(text)
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 /// [`detect`] for a running process: its `/proc/PID/environ`, `/proc/PID/root` and
@@ -902,6 +886,22 @@ mod tests {
             "",
         );
         assert_eq!(r.attr(semconv::DEPLOYMENT_ENVIRONMENT), None);
+    }
+
+    #[test]
+    fn resource_values_are_unquoted_as_python_does() {
+        // Good escapes decoded, a bad one left as it is, invalid UTF-8 replaced.
+        let found = user_attributes("a=x%20y%2Cz, b=50%, c=%zz, d=%e9", &[]);
+        let value = |key: &str| {
+            found
+                .iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(value("a"), Some("x y,z"));
+        assert_eq!(value("b"), Some("50%"));
+        assert_eq!(value("c"), Some("%zz"));
+        assert_eq!(value("d"), Some("\u{FFFD}"));
     }
 
     #[test]
