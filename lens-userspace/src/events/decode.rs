@@ -67,7 +67,7 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded, DecodeError> {
         }
         EventKind::CommInit => {
             let call = body::<raw::CommInitCall>(bytes)?;
-            expect_probe(h, ProbeId::NcclCommInitRank)?;
+            expect_probe(h, &[ProbeId::NcclCommInitRank])?;
             Decoded::Probe(ProbeEvent::CommInit {
                 timing: timing(h, &call.times),
                 comm: call.comm,
@@ -79,9 +79,7 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded, DecodeError> {
         }
         EventKind::Group => {
             let call = body::<raw::GroupCall>(bytes)?;
-            if !matches!(probe()?, ProbeId::NcclGroupStart | ProbeId::NcclGroupEnd) {
-                return Err(DecodeError::UnknownProbe(h.probe));
-            }
+            expect_probe(h, &[ProbeId::NcclGroupStart, ProbeId::NcclGroupEnd])?;
             Decoded::Probe(ProbeEvent::Group {
                 timing: instant(h, call.at_ns),
                 open: call.open != 0,
@@ -89,12 +87,10 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded, DecodeError> {
         }
         EventKind::EventRecorded => {
             let record = body::<raw::EventRecord>(bytes)?;
-            if !matches!(
-                probe()?,
-                ProbeId::CudaEventRecord | ProbeId::CudaEventRecordWithFlags
-            ) {
-                return Err(DecodeError::UnknownProbe(h.probe));
-            }
+            expect_probe(
+                h,
+                &[ProbeId::CudaEventRecord, ProbeId::CudaEventRecordWithFlags],
+            )?;
             Decoded::Probe(ProbeEvent::EventRecorded {
                 timing: instant(h, record.at_ns),
                 event: record.event,
@@ -103,7 +99,7 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded, DecodeError> {
         }
         EventKind::EventQueried => {
             let query = body::<raw::EventQuery>(bytes)?;
-            expect_probe(h, ProbeId::CudaEventQuery)?;
+            expect_probe(h, &[ProbeId::CudaEventQuery])?;
             Decoded::Probe(ProbeEvent::EventQueryComplete {
                 timing: timing(h, &query.times),
                 event: query.event,
@@ -123,7 +119,7 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded, DecodeError> {
         }
         EventKind::ScopeEnter => {
             let scope = body::<raw::ScopeEnter>(bytes)?;
-            expect_probe(h, ProbeId::TorchScopeEnter)?;
+            expect_probe(h, &[ProbeId::TorchScopeEnter])?;
             let name = text(&scope.name, scope.name_len);
             let signal = PhaseSignal::ScopeEnter {
                 scope: TorchScope::from_name(&name),
@@ -161,8 +157,9 @@ fn body<B: Body>(bytes: &[u8]) -> Result<B, DecodeError> {
     read::<Record<B>>(bytes).map(|record| record.body)
 }
 
-fn expect_probe(h: &RecordHeader, probe: ProbeId) -> Result<(), DecodeError> {
-    if h.probe == probe as u32 {
+/// The header's probe is one of those its kind comes from.
+fn expect_probe(h: &RecordHeader, probes: &[ProbeId]) -> Result<(), DecodeError> {
+    if probes.iter().any(|&probe| h.probe == probe as u32) {
         Ok(())
     } else {
         Err(DecodeError::UnknownProbe(h.probe))
