@@ -51,7 +51,8 @@ fn trainer_args_with_sync_log(log: &std::path::Path) -> Vec<std::ffi::OsString> 
     args
 }
 
-/// Durations the fixture really slept, per sync kind, in call order.
+/// Durations from the sync log, per key in call order: `stream` is what the library
+/// slept, `stream-call` the caller's clock around the call (likewise event, device).
 fn slept_ns(log: &std::path::Path) -> BTreeMap<String, Vec<u64>> {
     let mut slept: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     for line in std::fs::read_to_string(log).unwrap().lines() {
@@ -237,7 +238,9 @@ fn exec_trainer_every_call_counted_with_exact_arguments() {
         .collect();
     assert_eq!(groups, [true, false].repeat(STEPS as usize));
 
-    // Sync waits: the fixture's known sleeps ±20%, and within 1 ms of what it really slept.
+    // Sync waits: never shorter than the library really slept, never longer than the
+    // caller's own clock around the call. Both bounds hold on any load; the nominal sleep
+    // is a floor the library's nanosleep guarantees.
     for (kind, name, handle, sleep_ms) in [
         (SyncKind::Stream, "stream", 0x5000, SYNC_MS),
         (SyncKind::Event, "event", 0x7000, SYNC_MS / 2),
@@ -263,21 +266,17 @@ fn exec_trainer_every_call_counted_with_exact_arguments() {
             })
             .collect();
         assert_eq!(waits.len() as u64, STEPS, "{kind:?}");
-        let truth = &slept[name];
-        assert_eq!(truth.len(), waits.len(), "{kind:?}");
-        let nominal_ns = sleep_ms * 1_000_000;
-        for (wait, slept) in waits.iter().zip(truth) {
+        let slept_in_library = &slept[name];
+        let caller_bracket = &slept[&format!("{name}-call")];
+        assert_eq!(slept_in_library.len(), waits.len(), "{kind:?}");
+        assert_eq!(caller_bracket.len(), waits.len(), "{kind:?}");
+        for ((wait, inner), outer) in waits.iter().zip(slept_in_library).zip(caller_bracket) {
             assert!(
-                wait >= slept && wait - slept <= 1_000_000,
-                "{kind:?}: measured {wait} ns, the fixture slept {slept} ns"
+                inner <= wait && wait <= outer,
+                "{kind:?}: measured {wait} ns, the library slept {inner} ns, \
+                 the caller saw {outer} ns"
             );
-            // Over-sleep on a loaded machine is the fixture's, not the probe's: compare
-            // the nominal sleep with the measurement less that over-sleep.
-            let probe_error = wait - slept;
-            assert!(
-                (nominal_ns + probe_error).abs_diff(nominal_ns) <= nominal_ns / 5,
-                "{kind:?}: {wait} ns vs nominal {nominal_ns} ns ±20%"
-            );
+            assert!(*wait >= sleep_ms * 1_000_000, "{kind:?}: {wait} ns");
         }
     }
 }
