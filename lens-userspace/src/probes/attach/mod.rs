@@ -379,7 +379,6 @@ pub fn own_dynamic_loader() -> Result<Option<MappedLibrary>> {
 
 #[cfg(test)]
 mod tests {
-    use super::symbol_places::*;
     use super::*;
     use crate::sys::library::{FileId, LibraryKind};
     use crate::sys::symbols::{Symbol, Symbols};
