@@ -355,10 +355,10 @@ pub(super) fn attach_at(
 ) -> Result<UProbeLinkId> {
     uprobe
         .attach(
-            UProbeAttachPoint {
+            [UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(offset),
                 cookie: Some(cookie),
-            },
+            }],
             path,
             UProbeScope::AllProcesses,
         )
