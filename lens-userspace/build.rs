@@ -13,6 +13,10 @@ fn main() {
     for input in lens_ebpf_builder::ebpf::inputs(workspace_root) {
         println!("cargo::rerun-if-changed={}", input.display());
     }
+    println!(
+        "cargo::rerun-if-env-changed={}",
+        lens_ebpf_builder::toolchain::BPF_LINKER_ROOT_ENV
+    );
     let target_dir = workspace_root.join("target").join("bpf");
     match lens_ebpf_builder::ebpf::build(workspace_root, &target_dir, true) {
         Ok(object) => {

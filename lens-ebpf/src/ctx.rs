@@ -10,7 +10,7 @@ use aya_ebpf::maps::HashMap;
 use aya_ebpf::programs::ProbeContext;
 use aya_log_ebpf::warn;
 use lens_common::record::CallTimes;
-use lens_common::{Body, CallKey, InflightKey, LossCause, Record, TargetConfig, limits};
+use lens_common::{Body, CallKey, InflightKey, LossCause, Record, TargetConfig};
 
 use crate::maps::{CALL_COUNTS, LOSSES, TARGETS};
 use crate::ring::{EVENTS, submit_flags};

@@ -17,6 +17,18 @@ use crate::python::{python_caller, sample_if_saving};
 /// collectives on `stream` (or unbinds a re-recorded one); every call is counted.
 #[uprobe]
 pub fn cuda_event_record(ctx: ProbeContext) -> u32 {
+    cuda_event_record_body(ctx)
+}
+
+/// `cuda_event_record` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn cuda_event_record_m(ctx: ProbeContext) -> u32 {
+    cuda_event_record_body(ctx)
+}
+
+#[inline(always)]
+fn cuda_event_record_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, _)) = traced() else {
         return 0;
     };
@@ -56,6 +68,18 @@ pub fn cuda_event_record(ctx: ProbeContext) -> u32 {
 /// collective (PyTorch's allocator and others query many more).
 #[uprobe]
 pub fn cuda_event_query_entry(ctx: ProbeContext) -> u32 {
+    cuda_event_query_entry_body(ctx)
+}
+
+/// `cuda_event_query_entry` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn cuda_event_query_entry_m(ctx: ProbeContext) -> u32 {
+    cuda_event_query_entry_body(ctx)
+}
+
+#[inline(always)]
+fn cuda_event_query_entry_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, _)) = traced() else {
         return 0;
     };
@@ -84,6 +108,18 @@ pub(crate) const CUDA_ERROR_NOT_READY: i64 = 600;
 /// (a lower bound of the completion); success → send it once, with that lower bound.
 #[uretprobe]
 pub fn cuda_event_query_return(ctx: RetProbeContext) -> u32 {
+    cuda_event_query_return_body(ctx)
+}
+
+/// `cuda_event_query_return` in a `uretprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uretprobe(multi)]
+pub fn cuda_event_query_return_m(ctx: RetProbeContext) -> u32 {
+    cuda_event_query_return_body(ctx)
+}
+
+#[inline(always)]
+fn cuda_event_query_return_body(ctx: RetProbeContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let Some(mut record) = take_entry(&ctx, &INFLIGHT_QUERIES, pid_tgid) else {
         // An event nobody watches: its entry was not remembered.
@@ -116,6 +152,18 @@ pub fn cuda_event_query_return(ctx: RetProbeContext) -> u32 {
 /// Entry of a CUDA synchronisation call; `handle` is the stream or event waited on.
 #[uprobe]
 pub fn cuda_sync_entry(ctx: ProbeContext) -> u32 {
+    cuda_sync_entry_body(ctx)
+}
+
+/// `cuda_sync_entry` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn cuda_sync_entry_m(ctx: ProbeContext) -> u32 {
+    cuda_sync_entry_body(ctx)
+}
+
+#[inline(always)]
+fn cuda_sync_entry_body(ctx: ProbeContext) -> u32 {
     sample_if_saving();
     let Some((pid_tgid, mut record, _)) = begin_call::<SyncCall>(&ctx) else {
         return 0;

@@ -108,6 +108,18 @@ pub(crate) fn count_launch(ctx: &ProbeContext, pid_tgid: u64, probe: u32, driver
 /// launches).
 #[uprobe]
 pub fn count_only(ctx: ProbeContext) -> u32 {
+    count_only_body(ctx)
+}
+
+/// `count_only` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn count_only_m(ctx: ProbeContext) -> u32 {
+    count_only_body(ctx)
+}
+
+#[inline(always)]
+fn count_only_body(ctx: ProbeContext) -> u32 {
     if let Some((pid_tgid, _)) = traced() {
         count_launch(&ctx, pid_tgid, probe_id(&ctx), false);
     }
@@ -121,6 +133,18 @@ pub fn count_only(ctx: ProbeContext) -> u32 {
 /// runtime, compiled graphs) are counted here.
 #[uprobe]
 pub fn driver_launch(ctx: ProbeContext) -> u32 {
+    driver_launch_body(ctx)
+}
+
+/// `driver_launch` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn driver_launch_m(ctx: ProbeContext) -> u32 {
+    driver_launch_body(ctx)
+}
+
+#[inline(always)]
+fn driver_launch_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, _)) = traced() else {
         return 0;
     };
@@ -202,6 +226,18 @@ pub(crate) fn mark_now(pid_tgid: u64) -> LaunchMark {
 /// name the host stub `hostFun` launches, for kernel names.
 #[uprobe]
 pub fn cuda_register_function(ctx: ProbeContext) -> u32 {
+    cuda_register_function_body(ctx)
+}
+
+/// `cuda_register_function` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn cuda_register_function_m(ctx: ProbeContext) -> u32 {
+    cuda_register_function_body(ctx)
+}
+
+#[inline(always)]
+fn cuda_register_function_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, _)) = traced() else {
         return 0;
     };

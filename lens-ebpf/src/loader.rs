@@ -19,6 +19,18 @@ pub(crate) const SIGSTOP: u32 = 19;
 /// at once; for processes it started, stop them until it has attached to new libraries.
 #[uprobe]
 pub fn dl_debug_state(ctx: ProbeContext) -> u32 {
+    dl_debug_state_body(ctx)
+}
+
+/// `dl_debug_state` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn dl_debug_state_m(ctx: ProbeContext) -> u32 {
+    dl_debug_state_body(ctx)
+}
+
+#[inline(always)]
+fn dl_debug_state_body(ctx: ProbeContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: the value is copied out before the map can change under us.

@@ -13,6 +13,18 @@ use crate::python::{python_caller, sample_if_saving};
 /// `ncclGroupStart` / `ncclGroupEnd`: counted and sent, they bracket fused collectives.
 #[uprobe]
 pub fn nccl_group(ctx: ProbeContext) -> u32 {
+    nccl_group_body(ctx)
+}
+
+/// `nccl_group` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn nccl_group_m(ctx: ProbeContext) -> u32 {
+    nccl_group_body(ctx)
+}
+
+#[inline(always)]
+fn nccl_group_body(ctx: ProbeContext) -> u32 {
     let Some((_, mut record, _)) = begin_call::<GroupCall>(&ctx) else {
         return 0;
     };
@@ -25,6 +37,18 @@ pub fn nccl_group(ctx: ProbeContext) -> u32 {
 /// Entry of an NCCL collective or point-to-point call: decode its arguments by shape.
 #[uprobe]
 pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
+    nccl_collective_entry_body(ctx)
+}
+
+/// `nccl_collective_entry` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn nccl_collective_entry_m(ctx: ProbeContext) -> u32 {
+    nccl_collective_entry_body(ctx)
+}
+
+#[inline(always)]
+fn nccl_collective_entry_body(ctx: ProbeContext) -> u32 {
     sample_if_saving();
     let Some((pid_tgid, mut record, cookie)) = begin_call::<CollectiveCall>(&ctx) else {
         return 0;
@@ -90,6 +114,18 @@ pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
 /// The 128-byte id is passed by value in memory, so `rank` takes the third register.
 #[uprobe]
 pub fn nccl_comm_init_entry(ctx: ProbeContext) -> u32 {
+    nccl_comm_init_entry_body(ctx)
+}
+
+/// `nccl_comm_init_entry` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn nccl_comm_init_entry_m(ctx: ProbeContext) -> u32 {
+    nccl_comm_init_entry_body(ctx)
+}
+
+#[inline(always)]
+fn nccl_comm_init_entry_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, mut record, _)) = begin_call::<CommInitCall>(&ctx) else {
         return 0;
     };

@@ -18,6 +18,18 @@ use crate::python::send_python_stack;
 /// (`set_enabled`'s flag).
 #[uprobe]
 pub fn phase_mark(ctx: ProbeContext) -> u32 {
+    phase_mark_body(ctx)
+}
+
+/// `phase_mark` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn phase_mark_m(ctx: ProbeContext) -> u32 {
+    phase_mark_body(ctx)
+}
+
+#[inline(always)]
+fn phase_mark_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
         return 0;
     };
@@ -36,6 +48,18 @@ pub fn phase_mark(ctx: ProbeContext) -> u32 {
 /// in `/dev/shm`, which progress bars create, are no checkpoint files).
 #[uprobe]
 pub fn file_open_entry(ctx: ProbeContext) -> u32 {
+    file_open_entry_body(ctx)
+}
+
+/// `file_open_entry` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn file_open_entry_m(ctx: ProbeContext) -> u32 {
+    file_open_entry_body(ctx)
+}
+
+#[inline(always)]
+fn file_open_entry_body(ctx: ProbeContext) -> u32 {
     use lens_common::open_flags::{ACCMODE, CREAT, DIRECTORY};
     // Both registers are read, then one chosen: the verifier takes context loads at
     // constant offsets only, which a branch between two loads can be merged out of.
@@ -81,6 +105,18 @@ pub fn file_open_entry(ctx: ProbeContext) -> u32 {
 /// Return of a phase-marking function (end of a backward, of a checkpoint file).
 #[uretprobe]
 pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
+    phase_mark_return_body(ctx)
+}
+
+/// `phase_mark_return` in a `uretprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uretprobe(multi)]
+pub fn phase_mark_return_m(ctx: RetProbeContext) -> u32 {
+    phase_mark_return_body(ctx)
+}
+
+#[inline(always)]
+fn phase_mark_return_body(ctx: RetProbeContext) -> u32 {
     let Some((pid_tgid, _)) = traced() else {
         return 0;
     };
@@ -97,6 +133,18 @@ pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
 /// `accumulate_grad` is the seventh integer argument, the first on the stack.
 #[uprobe]
 pub fn torch_backward_entry(ctx: ProbeContext) -> u32 {
+    torch_backward_entry_body(ctx)
+}
+
+/// `torch_backward_entry` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn torch_backward_entry_m(ctx: ProbeContext) -> u32 {
+    torch_backward_entry_body(ctx)
+}
+
+#[inline(always)]
+fn torch_backward_entry_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
         return 0;
     };
@@ -114,6 +162,18 @@ pub fn torch_backward_entry(ctx: ProbeContext) -> u32 {
 /// `std::string` starts with its data pointer and length.
 #[uprobe]
 pub fn torch_scope_enter(ctx: ProbeContext) -> u32 {
+    torch_scope_enter_body(ctx)
+}
+
+/// `torch_scope_enter` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn torch_scope_enter_m(ctx: ProbeContext) -> u32 {
+    torch_scope_enter_body(ctx)
+}
+
+#[inline(always)]
+fn torch_scope_enter_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, mut record, _)) = begin_call::<ScopeEnter>(&ctx) else {
         return 0;
     };

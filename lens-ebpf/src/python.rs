@@ -33,6 +33,18 @@ pub(crate) fn sample_if_saving() {
 /// framework call shows there, where it begins.
 #[uprobe]
 pub fn python_stack_entry(ctx: ProbeContext) -> u32 {
+    python_stack_entry_body(ctx)
+}
+
+/// `python_stack_entry` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn python_stack_entry_m(ctx: ProbeContext) -> u32 {
+    python_stack_entry_body(ctx)
+}
+
+#[inline(always)]
+fn python_stack_entry_body(ctx: ProbeContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     send_python_stack(pid_tgid, true);
     mark_if_dcp_load(&ctx, pid_tgid);

@@ -53,6 +53,18 @@ fn finish<B: Returning>(
 /// Return of an NCCL collective or point-to-point call.
 #[uretprobe]
 pub fn nccl_collective_return(ctx: RetProbeContext) -> u32 {
+    nccl_collective_return_body(ctx)
+}
+
+/// `nccl_collective_return` in a `uretprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uretprobe(multi)]
+pub fn nccl_collective_return_m(ctx: RetProbeContext) -> u32 {
+    nccl_collective_return_body(ctx)
+}
+
+#[inline(always)]
+fn nccl_collective_return_body(ctx: RetProbeContext) -> u32 {
     if let Some(record) = finish(&ctx, &INFLIGHT_COLLECTIVES) {
         send(&record);
     }
@@ -62,6 +74,18 @@ pub fn nccl_collective_return(ctx: RetProbeContext) -> u32 {
 /// Return of a CUDA synchronisation call.
 #[uretprobe]
 pub fn cuda_sync_return(ctx: RetProbeContext) -> u32 {
+    cuda_sync_return_body(ctx)
+}
+
+/// `cuda_sync_return` in a `uretprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uretprobe(multi)]
+pub fn cuda_sync_return_m(ctx: RetProbeContext) -> u32 {
+    cuda_sync_return_body(ctx)
+}
+
+#[inline(always)]
+fn cuda_sync_return_body(ctx: RetProbeContext) -> u32 {
     if let Some(record) = finish(&ctx, &INFLIGHT_SYNCS) {
         send(&record);
     }
@@ -71,6 +95,18 @@ pub fn cuda_sync_return(ctx: RetProbeContext) -> u32 {
 /// Return of `ncclCommInitRank`: the handle it wrote read back.
 #[uretprobe]
 pub fn nccl_comm_init_return(ctx: RetProbeContext) -> u32 {
+    nccl_comm_init_return_body(ctx)
+}
+
+/// `nccl_comm_init_return` in a `uretprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uretprobe(multi)]
+pub fn nccl_comm_init_return_m(ctx: RetProbeContext) -> u32 {
+    nccl_comm_init_return_body(ctx)
+}
+
+#[inline(always)]
+fn nccl_comm_init_return_body(ctx: RetProbeContext) -> u32 {
     if let Some(mut record) = finish(&ctx, &INFLIGHT_COMM_INITS) {
         // SAFETY: the out-pointer the caller passed; read through the checked helper.
         record.body.comm =
@@ -87,6 +123,18 @@ pub fn nccl_comm_init_return(ctx: RetProbeContext) -> u32 {
 /// groups apart (hang detection numbers each group's collectives).
 #[uprobe]
 pub fn timed_call_entry(ctx: ProbeContext) -> u32 {
+    timed_call_entry_body(ctx)
+}
+
+/// `timed_call_entry` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn timed_call_entry_m(ctx: ProbeContext) -> u32 {
+    timed_call_entry_body(ctx)
+}
+
+#[inline(always)]
+fn timed_call_entry_body(ctx: ProbeContext) -> u32 {
     sample_if_saving();
     let Some((pid_tgid, mut record, _)) = begin_call::<TimedCall>(&ctx) else {
         return 0;
@@ -100,6 +148,18 @@ pub fn timed_call_entry(ctx: ProbeContext) -> u32 {
 /// Return of such a call.
 #[uretprobe]
 pub fn timed_call_return(ctx: RetProbeContext) -> u32 {
+    timed_call_return_body(ctx)
+}
+
+/// `timed_call_return` in a `uretprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uretprobe(multi)]
+pub fn timed_call_return_m(ctx: RetProbeContext) -> u32 {
+    timed_call_return_body(ctx)
+}
+
+#[inline(always)]
+fn timed_call_return_body(ctx: RetProbeContext) -> u32 {
     if let Some(record) = finish(&ctx, &INFLIGHT_TIMED) {
         send(&record);
     }

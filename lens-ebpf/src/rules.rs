@@ -12,6 +12,18 @@ use crate::launches::mark_now;
 /// string. Sent at once, like a phase mark, with the six argument registers.
 #[uprobe]
 pub fn user_rule_entry(ctx: ProbeContext) -> u32 {
+    user_rule_entry_body(ctx)
+}
+
+/// `user_rule_entry` in a `uprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uprobe(multi)]
+pub fn user_rule_entry_m(ctx: ProbeContext) -> u32 {
+    user_rule_entry_body(ctx)
+}
+
+#[inline(always)]
+fn user_rule_entry_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, _)) = traced() else {
         return 0;
     };
@@ -64,6 +76,18 @@ pub fn user_rule_entry(ctx: ProbeContext) -> u32 {
 /// Return of a function a configured probe rule names: the span it opened ends here.
 #[uretprobe]
 pub fn user_rule_return(ctx: RetProbeContext) -> u32 {
+    user_rule_return_body(ctx)
+}
+
+/// `user_rule_return` in a `uretprobe.multi` section: all its points in a library go in as one
+/// uprobe_multi link (userspace picks this twin where the kernel has them).
+#[uretprobe(multi)]
+pub fn user_rule_return_m(ctx: RetProbeContext) -> u32 {
+    user_rule_return_body(ctx)
+}
+
+#[inline(always)]
+fn user_rule_return_body(ctx: RetProbeContext) -> u32 {
     let Some((pid_tgid, _)) = traced() else {
         return 0;
     };

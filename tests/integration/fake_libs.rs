@@ -69,8 +69,8 @@ fn slept_ns(log: &std::path::Path) -> BTreeMap<String, Vec<u64>> {
 fn trainer_comm_id_hash() -> u64 {
     let bytes: Vec<u8> = (0..128u8).collect();
     let mut words = [0u64; NCCL_UNIQUE_ID_WORDS];
-    for (word, chunk) in words.iter_mut().zip(bytes.chunks_exact(8)) {
-        *word = u64::from_le_bytes(chunk.try_into().unwrap());
+    for (word, &chunk) in words.iter_mut().zip(bytes.as_chunks::<8>().0) {
+        *word = u64::from_le_bytes(chunk);
     }
     comm_id_hash(&words)
 }

@@ -9,7 +9,10 @@ use std::time::Instant;
 use xtask::pypi;
 use xtask::torch_venv;
 
-use xtask::toolchain::{self, BPF_LINKER_VERSION, BpfLinkerInstall, NIGHTLY};
+use xtask::toolchain::{self, BPF_LINKER_VERSION, BpfLinkerInstall, LinkerLlvm, NIGHTLY};
+
+/// The workspace's `rust-toolchain.toml`: its `channel` is the pinned user-space toolchain.
+const TOOLCHAIN_FILE: &str = include_str!("../../rust-toolchain.toml");
 
 /// An optional local wheel directory, used (as an optimisation only) when it exists.
 const LOCAL_WHEELS: &str = "/tmp/wheels";
@@ -24,6 +27,7 @@ pub fn run(dry_run: bool) -> Result<(), String> {
             ""
         }
     );
+    stable(dry_run)?;
     nightly(dry_run)?;
     bpf_linker(dry_run)?;
     pypi_wheels(dry_run)?;
@@ -61,29 +65,61 @@ fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or("").trim()
 }
 
-// ---- 1. nightly + rust-src -------------------------------------------------------------
+// ---- 1. the pinned toolchains: stable (rust-toolchain.toml), nightly + rust-src --------
+
+const NO_RUSTUP: &str = "rustup not found on PATH or in ~/.cargo/bin: install rustup from https://rustup.rs, \
+                         then rerun `cargo xtask setup`";
+
+fn toolchain_version(name: &str) -> String {
+    toolchain::capture(toolchain::proxy_command("rustc").args([&format!("+{name}"), "--version"]))
+        .map(|v| first_line(&v).to_owned())
+        .unwrap_or_else(|| "version unknown".into())
+}
+
+/// The user-space toolchain `rust-toolchain.toml` pins, with clippy and rustfmt (rustup may
+/// already have installed it to run xtask itself; then this only reports it).
+fn stable(dry_run: bool) -> Result<(), String> {
+    let what = "pinned toolchain (rust-toolchain.toml)";
+    let channel = toolchain::toolchain_file_channel(TOOLCHAIN_FILE)
+        .ok_or("rust-toolchain.toml has no `channel = \"...\"` line")?;
+    if toolchain::toolchain_installed(&channel).ok_or(NO_RUSTUP)? {
+        step(
+            1,
+            what,
+            format!("already installed ({})", toolchain_version(&channel)),
+        );
+        return Ok(());
+    }
+    let mut cmd = toolchain::proxy_command("rustup");
+    cmd.args(["toolchain", "install", &channel, "--profile", "minimal"])
+        .args(["--component", "clippy", "--component", "rustfmt"]);
+    step(
+        1,
+        what,
+        format!(
+            "not installed; running `{}`",
+            toolchain::display_command(&cmd)
+        ),
+    );
+    if dry_run {
+        return Ok(());
+    }
+    run_streaming(&mut cmd).map_err(|e| format!("{e}: the workspace is built with {channel}"))
+}
 
 fn nightly(dry_run: bool) -> Result<(), String> {
-    let installed = toolchain::nightly_installed().ok_or_else(|| {
-        "rustup not found on PATH or in ~/.cargo/bin: install rustup from https://rustup.rs, then rerun \
-         `cargo xtask setup`"
-            .to_owned()
-    })?;
+    let installed = toolchain::nightly_installed().ok_or(NO_RUSTUP)?;
     if installed {
-        let version = toolchain::capture(
-            toolchain::proxy_command("rustc").args([&format!("+{NIGHTLY}"), "--version"]),
-        )
-        .map(|v| first_line(&v).to_owned())
-        .unwrap_or_else(|| "version unknown".into());
         step(
             1,
             "nightly toolchain",
-            format!("already installed ({version})"),
+            format!("already installed ({})", toolchain_version(NIGHTLY)),
         );
     } else {
-        // Never `rustup update nightly` when one exists: bpf-linker is built against its LLVM.
+        // Pinned by date: bpf-linker is built against this nightly's LLVM.
         let mut cmd = toolchain::proxy_command("rustup");
-        cmd.args(["toolchain", "install", NIGHTLY, "--profile", "minimal"]);
+        cmd.args(["toolchain", "install", NIGHTLY, "--profile", "minimal"])
+            .args(["--component", "rust-src"]);
         step(
             1,
             "nightly toolchain",
@@ -97,13 +133,17 @@ fn nightly(dry_run: bool) -> Result<(), String> {
             return Ok(());
         }
         run_streaming(&mut cmd)
-            .map_err(|e| format!("{e}: the eBPF build needs a nightly toolchain"))?;
+            .map_err(|e| format!("{e}: the eBPF build needs the {NIGHTLY} toolchain"))?;
     }
 
     let sysroot = match toolchain::nightly_sysroot() {
         Some(s) => s,
         None if dry_run => return Ok(()),
-        None => return Err("`rustc +nightly --print sysroot` failed right after installing nightly: check `rustup toolchain list`".into()),
+        None => {
+            return Err(format!(
+                "`rustc +{NIGHTLY} --print sysroot` failed right after installing it: check `rustup toolchain list`"
+            ));
+        }
     };
     if toolchain::rust_src_installed(&sysroot) {
         step(
@@ -144,14 +184,20 @@ fn nightly(dry_run: bool) -> Result<(), String> {
 fn bpf_linker_plan() -> Result<BpfLinkerInstall, String> {
     let vv =
         toolchain::capture(toolchain::proxy_command("rustc").args([&format!("+{NIGHTLY}"), "-vV"]))
-            .ok_or("`rustc +nightly -vV` failed: is the nightly toolchain installed? (step 1)")?;
-    let sysroot = toolchain::nightly_sysroot().ok_or("`rustc +nightly --print sysroot` failed")?;
+            .ok_or_else(|| {
+                format!(
+                    "`rustc +{NIGHTLY} -vV` failed: is the {NIGHTLY} toolchain installed? (step 1)"
+                )
+            })?;
+    let sysroot = toolchain::nightly_sysroot()
+        .ok_or_else(|| format!("`rustc +{NIGHTLY} --print sysroot` failed"))?;
     let lib = sysroot.join("lib");
     let names: Vec<String> = fs::read_dir(&lib)
         .map_err(|e| format!("cannot list {}: {e}", lib.display()))?
         .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
         .collect();
-    BpfLinkerInstall::derive(&vv, &sysroot, names)
+    let root = toolchain::bpf_linker_root();
+    BpfLinkerInstall::derive(&vv, &sysroot, names, root.as_deref())
 }
 
 fn bpf_linker(dry_run: bool) -> Result<(), String> {
@@ -162,31 +208,56 @@ fn bpf_linker(dry_run: bool) -> Result<(), String> {
     });
     let reason = match &found {
         Some((path, Some(v))) if toolchain::is_wanted_bpf_linker(v) => {
-            step(
-                2,
-                what,
-                format!("already installed ({}: {v})", path.display()),
-            );
-            if dry_run {
-                match bpf_linker_plan() {
-                    Ok(plan) => step(2, what, format!("a rebuild would run: {}", plan.display())),
-                    Err(e) => step(2, what, format!("a rebuild could not be derived: {e}")),
+            match toolchain::bpf_linker_llvm(path) {
+                Some(LinkerLlvm::Nightly) => {
+                    step(
+                        2,
+                        what,
+                        format!(
+                            "already installed ({}: {v}, on {NIGHTLY}'s LLVM)",
+                            path.display()
+                        ),
+                    );
+                    if dry_run {
+                        match bpf_linker_plan() {
+                            Ok(plan) => {
+                                step(2, what, format!("a rebuild would run: {}", plan.display()))
+                            }
+                            Err(e) => step(2, what, format!("a rebuild could not be derived: {e}")),
+                        }
+                    }
+                    return Ok(());
                 }
+                Some(LinkerLlvm::Other(llvm)) => format!(
+                    "{} is built on another LLVM ({llvm}) than {NIGHTLY}'s",
+                    path.display()
+                ),
+                Some(LinkerLlvm::Static) => format!(
+                    "{} links LLVM statically (which version is unknown)",
+                    path.display()
+                ),
+                None => format!("cannot read {} or {NIGHTLY}'s sysroot", path.display()),
             }
-            return Ok(());
         }
         Some((path, Some(v))) => format!("{} is `{v}`, not {BPF_LINKER_VERSION}", path.display()),
         Some((path, None)) => format!(
             "{} does not run (built against another LLVM?)",
             path.display()
         ),
-        None => "not found on PATH or in ~/.cargo/bin".to_owned(),
+        None => match toolchain::bpf_linker_root() {
+            Some(root) => format!(
+                "not found in {}/bin (${})",
+                root.display(),
+                toolchain::BPF_LINKER_ROOT_ENV
+            ),
+            None => "not found on PATH or in ~/.cargo/bin".to_owned(),
+        },
     };
     let plan = bpf_linker_plan().map_err(|e| format!("cannot build bpf-linker: {e}"))?;
     step(
         2,
         what,
-        format!("{reason}; building {BPF_LINKER_VERSION} against the nightly's libLLVM (~80 s):"),
+        format!("{reason}; building {BPF_LINKER_VERSION} against {NIGHTLY}'s libLLVM (~2 min):"),
     );
     step(2, what, plan.display());
     if dry_run {
@@ -197,13 +268,18 @@ fn bpf_linker(dry_run: bool) -> Result<(), String> {
         .env("CARGO_ENCODED_RUSTFLAGS", plan.encoded_rustflags());
     run_streaming(&mut cmd)
         .map_err(|e| format!("{e}: could not build bpf-linker {BPF_LINKER_VERSION}"))?;
-    match toolchain::find_bpf_linker().and_then(|p| toolchain::bpf_linker_version(&p)) {
-        Some(v) if toolchain::is_wanted_bpf_linker(&v) => {
-            step(2, what, format!("installed ({v})"));
+    let found = toolchain::find_bpf_linker();
+    let version = found.as_deref().and_then(toolchain::bpf_linker_version);
+    let llvm = found.as_deref().and_then(toolchain::bpf_linker_llvm);
+    match (found, version, llvm) {
+        (Some(path), Some(v), Some(LinkerLlvm::Nightly)) if toolchain::is_wanted_bpf_linker(&v) => {
+            step(2, what, format!("installed ({}: {v})", path.display()));
             Ok(())
         }
-        other => Err(format!(
-            "bpf-linker was built but `bpf-linker --version` says {other:?}: is another bpf-linker earlier on PATH?"
+        (path, version, llvm) => Err(format!(
+            "bpf-linker was built but the one found ({path:?}) says {version:?}, LLVM {llvm:?}: \
+             is another bpf-linker earlier on PATH? (or set ${})",
+            toolchain::BPF_LINKER_ROOT_ENV
         )),
     }
 }

@@ -292,8 +292,10 @@ fn return_addresses(
     }
     stack.truncate(read - read % 8);
     stack
-        .chunks_exact(8)
-        .map(|word| u64::from_ne_bytes(word.try_into().expect("8 bytes")))
+        .as_chunks::<8>()
+        .0
+        .iter()
+        .map(|&word| u64::from_ne_bytes(word))
         .filter(|&address| {
             executable
                 .iter()

@@ -99,7 +99,7 @@ fn measure(ebpf: &mut Ebpf) -> Result<Duration> {
     // The program does all its work only for a traced process: be one, briefly.
     map_error(
         maps::TARGETS,
-        targets(ebpf)?.insert(pid, TargetConfig::default(), 0),
+        targets(ebpf)?.insert(&pid, &TargetConfig::default(), 0),
     )?;
     let probed =
         attach::attach_count_only(ebpf, exe, offset, ProbeId::CudaLaunchKernel).map(|link| {

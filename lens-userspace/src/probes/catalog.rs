@@ -25,6 +25,14 @@ macro_rules! programs {
                     $( Program::$variant => $name, )+
                 }
             }
+
+            /// The name of its twin in a `uprobe.multi` / `uretprobe.multi` section
+            /// (`lens-ebpf` has one of each program, `<name>_m`).
+            pub const fn multi_name(self) -> &'static str {
+                match self {
+                    $( Program::$variant => concat!($name, "_m"), )+
+                }
+            }
         }
     };
 }

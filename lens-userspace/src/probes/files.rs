@@ -109,10 +109,10 @@ fn attach_to(
         let path: PathBuf = libc.open_path.clone();
         let id = uprobe
             .attach(
-                UProbeAttachPoint {
+                [UProbeAttachPoint {
                     location: UProbeAttachLocation::AbsoluteOffset(place.offset),
                     cookie: Some(spec.cookie()),
-                },
+                }],
                 &path,
                 scope,
             )

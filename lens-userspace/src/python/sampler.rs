@@ -56,7 +56,7 @@ pub fn add_target(ebpf: &mut Ebpf, pid: u32, offsets: &PyOffsets) -> Result<()> 
             name: maps::PY_TARGETS,
         })?;
     let mut targets = BpfHashMap::<_, u32, PyOffsets>::try_from(map).map_err(map_error)?;
-    targets.insert(pid, offsets, 0).map_err(map_error)
+    targets.insert(&pid, offsets, 0).map_err(map_error)
 }
 
 /// Stops sampling `pid`.

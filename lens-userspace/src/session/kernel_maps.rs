@@ -77,7 +77,7 @@ impl Session {
             return;
         };
         if let Ok(mut map) = BpfHashMap::<_, u32, CodeRanges>::try_from(map)
-            && let Err(error) = map.insert(pid, value, 0)
+            && let Err(error) = map.insert(&pid, &value, 0)
         {
             warn!("pid {pid}: cannot tell the driver probes where libcudart is: {error}");
         }
@@ -95,7 +95,7 @@ impl Session {
 
     pub(super) fn set_target(&mut self, pid: u32, config: TargetConfig) -> Result<()> {
         self.targets_map()?
-            .insert(pid, config, 0)
+            .insert(&pid, &config, 0)
             .map_err(|source| LensError::Map {
                 map: maps::TARGETS,
                 source,
@@ -214,7 +214,7 @@ pub(super) fn set_setting(ebpf: &mut Ebpf, index: u32, value: u32) -> Result<()>
             source,
         })?;
     settings_map
-        .set(index, value, 0)
+        .set(index, &value, 0)
         .map_err(|source| LensError::Map {
             map: maps::SETTINGS,
             source,

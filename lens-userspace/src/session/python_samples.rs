@@ -166,7 +166,7 @@ impl Session {
             && let Ok(mut saving) = BpfHashMap::<_, u32, u8>::try_from(map)
         {
             let _ = if now != 0 {
-                saving.insert(pid, now, 0)
+                saving.insert(&pid, &now, 0)
             } else {
                 saving.remove(&pid)
             };

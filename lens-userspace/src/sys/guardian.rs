@@ -94,8 +94,8 @@ fn guard(socket: UnixStream) -> ! {
                     stops = Some(fd);
                 }
                 pending.extend_from_slice(&buffer[..read]);
-                for pid in pending.chunks_exact(4) {
-                    known.insert(u32::from_le_bytes([pid[0], pid[1], pid[2], pid[3]]));
+                for &pid in pending.as_chunks::<4>().0 {
+                    known.insert(u32::from_le_bytes(pid));
                 }
                 let whole = pending.len() / 4 * 4;
                 pending.drain(..whole);

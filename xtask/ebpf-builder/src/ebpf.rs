@@ -26,8 +26,12 @@ pub enum BuildError {
     NightlyMissing,
     /// The rust-src component is missing from the nightly toolchain at `sysroot`.
     RustSrcMissing { sysroot: PathBuf },
-    /// bpf-linker is neither on `PATH` nor in the cargo bin directories (`searched`).
+    /// bpf-linker is not in the directories searched (`$LENS_BPF_LINKER_ROOT/bin`, else
+    /// `PATH` and the cargo bin directories).
     BpfLinkerMissing { searched: Vec<PathBuf> },
+    /// The bpf-linker found loads another LLVM than the pinned nightly's (`llvm` names it):
+    /// it could not read the nightly's bitcode.
+    BpfLinkerOtherLlvm { path: PathBuf, llvm: String },
     /// The nested `cargo +nightly build` failed. Its full output went to stderr (inside a
     /// build script: to `output_log`, cargo's capture of the script's stderr);
     /// `first_error` is the first `error...` line with its `-->` location, if any.
@@ -63,14 +67,34 @@ impl fmt::Display for BuildError {
                  `-Z build-std=core` needs them): {SETUP_HINT}",
                 sysroot.display()
             ),
-            Self::BpfLinkerMissing { searched } => {
-                let dirs: Vec<String> = searched.iter().map(|d| d.display().to_string()).collect();
-                write!(
+            Self::BpfLinkerMissing { searched } => match toolchain::bpf_linker_root() {
+                Some(root) => write!(
                     f,
-                    "bpf-linker not found on PATH or in {} (it links the eBPF object): {SETUP_HINT}",
-                    dirs.join(", ")
-                )
-            }
+                    "bpf-linker not found in {}/bin (${} is set; it links the eBPF object): {SETUP_HINT}",
+                    root.display(),
+                    toolchain::BPF_LINKER_ROOT_ENV
+                ),
+                None => {
+                    let cargo_bins = toolchain::cargo_bin_dirs();
+                    let dirs: Vec<String> = searched
+                        .iter()
+                        .filter(|d| cargo_bins.contains(d))
+                        .map(|d| d.display().to_string())
+                        .collect();
+                    write!(
+                        f,
+                        "bpf-linker not found on PATH or in {} (it links the eBPF object): {SETUP_HINT}",
+                        dirs.join(", ")
+                    )
+                }
+            },
+            Self::BpfLinkerOtherLlvm { path, llvm } => write!(
+                f,
+                "{} is built on another LLVM ({llvm}) than the {NIGHTLY} toolchain's: {SETUP_HINT} \
+                 (it rebuilds bpf-linker; set ${} to keep this one)",
+                path.display(),
+                toolchain::BPF_LINKER_ROOT_ENV
+            ),
             Self::CargoFailed {
                 status,
                 command,
@@ -122,9 +146,10 @@ pub fn inputs(workspace_root: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Checks what the eBPF build needs: a `nightly` toolchain, its rust-src component, and
-/// bpf-linker on `PATH` (or in `~/.cargo/bin`). Installs nothing (`cargo xtask setup` does).
-pub fn check_toolchain() -> Result<(), BuildError> {
+/// Checks what the eBPF build needs: the pinned nightly, its rust-src component, and a
+/// bpf-linker (see [`toolchain::find_bpf_linker`]) that is not built on another LLVM.
+/// Returns that bpf-linker. Installs nothing (`cargo xtask setup` does).
+pub fn check_toolchain() -> Result<PathBuf, BuildError> {
     match toolchain::nightly_installed() {
         None => return Err(BuildError::RustupMissing),
         Some(false) => return Err(BuildError::NightlyMissing),
@@ -134,20 +159,25 @@ pub fn check_toolchain() -> Result<(), BuildError> {
     if !toolchain::rust_src_installed(&sysroot) {
         return Err(BuildError::RustSrcMissing { sysroot });
     }
-    if toolchain::find_bpf_linker().is_none() {
+    let Some(linker) = toolchain::find_bpf_linker() else {
         return Err(BuildError::BpfLinkerMissing {
-            searched: toolchain::cargo_bin_dirs(),
+            searched: toolchain::bpf_linker_dirs(),
         });
+    };
+    if let Some(toolchain::LinkerLlvm::Other(llvm)) = toolchain::bpf_linker_llvm(&linker) {
+        return Err(BuildError::BpfLinkerOtherLlvm { path: linker, llvm });
     }
-    Ok(())
+    Ok(linker)
 }
 
-/// The Rust flags for the BPF build, one per element.
-pub fn rustflags() -> Vec<String> {
+/// The Rust flags for the BPF build, one per element: `linker` is the bpf-linker that
+/// [`check_toolchain`] checked (not whichever `bpf-linker` comes first on `PATH`).
+pub fn rustflags(linker: &Path) -> Vec<String> {
     vec![
         format!("--cfg=bpf_target_arch=\"{}\"", std::env::consts::ARCH),
         "-Cdebuginfo=2".into(),
         "-Clink-arg=--btf".into(),
+        format!("-Clinker={}", linker.display()),
     ]
 }
 
@@ -298,13 +328,13 @@ pub fn build(
     target_dir: &Path,
     release: bool,
 ) -> Result<PathBuf, BuildError> {
-    check_toolchain()?;
+    let linker = check_toolchain()?;
     let target_dir = workspace_root.join(target_dir);
 
     let mut cmd = toolchain::proxy_command("cargo");
     cmd.current_dir(workspace_root)
         .args(cargo_args(&target_dir, release))
-        .env("CARGO_ENCODED_RUSTFLAGS", rustflags().join("\x1f"))
+        .env("CARGO_ENCODED_RUSTFLAGS", rustflags(&linker).join("\x1f"))
         .stdin(Stdio::null())
         // A build script's stdout is cargo's instruction channel: keep it clean.
         .stdout(Stdio::from(io::stderr()))
@@ -382,8 +412,10 @@ mod tests {
             .collect();
         assert_eq!(
             args.join(" "),
-            "+nightly build -Z build-std=core --target bpfel-unknown-none --release -p lens-ebpf --bin lens-ebpf \
+            format!(
+                "+{NIGHTLY} build -Z build-std=core --target bpfel-unknown-none --release -p lens-ebpf --bin lens-ebpf \
              --bin lens-ebpf-bench --target-dir /ws/target/bpf"
+            )
         );
         let debug = cargo_args(Path::new("x"), false);
         assert!(!debug.iter().any(|a| a == "--release"));
@@ -391,11 +423,17 @@ mod tests {
 
     #[test]
     fn rustflags_for_bpf() {
-        let flags = rustflags().join("\x1f");
+        let linker = Path::new("/tools/bin/bpf-linker");
+        let flags = rustflags(linker).join("\x1f");
         assert!(flags.starts_with("--cfg=bpf_target_arch=\""));
-        assert!(flags.ends_with("\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf"));
+        assert!(
+            flags.ends_with(
+                "\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf\x1f-Clinker=/tools/bin/bpf-linker"
+            ),
+            "{flags}"
+        );
         #[cfg(target_arch = "x86_64")]
-        assert_eq!(rustflags()[0], "--cfg=bpf_target_arch=\"x86_64\"");
+        assert_eq!(rustflags(linker)[0], "--cfg=bpf_target_arch=\"x86_64\"");
     }
 
     #[test]
@@ -409,6 +447,10 @@ mod tests {
             },
             BuildError::BpfLinkerMissing {
                 searched: vec!["/root/.cargo/bin".into()],
+            },
+            BuildError::BpfLinkerOtherLlvm {
+                path: "/root/.cargo/bin/bpf-linker".into(),
+                llvm: "libLLVM.so.22.1-rust-1.97.0-nightly".into(),
             },
             BuildError::CargoFailed {
                 status,

@@ -6,8 +6,19 @@ use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The toolchain the eBPF crate is built with (`cargo +nightly ...`).
-pub const NIGHTLY: &str = "nightly";
+/// The toolchain the eBPF crate is built with (`cargo +nightly-YYYY-MM-DD ...`), pinned by
+/// date: bpf-linker is built against this nightly's own libLLVM, so a floating `nightly`
+/// would break it on the next `rustup update`. The only place it is named: `cargo xtask
+/// setup` installs it and the eBPF build (lens-userspace's build script too) uses it.
+/// rustc 1.101.0-nightly (92ffebece 2026-10-28), LLVM 23.1.4.
+pub const NIGHTLY: &str = "nightly-2026-10-29";
+
+/// Where `cargo xtask setup` installs bpf-linker (`cargo install --root $LENS_BPF_LINKER_ROOT`,
+/// so `$LENS_BPF_LINKER_ROOT/bin/bpf-linker`) and where the eBPF build takes it from. Unset:
+/// cargo's own install root (`~/.cargo/bin`) and the build takes bpf-linker from `PATH` or
+/// the cargo bin dirs. For machines where another checkout needs a bpf-linker built for
+/// another LLVM in `~/.cargo/bin`.
+pub const BPF_LINKER_ROOT_ENV: &str = "LENS_BPF_LINKER_ROOT";
 
 /// The bpf-linker release `cargo xtask setup` installs (the only hard-coded version).
 pub const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -215,18 +226,37 @@ pub fn capture(cmd: &mut Command) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Whether `rustup toolchain list` output has a toolchain that `+nightly` resolves to
-/// (`nightly-<host>`; a dated `nightly-YYYY-MM-DD-*` does not count).
-pub fn has_nightly(toolchain_list: &str) -> bool {
+/// Whether `rustup toolchain list` output has the toolchain that `+<toolchain>` resolves to
+/// (`<toolchain>` or `<toolchain>-<host>`; for `nightly-2026-10-29` a floating `nightly-<host>`
+/// or another date does not count, nor does `1.99.10-<host>` for `1.99.1`).
+pub fn has_toolchain(toolchain_list: &str, toolchain: &str) -> bool {
+    let prefix = format!("{toolchain}-");
     toolchain_list
         .lines()
         .filter_map(|l| l.split_whitespace().next())
         .any(|name| {
-            name == NIGHTLY
+            name == toolchain
                 || name
-                    .strip_prefix("nightly-")
-                    .is_some_and(|rest| !rest.starts_with(|c: char| c.is_ascii_digit()))
+                    .strip_prefix(&prefix)
+                    .is_some_and(|host| host.starts_with(|c: char| c.is_ascii_alphabetic()))
         })
+}
+
+/// Whether `rustup toolchain list` output has the pinned [`NIGHTLY`].
+pub fn has_nightly(toolchain_list: &str) -> bool {
+    has_toolchain(toolchain_list, NIGHTLY)
+}
+
+/// The `channel` of a `rust-toolchain.toml` (`channel = "1.99.1"` → `1.99.1`), the pinned
+/// user-space toolchain. A line-based read of the one key (no TOML parser in the builder).
+pub fn toolchain_file_channel(toml: &str) -> Option<String> {
+    toml.lines().find_map(|l| {
+        let (key, value) = l.split_once('=')?;
+        (key.trim() == "channel").then_some(())?;
+        let value = value.split('#').next()?.trim();
+        let value = value.strip_prefix('"')?.strip_suffix('"')?;
+        (!value.is_empty()).then(|| value.to_owned())
+    })
 }
 
 /// The LLVM major version from `rustc -vV` output ("LLVM version: 22.1.4" → 22).
@@ -272,7 +302,7 @@ pub fn is_wanted_bpf_linker(version_output: &str) -> bool {
     })
 }
 
-/// The nightly toolchain's sysroot (`rustc +nightly --print sysroot`), if nightly works.
+/// The pinned nightly's sysroot (`rustc +NIGHTLY --print sysroot`), if it works.
 pub fn nightly_sysroot() -> Option<PathBuf> {
     let out = capture(proxy_command("rustc").args([&format!("+{NIGHTLY}"), "--print", "sysroot"]))?;
     let path = PathBuf::from(out.trim());
@@ -297,14 +327,129 @@ pub fn rust_src_installed(sysroot: &Path) -> bool {
         .is_file()
 }
 
-/// Whether rustup has a nightly toolchain that `+nightly` selects. `None`: no rustup.
+/// Whether rustup has the pinned nightly. `None`: no rustup.
 pub fn nightly_installed() -> Option<bool> {
-    capture(proxy_command("rustup").args(["toolchain", "list"])).map(|list| has_nightly(&list))
+    toolchain_installed(NIGHTLY)
 }
 
-/// bpf-linker on `PATH` or in the cargo bin dirs.
+/// Whether rustup has `toolchain`. `None`: no rustup.
+pub fn toolchain_installed(toolchain: &str) -> Option<bool> {
+    capture(proxy_command("rustup").args(["toolchain", "list"]))
+        .map(|list| has_toolchain(&list, toolchain))
+}
+
+/// `$LENS_BPF_LINKER_ROOT`, if set and non-empty.
+pub fn bpf_linker_root() -> Option<PathBuf> {
+    env::var_os(BPF_LINKER_ROOT_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// Where bpf-linker is looked for: only `$LENS_BPF_LINKER_ROOT/bin` when that is set, else
+/// `PATH` and the cargo bin dirs.
+pub fn bpf_linker_dirs() -> Vec<PathBuf> {
+    match bpf_linker_root() {
+        Some(root) => vec![root.join("bin")],
+        None => path_dirs().into_iter().chain(cargo_bin_dirs()).collect(),
+    }
+}
+
+/// bpf-linker in `$LENS_BPF_LINKER_ROOT/bin`, else on `PATH` or in the cargo bin dirs.
 pub fn find_bpf_linker() -> Option<PathBuf> {
-    find_program("bpf-linker")
+    find_in(bpf_linker_dirs(), "bpf-linker")
+}
+
+/// The libLLVM a bpf-linker binary needs at run time, read from its bytes: the NUL-terminated
+/// strings starting with `libLLVM` (the `DT_NEEDED` entry, e.g.
+/// `libLLVM.so.22.1-rust-1.97.0-nightly`). Empty when it links LLVM statically.
+pub fn linked_llvm_libs(binary: &[u8]) -> Vec<String> {
+    const NEEDLE: &[u8] = b"libLLVM";
+    let mut out: Vec<String> = Vec::new();
+    let mut from = 0;
+    while let Some(at) = memfind(&binary[from..], NEEDLE) {
+        let start = from + at;
+        // A whole string: preceded by NUL (or the start) and running to the next NUL.
+        let whole = start == 0 || binary[start - 1] == 0;
+        let end = binary[start..]
+            .iter()
+            .position(|&b| b == 0)
+            .map_or(binary.len(), |n| start + n);
+        let name = &binary[start..end];
+        if whole
+            && name.len() < 128
+            && name
+                .iter()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-+".contains(b))
+        {
+            let name = String::from_utf8_lossy(name).into_owned();
+            if !out.contains(&name) {
+                out.push(name);
+            }
+        }
+        from = start + NEEDLE.len();
+    }
+    out
+}
+
+fn memfind(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Which LLVM a bpf-linker binary is built on, relative to the pinned nightly's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkerLlvm {
+    /// It loads a libLLVM of the nightly's `<sysroot>/lib` from that directory.
+    Nightly,
+    /// It loads another libLLVM (named), or the same name from another directory (another
+    /// nightly of the same version): it must be rebuilt.
+    Other(String),
+    /// No libLLVM dependency: LLVM is linked in statically; which one is unknown.
+    Static,
+}
+
+/// Classifies a bpf-linker binary (its bytes) against the nightly's `<sysroot>/lib`
+/// (`lib_dir`) and the file names there. Pure.
+pub fn classify_linker_llvm<I, S>(binary: &[u8], lib_dir: &Path, lib_files: I) -> LinkerLlvm
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<str>,
+{
+    let needed = linked_llvm_libs(binary);
+    if needed.is_empty() {
+        return LinkerLlvm::Static;
+    }
+    let files: Vec<String> = lib_files
+        .into_iter()
+        .map(|f| f.as_ref().to_owned())
+        .collect();
+    let Some(name) = needed.iter().find(|n| files.contains(n)) else {
+        return LinkerLlvm::Other(needed.join(", "));
+    };
+    // The run path it was linked with (`-Wl,-rpath,<lib_dir>`) must be this nightly's.
+    let dir = lib_dir.as_os_str().as_encoded_bytes();
+    let runpath_here = binary
+        .split(|&b| b == 0)
+        .any(|s| s.split(|&b| b == b':').any(|p| p == dir));
+    if runpath_here {
+        LinkerLlvm::Nightly
+    } else {
+        LinkerLlvm::Other(format!(
+            "{name} from another directory than {}",
+            lib_dir.display()
+        ))
+    }
+}
+
+/// [`classify_linker_llvm`] for the bpf-linker at `linker` and the pinned nightly. `None`
+/// when the nightly or the files cannot be read.
+pub fn bpf_linker_llvm(linker: &Path) -> Option<LinkerLlvm> {
+    let lib_dir = nightly_sysroot()?.join("lib");
+    let files: Vec<String> = std::fs::read_dir(&lib_dir)
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    let binary = std::fs::read(linker).ok()?;
+    Some(classify_linker_llvm(&binary, &lib_dir, files))
 }
 
 /// First line of `<bpf-linker> --version`, if it runs.
@@ -323,19 +468,21 @@ pub struct BpfLinkerInstall {
 }
 
 impl BpfLinkerInstall {
-    /// Derives the install from `rustc +nightly -vV` output, the nightly sysroot and the file
-    /// names in `<sysroot>/lib`. Pure. `Err` is a one-line reason.
+    /// Derives the install from `rustc +NIGHTLY -vV` output, the nightly sysroot, the file
+    /// names in `<sysroot>/lib` and the install root (`--root`, when not cargo's default).
+    /// Pure. `Err` is a one-line reason.
     pub fn derive<I, S>(
         rustc_vv: &str,
         sysroot: &Path,
         sysroot_lib_files: I,
+        root: Option<&Path>,
     ) -> Result<Self, String>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
         let major = parse_llvm_major(rustc_vv).ok_or_else(|| {
-            "cannot find \"LLVM version: N.x\" in `rustc +nightly -vV`".to_owned()
+            format!("cannot find \"LLVM version: N.x\" in `rustc +{NIGHTLY} -vV`")
         })?;
         let lib_dir = sysroot.join("lib");
         let name = llvm_dylib_name(major, sysroot_lib_files).ok_or_else(|| {
@@ -345,6 +492,9 @@ impl BpfLinkerInstall {
             )
         })?;
         let lib = lib_dir.display().to_string();
+        let root_args = root
+            .map(|r| vec!["--root".to_owned(), r.display().to_string()])
+            .unwrap_or_default();
         Ok(Self {
             rustflags: vec![
                 "-L".into(),
@@ -364,7 +514,9 @@ impl BpfLinkerInstall {
                 "--features".into(),
                 format!("llvm-{major},no-llvm-linking"),
             ]
-            .into(),
+            .into_iter()
+            .chain(root_args)
+            .collect(),
         })
     }
 
@@ -373,7 +525,7 @@ impl BpfLinkerInstall {
         self.rustflags.join("\x1f")
     }
 
-    /// A shell-like rendering, for printing: `RUSTFLAGS="..." cargo +nightly install ...`.
+    /// A shell-like rendering, for printing: `RUSTFLAGS="..." cargo +NIGHTLY install ...`.
     pub fn display(&self) -> String {
         format!(
             "RUSTFLAGS=\"{}\" cargo {}",
@@ -446,13 +598,13 @@ LLVM version: 22.1.4
     fn bpf_linker_install_is_derived_not_hardcoded() {
         let sysroot = Path::new("/root/.rustup/toolchains/nightly-x86_64-unknown-linux-gnu");
         let files = ["libLLVM-22-rust-1.97.0-nightly.so", "librustc_driver-x.so"];
-        let plan = BpfLinkerInstall::derive(RUSTC_VV, sysroot, files).unwrap();
+        let plan = BpfLinkerInstall::derive(RUSTC_VV, sysroot, files, None).unwrap();
         let nl = "/root/.rustup/toolchains/nightly-x86_64-unknown-linux-gnu/lib";
         assert_eq!(
             plan.display(),
             format!(
                 "RUSTFLAGS=\"-L {nl} -l dylib=LLVM-22-rust-1.97.0-nightly -C link-arg=-Wl,-rpath,{nl}\" \
-                 cargo +nightly install bpf-linker@0.13.0 --locked --force --no-default-features \
+                 cargo +{NIGHTLY} install bpf-linker@0.13.0 --locked --force --no-default-features \
                  --features llvm-22,no-llvm-linking"
             )
         );
@@ -468,6 +620,7 @@ LLVM version: 22.1.4
             other,
             Path::new("/s"),
             ["libLLVM-23-rust-1.99.0-nightly.so"],
+            Some(Path::new("/tmp/tools")),
         )
         .unwrap();
         assert!(
@@ -478,29 +631,121 @@ LLVM version: 22.1.4
             plan.rustflags
                 .contains(&"dylib=LLVM-23-rust-1.99.0-nightly".to_owned())
         );
+        assert!(
+            plan.display()
+                .ends_with("--features llvm-23,no-llvm-linking --root /tmp/tools"),
+            "{}",
+            plan.display()
+        );
 
-        let err =
-            BpfLinkerInstall::derive(RUSTC_VV, Path::new("/s"), ["libLLVM-21-x.so"]).unwrap_err();
+        let err = BpfLinkerInstall::derive(RUSTC_VV, Path::new("/s"), ["libLLVM-21-x.so"], None)
+            .unwrap_err();
         assert!(
             err.contains("libLLVM-22-*.so") && !err.contains('\n'),
             "{err}"
         );
-        assert!(BpfLinkerInstall::derive("no llvm here", Path::new("/s"), files).is_err());
+        assert!(BpfLinkerInstall::derive("no llvm here", Path::new("/s"), files, None).is_err());
     }
 
     #[test]
     fn nightly_detection() {
-        let list =
-            "stable-x86_64-unknown-linux-gnu (active, default)\nnightly-x86_64-unknown-linux-gnu\n";
-        assert!(has_nightly(list));
-        assert!(has_nightly("nightly-x86_64-unknown-linux-gnu (active)\n"));
+        // Only the pinned date counts: a floating nightly or another date does not.
+        assert!(NIGHTLY.starts_with("nightly-20"), "{NIGHTLY} must be dated");
+        let pinned = format!("{NIGHTLY}-x86_64-unknown-linux-gnu");
+        let list = format!(
+            "stable-x86_64-unknown-linux-gnu (active, default)\nnightly-x86_64-unknown-linux-gnu\n{pinned}\n"
+        );
+        assert!(has_nightly(&list));
+        assert!(has_nightly(&format!("{pinned} (active)\n")));
+        assert!(has_nightly(&format!("{NIGHTLY}\n")));
         assert!(!has_nightly(
-            "stable-x86_64-unknown-linux-gnu (default)\n1.95.0-x86_64-unknown-linux-gnu\n"
+            "stable-x86_64-unknown-linux-gnu (default)\nnightly-x86_64-unknown-linux-gnu\n"
         ));
         assert!(!has_nightly(
             "nightly-2026-05-19-x86_64-unknown-linux-gnu\n"
         ));
         assert!(!has_nightly("no installed toolchains\n"));
+    }
+
+    #[test]
+    fn pinned_toolchain_detection() {
+        let list = "stable-x86_64-unknown-linux-gnu (default)\n1.99.1-x86_64-unknown-linux-gnu\n";
+        assert!(has_toolchain(list, "1.99.1"));
+        assert!(!has_toolchain(list, "1.99"));
+        assert!(!has_toolchain(
+            "1.99.10-x86_64-unknown-linux-gnu\n",
+            "1.99.1"
+        ));
+        assert!(!has_toolchain(
+            "1.99.1-1-x86_64-unknown-linux-gnu\n",
+            "1.99.1"
+        ));
+    }
+
+    #[test]
+    fn toolchain_file_channel_is_read() {
+        let toml =
+            "# pinned\n[toolchain]\nchannel = \"1.99.1\"  # comment\nprofile = \"minimal\"\n";
+        assert_eq!(toolchain_file_channel(toml).as_deref(), Some("1.99.1"));
+        assert_eq!(toolchain_file_channel("[toolchain]\nchannel=\"\"\n"), None);
+        assert_eq!(toolchain_file_channel("[toolchain]\n"), None);
+        let repo = include_str!("../../../rust-toolchain.toml");
+        let channel = toolchain_file_channel(repo).expect("the workspace pins a channel");
+        assert!(
+            channel.starts_with(|c: char| c.is_ascii_digit()),
+            "rust-toolchain.toml must pin a version, not {channel}"
+        );
+    }
+
+    /// A made-up ELF tail: `.dynstr` with NUL-separated names, as the linker writes them.
+    fn fake_linker(needed: &str, runpath: &str) -> Vec<u8> {
+        let mut b = b"\x7fELF junk libLLVM is mentioned in text here\0".to_vec();
+        for s in [runpath, needed, "libgcc_s.so.1", "libc.so.6"] {
+            b.extend_from_slice(s.as_bytes());
+            b.push(0);
+        }
+        b
+    }
+
+    #[test]
+    fn linker_llvm_is_told_apart() {
+        let lib =
+            Path::new("/root/.rustup/toolchains/nightly-2026-10-29-x86_64-unknown-linux-gnu/lib");
+        let files = [
+            "libLLVM-23-rust-1.101.0-nightly.so",
+            "libLLVM.so.23.1-rust-1.101.0-nightly",
+            "librustc_driver-23e18013e8e3f5f8.so",
+        ];
+        let good = fake_linker(
+            "libLLVM.so.23.1-rust-1.101.0-nightly",
+            &lib.display().to_string(),
+        );
+        assert_eq!(
+            linked_llvm_libs(&good),
+            ["libLLVM.so.23.1-rust-1.101.0-nightly"]
+        );
+        assert_eq!(classify_linker_llvm(&good, lib, files), LinkerLlvm::Nightly);
+
+        // The shared machine's linker: built on the floating nightly 1.97 (LLVM 22).
+        let old = fake_linker(
+            "libLLVM.so.22.1-rust-1.97.0-nightly",
+            "/root/.rustup/toolchains/nightly-x86_64-unknown-linux-gnu/lib",
+        );
+        assert_eq!(
+            classify_linker_llvm(&old, lib, files),
+            LinkerLlvm::Other("libLLVM.so.22.1-rust-1.97.0-nightly".into())
+        );
+        // Same library name, another nightly's directory.
+        let moved = fake_linker(
+            "libLLVM.so.23.1-rust-1.101.0-nightly",
+            "/root/.rustup/toolchains/nightly-2026-10-30-x86_64-unknown-linux-gnu/lib",
+        );
+        assert!(matches!(
+            classify_linker_llvm(&moved, lib, files),
+            LinkerLlvm::Other(why) if why.contains("another directory")
+        ));
+        let fixed = b"\x7fELF static build\0libc.so.6\0".to_vec();
+        assert_eq!(classify_linker_llvm(&fixed, lib, files), LinkerLlvm::Static);
     }
 
     #[test]

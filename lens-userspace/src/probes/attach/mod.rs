@@ -36,7 +36,7 @@ mod symbol_places;
 use launch_sampling::{SampledLaunches, sample_spec};
 use object::uprobe_mut;
 pub use object::{load_object, program_mut, take_event_ring};
-use symbol_places::{attach_spec, places};
+use symbol_places::{Batch, places};
 
 /// What happened to one probe on one library.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -140,8 +140,8 @@ impl Attacher {
 
     /// Target `pid` is gone: the probes of libraries no other target maps are detached
     /// (the dynamic loader's stay: it finds the next targets). The kernel takes ~0.1 s
-    /// per uprobe to remove them, so they go on a thread of their own. Returns how many
-    /// uprobes were let go.
+    /// per link to remove them (a perf link per uprobe, or a uprobe_multi link per
+    /// program), so they go on a thread of their own. Returns how many links were let go.
     pub fn release(&mut self, ebpf: &mut Ebpf, pid: u32) -> usize {
         let mut unused = Vec::new();
         for (file, users) in &mut self.users {
@@ -165,7 +165,7 @@ impl Attacher {
     }
 
     /// Detaches every probe of `file` (on a thread of its own: the kernel is slow to
-    /// remove uprobes) and forgets it was attached. Returns how many went.
+    /// remove uprobes) and forgets it was attached. Returns how many links went.
     fn forget(&mut self, ebpf: &mut Ebpf, file: FileId) -> usize {
         let mut released = Vec::new();
         let mut released_sampled = Vec::new();
@@ -232,6 +232,7 @@ impl Attacher {
             match resolve_symbols(&library.open_path, &wanted) {
                 Ok(symbols) => {
                     let mut claimed = HashMap::new();
+                    let mut batch = Batch::default();
                     for spec in &specs {
                         let places = places(
                             library,
@@ -247,15 +248,14 @@ impl Attacher {
                             sample_spec(ebpf, library, spec, &places, &mut outcomes, sampled);
                             continue;
                         }
-                        attach_spec(
-                            ebpf,
-                            library,
-                            spec,
-                            &places,
-                            &mut outcomes,
-                            self.links.entry(library.file).or_default(),
-                        );
+                        batch.add(spec, &places, &mut outcomes);
                     }
+                    batch.attach(
+                        ebpf,
+                        library,
+                        &mut outcomes,
+                        self.links.entry(library.file).or_default(),
+                    );
                 }
                 Err(error) => outcomes.extend(specs.iter().map(|spec| ProbeOutcome::Failed {
                     symbol: spec.symbol.to_string(),
@@ -345,7 +345,7 @@ pub fn attach_count_only(
 }
 
 /// Attaches `uprobe` (the object's `program`) at `offset` in the file at `path`, in
-/// every process that maps it, with `cookie`: the one way every library probe goes in.
+/// every process that maps it, with `cookie`.
 pub(super) fn attach_at(
     uprobe: &mut UProbe,
     program: Program,
@@ -353,12 +353,27 @@ pub(super) fn attach_at(
     offset: u64,
     cookie: u64,
 ) -> Result<UProbeLinkId> {
+    attach_points(uprobe, program, path, [(offset, cookie)])
+}
+
+/// Attaches `uprobe` (the object's `program`) at each `(offset, cookie)` in the file at
+/// `path`, in every process that maps it, under one link id: the one way every library
+/// probe goes in. With the program's `uprobe.multi` twin loaded that is one uprobe_multi
+/// link, else one perf link per point (all detached if one fails).
+pub(super) fn attach_points(
+    uprobe: &mut UProbe,
+    program: Program,
+    path: &std::path::Path,
+    points: impl IntoIterator<Item = (u64, u64)>,
+) -> Result<UProbeLinkId> {
     uprobe
         .attach(
-            UProbeAttachPoint {
-                location: UProbeAttachLocation::AbsoluteOffset(offset),
-                cookie: Some(cookie),
-            },
+            points
+                .into_iter()
+                .map(|(offset, cookie)| UProbeAttachPoint {
+                    location: UProbeAttachLocation::AbsoluteOffset(offset),
+                    cookie: Some(cookie),
+                }),
             path,
             UProbeScope::AllProcesses,
         )
@@ -379,7 +394,6 @@ pub fn own_dynamic_loader() -> Result<Option<MappedLibrary>> {
 
 #[cfg(test)]
 mod tests {
-    use super::symbol_places::*;
     use super::*;
     use crate::sys::library::{FileId, LibraryKind};
     use crate::sys::symbols::{Symbol, Symbols};

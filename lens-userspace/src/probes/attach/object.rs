@@ -6,6 +6,8 @@ use aya::{
     programs::{ProgramError, UProbe},
 };
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use log::debug;
 
 use crate::error::{LensError, Result};
@@ -13,6 +15,43 @@ use crate::probes::catalog::Program;
 
 /// The BPF object built from `lens-ebpf` by the build script.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lens-ebpf.o"));
+
+/// Whether the programs were loaded as their `uprobe.multi` twins (one link per program
+/// and library file). Set by [`load_object`].
+static MULTI: AtomicBool = AtomicBool::new(false);
+
+/// Set to `0` to load the per-point programs even where the kernel has uprobe_multi links.
+pub const UPROBE_MULTI_ENV: &str = "LENS_PROBE_UPROBE_MULTI";
+
+/// Whether `program` goes in through uprobe_multi links when the kernel has them: the ones
+/// attached for all processes. `file_open_entry` is attached per process (libc's
+/// `probes::files`), which early uprobe_multi kernels filter by thread, not process.
+const fn multi_capable(program: Program) -> bool {
+    !matches!(program, Program::FileOpenEntry)
+}
+
+/// The name `program` is loaded (and found) under: its `_m` twin with uprobe_multi.
+pub(crate) fn loaded_name(program: Program) -> &'static str {
+    if MULTI.load(Ordering::Relaxed) && multi_capable(program) {
+        program.multi_name()
+    } else {
+        program.name()
+    }
+}
+
+/// Whether this kernel can attach a library's points as one uprobe_multi link.
+fn uprobe_multi_wanted() -> bool {
+    if std::env::var_os(UPROBE_MULTI_ENV).is_some_and(|v| v == "0") {
+        return false;
+    }
+    match aya::sys::is_uprobe_multi_supported(aya::sys::UProbeMultiFeature::LinkCreation) {
+        Ok(supported) => supported,
+        Err(error) => {
+            debug!("cannot tell whether the kernel has uprobe_multi links: {error}");
+            false
+        }
+    }
+}
 
 /// Loads the BPF object and its programs. `kernel_logs` keeps the kernel-side diagnostics
 /// (aya-log) on; otherwise they are compiled in but switched off at load.
@@ -25,6 +64,15 @@ pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
         crate::probes::processes::configure(&mut loader, layout);
     }
     let mut ebpf = loader.load(BPF_OBJECT)?;
+    MULTI.store(uprobe_multi_wanted(), Ordering::Relaxed);
+    debug!(
+        "uprobes go in as {}",
+        if MULTI.load(Ordering::Relaxed) {
+            "one uprobe_multi link per program and library"
+        } else {
+            "one perf link per point"
+        }
+    );
     for &program in Program::ALL {
         uprobe_mut(&mut ebpf, program)?
             .load()
@@ -68,7 +116,7 @@ pub fn take_event_ring(ebpf: &mut Ebpf) -> Result<aya::maps::RingBuf<aya::maps::
 }
 
 pub(super) fn uprobe_mut(ebpf: &mut Ebpf, program: Program) -> Result<&mut UProbe> {
-    program_mut(ebpf, program.name())
+    program_mut(ebpf, loaded_name(program))
 }
 
 /// The object's program `name` as the program type `P` (`UProbe`, `RawTracePoint`…).
