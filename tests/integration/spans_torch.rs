@@ -33,6 +33,7 @@ fn trace(spec: &str, argv: &[OsString], env: &[(&str, &str)]) -> (SpanLog, Sessi
         span_groups: spec.parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     let mut argv_env: Vec<OsString> = vec!["env".into()];
@@ -324,7 +325,8 @@ fn the_same_tree_and_phase_durations_as_nemo_lens() {
     ];
     // The script with Lens' managed_span calls, under lens-probe: both views of one run.
     let mut with_lens = args.to_vec();
-    with_lens.push("--lens");
+    let run_delays_path = dir.join("run-delays.json");
+    with_lens.extend(["--lens", "--run-delays", run_delays_path.to_str().unwrap()]);
     let stdout = dir.join("lens.json");
     let (ours, _) = trace("per_step", &script(&venv, &with_lens, &stdout), &lens_env);
     let lens = lens_spans(&stdout);
@@ -340,18 +342,30 @@ fn the_same_tree_and_phase_durations_as_nemo_lens() {
     );
     assert_eq!(plain.outline(&[semconv::DL_ITERATION]), ours_outline);
 
-    // Phase durations within 5% of Lens' own, span by span.
+    // Phase durations within 5% of Lens' own, span by span. Where the two spans differ
+    // (the code just outside the probed call) a loaded machine can also keep the thread
+    // off the CPU: that wait, which the script read from its schedstat around Lens' span,
+    // is allowed on top. On an idle machine it is zero.
+    let run_delays: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(&run_delays_path).unwrap()).unwrap();
     for name in COMPARED {
         let mine: Vec<&SpanRecord> = ours.named(name).collect();
         let theirs: Vec<&LensSpan> = lens.iter().filter(|s| s.name == *name).collect();
+        let waits: Vec<f64> = run_delays
+            .iter()
+            .filter(|d| d["name"] == *name)
+            .map(|d| d["waited_ns"].as_f64().unwrap() / 1e3)
+            .collect();
         assert_eq!(mine.len(), theirs.len(), "{name}");
-        for (i, (m, t)) in mine.iter().zip(&theirs).enumerate() {
+        assert_eq!(waits.len(), theirs.len(), "{name}");
+        for (i, ((m, t), waited_us)) in mine.iter().zip(&theirs).zip(&waits).enumerate() {
             let lens_us = (t.end_us - t.start_us) as f64;
             let ours_us = m.duration_ns() as f64 / 1e3;
             let off = (ours_us - lens_us).abs() / lens_us;
             assert!(
-                off <= 0.05,
-                "{name} #{i}: lens-probe {ours_us:.0} µs, NeMo Lens {lens_us:.0} µs ({:.1}% off)",
+                (ours_us - lens_us).abs() <= 0.05 * lens_us + waited_us,
+                "{name} #{i}: lens-probe {ours_us:.0} µs, NeMo Lens {lens_us:.0} µs ({:.1}% \
+                 off; the thread waited {waited_us:.0} µs for a CPU)",
                 off * 100.0
             );
         }
@@ -451,6 +465,7 @@ fn attaching_in_the_fifth_step_gives_whole_steps_from_the_next_one() {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     let mut child = std::process::Command::new(&venv.python)
