@@ -9,6 +9,9 @@ pub struct Traced {
     pub processes: usize,
     pub libraries: usize,
     pub uprobes: usize,
+    /// The kernel links the uprobes went in as (fewer with uprobe_multi links): what the
+    /// kernel has to remove, one at a time, after lens-probe exits.
+    pub links: usize,
 }
 
 impl Traced {
@@ -16,10 +19,11 @@ impl Traced {
         let plural =
             |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
         format!(
-            "lens-probe: tracing {}: {}, {}",
+            "lens-probe: tracing {}: {}, {} in {}",
             plural(self.processes, "process", "processes"),
             plural(self.libraries, "library", "libraries"),
             plural(self.uprobes, "uprobe", "uprobes"),
+            plural(self.links, "link", "links"),
         )
     }
 }
@@ -63,11 +67,13 @@ impl AttachStatus {
 mod tests {
     use super::*;
 
+    /// `uprobes` went in as uprobe_multi links, 4 to a link.
     fn traced(processes: usize, libraries: usize, uprobes: usize) -> Traced {
         Traced {
             processes,
             libraries,
             uprobes,
+            links: uprobes.div_ceil(4),
         }
     }
 
@@ -78,7 +84,7 @@ mod tests {
         assert_eq!(status.due(traced(1, 0, 0), start), None);
         assert_eq!(
             status.due(traced(1, 1, 4), start).as_deref(),
-            Some("lens-probe: tracing 1 process: 1 library, 4 uprobes")
+            Some("lens-probe: tracing 1 process: 1 library, 4 uprobes in 1 link")
         );
         // Three more libraries within the pause: nothing yet.
         for (libraries, at) in [(2, 100), (3, 500), (4, 1900)] {
@@ -89,7 +95,7 @@ mod tests {
         let later = start + Duration::from_millis(2100);
         assert_eq!(
             status.due(traced(2, 4, 40), later).as_deref(),
-            Some("lens-probe: tracing 2 processes: 4 libraries, 40 uprobes")
+            Some("lens-probe: tracing 2 processes: 4 libraries, 40 uprobes in 10 links")
         );
         assert_eq!(
             status.due(traced(2, 4, 40), later + AT_MOST_EVERY * 5),

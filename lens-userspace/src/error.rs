@@ -57,6 +57,12 @@ pub enum LensError {
     #[error("this kernel has no uprobe support ({0} is missing): CONFIG_UPROBE_EVENTS is required")]
     NoUprobeSupport(PathBuf),
 
+    #[error(
+        "this kernel has no uprobe_multi links (Linux 6.6+) that --uprobe-links multi asks \
+         for; use auto or perf"
+    )]
+    NoUprobeMulti,
+
     #[error("cannot run {command}: {source}")]
     Spawn {
         command: String,

@@ -157,6 +157,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         span_groups: cli.span_groups.clone(),
         kernel_logs: cli.verbose >= 2,
         overhead_budget: cli.overhead_budget,
+        uprobe_links: cli.uprobe_links,
     })?));
     session.set_export_strategy(export.strategy);
     session.set_hang_timeout(cli.hang_timeout.0);

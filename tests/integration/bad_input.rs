@@ -106,6 +106,7 @@ const TABLE: &[Row] = &[
     (&["--pid", "1", "--overhead-budget", "-1%"], &[], &["for --overhead-budget:", "above 0 and at most 100"]),
     (&["--pid", "1", "--hang-timeout", "soon"], &[], &["for --hang-timeout:", "positive duration such as 30s, 5m or 1h (or 0 for off)"]),
     (&["--pid", "1", "--hang-timeout", "-3s"], &[], &["for --hang-timeout:", "(or 0 for off)"]),
+    (&["--pid", "1", "--uprobe-links", "many"], &[], &["for --uprobe-links:", "unknown uprobe link kind; valid: auto, multi, perf"]),
     (&["--pid", "1", "--summary-json", "/"], &[], &["for --summary-json:", "is a directory", WRITABLE]),
     (&["--pid", "1", "--summary-json", "/nonexistent/summary.json"], &[], &["for --summary-json:", "does not exist", WRITABLE]),
     (&["--pid", "1", "--pid-file", "/nonexistent/dir/lens.pid"], &[], &["for --pid-file:", "directory /nonexistent/dir does not exist", WRITABLE]),
@@ -126,6 +127,7 @@ const TABLE: &[Row] = &[
     (&["--pid", "1"], &[("NEMO_LENS_ENABLED", "maybe")], &["for NEMO_LENS_ENABLED:", "expected 1/0, true/false, yes/no or on/off"]),
     (&["--pid", "1"], &[("LENS_PROBE_OVERHEAD_BUDGET", "lots")], &["for LENS_PROBE_OVERHEAD_BUDGET:", "above 0 and at most 100"]),
     (&["--pid", "1"], &[("LENS_PROBE_HANG_TIMEOUT", "never")], &["for LENS_PROBE_HANG_TIMEOUT:", "(or 0 for off)"]),
+    (&["--pid", "1"], &[("LENS_PROBE_UPROBE_LINKS", "0")], &["for LENS_PROBE_UPROBE_LINKS:", "unknown uprobe link kind; valid: auto, multi, perf"]),
     // The flag wins over its variable, and is named.
     (&["--pid", "1", "--span-groups", "steps"], &[("NEMO_LENS_SPAN_GROUPS", "bogus")], &["for --span-groups:"]),
     (&["--pid", "1", "--exporter", "jaeger"], &[("NEMO_LENS_EXPORTER", "zipkin")], &["for --exporter:"]),

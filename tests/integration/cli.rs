@@ -439,10 +439,145 @@ fn one_line_says_what_is_traced_while_the_job_starts() {
         .filter(|l| l.starts_with("lens-probe: tracing "))
         .collect();
     assert_eq!(lines.len(), 1, "{text}");
-    let uprobes: usize = lines[0]
+    let (uprobes, links): (usize, usize) = lines[0]
         .strip_prefix("lens-probe: tracing 1 process: 4 libraries, ")
-        .and_then(|rest| rest.strip_suffix(" uprobes"))
-        .and_then(|n| n.parse().ok())
+        .and_then(|rest| rest.strip_suffix(" links"))
+        .and_then(|rest| rest.split_once(" uprobes in "))
+        .and_then(|(u, l)| Some((u.parse().ok()?, l.parse().ok()?)))
         .unwrap_or_else(|| panic!("{}", lines[0]));
     assert!(uprobes >= 10, "{}", lines[0]);
+    assert!(
+        links < uprobes,
+        "uprobe_multi links on this kernel: {}",
+        lines[0]
+    );
+}
+
+/// What the kernel holds of a process's BPF links on libraries of `dir`, from its fdinfo:
+/// (uprobe_multi links, the uprobes in them, perf uprobe links anywhere).
+fn kernel_links_of(pid: u32, dir: &std::path::Path) -> (usize, usize, usize) {
+    let (mut multi, mut in_multi, mut perf) = (0, 0, 0);
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        if !std::fs::read_link(fd.path())
+            .is_ok_and(|l| l.to_string_lossy() == "anon_inode:bpf_link")
+        {
+            continue;
+        }
+        let info = std::fs::read_to_string(format!(
+            "/proc/{pid}/fdinfo/{}",
+            fd.file_name().to_string_lossy()
+        ))
+        .unwrap_or_default();
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| {
+                    l.strip_prefix(name)
+                        .map(|v| v.trim_start_matches(':').trim().to_string())
+                })
+                .unwrap_or_default()
+        };
+        match field("link_type").as_str() {
+            "uprobe_multi" | "uretprobe_multi"
+                if field("path").starts_with(&*dir.to_string_lossy()) =>
+            {
+                multi += 1;
+                in_multi += field("uprobe_cnt").parse::<usize>().unwrap();
+            }
+            "perf" if matches!(field("event_type").as_str(), "uprobe" | "uretprobe") => perf += 1,
+            _ => {}
+        }
+    }
+    (multi, in_multi, perf)
+}
+
+#[test]
+fn a_librarys_probes_go_in_as_one_link_per_program_or_as_perf_links_when_asked() {
+    let test = "a_librarys_probes_go_in_as_one_link_per_program";
+    if !lens_tests::require_bpf(test) {
+        return;
+    }
+    let fixtures = lens_tests::trainer().parent().unwrap().to_path_buf();
+    let mut summaries = Vec::new();
+    for links in ["auto", "perf"] {
+        let dir = std::env::temp_dir().join(format!("lens-links-{links}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let gate = dir.join("go");
+        let summary = dir.join("summary.json");
+        // The trainer waits at the gate, its libraries loaded, until the links are read.
+        let mut probe = Command::new(LENS_PROBE)
+            .args([
+                "--uprobe-links",
+                links,
+                "--span-groups",
+                "per_step",
+                "--summary-json",
+            ])
+            .arg(&summary)
+            .args(["--exec", "--"])
+            .arg("env")
+            .arg(format!("TRAINER_START_GATE={}", gate.display()))
+            .arg(lens_tests::trainer())
+            .arg("3")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines =
+            std::io::BufRead::lines(std::io::BufReader::new(probe.stderr.take().unwrap()));
+        let status_line = lines
+            .by_ref()
+            .map_while(Result::ok)
+            .find(|l| l.starts_with("lens-probe: tracing "))
+            .expect("a line saying what is traced");
+        // "lens-probe: tracing 1 process: 2 libraries, U uprobes in L links"
+        let numbers: Vec<usize> = status_line
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|n| n.parse().ok())
+            .collect();
+        let [1, 2, uprobes, said_links] = numbers[..] else {
+            panic!("{status_line}");
+        };
+        let (multi, in_multi, perf) = kernel_links_of(probe.id(), &fixtures);
+        std::fs::write(&gate, "").unwrap();
+        let rest: Vec<String> = lines.map_while(Result::ok).collect();
+        let status = probe.wait().unwrap();
+        assert!(status.success(), "{links}: {status:?}\n{}", rest.join("\n"));
+        if links == "auto" {
+            // One link per program and library: the kernel removes each in one step.
+            assert_eq!(
+                (multi, in_multi),
+                (said_links, uprobes),
+                "{links}: {status_line}"
+            );
+            assert!(said_links * 2 < uprobes, "{status_line}");
+        } else {
+            assert_eq!(multi, 0, "{status_line}");
+            assert_eq!(said_links, uprobes, "{status_line}");
+            // Besides the libraries' probes: libc's file probe, the dynamic loader's.
+            assert!(perf >= uprobes, "{perf} perf uprobe links: {status_line}");
+        }
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+        summaries.push((uprobes, json["processes"][0].clone()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    // Either way the same probes, and the same calls counted.
+    assert_eq!(summaries[0].0, summaries[1].0);
+    assert_eq!(summaries[0].1["calls"], summaries[1].1["calls"]);
+    assert_eq!(summaries[0].1["launches"], summaries[1].1["launches"]);
+    let collectives = &summaries[0].1["collectives"];
+    assert_eq!(collectives.as_object().unwrap().len(), 7, "{collectives}");
+    for (op, stats) in collectives.as_object().unwrap() {
+        for key in ["calls", "bytes", "errors"] {
+            assert_eq!(
+                stats[key], summaries[1].1["collectives"][op][key],
+                "{op} {key}"
+            );
+        }
+    }
+    assert_eq!(summaries[0].1["calls"]["ncclGroupStart"], 3);
 }

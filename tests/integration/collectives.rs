@@ -100,6 +100,7 @@ fn trace(script: &str, truth: &Path, observed: &Path) -> (SpanLog, String) {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     let argv: Vec<OsString> = vec![
@@ -422,6 +423,7 @@ fn trace_slow_rank(name: &str, slow: (&str, &str)) -> (SpanLog, String) {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     let trainer = lens_tests::torch_trainer();

@@ -60,6 +60,7 @@ fn trace(rules: &str, spec: &str, argv: &[OsString]) -> (SpanLog, Session) {
         span_groups: spec.parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     session.set_rules(rules.clone());
@@ -484,6 +485,7 @@ fn attaching_to_a_running_loop_by_pid_gives_whole_steps() {
         span_groups: "all".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     session.set_rules(rules.clone());

@@ -21,6 +21,7 @@ fn options(spec: &str) -> TraceOptions {
         span_groups: spec.parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     }
 }
 
@@ -369,7 +370,7 @@ fn a_library_without_the_symbols_gets_one_report_per_probe_and_nothing_breaks() 
     if !lens_tests::require_bpf("a_library_without_the_symbols_gets_one_report_per_probe") {
         return;
     }
-    let mut ebpf = load_object(false).unwrap();
+    let mut ebpf = load_object(false, Default::default()).unwrap();
     let mut attacher = Attacher::default();
     // A file taken for libnccl that defines none of NCCL's API (the fake libcudart), then
     // the real fake libnccl: the first yields one failure per probe, the second attaches.

@@ -35,6 +35,7 @@ fn session(spec: &str) -> Session {
         span_groups: spec.parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap()
 }
@@ -685,7 +686,9 @@ fn sigint_during_a_long_attach_stops_within_seconds() {
     // Another run's teardown (the kernel's removal of its probes) slows every attach.
     wait_for_teardown();
     let _teardown = TeardownAfter;
-    // A rule matching 4096 functions of libtorch_cpu: ~8192 uprobes, minutes to attach.
+    // A rule matching 4096 functions of libtorch_cpu: ~8192 uprobes, minutes to attach as
+    // perf links (what a kernel without uprobe_multi links gets; with them it is one link
+    // per program, in about a second, too short a window to aim a signal at).
     let dir = std::env::temp_dir().join(format!("lens-long-attach-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("rules.toml");
@@ -696,7 +699,14 @@ fn sigint_during_a_long_attach_stops_within_seconds() {
     )
     .unwrap();
     let mut probe = Command::new(LENS_PROBE)
-        .args(["-v", "--span-groups", "per_step", "--config"])
+        .args([
+            "-v",
+            "--uprobe-links",
+            "perf",
+            "--span-groups",
+            "per_step",
+            "--config",
+        ])
         .arg(&config)
         .args(["--exec", "--"])
         .arg(&venv.python)

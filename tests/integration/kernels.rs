@@ -48,6 +48,7 @@ fn trace_trainer(kernels: &str) -> (SpanLog, Summary, KernelState) {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     let argv: Vec<OsString> = vec![

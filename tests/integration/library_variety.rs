@@ -44,6 +44,7 @@ fn options() -> TraceOptions {
         span_groups: "per_step".parse().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     }
 }
 

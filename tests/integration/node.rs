@@ -29,6 +29,7 @@ fn node_mode_traces_processes_that_start_later_and_detaches_after_them() {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     session.set_export_strategy(ExportStrategy::AllRanks);
@@ -156,6 +157,7 @@ fn the_mapped_inode_is_probed_not_what_the_maps_path_names_here() {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     session

@@ -132,6 +132,7 @@ fn a_launchers_running_workers_are_traced_with_their_ranks() {
         span_groups: "per_step".parse().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     session.attach_pid(launcher.id()).unwrap();

@@ -202,6 +202,7 @@ fn run_traced(rules: &str, argv: &[OsString]) -> (SpanLog, Vec<String>) {
         span_groups: groups.clone(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     session.set_rules(rules.clone());

@@ -27,6 +27,7 @@ fn real_cudart_and_nccl_every_symbol_attaches_and_calls_are_seen() {
         span_groups: "all".parse().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap();
     session

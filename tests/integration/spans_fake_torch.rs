@@ -35,6 +35,7 @@ fn session(spec: &str) -> Session {
         span_groups: spec.parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
+        uprobe_links: Default::default(),
     })
     .unwrap()
 }
@@ -354,6 +355,7 @@ fn an_overhead_budget_samples_the_launch_probes_and_stays_under_it() {
         span_groups: "per_step".parse().unwrap(),
         kernel_logs: false,
         overhead_budget: Some("1%".parse().unwrap()),
+        uprobe_links: Default::default(),
     })
     .unwrap();
     let steps = 1000;

@@ -77,6 +77,8 @@ pub struct TraceOptions {
     pub kernel_logs: bool,
     /// `--overhead-budget`: launch probes sampled to stay within it.
     pub overhead_budget: Option<OverheadBudget>,
+    /// `--uprobe-links`: uprobe_multi or perf links.
+    pub uprobe_links: attach::UprobeLinks,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -186,7 +188,7 @@ impl Session {
     /// Checks privileges and kernel support, then loads the BPF programs.
     pub fn new(options: TraceOptions) -> Result<Session> {
         privileges::check()?;
-        let mut ebpf = attach::load_object(options.kernel_logs)?;
+        let mut ebpf = attach::load_object(options.kernel_logs, options.uprobe_links)?;
         let ring = attach::take_event_ring(&mut ebpf)?;
         let logger = if options.kernel_logs {
             match EbpfLogger::init(&mut ebpf) {

@@ -377,6 +377,7 @@ impl Session {
             processes: self.targets.len(),
             libraries: traced_in().count(),
             uprobes: traced_in().map(|a| a.attached().count()).sum(),
+            links: traced_in().map(|a| a.kernel_links).sum(),
         };
         if let Some(line) = status.due(traced, std::time::Instant::now()) {
             eprintln!("{line}");

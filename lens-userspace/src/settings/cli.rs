@@ -20,6 +20,7 @@ use clap::{
 
 use crate::{
     budget::OverheadBudget,
+    probes::attach::UprobeLinks,
     settings::{config::Profile, groups::SpanGroups},
 };
 
@@ -170,6 +171,18 @@ pub struct Cli {
         allow_hyphen_values = true
     )]
     pub overhead_budget: Option<OverheadBudget>,
+
+    /// How uprobes go into the kernel: auto (one uprobe_multi link per program and library
+    /// where the kernel has them, else one perf link per point, said once), multi (refuse
+    /// to start without them), perf (one perf link per point).
+    #[arg(
+        long,
+        value_name = "KIND",
+        env = "LENS_PROBE_UPROBE_LINKS",
+        default_value = "auto",
+        value_parser = parse_uprobe_links
+    )]
+    pub uprobe_links: UprobeLinks,
 
     /// Also write the exit summary as JSON to this file.
     #[arg(long, value_name = "FILE", value_parser = output_file())]
@@ -377,6 +390,10 @@ fn writable(path: &Path) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+fn parse_uprobe_links(text: &str) -> Result<UprobeLinks, String> {
+    text.parse()
 }
 
 fn parse_profile(text: &str) -> Result<Profile, String> {

@@ -35,7 +35,7 @@ mod symbol_places;
 
 use launch_sampling::{SampledLaunches, sample_spec};
 use object::uprobe_mut;
-pub use object::{load_object, program_mut, take_event_ring};
+pub use object::{UprobeLinks, load_object, program_mut, take_event_ring};
 use symbol_places::{Batch, places};
 
 /// What happened to one probe on one library.
@@ -60,6 +60,9 @@ pub enum ProbeOutcome {
 pub struct LibraryAttachment {
     pub library: MappedLibrary,
     pub outcomes: Vec<ProbeOutcome>,
+    /// The kernel links its probes went in as: one per uprobe_multi link (a program's
+    /// points in the file), one per perf uprobe. Each is removed on its own at exit.
+    pub kernel_links: usize,
 }
 
 impl LibraryAttachment {
@@ -223,6 +226,7 @@ impl Attacher {
         let mut outcomes = Vec::new();
         // Notes on what was chosen (older symbol versions left out), for after the outcomes.
         let mut notes = Vec::new();
+        let mut kernel_links = 0;
         if !specs.is_empty() {
             let mut wanted: Vec<&str> = Vec::new();
             for spec in &specs {
@@ -250,12 +254,13 @@ impl Attacher {
                         }
                         batch.add(spec, &places, &mut outcomes);
                     }
-                    batch.attach(
+                    let attached = batch.attach(
                         ebpf,
                         library,
                         &mut outcomes,
                         self.links.entry(library.file).or_default(),
                     );
+                    kernel_links += attached.kernel_links;
                 }
                 Err(error) => outcomes.extend(specs.iter().map(|spec| ProbeOutcome::Failed {
                     symbol: spec.symbol.to_string(),
@@ -263,7 +268,7 @@ impl Attacher {
                 })),
             }
         }
-        self.attach_rules(ebpf, library, groups, &mut outcomes);
+        kernel_links += self.attach_rules(ebpf, library, groups, &mut outcomes);
         let failed = outcomes
             .iter()
             .any(|o| matches!(o, ProbeOutcome::Failed { .. }));
@@ -300,6 +305,7 @@ impl Attacher {
         self.attachments.push(LibraryAttachment {
             library: library.clone(),
             outcomes,
+            kernel_links,
         });
         self.attachments.last()
     }

@@ -6,9 +6,7 @@ use aya::{
     programs::{ProgramError, UProbe},
 };
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use log::debug;
+use log::{debug, warn};
 
 use crate::error::{LensError, Result};
 use crate::probes::catalog::Program;
@@ -16,12 +14,45 @@ use crate::probes::catalog::Program;
 /// The BPF object built from `lens-ebpf` by the build script.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lens-ebpf.o"));
 
-/// Whether the programs were loaded as their `uprobe.multi` twins (one link per program
-/// and library file). Set by [`load_object`].
-static MULTI: AtomicBool = AtomicBool::new(false);
+/// How uprobes go into the kernel (`--uprobe-links`, `LENS_PROBE_UPROBE_LINKS`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UprobeLinks {
+    /// One uprobe_multi link per program and library where the kernel has them, else one
+    /// perf link per point, said once.
+    #[default]
+    Auto,
+    /// One uprobe_multi link per program and library, or refuse to start.
+    Multi,
+    /// One perf link per point: each is removed on its own (one RCU grace period each).
+    Perf,
+}
 
-/// Set to `0` to load the per-point programs even where the kernel has uprobe_multi links.
-pub const UPROBE_MULTI_ENV: &str = "LENS_PROBE_UPROBE_MULTI";
+impl UprobeLinks {
+    pub const ALL: [UprobeLinks; 3] = [UprobeLinks::Auto, UprobeLinks::Multi, UprobeLinks::Perf];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            UprobeLinks::Auto => "auto",
+            UprobeLinks::Multi => "multi",
+            UprobeLinks::Perf => "perf",
+        }
+    }
+}
+
+impl std::str::FromStr for UprobeLinks {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<UprobeLinks, String> {
+        let lower = text.trim().to_ascii_lowercase();
+        UprobeLinks::ALL
+            .into_iter()
+            .find(|links| links.name() == lower)
+            .ok_or_else(|| {
+                let names: Vec<&str> = UprobeLinks::ALL.iter().map(|l| l.name()).collect();
+                format!("unknown uprobe link kind; valid: {}", names.join(", "))
+            })
+    }
+}
 
 /// Whether `program` goes in through uprobe_multi links when the kernel has them: the ones
 /// attached for all processes. `file_open_entry` is attached per process (libc's
@@ -30,32 +61,53 @@ const fn multi_capable(program: Program) -> bool {
     !matches!(program, Program::FileOpenEntry)
 }
 
-/// The name `program` is loaded (and found) under: its `_m` twin with uprobe_multi.
-pub(crate) fn loaded_name(program: Program) -> &'static str {
-    if MULTI.load(Ordering::Relaxed) && multi_capable(program) {
-        program.multi_name()
+/// The name `program` is found under in `ebpf`: its `_m` twin where that is the one
+/// [`load_object`] loaded. The object itself says which: only one twin is ever loaded.
+fn loaded_name(ebpf: &Ebpf, program: Program) -> &'static str {
+    let twin = program.multi_name();
+    if multi_capable(program) && ebpf.program(twin).is_some_and(|loaded| loaded.fd().is_ok()) {
+        twin
     } else {
         program.name()
     }
 }
 
-/// Whether this kernel can attach a library's points as one uprobe_multi link.
-fn uprobe_multi_wanted() -> bool {
-    if std::env::var_os(UPROBE_MULTI_ENV).is_some_and(|v| v == "0") {
-        return false;
+/// Whether `program` goes in as its uprobe_multi twin in `ebpf`: one kernel link for all
+/// the points of one attach call.
+pub(super) fn is_multi(ebpf: &Ebpf, program: Program) -> bool {
+    loaded_name(ebpf, program) != program.name()
+}
+
+/// Whether the programs go in as their uprobe_multi twins, for `links` on this kernel.
+fn use_uprobe_multi(links: UprobeLinks) -> Result<bool> {
+    if links == UprobeLinks::Perf {
+        return Ok(false);
     }
-    match aya::sys::is_uprobe_multi_supported(aya::sys::UProbeMultiFeature::LinkCreation) {
-        Ok(supported) => supported,
-        Err(error) => {
-            debug!("cannot tell whether the kernel has uprobe_multi links: {error}");
-            false
+    let supported =
+        match aya::sys::is_uprobe_multi_supported(aya::sys::UProbeMultiFeature::LinkCreation) {
+            Ok(supported) => supported,
+            Err(error) => {
+                debug!("cannot tell whether the kernel has uprobe_multi links: {error}");
+                false
+            }
+        };
+    match (supported, links) {
+        (true, _) => Ok(true),
+        (false, UprobeLinks::Multi) => Err(LensError::NoUprobeMulti),
+        (false, _) => {
+            // Once per run: the object is loaded once.
+            warn!(
+                "this kernel has no uprobe_multi links (Linux 6.6+): one perf link per probe \
+                 point, removed one at a time (about 0.1 s each) after lens-probe exits"
+            );
+            Ok(false)
         }
     }
 }
 
 /// Loads the BPF object and its programs. `kernel_logs` keeps the kernel-side diagnostics
 /// (aya-log) on; otherwise they are compiled in but switched off at load.
-pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
+pub fn load_object(kernel_logs: bool, links: UprobeLinks) -> Result<Ebpf> {
     let level: u8 = if kernel_logs { 0xff } else { 0 };
     let layout = crate::probes::processes::kernel_layout_or_warn();
     let mut loader = EbpfLoader::new();
@@ -64,17 +116,22 @@ pub fn load_object(kernel_logs: bool) -> Result<Ebpf> {
         crate::probes::processes::configure(&mut loader, layout);
     }
     let mut ebpf = loader.load(BPF_OBJECT)?;
-    MULTI.store(uprobe_multi_wanted(), Ordering::Relaxed);
+    let multi = use_uprobe_multi(links)?;
     debug!(
         "uprobes go in as {}",
-        if MULTI.load(Ordering::Relaxed) {
+        if multi {
             "one uprobe_multi link per program and library"
         } else {
             "one perf link per point"
         }
     );
     for &program in Program::ALL {
-        uprobe_mut(&mut ebpf, program)?
+        let name = if multi && multi_capable(program) {
+            program.multi_name()
+        } else {
+            program.name()
+        };
+        program_mut::<UProbe>(&mut ebpf, name)?
             .load()
             .map_err(|source| match source {
                 ProgramError::LoadError {
@@ -116,7 +173,8 @@ pub fn take_event_ring(ebpf: &mut Ebpf) -> Result<aya::maps::RingBuf<aya::maps::
 }
 
 pub(super) fn uprobe_mut(ebpf: &mut Ebpf, program: Program) -> Result<&mut UProbe> {
-    program_mut(ebpf, loaded_name(program))
+    let name = loaded_name(ebpf, program);
+    program_mut(ebpf, name)
 }
 
 /// The object's program `name` as the program type `P` (`UProbe`, `RawTracePoint`…).

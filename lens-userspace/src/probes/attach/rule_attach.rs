@@ -7,8 +7,8 @@ use aya::Ebpf;
 use lens_common::rule_cookie;
 use log::warn;
 
-use super::object::uprobe_mut;
-use super::{Attacher, ProbeOutcome, attach_at};
+use super::symbol_places::Batch;
+use super::{Attacher, ProbeOutcome};
 use crate::probes::catalog::Program;
 use crate::settings::{
     config::{ArgType, NativeRule},
@@ -22,7 +22,8 @@ use crate::sys::{
 impl Attacher {
     /// Attaches the configured rules (of enabled groups) whose `library` names `library`:
     /// every function each one's `symbol` matches, entry and return, the cookie saying
-    /// which rule. A rule that matches nothing here is one failed outcome (one warning); a
+    /// which rule, in one batch (one uprobe_multi link per program where the kernel has
+    /// them). Returns how many kernel links that made. A rule that matches nothing here is one failed outcome (one warning); a
     /// rule that matches more than its `max_matches` is probed on the first ones, said in
     /// one warning.
     pub(super) fn attach_rules(
@@ -31,7 +32,7 @@ impl Attacher {
         library: &MappedLibrary,
         groups: &SpanGroups,
         outcomes: &mut Vec<ProbeOutcome>,
-    ) {
+    ) -> usize {
         let all = self.rules.clone();
         let rules: Vec<&NativeRule> = all
             .native
@@ -39,7 +40,7 @@ impl Attacher {
             .filter(|rule| groups.contains(rule.group) && rule.library.matches(&library.shown_path))
             .collect();
         if rules.is_empty() {
-            return;
+            return 0;
         }
         self.rules_seen.extend(rules.iter().map(|rule| rule.index));
         let exact: Vec<&str> = rules
@@ -66,6 +67,7 @@ impl Attacher {
             })
             .transpose();
         let links = self.links.entry(library.file).or_default();
+        let mut batch = Batch::default();
         for rule in rules {
             let symbol = rule.symbol.text();
             let found: std::result::Result<RulePlaces, String> = if rule.symbol.is_pattern() {
@@ -140,44 +142,25 @@ impl Attacher {
                 string.map(|arg| arg.index),
                 string.is_some_and(|arg| arg.kind == ArgType::StdString),
             );
+            // Aliases of one function fire once.
             let mut offsets = HashSet::new();
-            let total = places.len();
-            for (done, (name, place)) in places.into_iter().enumerate() {
-                // Thousands of probes take minutes (~20 ms each): a stop request ends it.
-                if crate::sys::target::stop_requested() {
-                    warn!(
-                        "stopping: {} of the {total} functions {symbol} matches in {} were \
-                         not probed",
-                        total - done,
-                        library.shown_path.display()
-                    );
-                    return;
-                }
-                // Aliases of one function fire once.
-                if !offsets.insert(place.offset) {
-                    continue;
-                }
-                for program in [Program::UserRuleEntry, Program::UserRuleReturn] {
-                    let result = uprobe_mut(ebpf, program).and_then(|uprobe| {
-                        attach_at(uprobe, program, &library.open_path, place.offset, cookie)
-                    });
-                    outcomes.push(match result {
-                        Ok(id) => {
-                            links.push((program, id));
-                            ProbeOutcome::Attached {
-                                symbol: name.clone(),
-                                offset: place.offset,
-                                version: place.version.clone(),
-                            }
-                        }
-                        Err(error) => ProbeOutcome::Failed {
-                            symbol: name.clone(),
-                            reason: format!("{}: {error}", rule.origin),
-                        },
-                    });
+            for (name, place) in &places {
+                if offsets.insert(place.offset) {
+                    for program in [Program::UserRuleEntry, Program::UserRuleReturn] {
+                        batch.add_point(program, name, place, cookie, Some(&rule.origin), outcomes);
+                    }
                 }
             }
         }
+        let attached = batch.attach(ebpf, library, outcomes, links);
+        if attached.not_tried > 0 {
+            warn!(
+                "stopping: {} of the configured rules' probes in {} were not probed",
+                attached.not_tried,
+                library.shown_path.display()
+            );
+        }
+        attached.kernel_links
     }
 }
 

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use aya::{Ebpf, programs::uprobe::UProbeLinkId};
 use log::debug;
 
-use super::object::uprobe_mut;
+use super::object::{is_multi, uprobe_mut};
 use super::{ProbeOutcome, attach_at, attach_points};
 use crate::probes::catalog::{self, Program};
 use crate::sys::{
@@ -93,11 +93,22 @@ struct Point {
     version: Option<String>,
     cookie: u64,
     slot: usize,
+    /// Said before the reason if the point fails (a configured rule's origin).
+    origin: Option<String>,
 }
 
-/// A library's catalog probes, by program, attached with one call per program: one
-/// uprobe_multi link for all its points where the kernel has them (one grace period to
-/// remove it, not one per point), else one perf link per point under one link id.
+/// What [`Batch::attach`] did.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Attached {
+    /// Links it made in the kernel: one per uprobe_multi link, one per perf uprobe.
+    pub(super) kernel_links: usize,
+    /// Points it did not try because a stop was requested.
+    pub(super) not_tried: usize,
+}
+
+/// A library's probes, by program, attached with one call per program: one uprobe_multi
+/// link for all its points where the kernel has them (one grace period to remove it, not
+/// one per point), else one perf link per point under one link id.
 #[derive(Default)]
 pub(super) struct Batch {
     by_program: BTreeMap<Program, Vec<Point>>,
@@ -114,32 +125,56 @@ impl Batch {
     ) {
         for (symbol, place) in places {
             for program in spec.entry.into_iter().chain(spec.exit) {
-                let slot = outcomes.len();
-                outcomes.push(ProbeOutcome::Failed {
-                    symbol: symbol.to_string(),
-                    reason: "not attached".into(),
-                });
-                self.by_program.entry(program).or_default().push(Point {
-                    symbol: symbol.to_string(),
-                    offset: place.offset,
-                    version: place.version.clone(),
-                    cookie: spec.cookie(),
-                    slot,
-                });
+                self.add_point(program, symbol, place, spec.cookie(), None, outcomes);
             }
         }
     }
 
-    /// Attaches every program's points in one call. If that fails, the points go in one
-    /// by one, so that each failure names its symbol as before and the others still go in.
+    /// Adds `program` at `place` (the function `symbol`) with `cookie`, reserving its
+    /// outcome; a failure is said after `origin`, if any.
+    pub(super) fn add_point(
+        &mut self,
+        program: Program,
+        symbol: &str,
+        place: &Symbol,
+        cookie: u64,
+        origin: Option<&str>,
+        outcomes: &mut Vec<ProbeOutcome>,
+    ) {
+        let slot = outcomes.len();
+        outcomes.push(ProbeOutcome::Failed {
+            symbol: symbol.to_string(),
+            reason: "not attached".into(),
+        });
+        self.by_program.entry(program).or_default().push(Point {
+            symbol: symbol.to_string(),
+            offset: place.offset,
+            version: place.version.clone(),
+            cookie,
+            slot,
+            origin: origin.map(str::to_string),
+        });
+    }
+
+    /// Attaches every program's points: as one uprobe_multi link where the program's twin
+    /// is loaded, else (or if that fails) one by one, so that each failure names its
+    /// symbol and the others still go in. Perf links go one by one anyway: each waits for
+    /// the kernel, and a stop request must be able to end the attaching between two.
     pub(super) fn attach(
         self,
         ebpf: &mut Ebpf,
         library: &MappedLibrary,
         outcomes: &mut Vec<ProbeOutcome>,
         links: &mut Vec<(Program, UProbeLinkId)>,
-    ) {
+    ) -> Attached {
+        let mut kernel_links = 0;
         let mut not_tried = Vec::new();
+        let path = &library.open_path;
+        let attached = |p: &Point| ProbeOutcome::Attached {
+            symbol: p.symbol.clone(),
+            offset: p.offset,
+            version: p.version.clone(),
+        };
         for (program, points) in self.by_program {
             // Each attach can wait for the kernel (seconds, while another tracer's teardown
             // runs): a stop request ends the attaching.
@@ -147,68 +182,64 @@ impl Batch {
                 not_tried.extend(points.iter().map(|p| p.slot));
                 continue;
             }
-            let path = &library.open_path;
-            let all = uprobe_mut(ebpf, program).and_then(|uprobe| {
-                attach_points(
-                    uprobe,
-                    program,
-                    path,
-                    points.iter().map(|p| (p.offset, p.cookie)),
-                )
-            });
-            let attached = |p: &Point| ProbeOutcome::Attached {
-                symbol: p.symbol.clone(),
-                offset: p.offset,
-                version: p.version.clone(),
-            };
-            match all {
-                Ok(id) => {
-                    links.push((program, id));
-                    for p in &points {
-                        outcomes[p.slot] = attached(p);
-                    }
-                }
-                Err(error) => {
-                    if points.len() > 1 {
-                        debug!(
-                            "{} points of {} in {} at once: {error}; one by one",
-                            points.len(),
-                            program.name(),
-                            library.shown_path.display()
-                        );
-                    }
-                    for p in &points {
-                        if points.len() > 1 && crate::sys::target::stop_requested() {
-                            not_tried.push(p.slot);
-                            continue;
+            if is_multi(ebpf, program) {
+                let all = uprobe_mut(ebpf, program).and_then(|uprobe| {
+                    attach_points(
+                        uprobe,
+                        program,
+                        path,
+                        points.iter().map(|p| (p.offset, p.cookie)),
+                    )
+                });
+                match all {
+                    Ok(id) => {
+                        links.push((program, id));
+                        kernel_links += 1;
+                        for p in &points {
+                            outcomes[p.slot] = attached(p);
                         }
-                        let one = if points.len() == 1 {
-                            Err(error.to_string())
-                        } else {
-                            uprobe_mut(ebpf, program)
-                                .and_then(|uprobe| {
-                                    attach_at(uprobe, program, path, p.offset, p.cookie)
-                                })
-                                .map_err(|e| e.to_string())
-                        };
-                        outcomes[p.slot] = match one {
-                            Ok(id) => {
-                                links.push((program, id));
-                                attached(p)
-                            }
-                            Err(reason) => ProbeOutcome::Failed {
-                                symbol: p.symbol.clone(),
-                                reason,
-                            },
-                        };
+                        continue;
                     }
+                    Err(error) => debug!(
+                        "{} points of {} in {} as one link: {error}; one by one",
+                        points.len(),
+                        program.name(),
+                        library.shown_path.display()
+                    ),
                 }
+            }
+            for p in &points {
+                if crate::sys::target::stop_requested() {
+                    not_tried.push(p.slot);
+                    continue;
+                }
+                let one = uprobe_mut(ebpf, program)
+                    .and_then(|uprobe| attach_at(uprobe, program, path, p.offset, p.cookie));
+                outcomes[p.slot] = match one {
+                    Ok(id) => {
+                        links.push((program, id));
+                        kernel_links += 1;
+                        attached(p)
+                    }
+                    Err(error) => ProbeOutcome::Failed {
+                        symbol: p.symbol.clone(),
+                        reason: match &p.origin {
+                            Some(origin) => format!("{origin}: {error}"),
+                            None => error.to_string(),
+                        },
+                    },
+                };
             }
         }
         // As before a stop: the probes not tried are not reported.
         not_tried.sort_unstable();
+        let not_tried_count = not_tried.len();
         for slot in not_tried.into_iter().rev() {
             outcomes.remove(slot);
+        }
+        Attached {
+            kernel_links,
+            not_tried: not_tried_count,
         }
     }
 }
