@@ -1,7 +1,6 @@
 //! CUDA's event and sync calls: an event recorded after a collective, queried until it
 //! completes, and the synchronizations that wait for streams, events or the device.
 use aya_ebpf::helpers::bpf_get_current_pid_tgid;
-use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use lens_common::record::{EventQuery, EventRecord, SyncCall};
 use lens_common::{HandleKey, ProbeId};
@@ -13,18 +12,10 @@ use crate::ctx::{
 use crate::maps::{COLLECTIVE_EVENTS, COLLECTIVE_STREAMS, INFLIGHT_QUERIES, INFLIGHT_SYNCS};
 use crate::python::{python_caller, sample_if_saving};
 
-/// `cudaEventRecord[WithFlags](event, stream)`: sent only when it binds an event to the
-/// collectives on `stream` (or unbinds a re-recorded one); every call is counted.
-#[uprobe]
-pub fn cuda_event_record(ctx: ProbeContext) -> u32 {
-    cuda_event_record_body(ctx)
-}
-
-/// `cuda_event_record` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn cuda_event_record_m(ctx: ProbeContext) -> u32 {
-    cuda_event_record_body(ctx)
+uprobe_and_multi! {
+    /// `cudaEventRecord[WithFlags](event, stream)`: sent only when it binds an event to the
+    /// collectives on `stream` (or unbinds a re-recorded one); every call is counted.
+    cuda_event_record, cuda_event_record_m => cuda_event_record_body
 }
 
 #[inline(always)]
@@ -64,18 +55,10 @@ fn cuda_event_record_body(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// Entry of `cudaEventQuery(event)`: remembered only for events watched after a
-/// collective (PyTorch's allocator and others query many more).
-#[uprobe]
-pub fn cuda_event_query_entry(ctx: ProbeContext) -> u32 {
-    cuda_event_query_entry_body(ctx)
-}
-
-/// `cuda_event_query_entry` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn cuda_event_query_entry_m(ctx: ProbeContext) -> u32 {
-    cuda_event_query_entry_body(ctx)
+uprobe_and_multi! {
+    /// Entry of `cudaEventQuery(event)`: remembered only for events watched after a
+    /// collective (PyTorch's allocator and others query many more).
+    cuda_event_query_entry, cuda_event_query_entry_m => cuda_event_query_entry_body
 }
 
 #[inline(always)]
@@ -104,18 +87,10 @@ fn cuda_event_query_entry_body(ctx: ProbeContext) -> u32 {
 /// `cudaErrorNotReady`: the event's work has not completed yet.
 pub(crate) const CUDA_ERROR_NOT_READY: i64 = 600;
 
-/// Return of `cudaEventQuery` on a watched event: not ready → remember when it was asked
-/// (a lower bound of the completion); success → send it once, with that lower bound.
-#[uretprobe]
-pub fn cuda_event_query_return(ctx: RetProbeContext) -> u32 {
-    cuda_event_query_return_body(ctx)
-}
-
-/// `cuda_event_query_return` in a `uretprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uretprobe(multi)]
-pub fn cuda_event_query_return_m(ctx: RetProbeContext) -> u32 {
-    cuda_event_query_return_body(ctx)
+uretprobe_and_multi! {
+    /// Return of `cudaEventQuery` on a watched event: not ready → remember when it was asked
+    /// (a lower bound of the completion); success → send it once, with that lower bound.
+    cuda_event_query_return, cuda_event_query_return_m => cuda_event_query_return_body
 }
 
 #[inline(always)]
@@ -149,17 +124,9 @@ fn cuda_event_query_return_body(ctx: RetProbeContext) -> u32 {
     0
 }
 
-/// Entry of a CUDA synchronisation call; `handle` is the stream or event waited on.
-#[uprobe]
-pub fn cuda_sync_entry(ctx: ProbeContext) -> u32 {
-    cuda_sync_entry_body(ctx)
-}
-
-/// `cuda_sync_entry` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn cuda_sync_entry_m(ctx: ProbeContext) -> u32 {
-    cuda_sync_entry_body(ctx)
+uprobe_and_multi! {
+    /// Entry of a CUDA synchronisation call; `handle` is the stream or event waited on.
+    cuda_sync_entry, cuda_sync_entry_m => cuda_sync_entry_body
 }
 
 #[inline(always)]

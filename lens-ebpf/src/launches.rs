@@ -3,7 +3,6 @@
 //! registers.
 use aya_ebpf::bindings::BPF_NOEXIST;
 use aya_ebpf::helpers::bpf_probe_read_user;
-use aya_ebpf::macros::uprobe;
 use aya_ebpf::programs::ProbeContext;
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::record::LaunchMark;
@@ -104,18 +103,10 @@ pub(crate) fn count_launch(ctx: &ProbeContext, pid_tgid: u64, probe: u32, driver
     }
 }
 
-/// Entry-only functions whose calls are counted, not sent (runtime kernel and graph
-/// launches).
-#[uprobe]
-pub fn count_only(ctx: ProbeContext) -> u32 {
-    count_only_body(ctx)
-}
-
-/// `count_only` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn count_only_m(ctx: ProbeContext) -> u32 {
-    count_only_body(ctx)
+uprobe_and_multi! {
+    /// Entry-only functions whose calls are counted, not sent (runtime kernel and graph
+    /// launches).
+    count_only, count_only_m => count_only_body
 }
 
 #[inline(always)]
@@ -126,21 +117,13 @@ fn count_only_body(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// The driver's launch functions (`cuLaunchKernel`, `cuLaunchKernelEx`, `cuGraphLaunch`).
-/// The runtime launches through them too: a call whose return address (`[rsp]` at entry)
-/// lies in the process's libcudart was counted by `count_only` already and is left out,
-/// so each launch counts once. Calls from anywhere else (cuBLAS, cuDNN, NCCL's static
-/// runtime, compiled graphs) are counted here.
-#[uprobe]
-pub fn driver_launch(ctx: ProbeContext) -> u32 {
-    driver_launch_body(ctx)
-}
-
-/// `driver_launch` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn driver_launch_m(ctx: ProbeContext) -> u32 {
-    driver_launch_body(ctx)
+uprobe_and_multi! {
+    /// The driver's launch functions (`cuLaunchKernel`, `cuLaunchKernelEx`, `cuGraphLaunch`).
+    /// The runtime launches through them too: a call whose return address (`[rsp]` at entry)
+    /// lies in the process's libcudart was counted by `count_only` already and is left out,
+    /// so each launch counts once. Calls from anywhere else (cuBLAS, cuDNN, NCCL's static
+    /// runtime, compiled graphs) are counted here.
+    driver_launch, driver_launch_m => driver_launch_body
 }
 
 #[inline(always)]
@@ -222,18 +205,10 @@ pub(crate) fn mark_now(pid_tgid: u64) -> LaunchMark {
     }
 }
 
-/// `__cudaRegisterFunction(handle, hostFun, deviceFun, deviceName, …)`: remember which
-/// name the host stub `hostFun` launches, for kernel names.
-#[uprobe]
-pub fn cuda_register_function(ctx: ProbeContext) -> u32 {
-    cuda_register_function_body(ctx)
-}
-
-/// `cuda_register_function` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn cuda_register_function_m(ctx: ProbeContext) -> u32 {
-    cuda_register_function_body(ctx)
+uprobe_and_multi! {
+    /// `__cudaRegisterFunction(handle, hostFun, deviceFun, deviceName, …)`: remember which
+    /// name the host stub `hostFun` launches, for kernel names.
+    cuda_register_function, cuda_register_function_m => cuda_register_function_body
 }
 
 #[inline(always)]

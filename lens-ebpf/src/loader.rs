@@ -2,7 +2,6 @@
 //! single-threaded target stopped there until its new library's probes are in.
 use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
 use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, generated};
-use aya_ebpf::macros::uprobe;
 use aya_ebpf::programs::ProbeContext;
 use aya_log_ebpf::debug;
 use lens_common::record::LinkMapChange;
@@ -15,18 +14,10 @@ use crate::task::has_other_threads;
 
 pub(crate) const SIGSTOP: u32 = 19;
 
-/// glibc's `_dl_debug_state`: the target's set of loaded objects changed. Tell the loader
-/// at once; for processes it started, stop them until it has attached to new libraries.
-#[uprobe]
-pub fn dl_debug_state(ctx: ProbeContext) -> u32 {
-    dl_debug_state_body(ctx)
-}
-
-/// `dl_debug_state` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn dl_debug_state_m(ctx: ProbeContext) -> u32 {
-    dl_debug_state_body(ctx)
+uprobe_and_multi! {
+    /// glibc's `_dl_debug_state`: the target's set of loaded objects changed. Tell the loader
+    /// at once; for processes it started, stop them until it has attached to new libraries.
+    dl_debug_state, dl_debug_state_m => dl_debug_state_body
 }
 
 #[inline(always)]

@@ -13,7 +13,13 @@
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
 #![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
-// One module per concern; the programs are the `pub fn`s with a program attribute.
+// First: the macros that declare a program and its uprobe_multi twin.
+#[cfg(target_arch = "bpf")]
+#[macro_use]
+mod twins;
+
+// One module per concern; the programs are the `pub fn`s with a program attribute (or
+// declared by `uprobe_and_multi!`).
 #[cfg(target_arch = "bpf")]
 mod ctx;
 #[cfg(target_arch = "bpf")]

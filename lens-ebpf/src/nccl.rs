@@ -1,7 +1,6 @@
 //! NCCL's calls: group start/end, collectives (their argument layout from the attach
 //! cookie) and communicator init.
 use aya_ebpf::helpers::bpf_probe_read_user;
-use aya_ebpf::macros::uprobe;
 use aya_ebpf::programs::ProbeContext;
 use lens_common::record::{CollectiveCall, CommInitCall, GroupCall};
 use lens_common::{HandleKey, NCCL_UNIQUE_ID_WORDS, NcclArgs, ProbeId, comm_id_hash, cookie_shape};
@@ -10,17 +9,9 @@ use crate::ctx::{arg_i32, arg_u64, begin_call, call_starting_now, now_ns, rememb
 use crate::maps::{COLLECTIVE_STREAMS, INFLIGHT_COLLECTIVES, INFLIGHT_COMM_INITS};
 use crate::python::{python_caller, sample_if_saving};
 
-/// `ncclGroupStart` / `ncclGroupEnd`: counted and sent, they bracket fused collectives.
-#[uprobe]
-pub fn nccl_group(ctx: ProbeContext) -> u32 {
-    nccl_group_body(ctx)
-}
-
-/// `nccl_group` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn nccl_group_m(ctx: ProbeContext) -> u32 {
-    nccl_group_body(ctx)
+uprobe_and_multi! {
+    /// `ncclGroupStart` / `ncclGroupEnd`: counted and sent, they bracket fused collectives.
+    nccl_group, nccl_group_m => nccl_group_body
 }
 
 #[inline(always)]
@@ -34,17 +25,9 @@ fn nccl_group_body(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// Entry of an NCCL collective or point-to-point call: decode its arguments by shape.
-#[uprobe]
-pub fn nccl_collective_entry(ctx: ProbeContext) -> u32 {
-    nccl_collective_entry_body(ctx)
-}
-
-/// `nccl_collective_entry` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn nccl_collective_entry_m(ctx: ProbeContext) -> u32 {
-    nccl_collective_entry_body(ctx)
+uprobe_and_multi! {
+    /// Entry of an NCCL collective or point-to-point call: decode its arguments by shape.
+    nccl_collective_entry, nccl_collective_entry_m => nccl_collective_entry_body
 }
 
 #[inline(always)]
@@ -110,18 +93,10 @@ fn nccl_collective_entry_body(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// Entry of `ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank)`.
-/// The 128-byte id is passed by value in memory, so `rank` takes the third register.
-#[uprobe]
-pub fn nccl_comm_init_entry(ctx: ProbeContext) -> u32 {
-    nccl_comm_init_entry_body(ctx)
-}
-
-/// `nccl_comm_init_entry` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn nccl_comm_init_entry_m(ctx: ProbeContext) -> u32 {
-    nccl_comm_init_entry_body(ctx)
+uprobe_and_multi! {
+    /// Entry of `ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank)`.
+    /// The 128-byte id is passed by value in memory, so `rank` takes the third register.
+    nccl_comm_init_entry, nccl_comm_init_entry_m => nccl_comm_init_entry_body
 }
 
 #[inline(always)]

@@ -3,7 +3,6 @@
 use aya_ebpf::helpers::{
     bpf_get_current_pid_tgid, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
 };
-use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use lens_common::record::{PhaseEntry, PhaseReturn, ScopeEnter};
 use lens_common::{ProbeId, saving};
@@ -13,19 +12,11 @@ use crate::launches::mark_now;
 use crate::maps::PY_SAVING;
 use crate::python::send_python_stack;
 
-/// Entry of a function that marks a phase boundary (torch scope exit, backward, grad
-/// mode, checkpoint writer/reader): sent at once with the first integer argument
-/// (`set_enabled`'s flag).
-#[uprobe]
-pub fn phase_mark(ctx: ProbeContext) -> u32 {
-    phase_mark_body(ctx)
-}
-
-/// `phase_mark` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn phase_mark_m(ctx: ProbeContext) -> u32 {
-    phase_mark_body(ctx)
+uprobe_and_multi! {
+    /// Entry of a function that marks a phase boundary (torch scope exit, backward, grad
+    /// mode, checkpoint writer/reader): sent at once with the first integer argument
+    /// (`set_enabled`'s flag).
+    phase_mark, phase_mark_m => phase_mark_body
 }
 
 #[inline(always)]
@@ -41,21 +32,13 @@ fn phase_mark_body(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// libc's `open(path, flags)` / `openat(dirfd, path, flags)` entered: a file created
-/// (`O_CREAT`) is sent as a mark (a checkpoint's file), and so is a file opened for
-/// reading while the process is in a framework load (`PY_SAVING`); any other open sends
-/// nothing and counts nothing, nor does one under `/dev/` or `/proc/` (POSIX semaphores
-/// in `/dev/shm`, which progress bars create, are no checkpoint files).
-#[uprobe]
-pub fn file_open_entry(ctx: ProbeContext) -> u32 {
-    file_open_entry_body(ctx)
-}
-
-/// `file_open_entry` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn file_open_entry_m(ctx: ProbeContext) -> u32 {
-    file_open_entry_body(ctx)
+uprobe_and_multi! {
+    /// libc's `open(path, flags)` / `openat(dirfd, path, flags)` entered: a file created
+    /// (`O_CREAT`) is sent as a mark (a checkpoint's file), and so is a file opened for
+    /// reading while the process is in a framework load (`PY_SAVING`); any other open sends
+    /// nothing and counts nothing, nor does one under `/dev/` or `/proc/` (POSIX semaphores
+    /// in `/dev/shm`, which progress bars create, are no checkpoint files).
+    file_open_entry, file_open_entry_m => file_open_entry_body
 }
 
 #[inline(always)]
@@ -102,17 +85,9 @@ fn file_open_entry_body(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// Return of a phase-marking function (end of a backward, of a checkpoint file).
-#[uretprobe]
-pub fn phase_mark_return(ctx: RetProbeContext) -> u32 {
-    phase_mark_return_body(ctx)
-}
-
-/// `phase_mark_return` in a `uretprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uretprobe(multi)]
-pub fn phase_mark_return_m(ctx: RetProbeContext) -> u32 {
-    phase_mark_return_body(ctx)
+uretprobe_and_multi! {
+    /// Return of a phase-marking function (end of a backward, of a checkpoint file).
+    phase_mark_return, phase_mark_return_m => phase_mark_return_body
 }
 
 #[inline(always)]
@@ -126,21 +101,13 @@ fn phase_mark_return_body(ctx: RetProbeContext) -> u32 {
     0
 }
 
-/// `torch::autograd::Engine::execute(roots, inputs, keep_graph, create_graph,
-/// accumulate_grad, outputs)` entered: sent at once with `accumulate_grad`, which tells
-/// a backward pass (`.backward()`) from `torch.autograd.grad` (graph capture). The
-/// function returns a vector by value, so the hidden return pointer takes rdi and
-/// `accumulate_grad` is the seventh integer argument, the first on the stack.
-#[uprobe]
-pub fn torch_backward_entry(ctx: ProbeContext) -> u32 {
-    torch_backward_entry_body(ctx)
-}
-
-/// `torch_backward_entry` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn torch_backward_entry_m(ctx: ProbeContext) -> u32 {
-    torch_backward_entry_body(ctx)
+uprobe_and_multi! {
+    /// `torch::autograd::Engine::execute(roots, inputs, keep_graph, create_graph,
+    /// accumulate_grad, outputs)` entered: sent at once with `accumulate_grad`, which tells
+    /// a backward pass (`.backward()`) from `torch.autograd.grad` (graph capture). The
+    /// function returns a vector by value, so the hidden return pointer takes rdi and
+    /// `accumulate_grad` is the seventh integer argument, the first on the stack.
+    torch_backward_entry, torch_backward_entry_m => torch_backward_entry_body
 }
 
 #[inline(always)]
@@ -156,20 +123,12 @@ fn torch_backward_entry_body(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// `record_function_enter_new(const std::string& name, ...)`: the name is read here, in
-/// the kernel, while the string is alive. The function returns a class by value, so the
-/// hidden return pointer takes rdi and `name` is the second argument. libstdc++'s
-/// `std::string` starts with its data pointer and length.
-#[uprobe]
-pub fn torch_scope_enter(ctx: ProbeContext) -> u32 {
-    torch_scope_enter_body(ctx)
-}
-
-/// `torch_scope_enter` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn torch_scope_enter_m(ctx: ProbeContext) -> u32 {
-    torch_scope_enter_body(ctx)
+uprobe_and_multi! {
+    /// `record_function_enter_new(const std::string& name, ...)`: the name is read here, in
+    /// the kernel, while the string is alive. The function returns a class by value, so the
+    /// hidden return pointer takes rdi and `name` is the second argument. libstdc++'s
+    /// `std::string` starts with its data pointer and length.
+    torch_scope_enter, torch_scope_enter_m => torch_scope_enter_body
 }
 
 #[inline(always)]

@@ -3,7 +3,7 @@
 //! load.
 use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
 use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user};
-use aya_ebpf::macros::{perf_event, uprobe};
+use aya_ebpf::macros::perf_event;
 use aya_ebpf::programs::{PerfEventContext, ProbeContext};
 use lens_common::record::{NO_PROBE, PyStack};
 use lens_common::{
@@ -28,19 +28,11 @@ pub(crate) fn sample_if_saving() {
     }
 }
 
-/// Entry of `torch._C._log_api_usage_once` (`ProbeId::TorchApiUsage`): the first line of
-/// torch's and DCP's save and load functions. The Python stack is sent at once: the
-/// framework call shows there, where it begins.
-#[uprobe]
-pub fn python_stack_entry(ctx: ProbeContext) -> u32 {
-    python_stack_entry_body(ctx)
-}
-
-/// `python_stack_entry` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn python_stack_entry_m(ctx: ProbeContext) -> u32 {
-    python_stack_entry_body(ctx)
+uprobe_and_multi! {
+    /// Entry of `torch._C._log_api_usage_once` (`ProbeId::TorchApiUsage`): the first line of
+    /// torch's and DCP's save and load functions. The Python stack is sent at once: the
+    /// framework call shows there, where it begins.
+    python_stack_entry, python_stack_entry_m => python_stack_entry_body
 }
 
 #[inline(always)]

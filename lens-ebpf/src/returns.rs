@@ -1,7 +1,6 @@
 //! Returns of calls whose duration matters: each kind's entry, kept in its own
 //! `INFLIGHT_*` map, paired with its return into one record.
 use aya_ebpf::helpers::bpf_probe_read_user;
-use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::maps::HashMap;
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use lens_common::record::{CollectiveCall, CommInitCall, SyncCall, TimedCall};
@@ -50,17 +49,9 @@ fn finish<B: Returning>(
     Some(record)
 }
 
-/// Return of an NCCL collective or point-to-point call.
-#[uretprobe]
-pub fn nccl_collective_return(ctx: RetProbeContext) -> u32 {
-    nccl_collective_return_body(ctx)
-}
-
-/// `nccl_collective_return` in a `uretprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uretprobe(multi)]
-pub fn nccl_collective_return_m(ctx: RetProbeContext) -> u32 {
-    nccl_collective_return_body(ctx)
+uretprobe_and_multi! {
+    /// Return of an NCCL collective or point-to-point call.
+    nccl_collective_return, nccl_collective_return_m => nccl_collective_return_body
 }
 
 #[inline(always)]
@@ -71,17 +62,9 @@ fn nccl_collective_return_body(ctx: RetProbeContext) -> u32 {
     0
 }
 
-/// Return of a CUDA synchronisation call.
-#[uretprobe]
-pub fn cuda_sync_return(ctx: RetProbeContext) -> u32 {
-    cuda_sync_return_body(ctx)
-}
-
-/// `cuda_sync_return` in a `uretprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uretprobe(multi)]
-pub fn cuda_sync_return_m(ctx: RetProbeContext) -> u32 {
-    cuda_sync_return_body(ctx)
+uretprobe_and_multi! {
+    /// Return of a CUDA synchronisation call.
+    cuda_sync_return, cuda_sync_return_m => cuda_sync_return_body
 }
 
 #[inline(always)]
@@ -92,17 +75,9 @@ fn cuda_sync_return_body(ctx: RetProbeContext) -> u32 {
     0
 }
 
-/// Return of `ncclCommInitRank`: the handle it wrote read back.
-#[uretprobe]
-pub fn nccl_comm_init_return(ctx: RetProbeContext) -> u32 {
-    nccl_comm_init_return_body(ctx)
-}
-
-/// `nccl_comm_init_return` in a `uretprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uretprobe(multi)]
-pub fn nccl_comm_init_return_m(ctx: RetProbeContext) -> u32 {
-    nccl_comm_init_return_body(ctx)
+uretprobe_and_multi! {
+    /// Return of `ncclCommInitRank`: the handle it wrote read back.
+    nccl_comm_init_return, nccl_comm_init_return_m => nccl_comm_init_return_body
 }
 
 #[inline(always)]
@@ -117,20 +92,12 @@ fn nccl_comm_init_return_body(ctx: RetProbeContext) -> u32 {
     0
 }
 
-/// Entry of a call whose duration is wanted but whose arguments are not decoded
-/// (gloo collectives: the tensors live behind C++ vectors). The first argument, the
-/// `ProcessGroupGloo` object of a member function, is kept: it tells the process's
-/// groups apart (hang detection numbers each group's collectives).
-#[uprobe]
-pub fn timed_call_entry(ctx: ProbeContext) -> u32 {
-    timed_call_entry_body(ctx)
-}
-
-/// `timed_call_entry` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn timed_call_entry_m(ctx: ProbeContext) -> u32 {
-    timed_call_entry_body(ctx)
+uprobe_and_multi! {
+    /// Entry of a call whose duration is wanted but whose arguments are not decoded
+    /// (gloo collectives: the tensors live behind C++ vectors). The first argument, the
+    /// `ProcessGroupGloo` object of a member function, is kept: it tells the process's
+    /// groups apart (hang detection numbers each group's collectives).
+    timed_call_entry, timed_call_entry_m => timed_call_entry_body
 }
 
 #[inline(always)]
@@ -145,17 +112,9 @@ fn timed_call_entry_body(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// Return of such a call.
-#[uretprobe]
-pub fn timed_call_return(ctx: RetProbeContext) -> u32 {
-    timed_call_return_body(ctx)
-}
-
-/// `timed_call_return` in a `uretprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uretprobe(multi)]
-pub fn timed_call_return_m(ctx: RetProbeContext) -> u32 {
-    timed_call_return_body(ctx)
+uretprobe_and_multi! {
+    /// Return of such a call.
+    timed_call_return, timed_call_return_m => timed_call_return_body
 }
 
 #[inline(always)]

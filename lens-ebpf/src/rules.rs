@@ -1,25 +1,16 @@
 //! Configured probes: the rule's entry and return, the rule in the attach cookie.
 use aya_ebpf::helpers::{bpf_probe_read_user, bpf_probe_read_user_str_bytes};
-use aya_ebpf::macros::{uprobe, uretprobe};
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use lens_common::record::{RuleEntry, RuleReturn};
 
 use crate::ctx::{arg_u64, attach_cookie, new_record, probe_id, send, traced};
 use crate::launches::mark_now;
 
-/// Entry of a function a configured probe rule names. The cookie carries the rule
-/// (`lens_common::rule_cookie`): its index and which argument, if any, is read as a
-/// string. Sent at once, like a phase mark, with the six argument registers.
-#[uprobe]
-pub fn user_rule_entry(ctx: ProbeContext) -> u32 {
-    user_rule_entry_body(ctx)
-}
-
-/// `user_rule_entry` in a `uprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uprobe(multi)]
-pub fn user_rule_entry_m(ctx: ProbeContext) -> u32 {
-    user_rule_entry_body(ctx)
+uprobe_and_multi! {
+    /// Entry of a function a configured probe rule names. The cookie carries the rule
+    /// (`lens_common::rule_cookie`): its index and which argument, if any, is read as a
+    /// string. Sent at once, like a phase mark, with the six argument registers.
+    user_rule_entry, user_rule_entry_m => user_rule_entry_body
 }
 
 #[inline(always)]
@@ -73,17 +64,9 @@ fn user_rule_entry_body(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// Return of a function a configured probe rule names: the span it opened ends here.
-#[uretprobe]
-pub fn user_rule_return(ctx: RetProbeContext) -> u32 {
-    user_rule_return_body(ctx)
-}
-
-/// `user_rule_return` in a `uretprobe.multi` section: all its points in a library go in as one
-/// uprobe_multi link (userspace picks this twin where the kernel has them).
-#[uretprobe(multi)]
-pub fn user_rule_return_m(ctx: RetProbeContext) -> u32 {
-    user_rule_return_body(ctx)
+uretprobe_and_multi! {
+    /// Return of a function a configured probe rule names: the span it opened ends here.
+    user_rule_return, user_rule_return_m => user_rule_return_body
 }
 
 #[inline(always)]
