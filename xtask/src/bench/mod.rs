@@ -19,6 +19,7 @@
 //!    the ring buffer, decoder and span builder at increasing rates;
 //! 6. the Python stack sampler ([`python`]) on a pure-Python loop;
 //! 7. hang detection on a job that does not hang ([`hangs`]).
+//! 8. teardown: lens-probe's exit until its probes are out of the kernel ([`teardown`]).
 //!
 //! The table and its notes: [`tables`]. `--only` runs some of the blocks (then
 //! docs/performance.md is left as it is).
@@ -32,6 +33,7 @@ mod proc;
 mod python;
 mod report;
 mod tables;
+mod teardown;
 mod throughput;
 mod torch;
 
@@ -78,10 +80,11 @@ pub enum Block {
     Python,
     /// Hang detection's look every second, on the fake trainer (7).
     Hangs,
+    Teardown,
 }
 
 impl Block {
-    pub const ALL: [Block; 8] = [
+    pub const ALL: [Block; 9] = [
         Block::Trainer,
         Block::PerKind,
         Block::Torch,
@@ -90,6 +93,7 @@ impl Block {
         Block::Budget,
         Block::Python,
         Block::Hangs,
+        Block::Teardown,
     ];
 
     pub fn name(self) -> &'static str {
@@ -102,19 +106,20 @@ impl Block {
             Block::Budget => "budget",
             Block::Python => "python",
             Block::Hangs => "hangs",
+            Block::Teardown => "teardown",
         }
     }
 }
 
 /// A set of [`Block`]s.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Blocks(u8);
+pub struct Blocks(u16);
 
 impl Blocks {
-    pub const ALL: Blocks = Blocks(((1u16 << Block::ALL.len()) - 1) as u8);
+    pub const ALL: Blocks = Blocks((1u16 << Block::ALL.len()) - 1);
 
     pub fn contains(self, block: Block) -> bool {
-        self.0 & (1 << block as u8) != 0
+        self.0 & (1 << block as u16) != 0
     }
 
     /// `per-kind,throughput` → those two.
@@ -131,7 +136,7 @@ impl Blocks {
                         names.join(", ")
                     )
                 })?;
-            set |= 1 << block as u8;
+            set |= 1 << block as u16;
         }
         Ok(Blocks(set))
     }
@@ -398,6 +403,10 @@ pub fn run(opts: Options) -> Result<(), String> {
         true => Some(hangs::block(&ctx, &mut watch)?),
         false => None,
     };
+    let teardown = match python.filter(|_| wanted(Block::Teardown)) {
+        Some(python) => Some(teardown::block(&ctx, python, &mut watch)?),
+        None => None,
+    };
     watch.check();
     let load_end = loadavg();
 
@@ -411,6 +420,7 @@ pub fn run(opts: Options) -> Result<(), String> {
         budget,
         python_sampler,
         hangs,
+        teardown,
     };
     let table = report::table(&sections(&ctx, &results));
     let notes = notes(&ctx, &results, &watch, slack);

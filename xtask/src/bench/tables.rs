@@ -9,7 +9,7 @@ use super::{
     fake::{Fake, FakeBlock},
     hangs, per_kind, python,
     report::{self, Met, Row, Section, fmt_count, fmt_duration, median, row},
-    throughput,
+    teardown, throughput,
     torch::{TorchBlock, Usage},
 };
 
@@ -36,6 +36,7 @@ pub(super) struct Results {
     pub(super) budget: Option<budget::BudgetBlock>,
     pub(super) python_sampler: Option<python::PythonBlock>,
     pub(super) hangs: Option<hangs::HangsBlock>,
+    pub(super) teardown: Option<teardown::TeardownBlock>,
 }
 
 /// The table's sections, in order, for the blocks that ran.
@@ -60,6 +61,9 @@ pub(super) fn sections(ctx: &Ctx, r: &Results) -> Vec<Section> {
     }
     if let Some(hangs) = &r.hangs {
         out.push(hangs.section());
+    }
+    if let Some(teardown) = &r.teardown {
+        out.push(teardown.section());
     }
     if r.blocks.contains(Block::Attach) {
         out.push(attach_section(ctx, attach));
@@ -464,6 +468,9 @@ pub(super) fn notes(ctx: &Ctx, r: &Results, watch: &Watch, slack: bool) -> Strin
     }
     if let Some(python) = &r.python_sampler {
         n.push_str(&python.notes());
+    }
+    if let Some(teardown) = &r.teardown {
+        n.push_str(&teardown.notes());
     }
     if let Some(hangs) = &r.hangs {
         n.push_str(&hangs.notes());
