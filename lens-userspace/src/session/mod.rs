@@ -78,7 +78,7 @@ pub struct TraceOptions {
     /// `--overhead-budget`: launch probes sampled to stay within it.
     pub overhead_budget: Option<OverheadBudget>,
     /// `--uprobe-links`: uprobe_multi or perf links.
-    pub uprobe_links: attach::UprobeLinks,
+    pub uprobe_links: crate::settings::links::UprobeLinks,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -20,8 +20,7 @@ use clap::{
 
 use crate::{
     budget::OverheadBudget,
-    probes::attach::UprobeLinks,
-    settings::{config::Profile, groups::SpanGroups},
+    settings::{config::Profile, groups::SpanGroups, links::UprobeLinks},
 };
 
 /// Zero-code observability for distributed ML training: attaches eBPF uprobes to a job's

@@ -4,4 +4,5 @@
 pub mod cli;
 pub mod config;
 pub mod groups;
+pub mod links;
 pub mod profiles;

@@ -35,7 +35,7 @@ mod symbol_places;
 
 use launch_sampling::{SampledLaunches, sample_spec};
 use object::uprobe_mut;
-pub use object::{UprobeLinks, load_object, program_mut, take_event_ring};
+pub use object::{load_object, program_mut, take_event_ring};
 use symbol_places::{Batch, places};
 
 /// What happened to one probe on one library.
