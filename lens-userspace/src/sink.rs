@@ -21,6 +21,29 @@ pub struct ProcessEnd {
     pub exit: Option<ExitStatus>,
 }
 
+/// What a process's probes cost it so far, estimated: its calls (the kernel's counts) ×
+/// what a probe hit costs on this machine (measured at start-up), against the time it has
+/// been traced.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ProbeCost {
+    pub estimated_ns: u64,
+    pub traced_ns: u64,
+    /// The measured costs it was estimated with: an entry hit, and a return hit on top.
+    pub entry_hit_ns: u64,
+    pub return_hit_ns: u64,
+}
+
+impl ProbeCost {
+    /// The estimate as a share of the traced time (0.01 = 1 %).
+    pub fn share(&self) -> f64 {
+        if self.traced_ns == 0 {
+            0.0
+        } else {
+            self.estimated_ns as f64 / self.traced_ns as f64
+        }
+    }
+}
+
 /// Everything a sink is told, one variant per kind of news.
 #[derive(Clone, Copy, Debug)]
 pub enum SinkInput<'a> {
@@ -33,6 +56,12 @@ pub enum SinkInput<'a> {
     CallCounts {
         pid: u32,
         calls: &'a BTreeMap<ProbeId, u64>,
+    },
+    /// What `pid`'s probes have cost it so far; told after each [`SinkInput::CallCounts`]
+    /// and before [`SinkInput::ProcessEnd`].
+    ProbeCost {
+        pid: u32,
+        cost: ProbeCost,
     },
     /// The launch probes of `pid`'s libraries went in (`counting`) or out at `at_ns`
     /// (monotonic clock). `sampled`: an overhead budget moves them in and out.
@@ -71,6 +100,9 @@ pub trait EventSink {
     }
     fn on_call_counts(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
         self.on(&SinkInput::CallCounts { pid, calls });
+    }
+    fn on_probe_cost(&mut self, pid: u32, cost: ProbeCost) {
+        self.on(&SinkInput::ProbeCost { pid, cost });
     }
     fn on_launch_counting(&mut self, pid: u32, counting: bool, at_ns: u64, sampled: bool) {
         self.on(&SinkInput::LaunchCounting {

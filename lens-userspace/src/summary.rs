@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::{
     events::{CollectiveOp, PhaseSignal, ProbeEvent, SyncKind},
-    sink::{EventSink, ProcessEnd, SinkInput},
+    sink::{EventSink, ProbeCost, ProcessEnd, SinkInput},
     sys::target::{ExitStatus, ProcessInfo},
 };
 
@@ -62,6 +62,8 @@ pub struct ProcessSummary {
     pub calls: BTreeMap<ProbeId, u64>,
     pub exit: Option<ExitStatus>,
     pub ended: bool,
+    /// What its probes cost it, estimated (the last word the session gave).
+    pub probe_cost: Option<ProbeCost>,
     /// A training signal or call was seen (not only library loads and the grad-mode
     /// toggles of `import torch`).
     active: bool,
@@ -277,6 +279,9 @@ impl EventSink for Summary {
             SinkInput::ProcessExec(process) => self.process_exec(process),
             SinkInput::Event(event) => self.event(event),
             SinkInput::ProcessEnd(end) => self.process_end(end),
+            SinkInput::ProbeCost { pid, cost } => {
+                self.processes.entry(pid).or_default().probe_cost = Some(cost);
+            }
             _ => {}
         }
     }
@@ -439,6 +444,15 @@ impl Summary {
                     );
                 }
             }
+            if let Some(cost) = &process.probe_cost {
+                let _ = writeln!(
+                    out,
+                    "  probe cost: an estimated {} of the {} traced ({:.2} %)",
+                    format_duration(cost.estimated_ns),
+                    format_duration(cost.traced_ns),
+                    cost.share() * 100.0
+                );
+            }
         }
         if losses.total() == 0 {
             out.push_str("lens-probe: no events lost\n");
@@ -500,6 +514,7 @@ impl Summary {
                     "gloo_collectives": gloo_collectives,
                     "sync_waits": syncs,
                     "calls": calls,
+                    "probe_cost": process.probe_cost,
                 })
             })
             .collect();

@@ -81,6 +81,29 @@ fn demo_prints_a_correct_summary_and_exits_with_the_commands_code() {
     );
     assert_eq!(process["calls"]["ncclGroupStart"], 4);
     assert_eq!(json["losses"]["kernel"]["ring_buffer_full"], 0);
+    // What the probes cost the trainer, estimated: each counted call at least an entry
+    // hit and at most an entry and a return hit, within the time it was traced.
+    let cost = &process["probe_cost"];
+    let field = |key: &str| {
+        cost[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key}: {cost}"))
+    };
+    let calls: u64 = process["calls"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|n| n.as_u64().unwrap())
+        .sum();
+    let (entry, ret) = (field("entry_hit_ns"), field("return_hit_ns"));
+    assert!(entry > 0, "{cost}");
+    let estimated = field("estimated_ns");
+    assert!(
+        calls * entry <= estimated && estimated <= calls * (entry + ret),
+        "{calls} calls: {cost}"
+    );
+    assert!(estimated < field("traced_ns"), "{cost}");
+    assert!(text.contains("  probe cost: an estimated "), "{text}");
 }
 
 #[test]

@@ -43,6 +43,7 @@ pub mod metric_names {
     pub const PHASE_DURATION: &str = "dl.phase.duration";
     pub const EVENTS_LOST: &str = "lens_probe.events.lost";
     pub const SPANS_LOST: &str = "lens_probe.spans.lost";
+    pub const OVERHEAD: &str = "lens_probe.overhead";
 }
 
 /// `OTEL_METRIC_EXPORT_INTERVAL` (ms) of lens-probe's environment, default 60 s as the
@@ -112,6 +113,8 @@ pub struct ProcessMetrics {
     hangs: Counter<u64>,
     sync_duration: Histogram<f64>,
     kernel_launches: Counter<u64>,
+    /// lens-probe's estimate of what its probes cost the process: a share of the time.
+    overhead: Gauge<f64>,
     step_duration: Histogram<f64>,
     phase_duration: Histogram<f64>,
     /// Launch totals already added (the kernel's counters are read as totals).
@@ -193,6 +196,14 @@ impl ProcessMetrics {
                 .u64_counter(metric_names::KERNEL_LAUNCHES)
                 .with_unit("{launch}")
                 .with_description("CUDA kernel and graph launches")
+                .build(),
+            overhead: meter
+                .f64_gauge(metric_names::OVERHEAD)
+                .with_unit("1")
+                .with_description(
+                    "lens-probe's estimate of its probes' cost to the process: the calls \
+                     probed times what a probe hit costs here, over the time traced",
+                )
                 .build(),
             step_duration: seconds(metric_names::STEP_DURATION, "Training step duration"),
             phase_duration: seconds(
@@ -316,6 +327,13 @@ impl ProcessMetrics {
                     .add(new, &[KeyValue::new(semconv::CUDA_LAUNCH_KIND, kind)]);
             }
         }
+    }
+}
+
+impl ProcessMetrics {
+    /// What the probes have cost the process so far (a share of the time traced).
+    pub fn record_probe_cost(&mut self, cost: crate::sink::ProbeCost) {
+        self.overhead.record(cost.share(), &[]);
     }
 }
 

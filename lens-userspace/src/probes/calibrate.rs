@@ -1,27 +1,63 @@
-//! What one launch-probe hit costs on this machine, measured at start-up for the overhead
-//! budget: a `count_only` probe (the launches' program) on a function of lens-probe
-//! itself, called in a loop with and without it. VMs differ from bare metal by 2–3×
-//! here, so a constant would be wrong somewhere.
+//! What a probe hit costs on this machine, measured at start-up: a `count_only` probe
+//! (the launches' program) on a function of lens-probe itself, then a return probe on it
+//! too, the function called in a loop with and without them. VMs differ from bare metal
+//! by 2–3× here, so a constant would be wrong somewhere. The overhead budget works from
+//! the entry cost; the exit summary and `lens_probe.overhead` estimate each process's
+//! cost from both.
 use std::{
+    collections::BTreeMap,
     path::Path,
     time::{Duration, Instant},
 };
 
 use aya::{
     Ebpf,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuHashMap},
+    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues},
 };
-use lens_common::{CallKey, KernelKey, LaunchTotals, ProbeId, TargetConfig, maps};
+use lens_common::{CallKey, KernelKey, LaunchTotals, LossCause, ProbeId, TargetConfig, maps};
 use log::warn;
 
 use super::attach;
+use super::catalog::{self, Program};
 use crate::error::{LensError, Result};
 use crate::sys::symbols;
 
-/// Used when the measurement cannot be made (a stripped lens-probe binary): the median
+/// Used when the measurement cannot be made (a stripped lens-probe binary): the medians
 /// `cargo xtask bench` found on the 2-vCPU CI VM (docs/performance.md).
-pub const DEFAULT_PER_HIT: Duration = Duration::from_nanos(1_500);
-const CALLS: u32 = 20_000;
+pub const DEFAULT_HIT_COSTS: HitCosts = HitCosts {
+    entry: Duration::from_nanos(1_500),
+    ret: Duration::from_nanos(2_000),
+};
+
+/// What one probe hit costs the thread that makes the call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HitCosts {
+    /// The trap into the kernel and an entry program.
+    pub entry: Duration,
+    /// A return probe on top: its own trap and program.
+    pub ret: Duration,
+}
+
+impl HitCosts {
+    /// The estimated cost of `calls` (the kernel's counts, by probe): an entry hit each,
+    /// and a return hit for the probes that have a return program.
+    pub fn of_calls(&self, calls: &BTreeMap<ProbeId, u64>) -> Duration {
+        let ns: u128 = calls
+            .iter()
+            .map(|(&probe, &count)| {
+                let per_call = self.entry
+                    + if catalog::spec_of(probe).exit.is_some() {
+                        self.ret
+                    } else {
+                        Duration::ZERO
+                    };
+                per_call.as_nanos() * u128::from(count)
+            })
+            .sum();
+        Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+    }
+}
+const CALLS: u32 = 10_000;
 const ROUNDS: usize = 3;
 const TARGET_SYMBOL: &str = "lens_probe_calibration_target";
 
@@ -53,16 +89,18 @@ extern "C" fn lens_probe_calibration_target(value: u64) -> u64 {
     std::hint::black_box(value).wrapping_add(1)
 }
 
-/// The cost of one launch-probe hit, or [`DEFAULT_PER_HIT`] (with a warning).
-pub fn per_hit_cost(ebpf: &mut Ebpf) -> Duration {
+/// What a probe hit costs here, or [`DEFAULT_HIT_COSTS`] (with a warning).
+pub fn hit_costs(ebpf: &mut Ebpf) -> HitCosts {
     match measure(ebpf) {
-        Ok(cost) => cost,
+        Ok(costs) => costs,
         Err(error) => {
             warn!(
-                "cannot measure what a probe hit costs ({error}): assuming {} ns",
-                DEFAULT_PER_HIT.as_nanos()
+                "cannot measure what a probe hit costs ({error}): assuming {} ns an entry, \
+                 {} ns a return",
+                DEFAULT_HIT_COSTS.entry.as_nanos(),
+                DEFAULT_HIT_COSTS.ret.as_nanos()
             );
-            DEFAULT_PER_HIT
+            DEFAULT_HIT_COSTS
         }
     }
 }
@@ -86,7 +124,7 @@ fn fastest() -> Duration {
     (0..ROUNDS).map(|_| time_calls()).min().unwrap_or_default()
 }
 
-fn measure(ebpf: &mut Ebpf) -> Result<Duration> {
+fn measure(ebpf: &mut Ebpf) -> Result<HitCosts> {
     let exe = Path::new("/proc/self/exe");
     let offset = *symbols::resolve_file_offsets(exe, &[TARGET_SYMBOL])?
         .get(TARGET_SYMBOL)
@@ -101,16 +139,45 @@ fn measure(ebpf: &mut Ebpf) -> Result<Duration> {
         maps::TARGETS,
         targets(ebpf)?.insert(&pid, &TargetConfig::default(), 0),
     )?;
-    let probed =
-        attach::attach_count_only(ebpf, exe, offset, ProbeId::CudaLaunchKernel).map(|link| {
-            let probed = fastest();
-            // Taking a uprobe out takes the kernel ~0.1 s: not on the start-up path.
-            std::thread::spawn(move || drop(link));
-            probed
+    // The return probe's hits find no entry to pair, which the kernel counts as lost
+    // events: those counters are put back as they were.
+    let unmatched_before = unmatched_returns(ebpf);
+    // Entry alone, then entry and return: the difference is the return's cost. A return
+    // program with no entry to pair finds none and stops, as cheap as a return gets; a
+    // real one also sends its record (tens of ns more).
+    let measured = attach::attach_own(
+        ebpf,
+        Program::CountOnly,
+        exe,
+        offset,
+        ProbeId::CudaLaunchKernel,
+    )
+    .and_then(|entry_link| {
+        let with_entry = fastest();
+        let both = attach::attach_own(
+            ebpf,
+            Program::CudaSyncReturn,
+            exe,
+            offset,
+            ProbeId::CudaStreamSynchronize,
+        )
+        .map(|return_link| {
+            let with_both = fastest();
+            // Taking a uprobe out can take the kernel ~0.1 s: not on the start-up path.
+            std::thread::spawn(move || drop((entry_link, return_link)));
+            with_both
         });
+        Ok((with_entry, both?))
+    });
     forget_own_counters(ebpf, pid);
-    let probed = probed?;
-    Ok(probed.saturating_sub(baseline) / CALLS)
+    if let Some(before) = unmatched_before {
+        set_unmatched_returns(ebpf, before);
+    }
+    let (with_entry, with_both) = measured?;
+    Ok(HitCosts {
+        entry: with_entry.saturating_sub(baseline) / CALLS,
+        ret: with_both.saturating_sub(with_entry) / CALLS,
+    })
 }
 
 fn map_error<T>(
@@ -128,6 +195,20 @@ fn targets(ebpf: &mut Ebpf) -> Result<BpfHashMap<&mut MapData, u32, TargetConfig
             name: maps::TARGETS,
         })?;
     map_error(maps::TARGETS, BpfHashMap::try_from(map))
+}
+
+/// The kernel's per-CPU count of return hits without an entry.
+fn unmatched_returns(ebpf: &Ebpf) -> Option<PerCpuValues<u64>> {
+    let losses = PerCpuArray::<_, u64>::try_from(ebpf.map(maps::LOSSES)?).ok()?;
+    losses.get(&(LossCause::UnmatchedReturn as u32), 0).ok()
+}
+
+fn set_unmatched_returns(ebpf: &mut Ebpf, values: PerCpuValues<u64>) {
+    if let Some(map) = ebpf.map_mut(maps::LOSSES)
+        && let Ok(mut losses) = PerCpuArray::<_, u64>::try_from(map)
+    {
+        let _ = losses.set(LossCause::UnmatchedReturn as u32, values, 0);
+    }
 }
 
 /// Leaves no trace of lens-probe itself in the kernel's maps.
@@ -159,5 +240,34 @@ fn forget_own_counters(ebpf: &mut Ebpf, pid: u32) {
         for key in own {
             let _ = counts.remove(&key);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_costs_an_entry_hit_and_a_return_hit_where_the_probe_has_one() {
+        let costs = HitCosts {
+            entry: Duration::from_nanos(1_000),
+            ret: Duration::from_nanos(400),
+        };
+        // Launches have an entry program only; an all-reduce and a stream sync also a
+        // return program.
+        assert!(catalog::spec_of(ProbeId::CudaLaunchKernel).exit.is_none());
+        assert!(catalog::spec_of(ProbeId::NcclAllReduce).exit.is_some());
+        let calls: BTreeMap<ProbeId, u64> = [
+            (ProbeId::CudaLaunchKernel, 1_000),
+            (ProbeId::NcclAllReduce, 10),
+            (ProbeId::CudaStreamSynchronize, 5),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            costs.of_calls(&calls),
+            Duration::from_nanos(1_000 * 1_000 + 15 * 1_400)
+        );
+        assert_eq!(costs.of_calls(&BTreeMap::new()), Duration::ZERO);
     }
 }

@@ -74,11 +74,12 @@ impl Session {
                 self.sync_launch_counting(sink);
             }
         }
-        for (pid, mut calls) in counts {
+        for (pid, counted) in counts {
+            let mut reported = counted.clone();
             if let Some(estimate) = self.launch_estimates.get(&pid) {
-                scale_launches(&mut calls, estimate.estimated);
+                scale_launches(&mut reported, estimate.estimated);
             }
-            sink.on_call_counts(pid, &calls);
+            self.report_call_counts(pid, &counted, &reported, sink);
         }
     }
 }

@@ -130,7 +130,7 @@ impl Session {
                 // Under a budget its tick reads the counters (and scales the launches).
                 _ = counts_tick.tick(), if self.budget.is_none() => {
                     for (pid, calls) in self.call_counts() {
-                        sink.on_call_counts(pid, &calls);
+                        self.report_call_counts(pid, &calls, &calls, sink);
                     }
                 }
                 _ = budget_tick.tick(), if self.budget.is_some() => self.budget_tick(sink),

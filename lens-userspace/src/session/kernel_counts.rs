@@ -103,6 +103,36 @@ impl Session {
         }
     }
 
+    /// What `calls` (a process's counts, traced since `traced_since_ns`) cost it, as
+    /// estimated from the hit costs measured at start-up.
+    pub(super) fn probe_cost(
+        &self,
+        calls: &BTreeMap<ProbeId, u64>,
+        traced_since_ns: u64,
+    ) -> crate::sink::ProbeCost {
+        crate::sink::ProbeCost {
+            estimated_ns: self.hit_costs.of_calls(calls).as_nanos() as u64,
+            traced_ns: crate::spans::monotonic_now_ns().saturating_sub(traced_since_ns),
+            entry_hit_ns: self.hit_costs.entry.as_nanos() as u64,
+            return_hit_ns: self.hit_costs.ret.as_nanos() as u64,
+        }
+    }
+
+    /// Hands `pid`'s call counts so far to the sink (`reported`: as counted, or scaled up
+    /// under an overhead budget) and what the probes that made `counted` cost it.
+    pub(super) fn report_call_counts(
+        &self,
+        pid: u32,
+        counted: &BTreeMap<ProbeId, u64>,
+        reported: &BTreeMap<ProbeId, u64>,
+        sink: &mut dyn EventSink,
+    ) {
+        sink.on_call_counts(pid, reported);
+        if let Some(target) = self.targets.get(&pid) {
+            sink.on_probe_cost(pid, self.probe_cost(counted, target.traced_since_ns));
+        }
+    }
+
     /// Every target's call counters so far (kept in the kernel).
     pub(super) fn call_counts(&mut self) -> BTreeMap<u32, BTreeMap<ProbeId, u64>> {
         let mut by_pid: BTreeMap<u32, BTreeMap<ProbeId, u64>> = BTreeMap::new();

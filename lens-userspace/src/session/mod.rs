@@ -127,6 +127,8 @@ struct Target {
     launches_seen: bool,
     /// How it ended, as the kernel's exit tracepoint said (its parent reaps it, not us).
     exit: Option<ExitStatus>,
+    /// When lens-probe began tracing it (monotonic clock): its call counts start there.
+    traced_since_ns: u64,
 }
 
 pub struct Session {
@@ -148,6 +150,8 @@ pub struct Session {
     node: Option<NodeFilter>,
     /// `--overhead-budget`: the controller, and when it started (monotonic ns).
     budget: Option<(BudgetController, u64)>,
+    /// What a probe hit costs here (measured at start-up): each process's estimate.
+    hit_costs: calibrate::HitCosts,
     /// Launches per process as reported to the sinks: under a budget, counted launches
     /// plus an estimate for the pauses between windows.
     launch_estimates: HashMap<u32, LaunchEstimate>,
@@ -207,16 +211,17 @@ impl Session {
             set_setting(&mut ebpf, settings::KERNEL_NAMES, 1)?;
         }
         let mut attacher = Attacher::default();
+        let hit_costs = calibrate::hit_costs(&mut ebpf);
+        info!(
+            "a probe hit costs {} ns here, {} ns more with a return probe",
+            hit_costs.entry.as_nanos(),
+            hit_costs.ret.as_nanos()
+        );
         let budget = match options.overhead_budget {
             Some(budget) => {
                 attacher.sample_launches();
-                let per_hit = calibrate::per_hit_cost(&mut ebpf);
-                info!(
-                    "overhead budget {budget}: a launch probe hit costs {} ns here",
-                    per_hit.as_nanos()
-                );
                 Some((
-                    BudgetController::new(budget, per_hit),
+                    BudgetController::new(budget, hit_costs.entry),
                     crate::spans::monotonic_now_ns(),
                 ))
             }
@@ -232,6 +237,7 @@ impl Session {
             child: None,
             child_exit: None,
             undecodable: 0,
+            hit_costs,
             exit_tx: None,
             export_strategy: ExportStrategy::AllRanks,
             node: None,

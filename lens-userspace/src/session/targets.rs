@@ -160,6 +160,7 @@ impl Session {
                 launches_counted: false,
                 launches_seen: false,
                 exit: None,
+                traced_since_ns: crate::spans::monotonic_now_ns(),
             },
         );
         Ok(())
@@ -208,6 +209,7 @@ impl Session {
                 launches_counted: false,
                 launches_seen: false,
                 exit: None,
+                traced_since_ns: crate::spans::monotonic_now_ns(),
             },
         );
         self.child = Some(pid);
@@ -258,6 +260,7 @@ impl Session {
                         launches_counted: false,
                         launches_seen: false,
                         exit: None,
+                        traced_since_ns: crate::spans::monotonic_now_ns(),
                     },
                 );
                 // It maps what its parent mapped.
@@ -420,9 +423,9 @@ impl Session {
         exit: Option<ExitStatus>,
         sink: &mut dyn EventSink,
     ) {
-        if self.targets.remove(&pid).is_none() {
+        let Some(target) = self.targets.remove(&pid) else {
             return;
-        }
+        };
         if let Ok(mut targets) = self.targets_map() {
             let _ = targets.remove(&pid);
         }
@@ -430,6 +433,7 @@ impl Session {
         self.read_kernel_counts(&[pid], true, sink);
         self.forget_kernel_counts(pid);
         let mut calls = self.take_call_counts(pid);
+        let cost = self.probe_cost(&calls, target.traced_since_ns);
         self.forget_kernel_state(pid);
         if let Some(estimate) = self.launch_estimates.remove(&pid) {
             let new = launch_total(&calls).saturating_sub(estimate.counted);
@@ -449,6 +453,7 @@ impl Session {
             .hangs
             .process_ended(pid, crate::spans::monotonic_now_ns());
         self.report_hangs(ended, sink);
+        sink.on_probe_cost(pid, cost);
         sink.on_process_end(&ProcessEnd { pid, calls, exit });
     }
 }

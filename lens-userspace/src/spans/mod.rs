@@ -156,6 +156,8 @@ pub trait SpanExporter {
     fn export(&mut self, span: SpanRecord);
     /// The kernel's call counters of `pid` (launches...), read when it ended.
     fn process_calls(&mut self, _pid: u32, _calls: &BTreeMap<ProbeId, u64>) {}
+    /// What `pid`'s probes have cost it so far, estimated.
+    fn process_probe_cost(&mut self, _pid: u32, _cost: crate::sink::ProbeCost) {}
     /// `pid`'s launch counters are an overhead budget's estimates from sampled windows.
     fn launches_sampled(&mut self, _pid: u32) {}
     /// Every span of `pid` has been exported.
@@ -171,6 +173,9 @@ impl<E: SpanExporter + ?Sized> SpanExporter for &mut E {
     }
     fn process_calls(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
         (**self).process_calls(pid, calls);
+    }
+    fn process_probe_cost(&mut self, pid: u32, cost: crate::sink::ProbeCost) {
+        (**self).process_probe_cost(pid, cost);
     }
     fn launches_sampled(&mut self, pid: u32) {
         (**self).launches_sampled(pid);
@@ -189,6 +194,9 @@ impl<E: SpanExporter + ?Sized> SpanExporter for Box<E> {
     }
     fn process_calls(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
         (**self).process_calls(pid, calls);
+    }
+    fn process_probe_cost(&mut self, pid: u32, cost: crate::sink::ProbeCost) {
+        (**self).process_probe_cost(pid, cost);
     }
     fn launches_sampled(&mut self, pid: u32) {
         (**self).launches_sampled(pid);

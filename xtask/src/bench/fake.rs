@@ -44,6 +44,8 @@ pub(super) struct TrainerSummary {
     pub(super) calls: u64,
     pub(super) events: u64,
     pub(super) lost: u64,
+    /// lens-probe's own estimate of what its probes cost the process (`probe_cost`).
+    pub(super) estimated_cost_s: Option<f64>,
 }
 
 pub(super) fn sum_members(value: Option<&Json>, field: Option<&str>) -> u64 {
@@ -104,6 +106,10 @@ pub(super) fn trainer_summary(json: &Json, steps: u64) -> Result<TrainerSummary,
         events: sum_members(process.get("collectives"), Some("calls"))
             + sum_members(process.get("sync_waits"), Some("calls")),
         lost,
+        estimated_cost_s: process
+            .pointer("/probe_cost/estimated_ns")
+            .and_then(Json::as_f64)
+            .map(|ns| ns / 1e9),
     })
 }
 
@@ -183,6 +189,20 @@ impl FakeBlock {
         median(&counted).map_or(self.steps * CALLS_PER_STEP + CALLS_PER_PROCESS, |c| {
             c as u64
         })
+    }
+
+    /// Per round: lens-probe's own estimate of its probes' cost to the `per_step` run over
+    /// the slowdown measured (its time − the uninstrumented time of the same round).
+    pub(super) fn estimate_over_measured(&self) -> Vec<f64> {
+        self.runs(Fake::Lens("per_step"))
+            .iter()
+            .zip(self.times(Fake::None))
+            .filter_map(|(run, base)| {
+                let estimate = run.summary.as_ref()?.estimated_cost_s?;
+                let slowdown = run.elapsed_s - base;
+                (slowdown > 0.0).then(|| estimate / slowdown)
+            })
+            .collect()
     }
 
     /// Per round: (time of `variant` − uninstrumented time of the same round) / calls.

@@ -701,7 +701,8 @@ mod tests {
             {"name": "trainer", "command_line": ["/f/trainer", "40"],
              "calls": {"cudaLaunchKernel": 400, "ncclAllReduce": 40, "ncclCommInitRank": 1},
              "collectives": {"all_reduce": {"calls": 40, "bytes": 9}, "send": {"calls": 40}},
-             "sync_waits": {"stream": {"calls": 40, "p50_ns": 3}}}
+             "sync_waits": {"stream": {"calls": 40, "p50_ns": 3}},
+             "probe_cost": {"estimated_ns": 2500000, "traced_ns": 90000000}}
           ]}"#;
         let json = serde_json::from_str::<Json>(doc).unwrap();
         assert_eq!(
@@ -709,7 +710,8 @@ mod tests {
             TrainerSummary {
                 calls: 441,
                 events: 120,
-                lost: 3
+                lost: 3,
+                estimated_cost_s: Some(0.0025),
             }
         );
         assert!(trainer_summary(&json, 7).is_err());

@@ -142,6 +142,20 @@ pub(super) fn trainer_cost_section(fake: &FakeBlock) -> Section {
             _ => rows.push(row(label, &values, fmt_duration, ratio, target, met)),
         }
     }
+    // What users read (`probe cost` in the summary, `lens_probe.overhead`) against what
+    // the run measured.
+    let ratios = fake.estimate_over_measured();
+    let ratio = median(&ratios);
+    rows.push(row(
+        "lens-probe's own estimate of its cost (`probe_cost`) ÷ the measured `per_step` slowdown",
+        &ratios,
+        |r| format!("{r:.2}"),
+        ratio,
+        "0.7 – 1.3",
+        ratio.map_or(Met::NotMeasured("no estimate".into()), |r| {
+            Met::from_bool((0.7..=1.3).contains(&r))
+        }),
+    ));
     Section {
         title: format!(
             "1. Per-hit cost on the fake libraries (`trainer {}`: {} probed calls per run; ratio of the per-call rows: to bpftrace's floor)",

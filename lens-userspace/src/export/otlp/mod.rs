@@ -362,6 +362,12 @@ impl SpanExporter for OtelPipeline {
         }
     }
 
+    fn process_probe_cost(&mut self, pid: u32, cost: crate::sink::ProbeCost) {
+        if let Some(process) = self.processes.get_mut(&pid) {
+            process.metrics.record_probe_cost(cost);
+        }
+    }
+
     fn launches_sampled(&mut self, pid: u32) {
         if let Some(process) = self.processes.get_mut(&pid) {
             process.metrics.launches_sampled = true;

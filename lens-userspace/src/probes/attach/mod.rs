@@ -327,25 +327,19 @@ impl Attacher {
     }
 }
 
-/// A `count_only` probe (a launch's program) at `offset` in `path`, outside the
-/// bookkeeping of libraries: for measuring what one probe hit costs. Dropping the link
-/// takes it out.
-pub fn attach_count_only(
+/// `program` at `offset` in `path` with the cookie of `id`, outside the bookkeeping of
+/// libraries: for measuring what a probe hit costs. Dropping the link takes it out.
+pub fn attach_own(
     ebpf: &mut Ebpf,
+    program: Program,
     path: &std::path::Path,
     offset: u64,
     id: ProbeId,
 ) -> Result<aya::programs::uprobe::UProbeLink> {
-    let uprobe = uprobe_mut(ebpf, Program::CountOnly)?;
-    let link = attach_at(
-        uprobe,
-        Program::CountOnly,
-        path,
-        offset,
-        catalog::cookie(id),
-    )?;
+    let uprobe = uprobe_mut(ebpf, program)?;
+    let link = attach_at(uprobe, program, path, offset, catalog::cookie(id))?;
     uprobe.take_link(link).map_err(|source| LensError::Program {
-        program: Program::CountOnly.name(),
+        program: program.name(),
         source,
     })
 }

@@ -344,6 +344,11 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
             SinkInput::ProcessExec(process) => self.process_exec(process),
             SinkInput::Event(event) => self.event(event),
             SinkInput::CallCounts { pid, calls } => self.call_counts(pid, calls),
+            SinkInput::ProbeCost { pid, cost } => {
+                if self.processes.get(&pid).is_some_and(|p| p.exporting) {
+                    self.exporter.process_probe_cost(pid, cost);
+                }
+            }
             SinkInput::LaunchCounting {
                 pid,
                 counting,
