@@ -476,6 +476,20 @@ fn metrics_reach_a_real_collector() {
     );
     let steps = metric_points(&text, "dl.step.duration");
     assert_eq!(steps.last().map(|(_, count)| *count), Some(3), "{text}");
+    // lens-probe's estimate of what its probes cost the trainer: a share of its time,
+    // above nothing (it made calls that were probed) and far below all of it.
+    let overhead: Vec<f64> = text
+        .split("-> Name: lens_probe.overhead\n")
+        .skip(1)
+        .filter_map(|s| {
+            s.lines()
+                .find_map(|l| l.trim().strip_prefix("Value: ")?.parse().ok())
+        })
+        .collect();
+    let share = *overhead
+        .last()
+        .unwrap_or_else(|| panic!("no lens_probe.overhead in:\n{text}"));
+    assert!(share > 0.0 && share < 0.5, "lens_probe.overhead {share}");
     // Low cardinality: no pid, tid, stream or communicator handle on any data point.
     for forbidden in ["process.pid", "tid", "stream", "comm"] {
         for metric in [

@@ -57,6 +57,7 @@ const METRICS: &[MetricDef] = &[
     metric!(PHASE_DURATION, "s", Histogram),
     metric!(EVENTS_LOST, "{event}", Counter),
     metric!(SPANS_LOST, "{span}", Counter),
+    metric!(OVERHEAD, "1", Gauge),
 ];
 
 /// Labels the dashboard may use: metric attributes and resource attributes (semconv
@@ -131,6 +132,8 @@ fn unit_suffix(unit: &str) -> &'static str {
         "s" => "seconds",
         "ms" => "milliseconds",
         "By" => "bytes",
+        // A share: the exporter names gauges in unit 1 `_ratio`.
+        "1" => "ratio",
         u if u.starts_with('{') && u.ends_with('}') => "",
         u => panic!("unit {u:?}: teach unit_suffix its Prometheus word"),
     }
@@ -254,10 +257,12 @@ fn the_metric_table_covers_every_metric_name_with_its_unit_and_kind() {
                     metric.unit
                 ))
             }
-            Kind::Gauge => compact.contains(&format!(
-                "u64_gauge({constant}).with_unit(\"{}\")",
-                metric.unit
-            )),
+            Kind::Gauge => ["u64_gauge", "f64_gauge"].iter().any(|instrument| {
+                compact.contains(&format!(
+                    "{instrument}({constant}).with_unit(\"{}\")",
+                    metric.unit
+                ))
+            }),
             Kind::Histogram => {
                 compact.contains(&format!(
                     "f64_histogram({constant}).with_unit(\"{}\")",

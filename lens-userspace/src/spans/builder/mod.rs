@@ -181,6 +181,9 @@ impl<E: SpanExporter> SpanExporter for Tap<E> {
     ) {
         self.inner.process_calls(pid, calls);
     }
+    fn process_probe_cost(&mut self, pid: u32, cost: crate::sink::ProbeCost) {
+        self.inner.process_probe_cost(pid, cost);
+    }
     fn launches_sampled(&mut self, pid: u32) {
         self.inner.launches_sampled(pid);
     }
