@@ -275,16 +275,39 @@ fn a_killed_job_has_an_error_status_and_truncated_open_spans() {
         return;
     }
     let _guard = shared();
-    // 2 s forward passes: the first backward (which opens step 0) at ~2 s, the second
-    // at ~4 s; killed at 3 s, inside the second forward, with a second of margin.
+    // 2 s forward passes, timed from the trainer's start gate (after its model init, so
+    // however slow the start on a loaded machine): the first backward (which opens step
+    // 0) at ~2 s, the second at ~4 s; killed at 3 s, inside the second forward, with a
+    // second of margin each way.
+    let dir = std::env::temp_dir().join(format!("lens-killed-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let gate = dir.join("go");
     let mut session = session("per_step");
     let pid = session
         .exec(&trainer(
-            &[("TRAINER_FORWARD_MS", "2000"), ("TRAINER_INIT_MS", "0")],
+            &[
+                ("TRAINER_FORWARD_MS", "2000"),
+                ("TRAINER_INIT_MS", "0"),
+                ("TRAINER_READY_DIR", dir.to_str().unwrap()),
+                ("TRAINER_START_GATE", gate.to_str().unwrap()),
+            ],
             &["3", "2", "0", "0"],
         ))
         .unwrap();
+    let ready_dir = dir.clone();
     let killer = std::thread::spawn(move || {
+        let ready = |d: &std::path::Path| {
+            std::fs::read_dir(d).is_ok_and(|mut entries| {
+                entries
+                    .any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with("rank")))
+            })
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !ready(&ready_dir) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::fs::write(&gate, "").unwrap();
         std::thread::sleep(Duration::from_millis(3000));
         // SAFETY: plain kill(2) of the child we started.
         unsafe { libc::kill(pid as i32, libc::SIGKILL) };
@@ -294,6 +317,7 @@ fn a_killed_job_has_an_error_status_and_truncated_open_spans() {
         .run_blocking(&mut builder, Some(Duration::from_secs(60)))
         .unwrap();
     killer.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
     let log = builder.into_exporter();
     let job = log.named(names::JOB).next().unwrap();
     assert_eq!(job.status, SpanStatus::Error("killed by signal 9".into()));
