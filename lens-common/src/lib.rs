@@ -190,6 +190,11 @@ pub struct TargetConfig {
 /// Only for processes the loader started itself (`--exec`).
 pub const TARGET_STOP_ON_LINK_MAP_CHANGE: u32 = 1;
 
+/// lens-probe itself, for the ~0.1 s its start-up measures what a probe hit costs: its
+/// forks (a library user's other threads starting a job) are not followed, and its exec
+/// and exit are not reported.
+pub const TARGET_CALIBRATION: u32 = 2;
+
 /// Size of `ncclUniqueId` in bytes, as 64-bit words.
 pub const NCCL_UNIQUE_ID_WORDS: usize = 16;
 

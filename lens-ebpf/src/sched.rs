@@ -4,7 +4,7 @@ use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use aya_ebpf::macros::raw_tracepoint;
 use aya_ebpf::programs::RawTracePointContext;
 use lens_common::record::{Exec, Exit, Fork, NO_PROBE};
-use lens_common::{LossCause, Record};
+use lens_common::{LossCause, Record, TARGET_CALIBRATION};
 
 use crate::ctx::{count_loss, new_record, send, send_now, traced};
 use crate::maps::{TARGETS, node_mode};
@@ -17,6 +17,9 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
     let Some((pid_tgid, config)) = traced() else {
         return 0;
     };
+    if config.flags & TARGET_CALIBRATION != 0 {
+        return 0;
+    }
     let child: u64 = ctx.arg(1);
     // SAFETY: reads of kernel memory through the checked helper; the offsets come from
     // the running kernel's BTF.
@@ -44,8 +47,12 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
 pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
-    // SAFETY: only the presence is read.
-    let traced = unsafe { TARGETS.get(&tgid) }.is_some();
+    // SAFETY: the flags are copied out before the map can change.
+    let config = unsafe { TARGETS.get(&tgid) }.copied();
+    if config.is_some_and(|c| c.flags & TARGET_CALIBRATION != 0) {
+        return 0;
+    }
+    let traced = config.is_some();
     if !traced && !node_mode() {
         return 0;
     }
@@ -65,9 +72,12 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
 /// status, which only its parent could otherwise collect.
 #[raw_tracepoint(tracepoint = "sched_process_exit")]
 pub fn process_exit(ctx: RawTracePointContext) -> i32 {
-    let Some((pid_tgid, _)) = traced() else {
+    let Some((pid_tgid, config)) = traced() else {
         return 0;
     };
+    if config.flags & TARGET_CALIBRATION != 0 {
+        return 0;
+    }
     let task: u64 = ctx.arg(0);
     // SAFETY: reads of placeholders the loader set (volatile: not folded) and of kernel
     // memory through the checked helper, at offsets from the running kernel's BTF.

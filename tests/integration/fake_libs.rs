@@ -432,3 +432,31 @@ fn a_library_without_the_symbols_gets_one_report_per_probe_and_nothing_breaks() 
     // 11 functions; the 9 that need a duration also get a return probe.
     assert_eq!(attached.outcomes.len(), 20);
 }
+
+/// A session measures at start-up what a probe hit costs, with its own process briefly
+/// traced: processes that other threads of that process start meanwhile (a library user
+/// running jobs, or other tests) are not followed into tracing.
+#[test]
+fn processes_started_beside_a_starting_session_are_not_traced() {
+    if !lens_tests::require_bpf("processes_started_beside_a_starting_session_are_not_traced") {
+        return;
+    }
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let spawner = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut spawned = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::process::Command::new("true").status();
+                spawned += 1;
+            }
+            spawned
+        })
+    };
+    for _ in 0..3 {
+        let session = Session::new(options("per_step")).unwrap();
+        assert_eq!(session.kernel_state().targets, 0);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(spawner.join().unwrap() > 0);
+}

@@ -14,7 +14,9 @@ use aya::{
     Ebpf,
     maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues},
 };
-use lens_common::{CallKey, KernelKey, LaunchTotals, LossCause, ProbeId, TargetConfig, maps};
+use lens_common::{
+    CallKey, KernelKey, LaunchTotals, LossCause, ProbeId, TARGET_CALIBRATION, TargetConfig, maps,
+};
 use log::warn;
 
 use super::attach;
@@ -137,7 +139,13 @@ fn measure(ebpf: &mut Ebpf) -> Result<HitCosts> {
     // The program does all its work only for a traced process: be one, briefly.
     map_error(
         maps::TARGETS,
-        targets(ebpf)?.insert(&pid, &TargetConfig::default(), 0),
+        targets(ebpf)?.insert(
+            &pid,
+            &TargetConfig {
+                flags: TARGET_CALIBRATION,
+            },
+            0,
+        ),
     )?;
     // The return probe's hits find no entry to pair, which the kernel counts as lost
     // events: those counters are put back as they were.
