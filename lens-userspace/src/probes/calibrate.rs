@@ -24,8 +24,9 @@ use super::catalog::{self, Program};
 use crate::error::{LensError, Result};
 use crate::sys::symbols;
 
-/// Used when the measurement cannot be made (a stripped lens-probe binary): the medians
-/// `cargo xtask bench` found on the 2-vCPU CI VM (docs/performance.md).
+/// Used when the measurement cannot be made (a stripped lens-probe binary): the entry is
+/// the median `cargo xtask bench` found on the 2-vCPU CI VM (docs/performance.md); the
+/// return is a deliberate over-estimate (start-up measured 325–575 ns there).
 pub const DEFAULT_HIT_COSTS: HitCosts = HitCosts {
     entry: Duration::from_nanos(1_500),
     ret: Duration::from_nanos(2_000),

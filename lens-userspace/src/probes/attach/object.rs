@@ -25,9 +25,17 @@ const fn multi_capable(program: Program) -> bool {
 /// The name `program` is found under in `ebpf`: its `_m` twin where that is the one
 /// [`load_object`] loaded. The object itself says which: only one twin is ever loaded.
 fn loaded_name(ebpf: &Ebpf, program: Program) -> &'static str {
-    let twin = program.multi_name();
-    if multi_capable(program) && ebpf.program(twin).is_some_and(|loaded| loaded.fd().is_ok()) {
-        twin
+    let twin_loaded = ebpf
+        .program(program.multi_name())
+        .is_some_and(|loaded| loaded.fd().is_ok());
+    name_for(program, twin_loaded)
+}
+
+/// The name `program` goes in under: its `_m` twin with uprobe_multi links (`multi`),
+/// where it can go in so.
+fn name_for(program: Program, multi: bool) -> &'static str {
+    if multi && multi_capable(program) {
+        program.multi_name()
     } else {
         program.name()
     }
@@ -87,12 +95,7 @@ pub fn load_object(kernel_logs: bool, links: UprobeLinks) -> Result<Ebpf> {
         }
     );
     for &program in Program::ALL {
-        let name = if multi && multi_capable(program) {
-            program.multi_name()
-        } else {
-            program.name()
-        };
-        program_mut::<UProbe>(&mut ebpf, name)?
+        program_mut::<UProbe>(&mut ebpf, name_for(program, multi))?
             .load()
             .map_err(|source| match source {
                 ProgramError::LoadError {
