@@ -64,24 +64,13 @@ pub struct CallKey {
     pub probe: u32,
 }
 
-/// A process's launch total and phase epoch, the value of the `LAUNCH_TOTALS` map (keyed
-/// by tgid).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct LaunchTotals {
-    /// Kernel and graph launches counted so far.
-    pub launches: u64,
-    /// Phase marks so far: launches are counted per kernel under this epoch.
-    pub epoch: u64,
-}
-
 /// Key of the per-kernel launch counters (`KERNEL_COUNTS`): launches of one kernel by
 /// process `tgid` in one phase epoch.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct KernelKey {
     pub tgid: u32,
-    /// The epoch (low 32 bits of [`LaunchTotals::epoch`]) the launches ran in.
+    /// The epoch (low 32 bits of [`TargetState::epoch`]) the launches ran in.
     pub epoch: u32,
     /// The launch's function argument: a host stub address (runtime launches) or a
     /// `CUfunction` handle (driver launches).
@@ -177,12 +166,68 @@ pub struct HandleKey {
     pub handle: u64,
 }
 
-/// Per-target settings, the value of the `TARGETS` map (keyed by tgid).
+/// A traced process's entry in the `TARGETS` map (keyed by tgid): its settings, and the
+/// launch counters and phase epoch its probes keep. They live here, not in maps of their
+/// own, because a launch is the commonest probed call: finding its process is the one
+/// lookup it needs before the per-kernel count.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct TargetConfig {
-    /// Bit set of `TARGET_*` flags.
+pub struct TargetState {
+    /// Bit set of `TARGET_*` flags, set when the entry is made and never after.
     pub flags: u32,
+    pub _pad: u32,
+    /// Phase marks so far: launches are counted per kernel under this epoch.
+    pub epoch: u64,
+    /// Launches counted so far, per launch probe ([`launch_slot`]).
+    pub launches: [u64; LAUNCH_PROBES.len()],
+}
+
+impl TargetState {
+    /// A new entry: nothing counted yet.
+    pub const fn new(flags: u32) -> Self {
+        Self {
+            flags,
+            _pad: 0,
+            epoch: 0,
+            launches: [0; LAUNCH_PROBES.len()],
+        }
+    }
+
+    /// Launches of every kind counted so far.
+    #[inline(always)]
+    pub fn launches_total(&self) -> u64 {
+        let mut total = 0;
+        let mut slot = 0;
+        while slot < LAUNCH_PROBES.len() {
+            total += self.launches[slot];
+            slot += 1;
+        }
+        total
+    }
+}
+
+/// The probes whose calls are counted in [`TargetState::launches`], in slot order (the
+/// call counters of every other probe are `CALL_COUNTS`).
+pub const LAUNCH_PROBES: [ProbeId; 6] = [
+    ProbeId::CudaLaunchKernel,
+    ProbeId::CudaLaunchKernelExC,
+    ProbeId::CudaGraphLaunch,
+    ProbeId::CuLaunchKernel,
+    ProbeId::CuLaunchKernelEx,
+    ProbeId::CuGraphLaunch,
+];
+
+/// The slot of `probe`'s count in [`TargetState::launches`], if it is a launch probe.
+#[inline(always)]
+pub const fn launch_slot(probe: u32) -> Option<usize> {
+    let mut slot = 0;
+    while slot < LAUNCH_PROBES.len() {
+        if LAUNCH_PROBES[slot] as u32 == probe {
+            return Some(slot);
+        }
+        slot += 1;
+    }
+    None
 }
 
 /// Stop the target (SIGSTOP from the probe) whenever its loaded objects change, so the
@@ -250,7 +295,6 @@ pub mod maps {
     pub const INFLIGHT_QUERIES: &str = "INFLIGHT_QUERIES";
     pub const LOSSES: &str = "LOSSES";
     pub const SETTINGS: &str = "SETTINGS";
-    pub const LAUNCH_TOTALS: &str = "LAUNCH_TOTALS";
     pub const KERNEL_COUNTS: &str = "KERNEL_COUNTS";
     pub const RUNTIME_RANGES: &str = "RUNTIME_RANGES";
     pub const KERNEL_REGISTRY: &str = "KERNEL_REGISTRY";
@@ -320,8 +364,26 @@ mod user {
     unsafe impl aya::Pod for super::InflightKey {}
     unsafe impl aya::Pod for super::HandleKey {}
     unsafe impl aya::Pod for super::PyOffsets {}
-    unsafe impl aya::Pod for super::TargetConfig {}
-    unsafe impl aya::Pod for super::LaunchTotals {}
+    unsafe impl aya::Pod for super::TargetState {}
     unsafe impl aya::Pod for super::KernelKey {}
     unsafe impl aya::Pod for super::CodeRanges {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_launch_probe_has_its_own_slot_and_no_other_probe_has_one() {
+        for probe in ProbeId::ALL {
+            let slot = launch_slot(probe as u32);
+            match LAUNCH_PROBES.iter().position(|launch| *launch == probe) {
+                Some(index) => assert_eq!(slot, Some(index), "{probe:?}"),
+                None => assert_eq!(slot, None, "{probe:?}"),
+            }
+        }
+        let mut entry = TargetState::new(0);
+        entry.launches = [1, 2, 3, 4, 5, 6];
+        assert_eq!(entry.launches_total(), 21);
+    }
 }

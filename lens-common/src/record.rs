@@ -27,6 +27,11 @@ pub struct RecordHeader {
 /// The header's `probe` of a record no probe sent (the scheduler's tracepoints).
 pub const NO_PROBE: u32 = u32::MAX;
 
+/// The header's `kind` of an `INFLIGHT_*` slot whose call has returned. A thread's slot
+/// for a function stays in its map and its next call is written over it: no map entry is
+/// made and freed per call. Such a slot is not a call in flight.
+pub const RETURNED_KIND: u32 = u32::MAX;
+
 /// A record: its header, then its kind's body.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -6,11 +6,11 @@ use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
 use aya_ebpf::helpers::{
     bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated,
 };
-use aya_ebpf::maps::HashMap;
+use aya_ebpf::maps::LruHashMap;
 use aya_ebpf::programs::ProbeContext;
 use aya_log_ebpf::warn;
-use lens_common::record::CallTimes;
-use lens_common::{Body, CallKey, InflightKey, LossCause, Record, TargetConfig};
+use lens_common::record::{CallTimes, RETURNED_KIND};
+use lens_common::{Body, CallKey, InflightKey, LossCause, Record, TargetState};
 
 use crate::maps::{CALL_COUNTS, LOSSES, TARGETS};
 use crate::ring::{EVENTS, submit_flags};
@@ -23,14 +23,14 @@ pub(crate) fn count_loss(cause: LossCause) {
     }
 }
 
-/// The target's settings if the current process is traced.
+/// `bpf_get_current_pid_tgid()` and the process's `TARGETS` entry, if it is traced. The
+/// entry stays valid while the program runs (the map's memory is freed only after an RCU
+/// grace period); its counters are shared with the process's other threads.
 #[inline(always)]
-pub(crate) fn traced() -> Option<(u64, TargetConfig)> {
+pub(crate) fn traced() -> Option<(u64, *mut TargetState)> {
     let pid_tgid = bpf_get_current_pid_tgid();
-    let tgid = (pid_tgid >> 32) as u32;
-    // SAFETY: the value is copied out before the map can change under us.
-    let config = unsafe { TARGETS.get(&tgid) }.copied()?;
-    Some((pid_tgid, config))
+    let target = TARGETS.get_ptr_mut(&((pid_tgid >> 32) as u32))?;
+    Some((pid_tgid, target))
 }
 
 /// The running program's attach cookie: the probe (low 32 bits) and, for some, a detail
@@ -104,11 +104,12 @@ pub(crate) fn call_starting_now() -> CallTimes {
     }
 }
 
-/// Keeps a call's entry record in `inflight` until its return pairs it.
+/// Keeps a call's entry record in `inflight` until its return pairs it: over the slot the
+/// thread's last call of the function left, or in a new one.
 #[inline(always)]
 pub(crate) fn remember_entry<C: EbpfContext, B: Body>(
     ctx: &C,
-    inflight: &HashMap<InflightKey, Record<B>>,
+    inflight: &LruHashMap<InflightKey, Record<B>>,
     pid_tgid: u64,
     record: &Record<B>,
 ) {
@@ -117,6 +118,17 @@ pub(crate) fn remember_entry<C: EbpfContext, B: Body>(
         probe: record.header.probe,
         _pad: 0,
     };
+    if let Some(slot) = inflight.get_ptr_mut(&key) {
+        // The kind last: a reader (the hang checks) that sees this call's kind sees its
+        // body too (stores are not reordered on x86, nor by the compiler across the
+        // volatile write).
+        // SAFETY: a live map value, written only by this thread.
+        unsafe {
+            core::ptr::write_volatile(&raw mut (*slot).body, record.body);
+            core::ptr::write_volatile(&raw mut (*slot).header, record.header);
+        }
+        return;
+    }
     if inflight.insert(&key, record, 0).is_err() {
         count_loss(LossCause::InflightMapFull);
         warn!(
@@ -126,11 +138,11 @@ pub(crate) fn remember_entry<C: EbpfContext, B: Body>(
     }
 }
 
-/// The entry record of the call returning on this thread, removed from `inflight`.
+/// The entry record of the call returning on this thread; its slot is marked returned.
 #[inline(always)]
 pub(crate) fn take_entry<C: EbpfContext, B: Body>(
     ctx: &C,
-    inflight: &HashMap<InflightKey, Record<B>>,
+    inflight: &LruHashMap<InflightKey, Record<B>>,
     pid_tgid: u64,
 ) -> Option<Record<B>> {
     let key = InflightKey {
@@ -138,10 +150,16 @@ pub(crate) fn take_entry<C: EbpfContext, B: Body>(
         probe: probe_id(ctx),
         _pad: 0,
     };
-    // SAFETY: copied out before the entry is removed.
-    let record = unsafe { inflight.get(&key) }.copied()?;
-    let _ = inflight.remove(&key);
-    Some(record)
+    let slot = inflight.get_ptr_mut(&key)?;
+    // SAFETY: a live map value, written only by this thread.
+    unsafe {
+        if (*slot).header.kind == RETURNED_KIND {
+            return None;
+        }
+        let record = *slot;
+        core::ptr::write_volatile(&raw mut (*slot).header.kind, RETURNED_KIND);
+        Some(record)
+    }
 }
 
 /// The `n`th integer argument at function entry on x86-64: six in registers, the rest on

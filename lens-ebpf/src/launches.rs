@@ -2,14 +2,16 @@
 //! the launch totals that phase marks carry and the kernel names `cudaRegisterFunction`
 //! registers.
 use aya_ebpf::bindings::BPF_NOEXIST;
-use aya_ebpf::helpers::bpf_probe_read_user;
+use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user};
 use aya_ebpf::programs::ProbeContext;
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::record::LaunchMark;
-use lens_common::{CODE_RANGES, HandleKey, KernelKey, LaunchTotals, LossCause, ProbeId};
+use lens_common::{
+    CODE_RANGES, HandleKey, KernelKey, LossCause, ProbeId, TargetState, launch_slot,
+};
 
 use crate::ctx::{arg_u64, count_call, count_loss, now_ns, probe_id, traced};
-use crate::maps::{KERNEL_COUNTS, KERNEL_REGISTRY, LAUNCH_TOTALS, RUNTIME_RANGES, kernel_names};
+use crate::maps::{KERNEL_COUNTS, KERNEL_REGISTRY, RUNTIME_RANGES, TARGETS, kernel_names};
 
 /// Adds `value` to `*counter`, shared with other CPUs. (The old value is not used: BPF's
 /// plain atomic add, without fetch, is what the `generic` CPU has.)
@@ -21,45 +23,28 @@ pub(crate) fn atomic_add(counter: *mut u64, value: u64) {
     }
 }
 
-/// Counts one launch of the current process: per probe, in the process's total and,
-/// when kernel names are on, per (epoch, kernel) under the epoch it runs in.
+/// Counts one launch of the current process (its `TARGETS` entry): per launch probe
+/// and, when kernel names are on, per (epoch, kernel) under the epoch it runs in.
 #[inline(always)]
-pub(crate) fn count_launch(ctx: &ProbeContext, pid_tgid: u64, probe: u32, driver: bool) {
-    count_call(pid_tgid, probe);
-    let tgid = (pid_tgid >> 32) as u32;
-    let epoch = match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
-        Some(totals) => {
-            // SAFETY: a live map value (see `atomic_add`); the epoch is read as it is now.
-            unsafe {
-                atomic_add(&raw mut (*totals).launches, 1);
-                core::ptr::read_volatile(&raw const (*totals).epoch)
-            }
+pub(crate) fn count_launch(
+    ctx: &ProbeContext,
+    pid_tgid: u64,
+    target: *mut TargetState,
+    probe: u32,
+    driver: bool,
+) {
+    let Some(slot) = launch_slot(probe) else {
+        // Not a launch probe: counted as any other call.
+        count_call(pid_tgid, probe);
+        return;
+    };
+    // SAFETY: a live map value (see `atomic_add`); the epoch is read as it is now. The
+    // slot is below the array's length (`launch_slot`), checked again for the verifier.
+    let epoch = unsafe {
+        if let Some(count) = (*target).launches.get_mut(slot) {
+            atomic_add(count, 1);
         }
-        None => {
-            let first = LaunchTotals {
-                launches: 1,
-                epoch: 0,
-            };
-            if LAUNCH_TOTALS
-                .insert(&tgid, &first, BPF_NOEXIST as u64)
-                .is_err()
-            {
-                // Another thread's first launch or mark came first, or the map is full.
-                match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
-                    // SAFETY: as above.
-                    Some(totals) => unsafe {
-                        atomic_add(&raw mut (*totals).launches, 1);
-                        core::ptr::read_volatile(&raw const (*totals).epoch)
-                    },
-                    None => {
-                        count_loss(LossCause::CounterMapFull);
-                        0
-                    }
-                }
-            } else {
-                0
-            }
-        }
+        core::ptr::read_volatile(&raw const (*target).epoch)
     };
     if !kernel_names() {
         return;
@@ -84,7 +69,7 @@ pub(crate) fn count_launch(ctx: &ProbeContext, pid_tgid: u64, probe: u32, driver
         _ => return,
     };
     let key = KernelKey {
-        tgid,
+        tgid: (pid_tgid >> 32) as u32,
         epoch: epoch as u32,
         function,
         driver: driver as u32,
@@ -111,8 +96,8 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn count_only_body(ctx: ProbeContext) -> u32 {
-    if let Some((pid_tgid, _)) = traced() {
-        count_launch(&ctx, pid_tgid, probe_id(&ctx), false);
+    if let Some((pid_tgid, target)) = traced() {
+        count_launch(&ctx, pid_tgid, target, probe_id(&ctx), false);
     }
     0
 }
@@ -128,80 +113,51 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn driver_launch_body(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, _)) = traced() else {
-        return 0;
-    };
-    let tgid = (pid_tgid >> 32) as u32;
-    // SAFETY: the value is copied out before the map can change under us.
-    if let Some(runtime) = unsafe { RUNTIME_RANGES.get(&tgid) }.copied() {
+    // Only targets have ranges: the runtime's own launches, the commonest calls here,
+    // are left out after this one lookup, before the target check.
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if let Some(runtime) = RUNTIME_RANGES.get_ptr(&tgid) {
         // SAFETY: reading the traced thread's stack through the checked helper.
         let caller = unsafe { bpf_probe_read_user((*ctx.regs).rsp as *const u64) }.unwrap_or(0);
         let mut i = 0;
         while i < CODE_RANGES {
-            let [start, end] = runtime.ranges[i];
+            // SAFETY: a live map value; the loader writes a process's ranges whole.
+            let [start, end] = unsafe { (*runtime).ranges[i] };
             if caller >= start && caller < end {
                 return 0;
             }
             i += 1;
         }
     }
-    count_launch(&ctx, pid_tgid, probe_id(&ctx), true);
+    let Some((pid_tgid, target)) = traced() else {
+        return 0;
+    };
+    count_launch(&ctx, pid_tgid, target, probe_id(&ctx), true);
     0
 }
 
-/// The process's launches so far, stamped on phase marks.
-#[inline(always)]
-pub(crate) fn launches_so_far(pid_tgid: u64) -> u64 {
-    let tgid = (pid_tgid >> 32) as u32;
-    // SAFETY: a plain read of a counter; a torn read cannot happen for an aligned u64.
-    unsafe { LAUNCH_TOTALS.get(&tgid) }.map_or(0, |totals| totals.launches)
-}
-
-/// Adds one to the process's epoch and reads it back. (Two marks of two threads at the
-/// same instant may both read the later epoch: the earlier one's launches, none between
-/// them, are not misplaced.)
-#[inline(always)]
-pub(crate) fn bump_epoch(totals: *mut LaunchTotals) -> u64 {
-    // SAFETY: a live map value (see `atomic_add`).
-    unsafe {
-        atomic_add(&raw mut (*totals).epoch, 1);
-        core::ptr::read_volatile(&raw const (*totals).epoch)
-    }
-}
-
-/// A phase mark opens the process's next epoch: launches after it are counted per kernel
-/// under that epoch. Returns it (1 for the first mark).
-#[inline(always)]
-pub(crate) fn next_epoch(pid_tgid: u64) -> u64 {
-    let tgid = (pid_tgid >> 32) as u32;
-    if let Some(totals) = LAUNCH_TOTALS.get_ptr_mut(&tgid) {
-        return bump_epoch(totals);
-    }
-    let first = LaunchTotals {
-        launches: 0,
-        epoch: 1,
-    };
-    if LAUNCH_TOTALS
-        .insert(&tgid, &first, BPF_NOEXIST as u64)
-        .is_ok()
-    {
-        return 1;
-    }
-    match LAUNCH_TOTALS.get_ptr_mut(&tgid) {
-        Some(totals) => bump_epoch(totals),
-        None => 0,
-    }
-}
-
-/// A mark taken now: the clock, the epoch it opens and the process's launches so far.
+/// A mark taken now: the clock, the epoch it opens (1 for the process's first mark) and
+/// the process's launches so far. (Two marks of two threads at the same instant may both
+/// read the later epoch: the earlier one's launches, none between them, are not
+/// misplaced.) A process not traced has no launches counted and opens no epoch: 0.
 #[inline(always)]
 pub(crate) fn mark_now(pid_tgid: u64) -> LaunchMark {
     let at_ns = now_ns();
-    let epoch = next_epoch(pid_tgid);
-    LaunchMark {
-        at_ns,
-        launches: launches_so_far(pid_tgid),
-        epoch,
+    let Some(target) = TARGETS.get_ptr_mut(&((pid_tgid >> 32) as u32)) else {
+        return LaunchMark {
+            at_ns,
+            launches: 0,
+            epoch: 0,
+        };
+    };
+    // SAFETY: a live map value (see `atomic_add`).
+    unsafe {
+        atomic_add(&raw mut (*target).epoch, 1);
+        LaunchMark {
+            at_ns,
+            launches: (*target).launches_total(),
+            epoch: core::ptr::read_volatile(&raw const (*target).epoch),
+        }
     }
 }
 

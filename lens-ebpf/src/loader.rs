@@ -25,8 +25,8 @@ fn dl_debug_state_body(ctx: ProbeContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: the value is copied out before the map can change under us.
-    let config = unsafe { TARGETS.get(&tgid) }.copied();
-    if config.is_none() && !node_mode() {
+    let flags = unsafe { TARGETS.get(&tgid) }.map(|target| target.flags);
+    if flags.is_none() && !node_mode() {
         return 0;
     }
     let mut record = new_record::<LinkMapChange>(ProbeId::DlDebugState as u32, pid_tgid);
@@ -34,11 +34,11 @@ fn dl_debug_state_body(ctx: ProbeContext) -> u32 {
     // (epoll_wait, semtimedop...; see signal(7)), which libraries such as gloo treat as
     // fatal: only a single-threaded process is stopped. A multi-threaded one runs on
     // while its new libraries are attached (a few ms).
-    let stop = config.is_some_and(|c| c.flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0)
+    let stop = flags.is_some_and(|flags| flags & TARGET_STOP_ON_LINK_MAP_CHANGE != 0)
         && !has_other_threads();
     record.body = LinkMapChange {
         stopped: stop as u32,
-        traced: config.is_some() as u32,
+        traced: flags.is_some() as u32,
     };
     // Reserve first: without room for the record nobody would resume a stopped target.
     let Some(mut entry) = EVENTS.reserve::<Record<LinkMapChange>>(0) else {
@@ -55,11 +55,11 @@ fn dl_debug_state_body(ctx: ProbeContext) -> u32 {
         // SAFETY: signals the current process, which is the traced target.
         unsafe { generated::bpf_send_signal(SIGSTOP) };
     }
-    let flags = if config.is_some() {
+    let send_flags = if flags.is_some() {
         BPF_RB_FORCE_WAKEUP as u64
     } else {
         submit_flags(Record::<LinkMapChange>::RING_BYTES)
     };
-    entry.submit(flags);
+    entry.submit(send_flags);
     0
 }

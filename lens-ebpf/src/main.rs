@@ -5,10 +5,10 @@
 //! Calls that need a duration (collectives, sync waits, communicator init) keep their
 //! entry record in an `INFLIGHT_*` map until the return probe pairs it and sends one
 //! record ([`lens_common::record`]).
-//! Launches are only counted, in `CALL_COUNTS`.
+//! Launches are only counted, in their process's `TARGETS` entry.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
-// An atomic add on a shared counter (`LAUNCH_TOTALS`): the BPF target has no
+// An atomic add on shared counters (a target's launches): the BPF target has no
 // `AtomicU64::fetch_add`, but the intrinsic lowers to BPF's atomic add.
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
 #![cfg_attr(target_arch = "bpf", allow(internal_features))]

@@ -4,14 +4,15 @@ use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap};
 use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall, TimedCall};
 use lens_common::{
-    CallKey, CodeRanges, HandleKey, InflightKey, KernelKey, LaunchTotals, LossCause, PyOffsets,
-    Record, TargetConfig, limits, settings,
+    CallKey, CodeRanges, HandleKey, InflightKey, KernelKey, LossCause, PyOffsets, Record,
+    TargetState, limits, settings,
 };
 
-/// Processes being traced (tgid → settings). Probes are attached per library file, so
-/// they fire in every process that maps it; this map is the filter.
+/// Processes being traced (tgid → settings, launch counters, phase epoch). Probes are
+/// attached per library file, so they fire in every process that maps it; this map is the
+/// filter.
 #[map(name = "TARGETS")]
-pub(crate) static TARGETS: HashMap<u32, TargetConfig> =
+pub(crate) static TARGETS: HashMap<u32, TargetState> =
     HashMap::with_max_entries(limits::MAX_TARGETS, 0);
 
 /// Targets this program stopped at a library load (tgid → when), until lens-probe (or,
@@ -22,12 +23,6 @@ pub(crate) static STOPPED: HashMap<u32, u64> = HashMap::with_max_entries(limits:
 #[map(name = "CALL_COUNTS")]
 pub(crate) static CALL_COUNTS: PerCpuHashMap<CallKey, u64> =
     PerCpuHashMap::with_max_entries(limits::MAX_CALL_COUNTERS, 0);
-
-/// Kernel launches and phase epoch per process (tgid → totals), read by the
-/// phase-marking programs so that launches per phase need no event per launch.
-#[map(name = "LAUNCH_TOTALS")]
-pub(crate) static LAUNCH_TOTALS: HashMap<u32, LaunchTotals> =
-    HashMap::with_max_entries(limits::MAX_TARGETS, 0);
 
 /// Launches per (process, phase epoch, kernel), read and cleared by the loader: the top
 /// kernels of each step.
@@ -76,27 +71,29 @@ pub(crate) static PY_LAST_STACK: LruHashMap<u32, u64> =
     LruHashMap::with_max_entries(limits::MAX_PY_THREADS, 0);
 
 // Calls in flight (entry → return), one map per record body: each return program pairs
-// its own kind, and a map's values are the size of that kind's record.
+// its own kind, and a map's values are the size of that kind's record. A slot per thread
+// and function, reused from call to call (`ctx::remember_entry`); LRU, so the slots of
+// threads that ended make room for new ones.
 
 #[map(name = "INFLIGHT_COLLECTIVES")]
-pub(crate) static INFLIGHT_COLLECTIVES: HashMap<InflightKey, Record<CollectiveCall>> =
-    HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+pub(crate) static INFLIGHT_COLLECTIVES: LruHashMap<InflightKey, Record<CollectiveCall>> =
+    LruHashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
 
 #[map(name = "INFLIGHT_TIMED")]
-pub(crate) static INFLIGHT_TIMED: HashMap<InflightKey, Record<TimedCall>> =
-    HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+pub(crate) static INFLIGHT_TIMED: LruHashMap<InflightKey, Record<TimedCall>> =
+    LruHashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
 
 #[map(name = "INFLIGHT_SYNCS")]
-pub(crate) static INFLIGHT_SYNCS: HashMap<InflightKey, Record<SyncCall>> =
-    HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+pub(crate) static INFLIGHT_SYNCS: LruHashMap<InflightKey, Record<SyncCall>> =
+    LruHashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
 
 #[map(name = "INFLIGHT_COMM_INITS")]
-pub(crate) static INFLIGHT_COMM_INITS: HashMap<InflightKey, Record<CommInitCall>> =
-    HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+pub(crate) static INFLIGHT_COMM_INITS: LruHashMap<InflightKey, Record<CommInitCall>> =
+    LruHashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
 
 #[map(name = "INFLIGHT_QUERIES")]
-pub(crate) static INFLIGHT_QUERIES: HashMap<InflightKey, Record<EventQuery>> =
-    HashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+pub(crate) static INFLIGHT_QUERIES: LruHashMap<InflightKey, Record<EventQuery>> =
+    LruHashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
 
 /// Run-wide switches set by the loader (`lens_common::settings`).
 #[map(name = "SETTINGS")]

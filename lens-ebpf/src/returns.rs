@@ -1,7 +1,8 @@
 //! Returns of calls whose duration matters: each kind's entry, kept in its own
 //! `INFLIGHT_*` map, paired with its return into one record.
+use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use aya_ebpf::helpers::bpf_probe_read_user;
-use aya_ebpf::maps::HashMap;
+use aya_ebpf::maps::LruHashMap;
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use lens_common::record::{CollectiveCall, CommInitCall, SyncCall, TimedCall};
 use lens_common::{Body, InflightKey, LossCause, Record};
@@ -35,14 +36,17 @@ macro_rules! returning {
 returning!(CollectiveCall, TimedCall, SyncCall, CommInitCall);
 
 /// The return paired with its entry in `inflight`: the end stamped and the result read.
+/// (Only a traced process has entries: the target check is needed only without one.)
 #[inline(always)]
 fn finish<B: Returning>(
     ctx: &RetProbeContext,
-    inflight: &HashMap<InflightKey, Record<B>>,
+    inflight: &LruHashMap<InflightKey, Record<B>>,
 ) -> Option<Record<B>> {
-    let (pid_tgid, _) = traced()?;
+    let pid_tgid = bpf_get_current_pid_tgid();
     let Some(mut record) = take_entry(ctx, inflight, pid_tgid) else {
-        count_loss(LossCause::UnmatchedReturn);
+        if traced().is_some() {
+            count_loss(LossCause::UnmatchedReturn);
+        }
         return None;
     };
     record.body.returned(now_ns(), ctx.ret::<i64>() as i32);

@@ -4,7 +4,7 @@ use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use aya_ebpf::macros::raw_tracepoint;
 use aya_ebpf::programs::RawTracePointContext;
 use lens_common::record::{Exec, Exit, Fork, NO_PROBE};
-use lens_common::{LossCause, Record, TARGET_CALIBRATION};
+use lens_common::{LossCause, Record, TARGET_CALIBRATION, TargetState};
 
 use crate::ctx::{count_loss, new_record, send, send_now, traced};
 use crate::maps::{TARGETS, node_mode};
@@ -14,10 +14,12 @@ use crate::task::{EXIT_HAS_GROUP_DEAD, TASK_EXIT_CODE_OFFSET, TASK_TGID_OFFSET};
 /// (not a thread) is traced from here, with its parent's settings, before it runs.
 #[raw_tracepoint(tracepoint = "sched_process_fork")]
 pub fn process_fork(ctx: RawTracePointContext) -> i32 {
-    let Some((pid_tgid, config)) = traced() else {
+    let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
-    if config.flags & TARGET_CALIBRATION != 0 {
+    // SAFETY: a live map value; the flags never change after the entry is made.
+    let flags = unsafe { (*target).flags };
+    if flags & TARGET_CALIBRATION != 0 {
         return 0;
     }
     let child: u64 = ctx.arg(1);
@@ -32,7 +34,10 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
         // A new thread of the same process: already traced.
         return 0;
     }
-    if TARGETS.insert(&child_tgid, &config, 0).is_err() {
+    if TARGETS
+        .insert(&child_tgid, &TargetState::new(flags), 0)
+        .is_err()
+    {
         count_loss(LossCause::TargetMapFull);
         return 0;
     }
@@ -48,11 +53,11 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: the flags are copied out before the map can change.
-    let config = unsafe { TARGETS.get(&tgid) }.copied();
-    if config.is_some_and(|c| c.flags & TARGET_CALIBRATION != 0) {
+    let flags = unsafe { TARGETS.get(&tgid) }.map(|target| target.flags);
+    if flags.is_some_and(|flags| flags & TARGET_CALIBRATION != 0) {
         return 0;
     }
-    let traced = config.is_some();
+    let traced = flags.is_some();
     if !traced && !node_mode() {
         return 0;
     }
@@ -72,10 +77,12 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
 /// status, which only its parent could otherwise collect.
 #[raw_tracepoint(tracepoint = "sched_process_exit")]
 pub fn process_exit(ctx: RawTracePointContext) -> i32 {
-    let Some((pid_tgid, config)) = traced() else {
+    let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
-    if config.flags & TARGET_CALIBRATION != 0 {
+    // SAFETY: a live map value; the flags never change after the entry is made.
+    let flags = unsafe { (*target).flags };
+    if flags & TARGET_CALIBRATION != 0 {
         return 0;
     }
     let task: u64 = ctx.arg(0);

@@ -44,7 +44,6 @@ const NOTHING_LEFT: KernelState = KernelState {
     targets: 0,
     inflight: 0,
     call_counters: 0,
-    launch_totals: 0,
     kernel_counters: 0,
     runtime_ranges: 0,
 };

@@ -127,7 +127,6 @@ fn each_launch_counts_once_with_runtime_and_driver_probes_attached() {
             targets: 0,
             inflight: 0,
             call_counters: 0,
-            launch_totals: 0,
             kernel_counters: 0,
             runtime_ranges: 0,
         }

@@ -12,11 +12,9 @@ use std::{
 
 use aya::{
     Ebpf,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues},
+    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuValues},
 };
-use lens_common::{
-    CallKey, KernelKey, LaunchTotals, LossCause, ProbeId, TARGET_CALIBRATION, TargetConfig, maps,
-};
+use lens_common::{KernelKey, LossCause, ProbeId, TARGET_CALIBRATION, TargetState, maps};
 use log::warn;
 
 use super::attach;
@@ -140,13 +138,7 @@ fn measure(ebpf: &mut Ebpf) -> Result<HitCosts> {
     // The program does all its work only for a traced process: be one, briefly.
     map_error(
         maps::TARGETS,
-        targets(ebpf)?.insert(
-            &pid,
-            &TargetConfig {
-                flags: TARGET_CALIBRATION,
-            },
-            0,
-        ),
+        targets(ebpf)?.insert(&pid, &TargetState::new(TARGET_CALIBRATION), 0),
     )?;
     // The return probe's hits find no entry to pair, which the kernel counts as lost
     // events: those counters are put back as they were.
@@ -196,7 +188,7 @@ fn map_error<T>(
     result.map_err(|source| LensError::Map { map, source })
 }
 
-fn targets(ebpf: &mut Ebpf) -> Result<BpfHashMap<&mut MapData, u32, TargetConfig>> {
+fn targets(ebpf: &mut Ebpf) -> Result<BpfHashMap<&mut MapData, u32, TargetState>> {
     let map = ebpf
         .map_mut(maps::TARGETS)
         .ok_or(LensError::MissingInObject {
@@ -224,19 +216,6 @@ fn set_unmatched_returns(ebpf: &mut Ebpf, values: PerCpuValues<u64>) {
 fn forget_own_counters(ebpf: &mut Ebpf, pid: u32) {
     if let Ok(mut targets) = targets(ebpf) {
         let _ = targets.remove(&pid);
-    }
-    if let Some(map) = ebpf.map_mut(maps::CALL_COUNTS)
-        && let Ok(mut counts) = PerCpuHashMap::<_, CallKey, u64>::try_from(map)
-    {
-        let _ = counts.remove(&CallKey {
-            tgid: pid,
-            probe: ProbeId::CudaLaunchKernel as u32,
-        });
-    }
-    if let Some(map) = ebpf.map_mut(maps::LAUNCH_TOTALS)
-        && let Ok(mut totals) = BpfHashMap::<_, u32, LaunchTotals>::try_from(map)
-    {
-        let _ = totals.remove(&pid);
     }
     if let Some(map) = ebpf.map_mut(maps::KERNEL_COUNTS)
         && let Ok(mut counts) = BpfHashMap::<_, KernelKey, u64>::try_from(map)

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use aya::maps::{HashMap as BpfHashMap, PerCpuHashMap};
-use lens_common::{CallKey, HandleKey, KernelKey, ProbeId, maps};
+use lens_common::{CallKey, HandleKey, KernelKey, LAUNCH_PROBES, ProbeId, TargetState, maps};
 
 use crate::{
     kernels::{KernelLaunches, KernelNames},
@@ -133,9 +133,16 @@ impl Session {
         }
     }
 
-    /// Every target's call counters so far (kept in the kernel).
+    /// Every target's call counters so far (kept in the kernel): launches in its
+    /// `TARGETS` entry, other calls in `CALL_COUNTS`.
     pub(super) fn call_counts(&mut self) -> BTreeMap<u32, BTreeMap<ProbeId, u64>> {
         let mut by_pid: BTreeMap<u32, BTreeMap<ProbeId, u64>> = BTreeMap::new();
+        if let Ok(targets) = self.targets_map() {
+            for (pid, entry) in targets.iter().filter_map(|entry| entry.ok()) {
+                add_launch_counts(by_pid.entry(pid).or_default(), Some(&entry));
+            }
+        }
+        by_pid.retain(|pid, _| self.targets.contains_key(pid));
         let Some(map) = self.ebpf.map(maps::CALL_COUNTS) else {
             return by_pid;
         };
@@ -156,6 +163,16 @@ impl Session {
         by_pid
     }
 
+    /// Takes `pid` out of `TARGETS`: its probes stop counting it. Returns its entry as
+    /// it was, launch counters included.
+    pub(super) fn take_target_entry(&mut self, pid: u32) -> Option<TargetState> {
+        let mut targets = self.targets_map().ok()?;
+        let entry = targets.get(&pid, 0).ok();
+        let _ = targets.remove(&pid);
+        entry
+    }
+
+    /// `pid`'s `CALL_COUNTS` counters, removed from the kernel.
     pub(super) fn take_call_counts(&mut self, pid: u32) -> BTreeMap<ProbeId, u64> {
         let mut calls = BTreeMap::new();
         let Some(map) = self.ebpf.map_mut(maps::CALL_COUNTS) else {
@@ -197,6 +214,19 @@ impl Session {
                 target.launches_seen |= counted;
                 sink.on_launch_counting(*pid, counted, since, sampled);
             }
+        }
+    }
+}
+
+/// Adds the launches a `TARGETS` entry counted, per launch probe, to `calls` (launch
+/// probes that counted nothing are left out, as probes that never fired are).
+pub(super) fn add_launch_counts(calls: &mut BTreeMap<ProbeId, u64>, entry: Option<&TargetState>) {
+    let Some(entry) = entry else {
+        return;
+    };
+    for (probe, &launches) in LAUNCH_PROBES.iter().zip(&entry.launches) {
+        if launches > 0 {
+            *calls.entry(*probe).or_default() += launches;
         }
     }
 }

@@ -5,10 +5,11 @@ use aya::{
     Ebpf,
     maps::{Array as BpfArray, HashMap as BpfHashMap, MapData, PerCpuHashMap},
 };
-use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall, TimedCall};
+use lens_common::record::{
+    CollectiveCall, CommInitCall, EventQuery, RETURNED_KIND, SyncCall, TimedCall,
+};
 use lens_common::{
-    Body, CODE_RANGES, CallKey, CodeRanges, InflightKey, KernelKey, LaunchTotals, Record,
-    TargetConfig, maps,
+    Body, CODE_RANGES, CallKey, CodeRanges, InflightKey, KernelKey, Record, TargetState, maps,
 };
 use log::warn;
 
@@ -83,32 +84,25 @@ impl Session {
         }
     }
 
-    pub(super) fn launch_totals_map(
-        &mut self,
-    ) -> Result<BpfHashMap<&mut MapData, u32, LaunchTotals>> {
-        hash_map_mut(&mut self.ebpf, maps::LAUNCH_TOTALS)
-    }
-
-    pub(super) fn targets_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, TargetConfig>> {
+    pub(super) fn targets_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, TargetState>> {
         hash_map_mut(&mut self.ebpf, maps::TARGETS)
     }
 
-    pub(super) fn set_target(&mut self, pid: u32, config: TargetConfig) -> Result<()> {
+    /// Traces `pid` from now, with `flags` (`TARGET_*`) and nothing counted yet.
+    pub(super) fn set_target(&mut self, pid: u32, flags: u32) -> Result<()> {
         self.targets_map()?
-            .insert(&pid, &config, 0)
+            .insert(&pid, &TargetState::new(flags), 0)
             .map_err(|source| LensError::Map {
                 map: maps::TARGETS,
                 source,
             })
     }
 
-    /// Drops what the kernel keeps for `pid` besides its call counters (taken by the
-    /// caller): its launch total and the entries of calls it never returned from (a thread
-    /// killed in a sync wait).
+    /// Drops what the kernel keeps for `pid` besides its `TARGETS` entry and call counters
+    /// (taken by the caller): a stop not yet continued, its Python save state, where it
+    /// maps libcudart, and the entries of calls it never returned from (a thread killed in
+    /// a sync wait).
     pub(super) fn forget_kernel_state(&mut self, pid: u32) {
-        if let Ok(mut totals) = self.launch_totals_map() {
-            let _ = totals.remove(&pid);
-        }
         if let Some(map) = self.ebpf.map_mut(maps::STOPPED)
             && let Ok(mut stops) = BpfHashMap::<_, u32, u64>::try_from(map)
         {
@@ -144,24 +138,29 @@ impl Session {
             .and_then(|map| PerCpuHashMap::<_, CallKey, u64>::try_from(map).ok())
             .map_or(0, |map| map.keys().count());
         KernelState {
-            targets: entries::<u32, TargetConfig>(&self.ebpf, maps::TARGETS),
+            targets: entries::<u32, TargetState>(&self.ebpf, maps::TARGETS),
             inflight: each_inflight_map!(inflight_count(&self.ebpf)).iter().sum(),
             call_counters,
-            launch_totals: entries::<u32, LaunchTotals>(&self.ebpf, maps::LAUNCH_TOTALS),
             kernel_counters: entries::<KernelKey, u64>(&self.ebpf, maps::KERNEL_COUNTS),
             runtime_ranges: entries::<u32, CodeRanges>(&self.ebpf, maps::RUNTIME_RANGES),
         }
     }
 }
 
-/// The calls in flight in one in-flight map, with their entry records.
+/// The calls in flight in one in-flight map, with their entry records (not the slots of
+/// calls that returned, kept for their thread's next call).
 pub(super) fn inflight_entries<B: Body>(
     ebpf: &Ebpf,
     name: &'static str,
 ) -> Vec<(InflightKey, Record<B>)> {
     ebpf.map(name)
         .and_then(|map| BpfHashMap::<_, InflightKey, Record<B>>::try_from(map).ok())
-        .map(|map| map.iter().filter_map(|entry| entry.ok()).collect())
+        .map(|map| {
+            map.iter()
+                .filter_map(|entry| entry.ok())
+                .filter(|(_, record)| record.header.kind != RETURNED_KIND)
+                .collect()
+        })
         .unwrap_or_default()
 }
 

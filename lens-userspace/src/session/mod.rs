@@ -14,7 +14,7 @@ use aya::{
     maps::{MapData, RingBuf},
 };
 use aya_log::EbpfLogger;
-use lens_common::{TargetConfig, maps, settings};
+use lens_common::{maps, settings};
 use log::{info, warn};
 use tokio::sync::mpsc;
 
@@ -95,9 +95,10 @@ pub enum StopReason {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KernelState {
     pub targets: usize,
+    /// Slots of the `INFLIGHT_*` maps: calls in flight, and one per thread and function
+    /// called (kept for its next call) until the process ends.
     pub inflight: usize,
     pub call_counters: usize,
-    pub launch_totals: usize,
     /// Per-kernel launch counters not yet read.
     pub kernel_counters: usize,
     /// Processes whose libcudart mappings the driver probes know.
@@ -119,7 +120,8 @@ struct Target {
     info: ProcessInfo,
     /// Started by us (`--exec`): we can collect its exit status.
     own_child: bool,
-    config: TargetConfig,
+    /// `TARGET_*` flags of its `TARGETS` entry (a fork inherits them).
+    flags: u32,
     pidfd: Option<OwnedFd>,
     /// The sink was told its launches are being counted.
     launches_counted: bool,

@@ -3,7 +3,7 @@
 use std::{ffi::OsString, os::fd::OwnedFd};
 
 use aya::maps::HashMap as BpfHashMap;
-use lens_common::{CodeRanges, TARGET_STOP_ON_LINK_MAP_CHANGE, TargetConfig, maps};
+use lens_common::{CodeRanges, TARGET_STOP_ON_LINK_MAP_CHANGE, maps};
 use log::{info, warn};
 
 use crate::{
@@ -21,6 +21,7 @@ use crate::{
 
 use super::budget::{launch_total, scale_launches};
 use super::event_loop::register;
+use super::kernel_counts::add_launch_counts;
 use super::{Session, Target};
 
 impl Session {
@@ -141,7 +142,7 @@ impl Session {
         self.set_runtime_ranges(pid, libraries);
         self.sample_python(pid);
         self.probe_file_creation(pid, libraries);
-        self.set_target(pid, TargetConfig::default())?;
+        self.set_target(pid, 0)?;
         // Before `run` the exit watch starts there; during it, here.
         let pidfd = match self.exit_tx {
             Some(_) => {
@@ -155,7 +156,7 @@ impl Session {
             Target {
                 info,
                 own_child: false,
-                config: TargetConfig::default(),
+                flags: 0,
                 pidfd,
                 launches_counted: false,
                 launches_seen: false,
@@ -178,10 +179,8 @@ impl Session {
         let gated = target::spawn_gated(argv)?;
         let pid = gated.pid;
         self.guard(pid);
-        let config = TargetConfig {
-            flags: TARGET_STOP_ON_LINK_MAP_CHANGE,
-        };
-        self.set_target(pid, config)?;
+        let flags = TARGET_STOP_ON_LINK_MAP_CHANGE;
+        self.set_target(pid, flags)?;
         let pidfd = target::pidfd_open(pid)?;
         if let Err(error) = gated.release() {
             let _ = self.targets_map()?.remove(&pid);
@@ -204,7 +203,7 @@ impl Session {
             Target {
                 info,
                 own_child: true,
-                config,
+                flags,
                 pidfd: Some(pidfd),
                 launches_counted: false,
                 launches_seen: false,
@@ -233,11 +232,7 @@ impl Session {
     /// its own (its exit watched, its settings inherited).
     pub(super) fn on_fork(&mut self, parent: u32, child: u32, sink: &mut dyn EventSink) {
         self.guard(child);
-        let config = self
-            .targets
-            .get(&parent)
-            .map(|t| t.config)
-            .unwrap_or_default();
+        let flags = self.targets.get(&parent).map_or(0, |t| t.flags);
         let registered = target::pidfd_open(child).and_then(|pidfd| {
             let mut info = ProcessInfo::read(child)?;
             info.traced_from_start = true;
@@ -248,14 +243,13 @@ impl Session {
             Ok(info) => {
                 info!("pid {parent} started pid {child}: tracing it");
                 self.hangs.process_started(&info, true);
-                self.hangs.process_started(&info, true);
                 sink.on_process_start(&info);
                 self.targets.insert(
                     child,
                     Target {
                         info,
                         own_child: false,
-                        config,
+                        flags,
                         pidfd: None,
                         launches_counted: false,
                         launches_seen: false,
@@ -283,10 +277,9 @@ impl Session {
         // its parent's interpreter: the new program's is elsewhere (another load
         // address), found again at its library loads.
         self.forget_python(pid, sink);
-        // The new program's launches count from 0, its epochs too; its libraries are new.
-        if let Ok(mut totals) = self.launch_totals_map() {
-            let _ = totals.remove(&pid);
-        }
+        // Its libraries are new, its kernels too. (Its launch total and epochs run on from
+        // the old program's: spans take differences between marks, and the kernel keeps
+        // counting without a moment in which a launch could be missed.)
         self.forget_kernel_counts(pid);
         if let Some(map) = self.ebpf.map_mut(maps::RUNTIME_RANGES)
             && let Ok(mut ranges) = BpfHashMap::<_, u32, CodeRanges>::try_from(map)
@@ -426,13 +419,13 @@ impl Session {
         let Some(target) = self.targets.remove(&pid) else {
             return;
         };
-        if let Ok(mut targets) = self.targets_map() {
-            let _ = targets.remove(&pid);
-        }
+        // Its launch counters go with its entry: read before it is removed.
+        let launches = self.take_target_entry(pid);
         self.forget_python(pid, sink);
         self.read_kernel_counts(&[pid], true, sink);
         self.forget_kernel_counts(pid);
         let mut calls = self.take_call_counts(pid);
+        add_launch_counts(&mut calls, launches.as_ref());
         let cost = self.probe_cost(&calls, target.traced_since_ns);
         self.forget_kernel_state(pid);
         if let Some(estimate) = self.launch_estimates.remove(&pid) {
