@@ -49,7 +49,7 @@ pub enum Command {
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         rounds: Option<u32>,
         /// These blocks only (trainer, per-kind, torch, attach, throughput, budget,
-        /// python, hangs, teardown), comma-separated; docs left as they are
+        /// python, hangs, teardown, frameworks), comma-separated; docs left as they are
         #[arg(long, value_parser = Blocks::parse)]
         only: Option<Blocks>,
     },
@@ -180,7 +180,7 @@ mod tests {
             &["bench", "--only", "trainer,gpu"],
             ErrorKind::ValueValidation,
             "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput, \
-             budget, python, hangs, teardown)",
+             budget, python, hangs, teardown, frameworks)",
         );
         refused(&["bench", "--fast"], ErrorKind::UnknownArgument, "--fast");
         refused(&["BUILD-EBPF"], ErrorKind::InvalidSubcommand, "BUILD-EBPF");

@@ -20,6 +20,8 @@
 //! 6. the Python stack sampler ([`python`]) on a pure-Python loop;
 //! 7. hang detection on a job that does not hang ([`hangs`]).
 //! 8. teardown: lens-probe's exit until its probes are out of the kernel ([`teardown`]).
+//! 9. unmodified framework loops (transformers `Trainer`, 2-rank DDP) per preset
+//!    ([`frameworks`]).
 //!
 //! The table and its notes: [`tables`]. `--only` runs some of the blocks (then
 //! docs/performance.md is left as it is).
@@ -27,6 +29,7 @@
 mod attach;
 mod budget;
 mod fake;
+mod frameworks;
 mod hangs;
 mod per_kind;
 mod proc;
@@ -81,10 +84,12 @@ pub enum Block {
     /// Hang detection's look every second, on the fake trainer (7).
     Hangs,
     Teardown,
+    /// transformers `Trainer` and 2-rank DDP loops per preset (9).
+    Frameworks,
 }
 
 impl Block {
-    pub const ALL: [Block; 9] = [
+    pub const ALL: [Block; 10] = [
         Block::Trainer,
         Block::PerKind,
         Block::Torch,
@@ -94,6 +99,7 @@ impl Block {
         Block::Python,
         Block::Hangs,
         Block::Teardown,
+        Block::Frameworks,
     ];
 
     pub fn name(self) -> &'static str {
@@ -107,6 +113,7 @@ impl Block {
             Block::Python => "python",
             Block::Hangs => "hangs",
             Block::Teardown => "teardown",
+            Block::Frameworks => "frameworks",
         }
     }
 }
@@ -407,6 +414,10 @@ pub fn run(opts: Options) -> Result<(), String> {
         Some(python) => Some(teardown::block(&ctx, python, &mut watch)?),
         None => None,
     };
+    let frameworks = match python.filter(|_| wanted(Block::Frameworks)) {
+        Some(python) => Some(frameworks::block(&ctx, python, &mut watch)?),
+        None => None,
+    };
     watch.check();
     let load_end = loadavg();
 
@@ -421,6 +432,7 @@ pub fn run(opts: Options) -> Result<(), String> {
         python_sampler,
         hangs,
         teardown,
+        frameworks,
     };
     let table = report::table(&sections(&ctx, &results));
     let notes = notes(&ctx, &results, &watch, slack);

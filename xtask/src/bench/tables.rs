@@ -7,7 +7,7 @@ use super::{
     attach::AttachRun,
     budget,
     fake::{Fake, FakeBlock},
-    hangs, per_kind, python,
+    frameworks, hangs, per_kind, python,
     report::{self, Met, Row, Section, fmt_count, fmt_duration, median, row},
     teardown, throughput,
     torch::{TorchBlock, Usage},
@@ -37,6 +37,7 @@ pub(super) struct Results {
     pub(super) python_sampler: Option<python::PythonBlock>,
     pub(super) hangs: Option<hangs::HangsBlock>,
     pub(super) teardown: Option<teardown::TeardownBlock>,
+    pub(super) frameworks: Option<frameworks::FrameworksBlock>,
 }
 
 /// The table's sections, in order, for the blocks that ran.
@@ -64,6 +65,9 @@ pub(super) fn sections(ctx: &Ctx, r: &Results) -> Vec<Section> {
     }
     if let Some(teardown) = &r.teardown {
         out.push(teardown.section());
+    }
+    if let Some(frameworks) = &r.frameworks {
+        out.push(frameworks.section());
     }
     if r.blocks.contains(Block::Attach) {
         out.push(attach_section(ctx, attach));
@@ -485,6 +489,9 @@ pub(super) fn notes(ctx: &Ctx, r: &Results, watch: &Watch, slack: bool) -> Strin
     }
     if let Some(teardown) = &r.teardown {
         n.push_str(&teardown.notes());
+    }
+    if let Some(frameworks) = &r.frameworks {
+        n.push_str(&frameworks.notes());
     }
     if let Some(hangs) = &r.hangs {
         n.push_str(&hangs.notes());

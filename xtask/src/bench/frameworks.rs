@@ -1,0 +1,285 @@
+//! Block 9: unmodified framework loops on CPU, untraced and under `default` and
+//! `per_step`, interleaved: a transformers `Trainer` run and a 2-rank DDP run under
+//! torchrun (gloo). The time is the training loop's own, from the framework's ground truth
+//! (`tests/fixtures/frameworks/_truth.py`: its first step's start to its last step's end,
+//! on the slowest rank), so Python's start-up, imports and lens-probe's attach are left
+//! out.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use super::proc::{Line, Proc};
+use super::report::{Met, Row, Section, fmt_duration, row};
+use super::tables::ratio_to;
+use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, say, wait_teardown};
+use xtask::torch_venv;
+
+/// The variants of every scenario: untraced, then each preset.
+const VARIANTS: [Option<&str>; 3] = [None, Some("default"), Some("per_step")];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scenario {
+    /// `hf_trainer.py DIR --no-save`: 8 optimizer steps of a tiny GPT-2, evaluations.
+    HfTrainer,
+    /// `torchrun --nproc-per-node 2 ddp_train.py`: DDP over gloo.
+    Ddp,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 2] = [Scenario::HfTrainer, Scenario::Ddp];
+
+    fn ranks(self) -> u32 {
+        match self {
+            Scenario::HfTrainer => 1,
+            Scenario::Ddp => 2,
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Scenario::HfTrainer => "transformers `Trainer` (`hf_trainer.py --no-save`)",
+            Scenario::Ddp => "2-rank DDP under torchrun, gloo (`ddp_train.py`)",
+        }
+    }
+}
+
+/// A scenario and its variant (`None`: untraced).
+type Case = (Scenario, Option<&'static str>);
+
+#[derive(Default)]
+pub(super) struct FrameworksBlock {
+    /// Each case's loop time in each round, seconds.
+    runs: Vec<(Case, Vec<f64>)>,
+    /// Steps per run, as the ground truth counted them.
+    steps: Vec<(Scenario, usize)>,
+}
+
+impl FrameworksBlock {
+    fn times(&self, scenario: Scenario, variant: Option<&str>) -> &[f64] {
+        self.runs
+            .iter()
+            .find(|((s, v), _)| *s == scenario && *v == variant)
+            .map_or(&[], |(_, t)| t)
+    }
+
+    fn push(&mut self, scenario: Scenario, variant: Option<&'static str>, seconds: f64) {
+        match self
+            .runs
+            .iter_mut()
+            .find(|((s, v), _)| *s == scenario && *v == variant)
+        {
+            Some((_, times)) => times.push(seconds),
+            None => self.runs.push(((scenario, variant), vec![seconds])),
+        }
+    }
+}
+
+pub(super) fn block(
+    ctx: &Ctx,
+    python: &Path,
+    watch: &mut Watch,
+) -> Result<FrameworksBlock, String> {
+    let mut block = FrameworksBlock::default();
+    for round in 1..=ctx.rounds {
+        for scenario in Scenario::ALL {
+            for variant in VARIANTS {
+                watch.check();
+                let (seconds, steps) = run(ctx, python, scenario, variant, round)?;
+                say(&format!(
+                    "round {round}/{}: {scenario:?} {}: {steps} steps in {}",
+                    ctx.rounds,
+                    variant.unwrap_or("untraced"),
+                    fmt_duration(seconds)
+                ));
+                block.push(scenario, variant, seconds);
+                if !block.steps.iter().any(|(s, _)| *s == scenario) {
+                    block.steps.push((scenario, steps));
+                }
+            }
+        }
+    }
+    Ok(block)
+}
+
+/// One run; returns its loop time (seconds) and steps.
+fn run(
+    ctx: &Ctx,
+    python: &Path,
+    scenario: Scenario,
+    variant: Option<&str>,
+    round: u32,
+) -> Result<(f64, usize), String> {
+    let name = format!("fw-{scenario:?}-{}-r{round}", variant.unwrap_or("none")).to_lowercase();
+    let dir = ctx.out.join(&name);
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let truth = dir.join("truth.json");
+    let mut target = torch_venv::python_command(python);
+    let scripts = ctx.root.join("tests/fixtures/frameworks");
+    match scenario {
+        Scenario::HfTrainer => {
+            target
+                .arg(scripts.join("hf_trainer.py"))
+                .arg(dir.join("out"))
+                .arg("--no-save");
+        }
+        Scenario::Ddp => {
+            // torchrun's own Python entry point, run by the venv's interpreter.
+            let port = 29_400 + round * 10 + variant.map_or(0, |v| v.len() as u32);
+            target
+                .args(["-m", "torch.distributed.run", "--nproc-per-node"])
+                .arg(scenario.ranks().to_string())
+                .args(["--master-addr", "127.0.0.1", "--master-port"])
+                .arg(port.to_string())
+                .arg(scripts.join("ddp_train.py"));
+        }
+    }
+    target
+        .env("LENS_TRUTH", &truth)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_OFFLINE", "1")
+        .env("HF_DATASETS_OFFLINE", "1")
+        .env("TOKENIZERS_PARALLELISM", "false")
+        .env("GLOO_SOCKET_IFNAME", "lo")
+        .env("OMP_NUM_THREADS", "1");
+    let log = ctx.logs.join(format!("{name}.log"));
+    let before = lens_probe_pids();
+    let mut cmd = match variant {
+        None => target,
+        Some(preset) => {
+            let pid_file = ctx.out.join(format!("{name}.pid"));
+            let mut cmd = lens_command(ctx, None, preset, &pid_file);
+            cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
+                .args(["--exec", "--"])
+                .arg(target.get_program())
+                .args(target.get_args());
+            for (key, value) in target.get_envs() {
+                match value {
+                    Some(value) => cmd.env(key, value),
+                    None => cmd.env_remove(key),
+                };
+            }
+            cmd
+        }
+    };
+    Proc::spawn(&name, &mut cmd, &log)?
+        .finish_ok(Instant::now() + RUN_TIMEOUT, &mut |_: &Line| {})?;
+    if variant.is_some() {
+        wait_teardown(&name, &before);
+    }
+    let files: Vec<PathBuf> = match scenario.ranks() {
+        1 => vec![truth],
+        n => (0..n)
+            .map(|r| dir.join(format!("truth.rank{r}.json")))
+            .collect(),
+    };
+    let mut slowest = 0.0f64;
+    let mut steps = 0;
+    for file in &files {
+        let (seconds, n) =
+            loop_time(file).map_err(|e| format!("{name}: {e} (output in {})", log.display()))?;
+        slowest = slowest.max(seconds);
+        steps = n;
+    }
+    let _ = fs::remove_dir_all(&dir);
+    Ok((slowest, steps))
+}
+
+/// The training loop's time in one ground-truth file: its first step's start to its
+/// last step's end, and its steps.
+fn loop_time(file: &Path) -> Result<(f64, usize), String> {
+    let text = fs::read_to_string(file).map_err(|e| {
+        format!(
+            "no ground truth {} ({e}): the script failed",
+            file.display()
+        )
+    })?;
+    let truth: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+    let steps = truth["steps"]
+        .as_array()
+        .filter(|steps| !steps.is_empty())
+        .ok_or_else(|| format!("{}: no steps", file.display()))?;
+    let start = steps[0]["start_ns"].as_u64();
+    let end = steps[steps.len() - 1]["end_ns"].as_u64();
+    match (start, end) {
+        (Some(start), Some(end)) if end > start => Ok(((end - start) as f64 / 1e9, steps.len())),
+        _ => Err(format!("{}: steps without times", file.display())),
+    }
+}
+
+impl FrameworksBlock {
+    pub(super) fn section(&self) -> Section {
+        let mut rows: Vec<Row> = Vec::new();
+        for scenario in Scenario::ALL {
+            let base = self.times(scenario, None);
+            if base.is_empty() {
+                continue;
+            }
+            let steps = self
+                .steps
+                .iter()
+                .find(|(s, _)| *s == scenario)
+                .map_or(0, |(_, n)| *n);
+            rows.push(row(
+                format!("{}, {steps} steps: untraced", scenario.what()),
+                base,
+                fmt_duration,
+                Some(1.0),
+                "",
+                Met::NoTarget,
+            ));
+            for preset in VARIANTS.into_iter().flatten() {
+                let times = self.times(scenario, Some(preset));
+                rows.push(row(
+                    format!("same, lens-probe `{preset}`"),
+                    times,
+                    fmt_duration,
+                    ratio_to(times, base),
+                    "",
+                    Met::NoTarget,
+                ));
+            }
+        }
+        Section {
+            title: "9. Framework loops, unmodified, on CPU (ratio: to untraced)".into(),
+            rows,
+        }
+    }
+
+    pub(super) fn notes(&self) -> String {
+        "- Frameworks (9): `tests/fixtures/frameworks/hf_trainer.py DIR --no-save` (a \
+         transformers `Trainer`, tiny GPT-2 from a config, 8 optimizer steps of 2 \
+         microbatches, 2 evaluations) and `python -m torch.distributed.run \
+         --nproc-per-node 2 ddp_train.py` (DDP over gloo on loopback), with \
+         `OMP_NUM_THREADS=1`; untraced, and under `lens-probe --span-groups PRESET \
+         --exporter file --export-file /dev/null --exec`, interleaved in every round. The \
+         time is the loop's own as the framework's callbacks saw it (first step's start to \
+         last step's end, `time.monotonic_ns()`, the slowest rank), so start-up, imports \
+         and lens-probe's attach are left out.\n"
+            .into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_loop_time_runs_from_the_first_step_to_the_last() {
+        let dir = std::env::temp_dir().join(format!("fw-bench-test-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("truth.json");
+        fs::write(
+            &file,
+            r#"{"steps": [{"start_ns": 1000000000, "end_ns": 1200000000},
+                          {"start_ns": 1300000000, "end_ns": 3500000000}]}"#,
+        )
+        .unwrap();
+        assert_eq!(loop_time(&file).unwrap(), (2.5, 2));
+        fs::write(&file, r#"{"steps": []}"#).unwrap();
+        assert!(loop_time(&file).unwrap_err().contains("no steps"));
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
