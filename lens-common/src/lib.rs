@@ -88,6 +88,9 @@ pub struct KernelKey {
 pub struct CodeRanges {
     /// `[start, end)` of each mapping.
     pub ranges: [[u64; 2]; CODE_RANGES],
+    /// Driver launches left out because libcudart made them: not calls of their own, but
+    /// each is a probe hit the process pays for (the overhead estimate counts them).
+    pub runtime_launches: u64,
 }
 
 /// Mappings of libcudart remembered per process (a process may map a CUDA 12 and a

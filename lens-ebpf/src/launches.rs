@@ -116,7 +116,7 @@ fn driver_launch_body(ctx: ProbeContext) -> u32 {
     // Only targets have ranges: the runtime's own launches, the commonest calls here,
     // are left out after this one lookup, before the target check.
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if let Some(runtime) = RUNTIME_RANGES.get_ptr(&tgid) {
+    if let Some(runtime) = RUNTIME_RANGES.get_ptr_mut(&tgid) {
         // SAFETY: reading the traced thread's stack through the checked helper.
         let caller = unsafe { bpf_probe_read_user((*ctx.regs).rsp as *const u64) }.unwrap_or(0);
         let mut i = 0;
@@ -124,6 +124,8 @@ fn driver_launch_body(ctx: ProbeContext) -> u32 {
             // SAFETY: a live map value; the loader writes a process's ranges whole.
             let [start, end] = unsafe { (*runtime).ranges[i] };
             if caller >= start && caller < end {
+                // SAFETY: as above; other threads of the process add to it too.
+                atomic_add(unsafe { &raw mut (*runtime).runtime_launches }, 1);
                 return 0;
             }
             i += 1;

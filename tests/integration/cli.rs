@@ -82,7 +82,8 @@ fn demo_prints_a_correct_summary_and_exits_with_the_commands_code() {
     assert_eq!(process["calls"]["ncclGroupStart"], 4);
     assert_eq!(json["losses"]["kernel"]["ring_buffer_full"], 0);
     // What the probes cost the trainer, estimated: each counted call at least an entry
-    // hit and at most an entry and a return hit, within the time it was traced.
+    // hit and at most an entry and a return hit, plus an entry hit at the driver for each
+    // runtime launch (the runtime launches through it), within the time it was traced.
     let cost = &process["probe_cost"];
     let field = |key: &str| {
         cost[key]
@@ -95,12 +96,17 @@ fn demo_prints_a_correct_summary_and_exits_with_the_commands_code() {
         .values()
         .map(|n| n.as_u64().unwrap())
         .sum();
+    let runtime_launches: u64 = ["cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch"]
+        .iter()
+        .map(|name| process["calls"][*name].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(runtime_launches, 48, "{}", process["calls"]);
     let (entry, ret) = (field("entry_hit_ns"), field("return_hit_ns"));
     assert!(entry > 0, "{cost}");
     let estimated = field("estimated_ns");
     assert!(
-        calls * entry <= estimated && estimated <= calls * (entry + ret),
-        "{calls} calls: {cost}"
+        calls * entry <= estimated && estimated <= (calls + runtime_launches) * entry + calls * ret,
+        "{calls} calls, {runtime_launches} of them runtime launches: {cost}"
     );
     assert!(estimated < field("traced_ns"), "{cost}");
     assert!(text.contains("  probe cost: an estimated "), "{text}");

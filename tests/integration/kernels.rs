@@ -110,6 +110,23 @@ fn each_launch_counts_once_with_runtime_and_driver_probes_attached() {
         .into_iter()
         .collect()
     );
+    // The probe-cost estimate prices every hit the process paid for: each counted call
+    // (and its return, where there is a return probe), and each runtime launch's second
+    // hit, at the driver, which is not a call of its own.
+    let cost = process.probe_cost.as_ref().expect("a probe cost");
+    let runtime_made = per_step(MICROBATCHES * 5 + 1) + per_step(MICROBATCHES);
+    let entries: u64 = process.calls.values().sum::<u64>() + runtime_made;
+    let returns: u64 = process
+        .calls
+        .iter()
+        .filter(|(probe, _)| lens_probe::probes::catalog::spec_of(**probe).exit.is_some())
+        .map(|(_, calls)| calls)
+        .sum();
+    assert_eq!(
+        cost.estimated_ns,
+        entries * cost.entry_hit_ns + returns * cost.return_hit_ns,
+        "{entries} entry hits ({runtime_made} made by the runtime), {returns} returns: {cost:?}"
+    );
     // Every step counts its 10 launches per microbatch and the optimizer's one.
     let steps: Vec<_> = log.named(names::STEP).collect();
     assert_eq!(steps.len() as u64, STEPS);

@@ -103,15 +103,18 @@ impl Session {
         }
     }
 
-    /// What `calls` (a process's counts, traced since `traced_since_ns`) cost it, as
-    /// estimated from the hit costs measured at start-up.
+    /// What `calls` and `uncounted` entry hits (driver launches left out as libcudart's
+    /// own) cost a process traced since `traced_since_ns`, as estimated from the hit costs
+    /// measured at start-up.
     pub(super) fn probe_cost(
         &self,
         calls: &BTreeMap<ProbeId, u64>,
+        uncounted: u64,
         traced_since_ns: u64,
     ) -> crate::sink::ProbeCost {
+        let uncounted_ns = self.hit_costs.entry.as_nanos() as u64 * uncounted;
         crate::sink::ProbeCost {
-            estimated_ns: self.hit_costs.of_calls(calls).as_nanos() as u64,
+            estimated_ns: self.hit_costs.of_calls(calls).as_nanos() as u64 + uncounted_ns,
             traced_ns: crate::spans::monotonic_now_ns().saturating_sub(traced_since_ns),
             entry_hit_ns: self.hit_costs.entry.as_nanos() as u64,
             return_hit_ns: self.hit_costs.ret.as_nanos() as u64,
@@ -129,7 +132,9 @@ impl Session {
     ) {
         sink.on_call_counts(pid, reported);
         if let Some(target) = self.targets.get(&pid) {
-            sink.on_probe_cost(pid, self.probe_cost(counted, target.traced_since_ns));
+            let uncounted = target.runtime_launches_before_exec + self.runtime_launches(pid);
+            let cost = self.probe_cost(counted, uncounted, target.traced_since_ns);
+            sink.on_probe_cost(pid, cost);
         }
     }
 

@@ -70,7 +70,12 @@ impl Session {
                 ranges.len()
             );
         }
-        let mut value = CodeRanges::default();
+        let mut value = CodeRanges {
+            // The count so far goes on (launches between this read and the write below
+            // are not counted: the estimate is one of a few hits short, at a library load).
+            runtime_launches: self.runtime_launches(pid),
+            ..CodeRanges::default()
+        };
         for (slot, range) in value.ranges.iter_mut().zip(ranges) {
             *slot = range;
         }
@@ -82,6 +87,16 @@ impl Session {
         {
             warn!("pid {pid}: cannot tell the driver probes where libcudart is: {error}");
         }
+    }
+
+    /// Driver launches of `pid` left out as libcudart's own, counted in its
+    /// `RUNTIME_RANGES` entry since it was first written.
+    pub(super) fn runtime_launches(&self, pid: u32) -> u64 {
+        self.ebpf
+            .map(maps::RUNTIME_RANGES)
+            .and_then(|map| BpfHashMap::<_, u32, CodeRanges>::try_from(map).ok())
+            .and_then(|map| map.get(&pid, 0).ok())
+            .map_or(0, |ranges| ranges.runtime_launches)
     }
 
     pub(super) fn targets_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, TargetState>> {

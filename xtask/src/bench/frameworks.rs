@@ -36,6 +36,16 @@ impl Scenario {
         }
     }
 
+    /// Steps per run (`LENS_FW_STEPS`): loops of a few seconds, not the tests' fraction
+    /// of one, so that a 2-core VM's noise is small beside them.
+    fn steps(self, quick: bool) -> u32 {
+        match (self, quick) {
+            (_, true) => 8,
+            (Scenario::HfTrainer, false) => 40,
+            (Scenario::Ddp, false) => 60,
+        }
+    }
+
     fn what(self) -> &'static str {
         match self {
             Scenario::HfTrainer => "transformers `Trainer` (`hf_trainer.py --no-save`)",
@@ -79,13 +89,14 @@ pub(super) fn block(
     ctx: &Ctx,
     python: &Path,
     watch: &mut Watch,
+    quick: bool,
 ) -> Result<FrameworksBlock, String> {
     let mut block = FrameworksBlock::default();
     for round in 1..=ctx.rounds {
         for scenario in Scenario::ALL {
             for variant in VARIANTS {
                 watch.check();
-                let (seconds, steps) = run(ctx, python, scenario, variant, round)?;
+                let (seconds, steps) = run(ctx, python, scenario, variant, round, quick)?;
                 say(&format!(
                     "round {round}/{}: {scenario:?} {}: {steps} steps in {}",
                     ctx.rounds,
@@ -109,6 +120,7 @@ fn run(
     scenario: Scenario,
     variant: Option<&str>,
     round: u32,
+    quick: bool,
 ) -> Result<(f64, usize), String> {
     let name = format!("fw-{scenario:?}-{}-r{round}", variant.unwrap_or("none")).to_lowercase();
     let dir = ctx.out.join(&name);
@@ -137,6 +149,7 @@ fn run(
     }
     target
         .env("LENS_TRUTH", &truth)
+        .env("LENS_FW_STEPS", scenario.steps(quick).to_string())
         .env("HF_HUB_OFFLINE", "1")
         .env("TRANSFORMERS_OFFLINE", "1")
         .env("HF_DATASETS_OFFLINE", "1")
@@ -250,10 +263,10 @@ impl FrameworksBlock {
 
     pub(super) fn notes(&self) -> String {
         "- Frameworks (9): `tests/fixtures/frameworks/hf_trainer.py DIR --no-save` (a \
-         transformers `Trainer`, tiny GPT-2 from a config, 8 optimizer steps of 2 \
-         microbatches, 2 evaluations) and `python -m torch.distributed.run \
-         --nproc-per-node 2 ddp_train.py` (DDP over gloo on loopback), with \
-         `OMP_NUM_THREADS=1`; untraced, and under `lens-probe --span-groups PRESET \
+         transformers `Trainer`, tiny GPT-2 from a config, 40 optimizer steps of 2 \
+         microbatches, an evaluation every 3) and `python -m torch.distributed.run \
+         --nproc-per-node 2 ddp_train.py` (DDP over gloo on loopback, 60 steps), with \
+         `OMP_NUM_THREADS=1` (`LENS_FW_STEPS` sets the steps; 8 with `--quick`); untraced, and under `lens-probe --span-groups PRESET \
          --exporter file --export-file /dev/null --exec`, interleaved in every round. The \
          time is the loop's own as the framework's callbacks saw it (first step's start to \
          last step's end, `time.monotonic_ns()`, the slowest rank), so start-up, imports \

@@ -415,7 +415,7 @@ pub fn run(opts: Options) -> Result<(), String> {
         None => None,
     };
     let frameworks = match python.filter(|_| wanted(Block::Frameworks)) {
-        Some(python) => Some(frameworks::block(&ctx, python, &mut watch)?),
+        Some(python) => Some(frameworks::block(&ctx, python, &mut watch, opts.quick)?),
         None => None,
     };
     watch.check();
