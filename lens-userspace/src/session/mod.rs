@@ -225,8 +225,13 @@ impl Session {
         let budget = match options.overhead_budget {
             Some(budget) => {
                 attacher.sample_launches();
+                let min_cycle = if Attacher::launch_probes_move_as_one(&ebpf) {
+                    crate::budget::MIN_CYCLE_MULTI_LINKS
+                } else {
+                    crate::budget::MIN_CYCLE_PERF_LINKS
+                };
                 Some((
-                    BudgetController::new(budget, hit_costs.entry),
+                    BudgetController::new(budget, hit_costs.entry, min_cycle),
                     crate::spans::monotonic_now_ns(),
                 ))
             }

@@ -1,36 +1,49 @@
 //! `--overhead-budget`'s launch probes: attached once, then switched in and out of the
 //! kernel as the budget's windows say; which processes they count.
 
-use aya::{Ebpf, programs::uprobe::UProbeLinkId};
+use aya::{
+    Ebpf,
+    programs::uprobe::{UProbeLink, UProbeLinkId},
+};
 
 use lens_common::ProbeId;
 use log::warn;
 
-use super::object::uprobe_mut;
-use super::{Attacher, ProbeOutcome, attach_at};
+use super::object::{is_multi, uprobe_mut};
+use super::{Attacher, ProbeOutcome, attach_points};
 use crate::probes::catalog::{self, Program};
 use crate::sys::{
     library::{FileId, MappedLibrary},
     symbols::Symbol,
 };
 
-/// A launch probe an overhead budget moves in and out: where it goes, and its link while
-/// it is in. The library stays open so that it can go in again after the process that
-/// showed it to us is gone (`/proc/self/fd/N` names the same inode in any namespace).
-pub(super) struct SampledProbe {
+/// The launch probes of one program in one library that an overhead budget moves in and
+/// out together: one link for all of them (a uprobe_multi link, where the kernel has
+/// them), so that a cycle costs the kernel one removal per group, not one per point. The
+/// library stays open so that they can go in again after the process that showed it to
+/// us is gone (`/proc/self/fd/N` names the same inode in any namespace).
+pub(super) struct SampledGroup {
     pub(super) file: FileId,
-    pub(super) library: std::sync::Arc<std::fs::File>,
-    pub(super) offset: u64,
-    pub(super) id: ProbeId,
+    library: std::sync::Arc<std::fs::File>,
     /// `count_only` (runtime) or `driver_launch` (driver).
     pub(super) program: Program,
-    pub(super) link: Option<UProbeLinkId>,
+    /// Where its probes go: (offset, probe).
+    points: Vec<(u64, ProbeId)>,
+    /// Its links while in: one, or one more per point added while in (until the next
+    /// window puts the group in as one).
+    pub(super) links: Vec<UProbeLinkId>,
 }
 
-impl SampledProbe {
+impl SampledGroup {
     fn path(&self) -> std::path::PathBuf {
         use std::os::fd::AsRawFd;
         format!("/proc/self/fd/{}", self.library.as_raw_fd()).into()
+    }
+
+    fn cookies(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.points
+            .iter()
+            .map(|&(offset, id)| (offset, catalog::cookie(id)))
     }
 }
 
@@ -38,7 +51,31 @@ impl SampledProbe {
 #[derive(Default)]
 pub(super) struct SampledLaunches {
     pub(super) probes_in: bool,
-    pub(super) probes: Vec<SampledProbe>,
+    pub(super) groups: Vec<SampledGroup>,
+}
+
+impl SampledLaunches {
+    /// Takes `file`'s groups out of the kernel and forgets them; returns their links.
+    pub(super) fn forget(&mut self, ebpf: &mut Ebpf, file: FileId) -> Vec<UProbeLink> {
+        let mut released = Vec::new();
+        for group in self.groups.iter_mut().filter(|g| g.file == file) {
+            released.extend(take_links(ebpf, group));
+        }
+        self.groups.retain(|g| g.file != file);
+        released
+    }
+}
+
+/// Takes `group`'s links out of the program (dropping them removes the probes).
+fn take_links(ebpf: &mut Ebpf, group: &mut SampledGroup) -> Vec<UProbeLink> {
+    let Ok(uprobe) = uprobe_mut(ebpf, group.program) else {
+        return Vec::new();
+    };
+    group
+        .links
+        .drain(..)
+        .filter_map(|link| uprobe.take_link(link).ok())
+        .collect()
 }
 
 impl Attacher {
@@ -47,12 +84,18 @@ impl Attacher {
     pub fn sample_launches(&mut self) {
         self.sampled = Some(SampledLaunches {
             probes_in: true,
-            probes: Vec::new(),
+            groups: Vec::new(),
         });
     }
 
+    /// Whether a library's launch probes go in and out as one link (their programs'
+    /// uprobe_multi twins are loaded), so that an overhead budget can cycle faster.
+    pub fn launch_probes_move_as_one(ebpf: &Ebpf) -> bool {
+        is_multi(ebpf, Program::CountOnly) && is_multi(ebpf, Program::DriverLaunch)
+    }
+
     /// Puts the launch probes in or takes them out (on a thread of its own: the kernel
-    /// takes ~0.1 s per uprobe to remove it). Returns how many moved.
+    /// takes ~0.1 s per link to remove it). Returns how many probes moved.
     pub fn set_launch_probes(&mut self, ebpf: &mut Ebpf, probes_in: bool) -> usize {
         let Some(sampled) = self.sampled.as_mut() else {
             return 0;
@@ -63,29 +106,28 @@ impl Attacher {
         sampled.probes_in = probes_in;
         let mut moved = 0;
         let mut released = Vec::new();
-        for probe in &mut sampled.probes {
-            let Ok(uprobe) = uprobe_mut(ebpf, probe.program) else {
-                continue;
-            };
-            if probes_in {
-                match attach_at(
-                    uprobe,
-                    probe.program,
-                    &probe.path(),
-                    probe.offset,
-                    catalog::cookie(probe.id),
-                ) {
-                    Ok(link) => {
-                        probe.link = Some(link);
-                        moved += 1;
-                    }
-                    Err(error) => warn!("cannot put back the launch probe {:?}: {error}", probe.id),
+        for group in &mut sampled.groups {
+            if !probes_in {
+                let links = take_links(ebpf, group);
+                if !links.is_empty() {
+                    moved += group.points.len();
                 }
-            } else if let Some(link) = probe.link.take()
-                && let Ok(link) = uprobe.take_link(link)
-            {
-                released.push(link);
-                moved += 1;
+                released.extend(links);
+                continue;
+            }
+            let path = group.path();
+            let attached = uprobe_mut(ebpf, group.program)
+                .and_then(|uprobe| attach_points(uprobe, group.program, &path, group.cookies()));
+            match attached {
+                Ok(link) => {
+                    group.links.push(link);
+                    moved += group.points.len();
+                }
+                Err(error) => warn!(
+                    "cannot put back {} launch probes ({}): {error}",
+                    group.points.len(),
+                    group.program.name()
+                ),
             }
         }
         if !released.is_empty() {
@@ -105,7 +147,10 @@ impl Attacher {
                 })
         });
         let sampled = self.sampled.as_ref().is_some_and(|s| {
-            s.probes_in && s.probes.iter().any(|p| p.link.is_some() && uses(&p.file))
+            s.probes_in
+                && s.groups
+                    .iter()
+                    .any(|g| !g.links.is_empty() && uses(&g.file))
         });
         fixed || sampled
     }
@@ -121,16 +166,17 @@ impl Attacher {
                     .any(|(program, _)| *program == Program::DriverLaunch)
         });
         let sampled = self.sampled.as_ref().is_some_and(|s| {
-            s.probes
+            s.groups
                 .iter()
-                .any(|p| p.program == Program::DriverLaunch && uses(&p.file))
+                .any(|g| g.program == Program::DriverLaunch && uses(&g.file))
         });
         fixed || sampled
     }
 }
 
-/// A launch probe under an overhead budget: remembered so that it can be taken out and
-/// put back, and put in now if the budget has the launch probes in.
+/// A launch probe under an overhead budget: remembered in its library's group for its
+/// program, so that it can be taken out and put back, and put in now (a link of its own
+/// until the next window) if the budget has the launch probes in.
 pub(super) fn sample_spec(
     ebpf: &mut Ebpf,
     library: &MappedLibrary,
@@ -142,39 +188,43 @@ pub(super) fn sample_spec(
     if places.is_empty() {
         return;
     }
-    let file = match std::fs::File::open(&library.open_path) {
-        Ok(file) => std::sync::Arc::new(file),
-        Err(error) => {
-            outcomes.push(ProbeOutcome::Failed {
-                symbol: spec.symbol.to_string(),
-                reason: error.to_string(),
-            });
-            return;
-        }
-    };
     let program = spec.entry.unwrap_or(Program::CountOnly);
+    let index = match sampled
+        .groups
+        .iter()
+        .position(|g| g.file == library.file && g.program == program)
+    {
+        Some(index) => index,
+        None => match std::fs::File::open(&library.open_path) {
+            Ok(file) => {
+                sampled.groups.push(SampledGroup {
+                    file: library.file,
+                    library: std::sync::Arc::new(file),
+                    program,
+                    points: Vec::new(),
+                    links: Vec::new(),
+                });
+                sampled.groups.len() - 1
+            }
+            Err(error) => {
+                outcomes.push(ProbeOutcome::Failed {
+                    symbol: spec.symbol.to_string(),
+                    reason: error.to_string(),
+                });
+                return;
+            }
+        },
+    };
+    let group = &mut sampled.groups[index];
     for (symbol, place) in places {
         let offset = place.offset;
-        let mut probe = SampledProbe {
-            file: library.file,
-            library: file.clone(),
-            offset,
-            id: spec.id,
-            program,
-            link: None,
-        };
         if sampled.probes_in {
+            let path = group.path();
             let attached = uprobe_mut(ebpf, program).and_then(|uprobe| {
-                attach_at(
-                    uprobe,
-                    program,
-                    &probe.path(),
-                    offset,
-                    catalog::cookie(spec.id),
-                )
+                attach_points(uprobe, program, &path, [(offset, catalog::cookie(spec.id))])
             });
             match attached {
-                Ok(link) => probe.link = Some(link),
+                Ok(link) => group.links.push(link),
                 Err(error) => {
                     outcomes.push(ProbeOutcome::Failed {
                         symbol: symbol.to_string(),
@@ -189,6 +239,6 @@ pub(super) fn sample_spec(
             offset,
             version: place.version.clone(),
         });
-        sampled.probes.push(probe);
+        group.points.push((offset, spec.id));
     }
 }

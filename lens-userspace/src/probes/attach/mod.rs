@@ -183,15 +183,7 @@ impl Attacher {
             }
         }
         if let Some(sampled) = self.sampled.as_mut() {
-            for probe in sampled.probes.iter_mut().filter(|p| p.file == file) {
-                if let Some(link) = probe.link.take()
-                    && let Ok(uprobe) = uprobe_mut(ebpf, probe.program)
-                    && let Ok(link) = uprobe.take_link(link)
-                {
-                    released_sampled.push(link);
-                }
-            }
-            sampled.probes.retain(|p| p.file != file);
+            released_sampled = sampled.forget(ebpf, file);
         }
         self.done.remove(&file);
         self.attachments.retain(|a| a.library.file != file);
