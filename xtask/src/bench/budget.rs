@@ -40,7 +40,7 @@ impl Variant {
 
 /// Runs `trainer 1` (the probes go in), then times `trainer N` between two clock reads
 /// and prints `lens-bench-loop NS`. `$0` is the trainer, `$1` the steps.
-const WRAPPER: &str = r#"T="$0"; "$T" 1 >/dev/null || exit 1; s=$(date +%s%N); "$T" "$1" >/dev/null || exit 1; e=$(date +%s%N); echo "lens-bench-loop $((e - s))""#;
+const WRAPPER: &str = r#"T="$0"; C="${T%/*}/monotonic_ns"; "$T" 1 >/dev/null || exit 1; s=$("$C"); "$T" "$1" >/dev/null || exit 1; e=$("$C"); echo "lens-bench-loop $((e - s))""#;
 
 fn parse_loop(line: &str) -> Option<f64> {
     let ns: u64 = line.trim().strip_prefix("lens-bench-loop ")?.parse().ok()?;

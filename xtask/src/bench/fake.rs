@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value as Json;
 
 use super::{
-    CALLS_PER_PROCESS, CALLS_PER_STEP, Ctx, FAKE_PROBES, FAKE_WRAPPER, PRESETS, RUN_TIMEOUT, Watch,
-    fake_env, lens_command, lens_probe_pids,
+    CALLS_PER_PROCESS, CALLS_PER_STEP, Ctx, DRIVER_HITS_PER_STEP, FAKE_PROBES, FAKE_WRAPPER,
+    PRESETS, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids,
     proc::{Line, Proc, Stream},
     report::median,
     say, wait_teardown,
@@ -236,7 +236,8 @@ pub(super) fn fake_block(ctx: &Ctx, watch: &mut Watch) -> Result<FakeBlock, Stri
             let run = fake_run(ctx, *variant, round)?;
             if let Some(count) = run.bpftrace_count {
                 // The warm-up `trainer 1` and the timed run.
-                let expected = CALLS_PER_STEP * (steps + 1) + 2 * CALLS_PER_PROCESS;
+                let expected =
+                    (CALLS_PER_STEP + DRIVER_HITS_PER_STEP) * (steps + 1) + 2 * CALLS_PER_PROCESS;
                 if count != expected {
                     block.count_mismatches.push(format!(
                         "{} round {round}: bpftrace counted {count} calls, expected {expected}",

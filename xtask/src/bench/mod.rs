@@ -153,15 +153,24 @@ impl Blocks {
 /// kernel launches, 7 collective and point-to-point calls, group start and end, 1 graph
 /// launch, 3 syncs. (The README's prose says 25; its table, and the summaries, give 24.)
 const CALLS_PER_STEP: u64 = 24;
+/// Hits per step at the fake driver's launch functions, which lens-probe does not count
+/// as calls: each of the step's runtime launches (10 + 1 kernels, 1 graph) goes through
+/// them.
+const DRIVER_HITS_PER_STEP: u64 = 12;
 /// Plus one `ncclCommInitRank` per trainer process.
 const CALLS_PER_PROCESS: u64 = 1;
 /// Events a step sends to user space under `per_step`: 7 collectives + 3 sync waits.
 const EVENTS_PER_STEP: u64 = 10;
 
-/// The functions the `per_step` preset probes in the fake libcudart / libnccl (the
-/// catalog in lens-userspace/src/probes/catalog.rs): library, function, and whether
-/// lens-probe also puts a return probe on it.
+/// The functions the `per_step` preset probes in the fake libcudart / libcuda / libnccl
+/// (the catalog in lens-userspace/src/probes/catalog.rs): library, function, and whether
+/// lens-probe also puts a return probe on it. The driver's launch functions are hit too:
+/// the fake runtime launches through `cuLaunchKernel`, which lens-probe leaves out of its
+/// counts but still pays a hit for, as bpftrace does.
 const FAKE_PROBES: &[(&str, &str, bool)] = &[
+    ("libcuda.so.1", "cuLaunchKernel", false),
+    ("libcuda.so.1", "cuLaunchKernelEx", false),
+    ("libcuda.so.1", "cuGraphLaunch", false),
     ("libcudart.so.12", "cudaLaunchKernel", false),
     ("libcudart.so.12", "cudaLaunchKernelExC", false),
     ("libcudart.so.12", "cudaGraphLaunch", false),
@@ -182,7 +191,7 @@ const FAKE_PROBES: &[(&str, &str, bool)] = &[
 
 /// Runs `trainer 1` (so that the libraries' probes are in place: uprobes are per file),
 /// then times `trainer N` itself; `$0` is the trainer, `$1` the step count.
-const FAKE_WRAPPER: &str = r#"T="$0"; "$T" 1 >/dev/null || exit 1; s=$(date +%s%N); "$T" "$1" >/dev/null || exit 1; e=$(date +%s%N); echo "lens-bench elapsed_ns=$((e-s))""#;
+const FAKE_WRAPPER: &str = r#"T="$0"; C="${T%/*}/monotonic_ns"; "$T" 1 >/dev/null || exit 1; s=$("$C"); "$T" "$1" >/dev/null || exit 1; e=$("$C"); echo "lens-bench elapsed_ns=$((e-s))""#;
 
 /// `python -u -c TORCH_WRAPPER SCRIPT ARGS…`: runs SCRIPT as `__main__` with ARGS, then
 /// prints [`DONE_MARKER`] as soon as its `main()` has returned, before the interpreter's
@@ -734,8 +743,11 @@ mod tests {
         let script = bpftrace_script(Path::new("/fx"), false);
         assert!(script.starts_with("BEGIN { printf(\"lens-bench-ready\\n\"); }\n"));
         assert!(script.contains("uprobe:/fx/libcudart.so.12:cudaLaunchKernel,\n"));
+        // The driver's launch functions the fake runtime calls: lens-probe's probes are
+        // hit there too.
+        assert!(script.contains("uprobe:/fx/libcuda.so.1:cuLaunchKernel,\n"));
         assert!(script.contains("uprobe:/fx/libnccl.so.2:ncclCommInitRank\n{ @ = count(); }"));
-        assert_eq!(script.matches("uprobe:").count(), 16);
+        assert_eq!(script.matches("uprobe:").count(), 19);
         assert!(!script.contains("uretprobe"));
         let with_returns = bpftrace_script(Path::new("/fx"), true);
         assert_eq!(with_returns.matches("uretprobe:").count(), 11);
@@ -743,5 +755,7 @@ mod tests {
         // 24 calls a step: 10 + 1 launches, 7 collectives, group start and end, 1 graph
         // launch, 3 syncs; every one of those functions is probed.
         assert_eq!(CALLS_PER_STEP, 10 + 1 + 7 + 2 + 1 + 3);
+        // Each runtime launch (10 + 1 kernels, 1 graph) reaches the driver once.
+        assert_eq!(DRIVER_HITS_PER_STEP, 10 + 1 + 1);
     }
 }

@@ -640,7 +640,8 @@ pub(super) fn fake_notes(n: &mut String, fake: &FakeBlock) {
     n.push_str(&format!(
         "- Fake trainer: `LENS_FAKE_SYNC_MS=0 sh -c 'trainer 1; t0; trainer {steps}; t1'` with \
          the fixtures built into `target/bench-fixtures`; the time is `trainer {steps}`'s own \
-         (`date +%s%N` around it, after a `trainer 1` that has the libraries' probes \
+         (`monotonic_ns`, a fixture reading `CLOCK_MONOTONIC`, around it, after a `trainer 1` \
+         that has the libraries' probes \
          attached), not lens-probe's start-up or teardown. lens-probe runs as \
          `target/release/lens-probe --span-groups PRESET --exporter file --export-file /dev/null \
          --summary-json F --exec -- sh -c …`; bpftrace \
