@@ -12,7 +12,9 @@ use std::time::Instant;
 use super::proc::{Line, Proc};
 use super::report::{Met, Row, Section, fmt_duration, row};
 use super::tables::ratio_to;
-use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, say, wait_teardown};
+use super::{
+    Ctx, RUN_TIMEOUT, Watch, append_command, lens_command, lens_probe_pids, say, wait_teardown,
+};
 use xtask::torch_venv;
 
 /// The variants of every scenario: untraced, then each preset.
@@ -164,15 +166,8 @@ fn run(
             let pid_file = ctx.out.join(format!("{name}.pid"));
             let mut cmd = lens_command(ctx, None, preset, &pid_file);
             cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
-                .args(["--exec", "--"])
-                .arg(target.get_program())
-                .args(target.get_args());
-            for (key, value) in target.get_envs() {
-                match value {
-                    Some(value) => cmd.env(key, value),
-                    None => cmd.env_remove(key),
-                };
-            }
+                .args(["--exec", "--"]);
+            append_command(&mut cmd, &target);
             cmd
         }
     };

@@ -611,6 +611,18 @@ fn lens_command(ctx: &Ctx, wrapper: Option<Command>, preset: &str, pid_file: &Pa
     cmd
 }
 
+/// Appends `target` (program, arguments and environment changes) to `cmd`: the command
+/// a `lens-probe … --exec --` runs.
+fn append_command(cmd: &mut Command, target: &Command) {
+    cmd.arg(target.get_program()).args(target.get_args());
+    for (key, value) in target.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+}
+
 /// Live (not zombie) processes named `lens-probe`.
 fn lens_probe_pids() -> BTreeSet<u32> {
     let Ok(dir) = fs::read_dir("/proc") else {

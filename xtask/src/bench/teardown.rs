@@ -14,7 +14,9 @@ use std::time::Instant;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, row};
 use super::tables::ratio_to;
-use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, say, wait_teardown};
+use super::{
+    Ctx, RUN_TIMEOUT, Watch, append_command, lens_command, lens_probe_pids, say, wait_teardown,
+};
 use xtask::torch_venv;
 
 /// What a configured rule matches in libtorch_cpu: with perf links, 2 × this many links.
@@ -114,13 +116,7 @@ fn run(
             .args(["--steps", "2"]),
         Scenario::Rule => target.args(["-c", "import torch"]),
     };
-    cmd.arg(target.get_program()).args(target.get_args());
-    for (key, value) in target.get_envs() {
-        match value {
-            Some(value) => cmd.env(key, value),
-            None => cmd.env_remove(key),
-        };
-    }
+    append_command(&mut cmd, &target);
     let mut said: Option<(u64, u64)> = None;
     let mut on_line = |l: &Line| {
         if l.stream == Stream::Err
