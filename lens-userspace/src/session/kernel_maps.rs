@@ -1,5 +1,5 @@
-//! The session's typed access to the kernel's per-process maps: targets, launch
-//! totals, libcudart's code ranges, the run-wide switches; and their cleanup.
+//! The session's typed access to the kernel's per-process maps: targets (with their
+//! launch counters), libcudart's code ranges, the run-wide switches; and their cleanup.
 
 use aya::{
     Ebpf,
