@@ -182,15 +182,17 @@ pub(crate) fn arg_i32(ctx: &ProbeContext, n: usize) -> i32 {
 }
 
 /// Common start of the entry programs: skip untraced processes, count the call, and a
-/// new record of `B`'s kind; with the whole attach cookie (an NCCL call's argument
-/// layout), read once.
+/// new record of `B`'s kind; with the process's `TARGETS` entry (for a phase mark) and
+/// the whole attach cookie (an NCCL call's argument layout), read once.
 #[inline(always)]
-pub(crate) fn begin_call<B: Body>(ctx: &ProbeContext) -> Option<(u64, Record<B>, u64)> {
-    let (pid_tgid, _) = traced()?;
+pub(crate) fn begin_call<B: Body>(
+    ctx: &ProbeContext,
+) -> Option<(u64, *mut TargetState, Record<B>, u64)> {
+    let (pid_tgid, target) = traced()?;
     let cookie = attach_cookie(ctx);
     let probe = cookie as u32;
     count_call(pid_tgid, probe);
-    Some((pid_tgid, new_record(probe, pid_tgid), cookie))
+    Some((pid_tgid, target, new_record(probe, pid_tgid), cookie))
 }
 
 #[inline(always)]

@@ -132,7 +132,7 @@ uprobe_and_multi! {
 #[inline(always)]
 fn cuda_sync_entry_body(ctx: ProbeContext) -> u32 {
     sample_if_saving();
-    let Some((pid_tgid, mut record, _)) = begin_call::<SyncCall>(&ctx) else {
+    let Some((pid_tgid, _, mut record, _)) = begin_call::<SyncCall>(&ctx) else {
         return 0;
     };
     record.body.times = call_starting_now();

@@ -11,7 +11,7 @@ use lens_common::{
 };
 
 use crate::ctx::{arg_u64, count_call, count_loss, now_ns, probe_id, traced};
-use crate::maps::{KERNEL_COUNTS, KERNEL_REGISTRY, RUNTIME_RANGES, TARGETS, kernel_names};
+use crate::maps::{KERNEL_COUNTS, KERNEL_REGISTRY, RUNTIME_RANGES, kernel_names};
 
 /// Adds `value` to `*counter`, shared with other CPUs. (The old value is not used: BPF's
 /// plain atomic add, without fetch, is what the `generic` CPU has.)
@@ -138,20 +138,14 @@ fn driver_launch_body(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// A mark taken now: the clock, the epoch it opens (1 for the process's first mark) and
+/// A mark taken now in the process whose `TARGETS` entry is `target` (the caller's target
+/// check found it): the clock, the epoch it opens (1 for the process's first mark) and
 /// the process's launches so far. (Two marks of two threads at the same instant may both
 /// read the later epoch: the earlier one's launches, none between them, are not
-/// misplaced.) A process not traced has no launches counted and opens no epoch: 0.
+/// misplaced.)
 #[inline(always)]
-pub(crate) fn mark_now(pid_tgid: u64) -> LaunchMark {
+pub(crate) fn mark_now(target: *mut TargetState) -> LaunchMark {
     let at_ns = now_ns();
-    let Some(target) = TARGETS.get_ptr_mut(&((pid_tgid >> 32) as u32)) else {
-        return LaunchMark {
-            at_ns,
-            launches: 0,
-            epoch: 0,
-        };
-    };
     // SAFETY: a live map value (see `atomic_add`).
     unsafe {
         atomic_add(&raw mut (*target).epoch, 1);

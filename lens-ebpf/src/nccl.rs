@@ -16,7 +16,7 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn nccl_group_body(ctx: ProbeContext) -> u32 {
-    let Some((_, mut record, _)) = begin_call::<GroupCall>(&ctx) else {
+    let Some((_, _, mut record, _)) = begin_call::<GroupCall>(&ctx) else {
         return 0;
     };
     record.body.at_ns = now_ns();
@@ -33,7 +33,7 @@ uprobe_and_multi! {
 #[inline(always)]
 fn nccl_collective_entry_body(ctx: ProbeContext) -> u32 {
     sample_if_saving();
-    let Some((pid_tgid, mut record, cookie)) = begin_call::<CollectiveCall>(&ctx) else {
+    let Some((pid_tgid, _, mut record, cookie)) = begin_call::<CollectiveCall>(&ctx) else {
         return 0;
     };
     let call = &mut record.body;
@@ -101,7 +101,7 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn nccl_comm_init_entry_body(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, mut record, _)) = begin_call::<CommInitCall>(&ctx) else {
+    let Some((pid_tgid, _, mut record, _)) = begin_call::<CommInitCall>(&ctx) else {
         return 0;
     };
     let call = &mut record.body;

@@ -21,11 +21,11 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn phase_mark_body(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
+    let Some((_, target, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
         return 0;
     };
     record.body = PhaseEntry {
-        mark: mark_now(pid_tgid),
+        mark: mark_now(target),
         argument: arg_u64(&ctx, 0),
     };
     send(&record);
@@ -70,14 +70,14 @@ fn file_open_entry_body(ctx: ProbeContext) -> u32 {
     if prefix[..5] == *b"/dev/" || prefix == *b"/proc/" {
         return 0;
     }
-    let Some((pid_tgid, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
+    let Some((pid_tgid, target, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
         return 0;
     };
     // The Python stack first (stamped before the mark): the loader knows whether the
     // framework save that may have created it is still running.
     send_python_stack(pid_tgid, true);
     record.body = PhaseEntry {
-        mark: mark_now(pid_tgid),
+        mark: mark_now(target),
         // The flags tell the loader a file created from one opened for reading.
         argument: flags,
     };
@@ -92,11 +92,11 @@ uretprobe_and_multi! {
 
 #[inline(always)]
 fn phase_mark_return_body(ctx: RetProbeContext) -> u32 {
-    let Some((pid_tgid, _)) = traced() else {
+    let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
     let mut record = new_record::<PhaseReturn>(probe_id(&ctx), pid_tgid);
-    record.body.mark = mark_now(pid_tgid);
+    record.body.mark = mark_now(target);
     send(&record);
     0
 }
@@ -112,11 +112,11 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn torch_backward_entry_body(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
+    let Some((_, target, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
         return 0;
     };
     record.body = PhaseEntry {
-        mark: mark_now(pid_tgid),
+        mark: mark_now(target),
         argument: arg_u64(&ctx, 6) & 0xff,
     };
     send(&record);
@@ -133,10 +133,10 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn torch_scope_enter_body(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, mut record, _)) = begin_call::<ScopeEnter>(&ctx) else {
+    let Some((_, target, mut record, _)) = begin_call::<ScopeEnter>(&ctx) else {
         return 0;
     };
-    record.body.mark = mark_now(pid_tgid);
+    record.body.mark = mark_now(target);
     let string = arg_u64(&ctx, 1);
     // SAFETY: reads of the traced thread's memory through the checked helpers.
     unsafe {

@@ -5,15 +5,15 @@ use aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP;
 use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user};
 use aya_ebpf::macros::perf_event;
 use aya_ebpf::programs::{PerfEventContext, ProbeContext};
-use lens_common::record::{NO_PROBE, PyStack};
+use lens_common::record::{LaunchMark, NO_PROBE, PyStack};
 use lens_common::{
     DCP_LOAD_API_EVENT, EventKind, LossCause, PY_MAX_DEPTH, PY_MAX_WALK, PY_NO_FIELD, PyOffsets,
     Record, RecordHeader, limits, saving,
 };
 
-use crate::ctx::{count_loss, read_user_u64};
+use crate::ctx::{count_loss, now_ns, read_user_u64};
 use crate::launches::mark_now;
-use crate::maps::{PY_LAST_STACK, PY_SAVING, PY_TARGETS};
+use crate::maps::{PY_LAST_STACK, PY_SAVING, PY_TARGETS, TARGETS};
 use crate::ring::EVENTS;
 use crate::task::thread_pointer;
 
@@ -233,7 +233,16 @@ pub(crate) fn send_python_stack(pid_tgid: u64, forced: bool) {
         };
         (*stack).body.depth = depth as u32;
         (*stack).body.synchronous = forced as u32;
-        (*stack).body.mark = mark_now(pid_tgid);
+        // The sampler runs without a target check: a Python process that is not (or no
+        // longer) a target has no launches counted and opens no epoch.
+        (*stack).body.mark = match TARGETS.get_ptr_mut(&tgid) {
+            Some(target) => mark_now(target),
+            None => LaunchMark {
+                at_ns: now_ns(),
+                launches: 0,
+                epoch: 0,
+            },
+        };
     }
     // Delivered at once: the loader names the frames from the process's memory, which a
     // process that exits soon after takes with it.

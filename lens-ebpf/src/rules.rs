@@ -15,14 +15,14 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn user_rule_entry_body(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, _)) = traced() else {
+    let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
     let cookie = attach_cookie(&ctx);
     let mut record = new_record::<RuleEntry>(cookie as u32, pid_tgid);
     // A launch mark like a phase mark's: the span's launches (and kernels) are counted
     // between its two marks.
-    record.body.mark = mark_now(pid_tgid);
+    record.body.mark = mark_now(target);
     let args = [
         arg_u64(&ctx, 0),
         arg_u64(&ctx, 1),
@@ -71,12 +71,12 @@ uretprobe_and_multi! {
 
 #[inline(always)]
 fn user_rule_return_body(ctx: RetProbeContext) -> u32 {
-    let Some((pid_tgid, _)) = traced() else {
+    let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
     let mut record = new_record::<RuleReturn>(probe_id(&ctx), pid_tgid);
     record.body = RuleReturn {
-        mark: mark_now(pid_tgid),
+        mark: mark_now(target),
         ret: ctx.ret::<i64>(),
     };
     send(&record);
