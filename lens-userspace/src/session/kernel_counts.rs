@@ -10,7 +10,7 @@ use crate::{
     sink::EventSink,
 };
 
-use super::Session;
+use super::{Session, Target};
 
 impl Session {
     /// Reads the per-kernel launch counters of `pids` (all of them with `all`, for a
@@ -103,19 +103,20 @@ impl Session {
         }
     }
 
-    /// What `calls` and `uncounted` entry hits (driver launches left out as libcudart's
-    /// own) cost a process traced since `traced_since_ns`, as estimated from the hit costs
+    /// What `calls` cost target `pid`, and each driver launch it made that was left out as
+    /// libcudart's own (an entry hit, not a call), as estimated from the hit costs
     /// measured at start-up.
     pub(super) fn probe_cost(
         &self,
+        pid: u32,
+        target: &Target,
         calls: &BTreeMap<ProbeId, u64>,
-        uncounted: u64,
-        traced_since_ns: u64,
     ) -> crate::sink::ProbeCost {
+        let uncounted = target.runtime_launches_before_exec + self.runtime_launches(pid);
         let uncounted_ns = self.hit_costs.entry.as_nanos() as u64 * uncounted;
         crate::sink::ProbeCost {
             estimated_ns: self.hit_costs.of_calls(calls).as_nanos() as u64 + uncounted_ns,
-            traced_ns: crate::spans::monotonic_now_ns().saturating_sub(traced_since_ns),
+            traced_ns: crate::spans::monotonic_now_ns().saturating_sub(target.traced_since_ns),
             entry_hit_ns: self.hit_costs.entry.as_nanos() as u64,
             return_hit_ns: self.hit_costs.ret.as_nanos() as u64,
         }
@@ -132,9 +133,7 @@ impl Session {
     ) {
         sink.on_call_counts(pid, reported);
         if let Some(target) = self.targets.get(&pid) {
-            let uncounted = target.runtime_launches_before_exec + self.runtime_launches(pid);
-            let cost = self.probe_cost(counted, uncounted, target.traced_since_ns);
-            sink.on_probe_cost(pid, cost);
+            sink.on_probe_cost(pid, self.probe_cost(pid, target, counted));
         }
     }
 

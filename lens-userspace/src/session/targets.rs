@@ -433,8 +433,7 @@ impl Session {
         self.forget_kernel_counts(pid);
         let mut calls = self.take_call_counts(pid);
         add_launch_counts(&mut calls, launches.as_ref());
-        let uncounted = target.runtime_launches_before_exec + self.runtime_launches(pid);
-        let cost = self.probe_cost(&calls, uncounted, target.traced_since_ns);
+        let cost = self.probe_cost(pid, &target, &calls);
         self.forget_kernel_state(pid);
         if let Some(estimate) = self.launch_estimates.remove(&pid) {
             let new = launch_total(&calls).saturating_sub(estimate.counted);
