@@ -24,7 +24,7 @@ use crate::sys::{
 /// us is gone (`/proc/self/fd/N` names the same inode in any namespace).
 pub(super) struct SampledGroup {
     pub(super) file: FileId,
-    library: std::sync::Arc<std::fs::File>,
+    library: std::fs::File,
     /// `count_only` (runtime) or `driver_launch` (driver).
     pub(super) program: Program,
     /// Where its probes go: (offset, probe).
@@ -199,7 +199,7 @@ pub(super) fn sample_spec(
             Ok(file) => {
                 sampled.groups.push(SampledGroup {
                     file: library.file,
-                    library: std::sync::Arc::new(file),
+                    library: file,
                     program,
                     points: Vec::new(),
                     links: Vec::new(),
