@@ -109,6 +109,7 @@ fn init_logging(verbose: u8) {
 }
 
 fn run(cli: Cli) -> Result<i32, LensError> {
+    let started = std::time::Instant::now();
     // Settings first: a bad value is reported before anything is loaded or started.
     let export = ExportSettings::from_cli(&cli)?;
     let rules = Arc::new(ProbeRules::load(cli.config.as_deref(), cli.profile)?);
@@ -263,9 +264,16 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             budget.windows
         );
     }
+    // Its own cost beside the probe hits: the reader and the exporter, on the node's CPUs.
+    let own_cpu = lens_probe::sys::usage::OwnCpu::now(started.elapsed());
+    eprint!("{}", own_cpu.render());
     if let Some(file) = summary_file {
         let mut json = summary.to_json(&report.losses);
         if let Some(object) = json.as_object_mut() {
+            object.insert(
+                "lens_probe_cpu".into(),
+                serde_json::to_value(own_cpu).expect("CPU usage serialises"),
+            );
             if let Some(budget) = &report.budget {
                 object.insert(
                     "overhead_budget".into(),

@@ -42,10 +42,20 @@ fn demo_prints_a_correct_summary_and_exits_with_the_commands_code() {
         "{text}"
     );
     assert!(text.contains("no events lost"), "{text}");
+    assert!(text.contains("lens-probe: its own CPU "), "{text}");
 
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
     let _ = std::fs::remove_file(&json_path);
+    // Its own CPU: loading and attaching alone take some, and two CPUs at most.
+    let cpu = &json["lens_probe_cpu"];
+    let (user, system, wall) = (
+        cpu["user_s"].as_f64().unwrap(),
+        cpu["system_s"].as_f64().unwrap(),
+        cpu["wall_s"].as_f64().unwrap(),
+    );
+    assert!(user + system > 0.0 && wall > 0.0, "{cpu}");
+    assert!(user + system <= wall * 2.0 + 0.1, "{cpu}");
     let process = &json["processes"][0];
     assert_eq!(process["exit"]["exited"], 0);
     // AllReduce counts 1024·(step+1) float32 over 4 steps: 4·1024·(1+2+3+4) bytes.

@@ -1,7 +1,8 @@
 //! The operating system as lens-probe sees it, with nothing of tracing in it: processes
 //! (starting, attaching, waiting: `target`; the guardian that resumes a stopped one),
 //! their mappings (`library`), ELF symbol tables and PLT stubs (`symbols`, `plt`),
-//! capabilities (`privileges`) and the files created as root (`output`).
+//! capabilities (`privileges`), the files created as root (`output`) and lens-probe's own
+//! CPU time (`usage`).
 pub mod guardian;
 pub mod library;
 pub mod output;
@@ -9,3 +10,4 @@ pub mod plt;
 pub mod privileges;
 pub mod symbols;
 pub mod target;
+pub mod usage;
