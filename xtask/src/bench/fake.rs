@@ -46,6 +46,8 @@ pub(super) struct TrainerSummary {
     pub(super) lost: u64,
     /// lens-probe's own estimate of what its probes cost the process (`probe_cost`).
     pub(super) estimated_cost_s: Option<f64>,
+    /// lens-probe's own CPU (every thread, start-up included) over its run.
+    pub(super) tracer_cpu_s: Option<f64>,
 }
 
 pub(super) fn sum_members(value: Option<&Json>, field: Option<&str>) -> u64 {
@@ -110,6 +112,9 @@ pub(super) fn trainer_summary(json: &Json, steps: u64) -> Result<TrainerSummary,
             .pointer("/probe_cost/estimated_ns")
             .and_then(Json::as_f64)
             .map(|ns| ns / 1e9),
+        tracer_cpu_s: json
+            .get("lens_probe_cpu")
+            .and_then(|cpu| Some(cpu.get("user_s")?.as_f64()? + cpu.get("system_s")?.as_f64()?)),
     })
 }
 
@@ -189,6 +194,14 @@ impl FakeBlock {
         median(&counted).map_or(self.steps * CALLS_PER_STEP + CALLS_PER_PROCESS, |c| {
             c as u64
         })
+    }
+
+    /// Per round: lens-probe's own CPU over the `per_step` run.
+    pub(super) fn tracer_cpu(&self) -> Vec<f64> {
+        self.runs(Fake::Lens("per_step"))
+            .iter()
+            .filter_map(|run| run.summary.as_ref()?.tracer_cpu_s)
+            .collect()
     }
 
     /// Per round: lens-probe's own estimate of its probes' cost to the `per_step` run over

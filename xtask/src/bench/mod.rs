@@ -736,7 +736,8 @@ mod tests {
              "collectives": {"all_reduce": {"calls": 40, "bytes": 9}, "send": {"calls": 40}},
              "sync_waits": {"stream": {"calls": 40, "p50_ns": 3}},
              "probe_cost": {"estimated_ns": 2500000, "traced_ns": 90000000}}
-          ]}"#;
+          ],
+          "lens_probe_cpu": {"user_s": 1.25, "system_s": 0.5, "wall_s": 3.0}}"#;
         let json = serde_json::from_str::<Json>(doc).unwrap();
         assert_eq!(
             trainer_summary(&json, 40).unwrap(),
@@ -745,6 +746,7 @@ mod tests {
                 events: 120,
                 lost: 3,
                 estimated_cost_s: Some(0.0025),
+                tracer_cpu_s: Some(1.75),
             }
         );
         assert!(trainer_summary(&json, 7).is_err());

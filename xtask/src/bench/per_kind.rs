@@ -2,7 +2,10 @@
 //! `hammer KIND N` (tests/fixtures/hammer.c) calls one probed function N times in a tight
 //! loop and prints the loop's own time; each kind runs uninstrumented, under bpftrace
 //! `count()` on the same entry (the kernel's floor), under bpftrace with the return probe
-//! too where lens-probe has one, and under lens-probe `per_step`.
+//! too where lens-probe has one, and under lens-probe `per_step`. The loop runs on CPU 1,
+//! the tracer (lens-probe, bpftrace) on CPU 0: what is measured is the cost on the probed
+//! thread, not the two sharing a CPU. lens-probe's user side, flooded at these rates, would
+//! otherwise take half the loop's CPU on a 2-CPU machine; its own CPU is a row of its own.
 
 use std::fs;
 use std::process::Command;
@@ -178,8 +181,31 @@ fn hammer_summary(json: &Json, kind: Kind, calls: u64) -> Result<(u64, u64), Str
     Ok((counted, summary_losses(json)))
 }
 
+/// The CPU the loop runs on, and the one the tracer runs on (the same on a 1-CPU machine).
+fn cpus() -> (&'static str, &'static str) {
+    match std::thread::available_parallelism() {
+        Ok(n) if n.get() >= 2 => ("1", "0"),
+        _ => ("0", "0"),
+    }
+}
+
+/// `taskset -c CPU`: a command run on that CPU only.
+fn on_cpu(cpu: &str) -> Command {
+    let mut cmd = Command::new("taskset");
+    cmd.args(["-c", cpu]);
+    cmd
+}
+
+/// lens-probe's own CPU seconds (user + system), from `--summary-json`.
+fn tracer_cpu_s(json: &Json) -> Option<f64> {
+    let cpu = json.get("lens_probe_cpu")?;
+    Some(cpu.get("user_s")?.as_f64()? + cpu.get("system_s")?.as_f64()?)
+}
+
 struct Run {
     loop_s: f64,
+    /// lens-probe's own CPU (all its threads) over the run, from `--summary-json`.
+    tracer_cpu_s: Option<f64>,
 }
 
 struct KindRuns {
@@ -272,14 +298,16 @@ fn run(
     let name = format!("hammer-{}-{}-r{round}", kind.arg(), variant.name());
     let log = ctx.logs.join(format!("{name}.log"));
     let deadline = Instant::now() + RUN_TIMEOUT;
+    let (job_cpu, tracer_cpu_id) = cpus();
     let wrapped = |cmd: &mut Command| {
-        cmd.args(["sh", "-c", WRAPPER])
+        cmd.args(["taskset", "-c", job_cpu, "sh", "-c", WRAPPER])
             .arg(&hammer)
             .arg(kind.arg())
             .arg(&n);
         fake_env(cmd);
     };
     let mut loop_s = None;
+    let mut tracer_cpu = None;
     let mut on_line = |l: &Line| {
         if l.stream == Stream::Out
             && let Some(s) = parse_loop_time(&l.text)
@@ -298,7 +326,7 @@ fn run(
             let summary_path = ctx.out.join(format!("{name}.summary.json"));
             let _ = fs::remove_file(&summary_path);
             let pid_file = ctx.out.join(format!("{name}.pid"));
-            let mut cmd = lens_command(ctx, None, "per_step", &pid_file);
+            let mut cmd = lens_command(ctx, Some(on_cpu(tracer_cpu_id)), "per_step", &pid_file);
             cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
                 .arg("--summary-json")
                 .arg(&summary_path)
@@ -311,6 +339,7 @@ fn run(
                 .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
             let json = serde_json::from_str::<Json>(&text)
                 .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
+            tracer_cpu = tracer_cpu_s(&json);
             let (counted, lost) = hammer_summary(&json, kind, calls)
                 .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
             if counted != calls {
@@ -325,8 +354,8 @@ fn run(
         }
         Variant::Bpftrace { returns } => {
             let program = ctx.bpftrace.as_ref().map_err(Clone::clone)?;
-            let mut bt = Command::new(program);
-            bt.current_dir(&ctx.root).args([
+            let mut bt = on_cpu(tracer_cpu_id);
+            bt.arg(program).current_dir(&ctx.root).args([
                 "-B",
                 "none",
                 "-e",
@@ -376,7 +405,10 @@ fn run(
             log.display()
         )
     })?;
-    Ok(Run { loop_s })
+    Ok(Run {
+        loop_s,
+        tracer_cpu_s: tracer_cpu,
+    })
 }
 
 fn ns(seconds: f64) -> String {
@@ -489,11 +521,26 @@ impl PerKindBlock {
                     met(r),
                 ));
             }
+            let tracer_cpu: Vec<f64> = k
+                .runs
+                .iter()
+                .filter(|(v, _)| *v == Variant::Lens)
+                .flat_map(|(_, runs)| runs.iter().filter_map(|r| r.tracer_cpu_s))
+                .collect();
+            rows.push(super::report::row(
+                "  lens-probe's own CPU over its whole run (every thread, start-up included; \
+                 on the other CPU)",
+                &tracer_cpu,
+                ns,
+                None,
+                "",
+                Met::NoTarget,
+            ));
         }
         Section {
             title: "1b. Per-hit cost per probe kind (`hammer KIND N`: one fake-library function \
-                    called N times in a loop, the loop's own time; rows with + : traced − \
-                    uninstrumented, per call)"
+                    called N times in a loop on CPU 1, the tracer on CPU 0, the loop's own time; rows \
+                    with + : traced − uninstrumented, per call)"
                 .into(),
             rows,
         }
@@ -517,7 +564,10 @@ impl PerKindBlock {
              calls that straight); bpftrace runs `uprobe:LIB:FUNC {{ @ = count(); }}` (for \
              `launch` also on `cuLaunchKernel`; and `uretprobe:LIB:FUNC {{ @ret = count(); }}` \
              for the entry + return rows), started first, the loop runs once its `BEGIN` has \
-             fired. Kinds and variants are interleaved in every round. `collective` makes one \
+             fired. The loop runs on CPU 1 and the tracer on CPU 0 (`taskset`): the rows are \
+             the cost on the probed thread. Unpinned, lens-probe's user side, flooded by 500 000 \
+             records a second, shared the loop's CPU and doubled the `collective` row. Kinds \
+             and variants are interleaved in every round. `collective` makes one \
              `ncclCommInitRank` before its loop; `sync` is a `nanosleep(0)` ({} per call \
              here), whose jitter is of the order of the probes' cost: its rows are the \
              noisiest.\n",

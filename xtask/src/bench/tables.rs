@@ -160,6 +160,17 @@ pub(super) fn trainer_cost_section(fake: &FakeBlock) -> Section {
             Met::from_bool((0.7..=1.3).contains(&r))
         }),
     ));
+    // The rest of the slowdown: lens-probe's user side shares the machine's CPUs with the
+    // trainer (not pinned here, as a job would not be).
+    rows.push(row(
+        "lens-probe's own CPU over its `per_step` run (every thread, start-up included; \
+         the trainer and it share the CPUs)",
+        &fake.tracer_cpu(),
+        fmt_duration,
+        None,
+        "",
+        Met::NoTarget,
+    ));
     Section {
         title: format!(
             "1. Per-hit cost on the fake libraries (`trainer {}`: {} probed calls per run; ratio of the per-call rows: to bpftrace's floor)",
