@@ -124,7 +124,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             drop(spans);
             // Before `finish` joins it: what the export thread used during the run.
             let export_cpu_s = threads_cpu_s("lens-export");
-            let stats = pipeline.finish(&[]);
+            let stats = pipeline.finish(&[], None);
             (
                 report,
                 stats.exported,

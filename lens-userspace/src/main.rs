@@ -232,6 +232,9 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     {
         log::warn!("{warning}");
     }
+    // Its own cost beside the probe hits: the reader and the exporter, on the node's CPUs
+    // (read before the export's last flush, which the metric carries).
+    let own_cpu = lens_probe::sys::usage::OwnCpu::now(started.elapsed());
     let export_stats = pipeline.as_mut().map(|pipeline| {
         let events_lost: Vec<(&'static str, u64)> = report
             .losses
@@ -239,7 +242,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             .iter()
             .map(|(cause, count)| (*cause, *count))
             .collect();
-        let stats = pipeline.finish(&events_lost);
+        let stats = pipeline.finish(&events_lost, Some(&own_cpu));
         report_export(&export, stats);
         stats
     });
@@ -264,8 +267,6 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             budget.windows
         );
     }
-    // Its own cost beside the probe hits: the reader and the exporter, on the node's CPUs.
-    let own_cpu = lens_probe::sys::usage::OwnCpu::now(started.elapsed());
     eprint!("{}", own_cpu.render());
     if let Some(file) = summary_file {
         let mut json = summary.to_json(&report.losses);

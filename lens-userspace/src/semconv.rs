@@ -133,6 +133,9 @@ pub const CUDA_LAUNCH_SAMPLED: &str = "cuda.launch.sampled";
 pub const LENS_PROBE_ARG_PREFIX: &str = "lens_probe.arg.";
 /// Why lens-probe lost an event or a span (its own health metrics).
 pub const LENS_PROBE_LOSS_CAUSE: &str = "lens_probe.loss.cause";
+/// `user` or `system`: which side of lens-probe's own CPU time (OpenTelemetry's
+/// `cpu.mode`, as on `process.cpu.time`).
+pub const CPU_MODE: &str = "cpu.mode";
 
 // ==== Export: resource attributes of the traced process ================================
 // Added for `export::resource`: the OpenTelemetry resource NeMo Lens builds

@@ -3,7 +3,7 @@
 //! printed; the OTLP JSON file exporter; one trace per run across ranks; a collector that
 //! is down, hangs, or answers slowly; bad settings.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     net::TcpListener,
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
@@ -476,6 +476,16 @@ fn metrics_reach_a_real_collector() {
     );
     let steps = metric_points(&text, "dl.step.duration");
     assert_eq!(steps.last().map(|(_, count)| *count), Some(3), "{text}");
+    // Its own CPU time, by mode, beside its other health metrics.
+    let modes: BTreeSet<String> = metric_points(&text, "lens_probe.cpu.time")
+        .into_iter()
+        .filter_map(|(attributes, _)| attributes.get("cpu.mode").cloned())
+        .collect();
+    assert_eq!(
+        modes,
+        BTreeSet::from(["system".to_string(), "user".to_string()]),
+        "{text}"
+    );
     // lens-probe's estimate of what its probes cost the trainer: a share of its time,
     // above nothing (it made calls that were probed) and far below all of it.
     let overhead: Vec<f64> = text

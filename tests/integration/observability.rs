@@ -58,6 +58,7 @@ const METRICS: &[MetricDef] = &[
     metric!(EVENTS_LOST, "{event}", Counter),
     metric!(SPANS_LOST, "{span}", Counter),
     metric!(OVERHEAD, "1", Gauge),
+    metric!(CPU_TIME, "s", Counter),
 ];
 
 /// Labels the dashboard may use: metric attributes and resource attributes (semconv
@@ -74,6 +75,7 @@ const LABELS: &[&str] = &[
     "cuda_launch_kind",
     "nemo_span_group",
     "lens_probe_loss_cause",
+    "cpu_mode",
     "dl_rank",
     "nemo_run_id",
     "host_name",
@@ -191,6 +193,7 @@ fn prometheus_names_follow_the_collector_rules() {
         "dl_phase_duration_seconds_sum",
         "lens_probe_events_lost_total",
         "lens_probe_spans_lost_total",
+        "lens_probe_cpu_time_seconds_total",
     ] {
         assert!(
             names.contains_key(expected),

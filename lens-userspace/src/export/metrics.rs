@@ -27,6 +27,7 @@ use opentelemetry_sdk::{
 use crate::{
     semconv,
     spans::{AttrValue, SpanRecord, names},
+    sys::usage::OwnCpu,
 };
 
 /// Metric names (see `docs/metrics.md`).
@@ -44,6 +45,7 @@ pub mod metric_names {
     pub const EVENTS_LOST: &str = "lens_probe.events.lost";
     pub const SPANS_LOST: &str = "lens_probe.spans.lost";
     pub const OVERHEAD: &str = "lens_probe.overhead";
+    pub const CPU_TIME: &str = "lens_probe.cpu.time";
 }
 
 /// `OTEL_METRIC_EXPORT_INTERVAL` (ms) of lens-probe's environment, default 60 s as the
@@ -349,6 +351,7 @@ pub struct ProbeMetrics {
     pub reader: SharedReader,
     events_lost: Counter<u64>,
     spans_lost: Counter<u64>,
+    cpu_time: Counter<f64>,
 }
 
 impl ProbeMetrics {
@@ -364,6 +367,11 @@ impl ProbeMetrics {
                 .u64_counter(metric_names::SPANS_LOST)
                 .with_unit("{span}")
                 .with_description("Spans not delivered, by reason")
+                .build(),
+            cpu_time: meter
+                .f64_counter(metric_names::CPU_TIME)
+                .with_unit("s")
+                .with_description("lens-probe's own CPU time, every thread, by mode")
                 .build(),
             provider,
             reader,
@@ -382,6 +390,13 @@ impl ProbeMetrics {
             count,
             &[KeyValue::new(semconv::LENS_PROBE_LOSS_CAUSE, reason)],
         );
+    }
+
+    pub fn record_cpu_time(&self, cpu: &OwnCpu) {
+        for (mode, seconds) in [("user", cpu.user_s), ("system", cpu.system_s)] {
+            self.cpu_time
+                .add(seconds, &[KeyValue::new(semconv::CPU_MODE, mode)]);
+        }
     }
 }
 

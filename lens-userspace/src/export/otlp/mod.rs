@@ -34,7 +34,7 @@ use super::{
 use crate::{
     error::{LensError, Result},
     spans::{SpanExporter, SpanId, SpanRecord, monotonic_now_ns},
-    sys::target::ProcessInfo,
+    sys::{target::ProcessInfo, usage::OwnCpu},
 };
 
 mod export_thread;
@@ -238,10 +238,14 @@ impl OtelPipeline {
         })
     }
 
-    /// Sends what is queued and lens-probe's own loss counters (`events_lost`: kernel
-    /// events by cause), waits for the export thread (at most ~10 s), and says what
-    /// happened to the spans.
-    pub fn finish(&mut self, events_lost: &[(&'static str, u64)]) -> ExportStats {
+    /// Sends what is queued and lens-probe's own health (`events_lost`: kernel events by
+    /// cause; its CPU time so far), waits for the export thread (at most ~10 s), and says
+    /// what happened to the spans.
+    pub fn finish(
+        &mut self,
+        events_lost: &[(&'static str, u64)],
+        cpu: Option<&OwnCpu>,
+    ) -> ExportStats {
         let _ = self
             .counters
             .flush_deadline
@@ -255,6 +259,9 @@ impl OtelPipeline {
                 "queue_full",
                 self.counters.dropped_queue_full.load(Ordering::Relaxed),
             );
+            if let Some(cpu) = cpu {
+                probe.record_cpu_time(cpu);
+            }
             for (pid, process) in self.processes.drain() {
                 let _ = queue.send(Message::ProcessEnded(pid, Some(process.metrics)));
             }
@@ -385,6 +392,6 @@ impl SpanExporter for OtelPipeline {
 
 impl Drop for OtelPipeline {
     fn drop(&mut self) {
-        self.finish(&[]);
+        self.finish(&[], None);
     }
 }
