@@ -112,10 +112,14 @@ pub(super) fn trainer_summary(json: &Json, steps: u64) -> Result<TrainerSummary,
             .pointer("/probe_cost/estimated_ns")
             .and_then(Json::as_f64)
             .map(|ns| ns / 1e9),
-        tracer_cpu_s: json
-            .get("lens_probe_cpu")
-            .and_then(|cpu| Some(cpu.get("user_s")?.as_f64()? + cpu.get("system_s")?.as_f64()?)),
+        tracer_cpu_s: tracer_cpu_s(json),
     })
+}
+
+/// lens-probe's own CPU seconds (user + system), from `--summary-json`.
+pub(super) fn tracer_cpu_s(json: &Json) -> Option<f64> {
+    let cpu = json.get("lens_probe_cpu")?;
+    Some(cpu.get("user_s")?.as_f64()? + cpu.get("system_s")?.as_f64()?)
 }
 
 pub(super) fn parse_elapsed(line: &str) -> Option<f64> {

@@ -11,7 +11,7 @@ use std::fs;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::fake::{parse_bpftrace_count, summary_losses, summary_process};
+use super::fake::{parse_bpftrace_count, summary_losses, summary_process, tracer_cpu_s};
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, fmt_duration, median};
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
@@ -194,12 +194,6 @@ fn on_cpu(cpu: &str) -> Command {
     let mut cmd = Command::new("taskset");
     cmd.args(["-c", cpu]);
     cmd
-}
-
-/// lens-probe's own CPU seconds (user + system), from `--summary-json`.
-fn tracer_cpu_s(json: &Json) -> Option<f64> {
-    let cpu = json.get("lens_probe_cpu")?;
-    Some(cpu.get("user_s")?.as_f64()? + cpu.get("system_s")?.as_f64()?)
 }
 
 struct Run {
