@@ -292,16 +292,16 @@ fn run(
     let name = format!("hammer-{}-{}-r{round}", kind.arg(), variant.name());
     let log = ctx.logs.join(format!("{name}.log"));
     let deadline = Instant::now() + RUN_TIMEOUT;
-    let (job_cpu, tracer_cpu_id) = cpus();
+    let (loop_on, tracer_on) = cpus();
     let wrapped = |cmd: &mut Command| {
-        cmd.args(["taskset", "-c", job_cpu, "sh", "-c", WRAPPER])
+        cmd.args(["taskset", "-c", loop_on, "sh", "-c", WRAPPER])
             .arg(&hammer)
             .arg(kind.arg())
             .arg(&n);
         fake_env(cmd);
     };
     let mut loop_s = None;
-    let mut tracer_cpu = None;
+    let mut tracer_cpu_s_run = None;
     let mut on_line = |l: &Line| {
         if l.stream == Stream::Out
             && let Some(s) = parse_loop_time(&l.text)
@@ -320,7 +320,7 @@ fn run(
             let summary_path = ctx.out.join(format!("{name}.summary.json"));
             let _ = fs::remove_file(&summary_path);
             let pid_file = ctx.out.join(format!("{name}.pid"));
-            let mut cmd = lens_command(ctx, Some(on_cpu(tracer_cpu_id)), "per_step", &pid_file);
+            let mut cmd = lens_command(ctx, Some(on_cpu(tracer_on)), "per_step", &pid_file);
             cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
                 .arg("--summary-json")
                 .arg(&summary_path)
@@ -333,7 +333,7 @@ fn run(
                 .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
             let json = serde_json::from_str::<Json>(&text)
                 .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
-            tracer_cpu = tracer_cpu_s(&json);
+            tracer_cpu_s_run = tracer_cpu_s(&json);
             let (counted, lost) = hammer_summary(&json, kind, calls)
                 .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
             if counted != calls {
@@ -348,7 +348,7 @@ fn run(
         }
         Variant::Bpftrace { returns } => {
             let program = ctx.bpftrace.as_ref().map_err(Clone::clone)?;
-            let mut bt = on_cpu(tracer_cpu_id);
+            let mut bt = on_cpu(tracer_on);
             bt.arg(program).current_dir(&ctx.root).args([
                 "-B",
                 "none",
@@ -401,7 +401,7 @@ fn run(
     })?;
     Ok(Run {
         loop_s,
-        tracer_cpu_s: tracer_cpu,
+        tracer_cpu_s: tracer_cpu_s_run,
     })
 }
 
