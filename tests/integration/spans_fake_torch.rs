@@ -16,10 +16,12 @@ use lens_probe::{
 };
 use lens_tests::torch_trainer_argv as trainer;
 
-/// The overhead-budget test runs alone: with another session of this process tracing
-/// its own trainer on the same fake libraries at the same time, it once saw 1001 steps
-/// for 1000 (issue 16, row 14: two instances sharing the libraries' inodes is the lead,
-/// not yet explained). The other tests share the lock and still run side by side.
+/// The overhead-budget test runs alone. It once saw 1001 steps for 1000 (issue 16,
+/// row 14), because another session of this process starting up followed this test's
+/// trainer fork; `TARGET_CALIBRATION` fixed that (see `fake_libs.rs`). It stays alone
+/// because its 1 % check rests on the per-hit cost measured at start-up, which other
+/// sessions' trainers on the same cores would inflate. The other tests share the lock
+/// and run side by side.
 static ALONE: RwLock<()> = RwLock::new(());
 
 fn shared() -> RwLockReadGuard<'static, ()> {
