@@ -24,6 +24,9 @@ const FIXTURE_FILES: &[&str] = &[
     "fixtures/fake_nccl.map",
     "fixtures/configured_lib.c",
     "fixtures/configured_trainer.c",
+    "fixtures/fake_torch_python.c",
+    "fixtures/throwing_libs.cpp",
+    "fixtures/throwing_trainer.cpp",
 ];
 
 fn main() {

@@ -75,7 +75,8 @@ numbered! {
         TorchScopeEnter = 17,
         /// The matching scope exit (a local symbol of libtorch_cpu.so).
         TorchScopeExit = 18,
-        /// `torch::autograd::Engine::execute`: one backward pass.
+        /// `torch::autograd::Engine::execute`, its entry: one backward pass begins (its end
+        /// is [`ProbeId::TorchBackwardReturn`]).
         TorchBackward = 19,
         /// `c10::GradMode::set_enabled(bool)`: `torch.no_grad()` and friends.
         TorchGradMode = 20,
@@ -143,6 +144,13 @@ numbered! {
         /// `ncclAlltoAll(send, recv, count, dtype, comm, stream)`: every rank sends `count`
         /// elements to every rank (mixture-of-experts token exchange). Newer NCCL only.
         NcclAlltoAll = 47,
+        /// libtorch_python's `THPEngine_run_backward` (a static function, in the `.symtab`
+        /// PyPI's wheels ship), its return: a backward (or `torch.autograd.grad`) begun from
+        /// Python ended. The end of a backward is taken here and not at
+        /// `Engine::execute`'s return because a return probe on a function an exception
+        /// can leave aborts the process; this one catches every C++ exception
+        /// (`HANDLE_TH_ERRORS`) and returns NULL instead.
+        TorchBackwardReturn = 48,
     }
 }
 

@@ -292,7 +292,6 @@ pub mod maps {
     /// Calls in flight, one map per record body: the entry's record, kept until the
     /// return pairs it (keyed by [`super::InflightKey`]).
     pub const INFLIGHT_COLLECTIVES: &str = "INFLIGHT_COLLECTIVES";
-    pub const INFLIGHT_TIMED: &str = "INFLIGHT_TIMED";
     pub const INFLIGHT_SYNCS: &str = "INFLIGHT_SYNCS";
     pub const INFLIGHT_COMM_INITS: &str = "INFLIGHT_COMM_INITS";
     pub const INFLIGHT_QUERIES: &str = "INFLIGHT_QUERIES";

@@ -2,7 +2,7 @@
 //! calls in flight, the Python sampler's state and the run-wide switches.
 use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap};
-use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall, TimedCall};
+use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall};
 use lens_common::{
     CallKey, CodeRanges, HandleKey, InflightKey, KernelKey, LossCause, PyOffsets, Record,
     TargetState, limits, settings,
@@ -77,10 +77,6 @@ pub(crate) static PY_LAST_STACK: LruHashMap<u32, u64> =
 
 #[map(name = "INFLIGHT_COLLECTIVES")]
 pub(crate) static INFLIGHT_COLLECTIVES: LruHashMap<InflightKey, Record<CollectiveCall>> =
-    LruHashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
-
-#[map(name = "INFLIGHT_TIMED")]
-pub(crate) static INFLIGHT_TIMED: LruHashMap<InflightKey, Record<TimedCall>> =
     LruHashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
 
 #[map(name = "INFLIGHT_SYNCS")]

@@ -11,7 +11,7 @@ use crate::ctx::{
     begin_call, call_starting_now, count_loss, now_ns, remember_entry, send, send_now, take_entry,
     traced,
 };
-use crate::maps::{INFLIGHT_COLLECTIVES, INFLIGHT_COMM_INITS, INFLIGHT_SYNCS, INFLIGHT_TIMED};
+use crate::maps::{INFLIGHT_COLLECTIVES, INFLIGHT_COMM_INITS, INFLIGHT_SYNCS};
 use crate::python::sample_if_saving;
 
 /// A body timed entry to return, with the call's result.
@@ -33,7 +33,7 @@ macro_rules! returning {
     };
 }
 
-returning!(CollectiveCall, TimedCall, SyncCall, CommInitCall);
+returning!(CollectiveCall, SyncCall, CommInitCall);
 
 /// The return paired with its entry in `inflight`: the end stamped and the result read.
 /// (Only a traced process has entries: the target check is needed only without one.)
@@ -97,34 +97,22 @@ fn nccl_comm_init_return_body(ctx: RetProbeContext) -> u32 {
 }
 
 uprobe_and_multi! {
-    /// Entry of a call whose duration is wanted but whose arguments are not decoded
-    /// (gloo collectives: the tensors live behind C++ vectors). The first argument, the
-    /// `ProcessGroupGloo` object of a member function, is kept: it tells the process's
-    /// groups apart (hang detection numbers each group's collectives).
+    /// Entry of a call seen at its entry only, arguments not decoded (gloo collectives:
+    /// the tensors live behind C++ vectors, and the methods throw, so no return probe may
+    /// go on them). The first argument, the `ProcessGroupGloo` object of a member
+    /// function, is kept: it tells the process's groups apart (hang detection numbers
+    /// each group's collectives). Sent at once, its end its start.
     timed_call_entry, timed_call_entry_m => timed_call_entry_body
 }
 
 #[inline(always)]
 fn timed_call_entry_body(ctx: ProbeContext) -> u32 {
     sample_if_saving();
-    let Some((pid_tgid, _, mut record, _)) = begin_call::<TimedCall>(&ctx) else {
+    let Some((_, _, mut record, _)) = begin_call::<TimedCall>(&ctx) else {
         return 0;
     };
     record.body.times = call_starting_now();
     record.body.object = ctx.arg::<u64>(0).unwrap_or(0);
-    remember_entry(&ctx, &INFLIGHT_TIMED, pid_tgid, &record);
-    0
-}
-
-uretprobe_and_multi! {
-    /// Return of such a call.
-    timed_call_return, timed_call_return_m => timed_call_return_body
-}
-
-#[inline(always)]
-fn timed_call_return_body(ctx: RetProbeContext) -> u32 {
-    if let Some(record) = finish(&ctx, &INFLIGHT_TIMED) {
-        send(&record);
-    }
+    send(&record);
     0
 }

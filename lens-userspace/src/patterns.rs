@@ -80,6 +80,17 @@ impl SymbolPattern {
         }
     }
 
+    /// Whether it names C++ (or Rust) functions: a demangled name, a C++-looking glob, or a
+    /// mangled name. An exception (a panic) can leave such a function, and one that
+    /// leaves it through a return probe aborts the process.
+    pub fn names_cpp(&self) -> bool {
+        match self {
+            SymbolPattern::Exact(text) => may_unwind(text),
+            SymbolPattern::Demangled(_) => true,
+            SymbolPattern::Glob { pattern, cpp } => *cpp || may_unwind(pattern),
+        }
+    }
+
     /// Whether matching needs more than an exact look-up: then every name of a symbol
     /// table is tested ([`crate::sys::symbols::resolve_matching`]).
     pub fn is_pattern(&self) -> bool {
@@ -212,6 +223,16 @@ pub fn glob_match(pattern: &[u8], text: &[u8]) -> bool {
         }
     }
     pattern[p..].iter().all(|b| *b == b'*')
+}
+
+/// Whether the function named by symbol `name` may be left by an exception: a C++
+/// (`_Z`, Itanium) or Rust (`_R`, v0; legacy Rust names are `_Z` too) mangled name. The
+/// unwinder finds no unwind information for the return probe's trampoline, which a
+/// return probe puts in the place of the function's return address, and calls
+/// `std::terminate` (Rust: aborts) when an exception must cross it: the traced program,
+/// which would have caught it, dies. C functions are left by returning.
+pub fn may_unwind(name: &str) -> bool {
+    name.starts_with("_Z") || name.starts_with("_R")
 }
 
 #[cfg(test)]

@@ -335,7 +335,7 @@ fn probes_of(kind: EventKind) -> Option<Vec<u32>> {
             FileOpenAt,
         ]),
         EventKind::PhaseReturn => ids(&[
-            TorchBackward,
+            TorchBackwardReturn,
             CheckpointWriterClose,
             CheckpointReaderClose,
             SafetensorsSerializeFile,

@@ -470,16 +470,16 @@ fn one_line_says_what_is_traced_while_the_job_starts() {
         .unwrap();
     let text = stderr(&output);
     assert_eq!(output.status.code(), Some(0), "{text}");
-    // The fake trainer's four libraries (runtime, NCCL, libtorch_cpu, libc10) load at
-    // once, before its first call: one line, not one per library, and not the dynamic
-    // loader lens-probe follows loads with.
+    // The fake trainer's five libraries (runtime, NCCL, libtorch_cpu, libtorch_python,
+    // libc10) load at once, before its first call: one line, not one per library, and
+    // not the dynamic loader lens-probe follows loads with.
     let lines: Vec<&str> = text
         .lines()
         .filter(|l| l.starts_with("lens-probe: tracing "))
         .collect();
     assert_eq!(lines.len(), 1, "{text}");
     let (uprobes, links): (usize, usize) = lines[0]
-        .strip_prefix("lens-probe: tracing 1 process: 4 libraries, ")
+        .strip_prefix("lens-probe: tracing 1 process: 5 libraries, ")
         .and_then(|rest| rest.strip_suffix(" links"))
         .and_then(|rest| rest.split_once(" uprobes in "))
         .and_then(|(u, l)| Some((u.parse().ok()?, l.parse().ok()?)))

@@ -35,6 +35,8 @@ args = [{ index = 0, type = "int", attribute = "my.step" }]
 library = "libmytrain.so"
 symbol = "my::Trainer::forward"
 group = "forward_backward"
+# A C++ function: its return probe is the user's word that no exception leaves it.
+noexcept = true
 
 [[probe]]
 library = "libmytrain.so*"
@@ -184,6 +186,7 @@ fn a_step_rule_takes_steps_over_from_torch_signals() {
         symbol = "torch::autograd::Engine::execute"
         group = "step"
         name = "my.backward_step"
+        noexcept = true   # the fake's never throws (the real one can: see docs/probes.md)
     "#;
     let argv: Vec<OsString> = std::iter::once(lens_tests::torch_trainer().into_os_string())
         .chain(["2", "2", "0", "0"].map(OsString::from))
@@ -404,6 +407,7 @@ fn a_std_string_argument_is_read_and_a_checkpoint_rule_takes_checkpoints_over() 
         [[probe]]
         library = "libtorch_cpu.so"
         symbol = "caffe2::serialize::PyTorchStreamWriter::PyTorchStreamWriter"
+        noexcept = true   # the fake's never throws (the real one can)
         group = "checkpoint"
         args = [{ index = 1, type = "std::string", attribute = "nemo.checkpoint.path" }]
     "#;

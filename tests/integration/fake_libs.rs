@@ -381,8 +381,10 @@ fn a_library_without_the_symbols_gets_one_report_per_probe_and_nothing_breaks() 
         open_path: lens_tests::fake_lib_dir().join("libcudart.so.12"),
     };
     let all = "all".parse().unwrap();
+    // Probes for this process alone (no process maps these files here).
+    let me = std::process::id();
     let outcomes = attacher
-        .attach_library(&mut ebpf, &impostor, &all)
+        .attach_library(&mut ebpf, me, &impostor, &all)
         .unwrap()
         .outcomes
         .clone();
@@ -410,7 +412,7 @@ fn a_library_without_the_symbols_gets_one_report_per_probe_and_nothing_breaks() 
     // Asking again for the same file does nothing (reported once).
     assert!(
         attacher
-            .attach_library(&mut ebpf, &impostor, &all)
+            .attach_library(&mut ebpf, me, &impostor, &all)
             .is_none()
     );
 
@@ -420,7 +422,7 @@ fn a_library_without_the_symbols_gets_one_report_per_probe_and_nothing_breaks() 
         shown_path: "libnccl.so.2".into(),
         open_path: lens_tests::fake_lib_dir().join("libnccl.so.2"),
     };
-    let attached = attacher.attach_library(&mut ebpf, &nccl, &all).unwrap();
+    let attached = attacher.attach_library(&mut ebpf, me, &nccl, &all).unwrap();
     assert!(
         attached
             .outcomes

@@ -694,7 +694,7 @@ fn sigint_during_a_long_attach_stops_within_seconds() {
     std::fs::write(
         &config,
         "[[probe]]\nlibrary = \"libtorch_cpu.so\"\nsymbol = \"_ZN*\"\ngroup = \"step\"\n\
-         max_matches = 4096\n",
+         max_matches = 4096\nnoexcept = true\n",
     )
     .unwrap();
     let mut probe = Command::new(LENS_PROBE)

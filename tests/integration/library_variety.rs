@@ -19,7 +19,7 @@ use std::{
 use lens_common::ProbeId;
 use lens_probe::{
     events::{PhaseSignal, ProbeEvent},
-    probes::attach::ProbeOutcome,
+    probes::attach::{ProbeOutcome, ProbeScope},
     session::{RunReport, Session, TraceOptions},
     sink::EventLog,
     sys::{library::LibraryKind, target::ExitStatus},
@@ -616,9 +616,32 @@ fn one_file_under_two_paths_in_two_mount_namespaces_is_probed_once() {
     let _ = std::fs::remove_dir(&elsewhere);
     assert_eq!(report.losses.total(), 0, "{:?}", report.losses);
 
-    // One set of probes on the one inode...
-    let outcomes = outcomes(&session, LibraryKind::CudaRuntime);
-    assert!(failures(&outcomes).is_empty(), "{outcomes:?}");
+    // The one inode probed for each process (the kernel plants the breakpoints per
+    // process), under whichever path each maps it...
+    let runtimes: Vec<_> = session
+        .attacher()
+        .attachments()
+        .iter()
+        .filter(|a| a.library.kind == LibraryKind::CudaRuntime)
+        .collect();
+    let scopes: std::collections::BTreeSet<_> = runtimes.iter().map(|a| a.scope).collect();
+    assert_eq!(
+        scopes,
+        [host.id(), contained.id()]
+            .into_iter()
+            .map(ProbeScope::Process)
+            .collect(),
+        "{runtimes:?}"
+    );
+    assert!(
+        runtimes
+            .iter()
+            .all(|a| a.library.file == runtimes[0].library.file),
+        "{runtimes:?}"
+    );
+    for runtime in &runtimes {
+        assert!(failures(&runtime.outcomes).is_empty(), "{runtime:?}");
+    }
     // ...counting each process's own calls, once.
     assert_eq!(log.ended.len(), 2, "{:?}", log.ended);
     let expected: BTreeMap<ProbeId, u64> = CUDART_PROBES.into_iter().map(|p| (p, CALLS)).collect();
@@ -662,4 +685,89 @@ fn a_kernel_without_the_uprobe_pmu_is_one_line_and_nothing_runs() {
     assert!(!marker.exists(), "the command must not run");
     // Outside the namespace, nothing changed.
     assert!(Path::new("/sys/bus/event_source/devices/uprobe/type").exists());
+}
+
+/// The first byte of `symbol` in `library` as process `pid` has it in memory now, read
+/// through `/proc/PID/mem`: the breakpoint (0xcc) where a uprobe is planted in that
+/// process, the function's own first instruction elsewhere.
+fn entry_byte(pid: u32, library: &Path, symbol: &str) -> u8 {
+    use std::os::unix::fs::FileExt;
+    let offset =
+        lens_probe::sys::symbols::resolve_file_offsets(library, &[symbol]).unwrap()[symbol];
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let library = library.canonicalize().unwrap();
+    let address = maps
+        .lines()
+        .find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() < 6 || Path::new(fields[5]) != library {
+                return None;
+            }
+            let (start, end) = fields[0].split_once('-')?;
+            let start = u64::from_str_radix(start, 16).ok()?;
+            let end = u64::from_str_radix(end, 16).ok()?;
+            let file_offset = u64::from_str_radix(fields[2], 16).ok()?;
+            (file_offset <= offset && offset < file_offset + (end - start))
+                .then(|| start + offset - file_offset)
+        })
+        .unwrap_or_else(|| panic!("{symbol} not mapped in pid {pid}: {maps}"));
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    let mut byte = [0u8];
+    mem.read_exact_at(&mut byte, address).unwrap();
+    byte[0]
+}
+
+#[test]
+fn only_the_traced_process_gets_the_breakpoint_in_a_file_its_neighbour_maps_too() {
+    if !lens_tests::require_bpf("only_the_traced_process_gets_the_breakpoint") {
+        return;
+    }
+    // Two processes map the same libcudart file; lens-probe traces one by pid.
+    let library = variant("twice").join("libcudart.so.12");
+    let mut traced = waiting_caller(&library, None);
+    let mut neighbour = waiting_caller(&library, None);
+    let mut outputs = [wait_ready(&mut traced), wait_ready(&mut neighbour)];
+    let (traced_pid, neighbour_pid) = (traced.id(), neighbour.id());
+    let byte = |pid| entry_byte(pid, &library, "cudaLaunchKernel");
+    // `push %rbp` in both before.
+    const PUSH_RBP: u8 = 0x55;
+    const BREAKPOINT: u8 = 0xcc;
+    assert_eq!(
+        (byte(traced_pid), byte(neighbour_pid)),
+        (PUSH_RBP, PUSH_RBP)
+    );
+
+    let mut session = Session::new(options()).unwrap();
+    session.attach_pid(traced_pid).unwrap();
+    // During: the breakpoint in the traced process's copy of the page alone.
+    assert_eq!(byte(traced_pid), BREAKPOINT, "the traced process is probed");
+    assert_eq!(
+        byte(neighbour_pid),
+        PUSH_RBP,
+        "the untraced neighbour mapping the same file is not"
+    );
+    writeln!(traced.stdin.take().unwrap(), "go").unwrap();
+    let mut log = EventLog::default();
+    let report = session
+        .run_blocking(&mut log, Some(Duration::from_secs(60)))
+        .unwrap();
+    assert!(traced.wait().unwrap().success());
+    assert_eq!(report.losses.total(), 0, "{:?}", report.losses);
+    // The traced process's calls were seen.
+    assert_eq!(log.ended.len(), 1, "{:?}", log.ended);
+    assert_eq!(
+        log.ended[0].calls.get(&ProbeId::CudaLaunchKernel),
+        Some(&CALLS)
+    );
+    drop(session);
+    // After: the neighbour never had it, and runs its calls as it would untraced.
+    assert_eq!(byte(neighbour_pid), PUSH_RBP);
+    writeln!(neighbour.stdin.take().unwrap(), "go").unwrap();
+    assert!(neighbour.wait().unwrap().success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut outputs[1], &mut rest).unwrap();
+    assert!(
+        rest.contains(&format!("cudaLaunchKernel {CALLS}")),
+        "{rest}"
+    );
 }

@@ -101,6 +101,13 @@ pub fn configured_trainer() -> PathBuf {
     fixtures_dir().join("configured/configured_trainer")
 }
 
+/// `throwing_trainer [ROUNDS]`: C++ calls into `throwing/libtorch_cpu.so` and
+/// `libtorch_python.so` (functions under libtorch's probed names that throw) and into its
+/// own `my::Trainer::fails`, each exception caught by the caller; prints each outcome.
+pub fn throwing_trainer() -> PathBuf {
+    fixtures_dir().join("throwing/throwing_trainer")
+}
+
 /// The directory holding the fake `libtorch_cpu.so` and `libc10.so` (and
 /// `trainer_torch`): `faketorch/` under [`fixtures_dir`].
 pub fn fake_torch_dir() -> PathBuf {

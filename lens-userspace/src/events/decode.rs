@@ -283,7 +283,7 @@ fn entry_signal(probe: ProbeId, argument: u64) -> Option<PhaseSignal> {
 /// What a phase-marking function's return means.
 fn return_signal(probe: ProbeId) -> Option<PhaseSignal> {
     Some(match probe {
-        ProbeId::TorchBackward => PhaseSignal::BackwardEnd,
+        ProbeId::TorchBackwardReturn => PhaseSignal::BackwardEnd,
         ProbeId::SafetensorsSerializeFile | ProbeId::CheckpointWriterClose => {
             PhaseSignal::CheckpointWriteEnd
         }

@@ -52,7 +52,6 @@ programs! {
     TorchBackwardEntry => "torch_backward_entry",
     TorchScopeEnter => "torch_scope_enter",
     TimedCallEntry => "timed_call_entry",
-    TimedCallReturn => "timed_call_return",
     DriverLaunch => "driver_launch",
     /// Configured probe rules (`crate::settings::config`): entry and return of any function.
     UserRuleEntry => "user_rule_entry",
@@ -74,7 +73,6 @@ impl Program {
             Program::NcclCollectiveEntry => Some(Program::NcclCollectiveReturn),
             Program::CudaSyncEntry => Some(Program::CudaSyncReturn),
             Program::NcclCommInitEntry => Some(Program::NcclCommInitReturn),
-            Program::TimedCallEntry => Some(Program::TimedCallReturn),
             Program::CudaEventQueryEntry => Some(Program::CudaEventQueryReturn),
             _ => None,
         }
@@ -362,6 +360,10 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         None,
         SCOPES,
     ),
+    // A backward's start: the engine's entry (it says whether gradients accumulate, a
+    // `.backward()`, or are returned, `torch.autograd.grad`). Entry only: a C++ exception
+    // (a raising custom backward, an out-of-memory) leaves `Engine::execute`, and a
+    // return probe there would make that exception abort the process.
     mark(
         ProbeId::TorchBackward,
         // torch::autograd::Engine::execute(const edge_list&, const variable_list&,
@@ -369,7 +371,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         "_ZN5torch8autograd6Engine7executeERKSt6vectorINS0_4EdgeESaIS3_EERKS2_IN2at6TensorESaIS9_EEbbbS7_",
         TorchCpu,
         Some(TorchBackwardEntry),
-        Some(PhaseMarkReturn),
+        None,
         STEP_PHASES,
     ),
     mark(
@@ -605,9 +607,25 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         CollectiveOp::AllToAll,
         NcclArgs::CommStream,
     )),
+    // A backward's end: the return of the Python binding every backward and
+    // `torch.autograd.grad` from Python goes through. It catches every C++ exception and
+    // returns NULL (torch's `HANDLE_TH_ERRORS`), so no exception crosses its return probe.
+    mark(
+        ProbeId::TorchBackwardReturn,
+        // THPEngine_run_backward(PyObject*, PyObject*, PyObject*), a static function
+        "_ZL22THPEngine_run_backwardP7_objectS0_S0_",
+        TorchPython,
+        None,
+        Some(PhaseMarkReturn),
+        STEP_PHASES,
+    ),
 ];
 
-/// A `c10d::ProcessGroupGloo` collective: timed call, child of the phase it runs in.
+/// A `c10d::ProcessGroupGloo` collective: child of the phase it runs in, seen at its
+/// entry only. These methods throw (`c10::Error` on a wrong-size tensor, gloo's
+/// `IoException` when a peer is gone) and the caller may catch it: an exception that
+/// crosses a return probe aborts the process. Their return told only the enqueue anyway
+/// (the collective runs on gloo's worker threads).
 const fn gloo(id: ProbeId, op: CollectiveOp, symbol: &'static str) -> ProbeSpec {
     ProbeSpec {
         id,
@@ -615,7 +633,7 @@ const fn gloo(id: ProbeId, op: CollectiveOp, symbol: &'static str) -> ProbeSpec 
         library: TorchCpu,
         optional_aliases: &[],
         entry: Some(TimedCallEntry),
-        exit: TimedCallEntry.paired_return(),
+        exit: None,
         groups: STEP_DETAIL,
         role: Role::Gloo(op),
         optional: false,

@@ -1,7 +1,7 @@
 //! `--hang-timeout`: in-flight collectives read from the kernel, and the watcher's
 //! verdicts handed to the sink.
 
-use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall, TimedCall};
+use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall};
 use lens_common::{InflightKey, ProbeId, maps};
 
 use crate::{
@@ -43,11 +43,6 @@ impl Session {
                     .map(|dtype| call.count.saturating_mul(dtype.size_bytes()));
                 inflight_call(key, call.times.start_ns, call.comm, bytes)
             });
-        let gloo = inflight_entries::<TimedCall>(ebpf, maps::INFLIGHT_TIMED)
-            .into_iter()
-            .filter_map(|(key, entry)| {
-                inflight_call(key, entry.body.times.start_ns, entry.body.object, None)
-            });
         let syncs = inflight_entries::<SyncCall>(ebpf, maps::INFLIGHT_SYNCS)
             .into_iter()
             .map(|(key, entry)| (key, entry.body.times.start_ns));
@@ -61,7 +56,7 @@ impl Session {
             .chain(inits)
             .chain(queries)
             .filter_map(|(key, start_ns)| inflight_call(key, start_ns, 0, None));
-        collectives.chain(gloo).chain(others).collect()
+        collectives.chain(others).collect()
     }
 
     /// One look for hung collectives (`--hang-timeout`).

@@ -5,9 +5,7 @@ use aya::{
     Ebpf,
     maps::{Array as BpfArray, HashMap as BpfHashMap, MapData, PerCpuHashMap},
 };
-use lens_common::record::{
-    CollectiveCall, CommInitCall, EventQuery, RETURNED_KIND, SyncCall, TimedCall,
-};
+use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, RETURNED_KIND, SyncCall};
 use lens_common::{
     Body, CODE_RANGES, CallKey, CodeRanges, InflightKey, KernelKey, Record, TargetState, maps,
 };
@@ -26,7 +24,6 @@ macro_rules! each_inflight_map {
     ($function:ident($($arg:expr),*)) => {
         [
             $function::<CollectiveCall>($($arg,)* maps::INFLIGHT_COLLECTIVES),
-            $function::<TimedCall>($($arg,)* maps::INFLIGHT_TIMED),
             $function::<SyncCall>($($arg,)* maps::INFLIGHT_SYNCS),
             $function::<CommInitCall>($($arg,)* maps::INFLIGHT_COMM_INITS),
             $function::<EventQuery>($($arg,)* maps::INFLIGHT_QUERIES),

@@ -133,11 +133,9 @@ impl Session {
         let pid = info.pid;
         let pidfd = target::pidfd_open(pid)?;
         self.guard(pid);
-        self.attacher
-            .use_libraries(pid, libraries.iter().map(|l| l.file));
         for library in libraries {
             self.attacher
-                .attach_library(&mut self.ebpf, library, &self.groups);
+                .attach_library(&mut self.ebpf, pid, library, &self.groups);
         }
         self.set_runtime_ranges(pid, libraries);
         self.sample_python(pid);
@@ -175,7 +173,7 @@ impl Session {
         // The child will use (nearly always) the same dynamic loader file as we do.
         if let Some(loader) = attach::own_dynamic_loader()? {
             self.attacher
-                .attach_library(&mut self.ebpf, &loader, &self.groups);
+                .attach_library(&mut self.ebpf, 0, &loader, &self.groups);
         }
         let gated = target::spawn_gated(argv)?;
         let pid = gated.pid;
@@ -376,9 +374,11 @@ impl Session {
                 .iter()
                 .filter(|a| a.library.kind != LibraryKind::DynamicLoader)
         };
+        // Probes go in per process: a file several processes map is one library.
+        let files: std::collections::HashSet<_> = traced_in().map(|a| a.library.file).collect();
         let traced = Traced {
             processes: self.targets.len(),
-            libraries: traced_in().count(),
+            libraries: files.len(),
             uprobes: traced_in().map(|a| a.attached().count()).sum(),
             links: traced_in().map(|a| a.kernel_links).sum(),
         };
@@ -396,16 +396,11 @@ impl Session {
     pub(super) fn attach_libraries_of(&mut self, pid: u32) {
         match self.libraries_of(pid) {
             Ok(libraries) => {
-                self.attacher
-                    .use_libraries(pid, libraries.iter().map(|l| l.file));
                 for library in &libraries {
-                    if !self.attacher.is_attached(library.file) {
-                        info!(
-                            "pid {pid} loaded {}: attaching",
-                            library.shown_path.display()
-                        );
+                    if !self.attacher.is_attached(pid, library) {
+                        info!("pid {pid} maps {}: attaching", library.shown_path.display());
                         self.attacher
-                            .attach_library(&mut self.ebpf, library, &self.groups);
+                            .attach_library(&mut self.ebpf, pid, library, &self.groups);
                     }
                 }
                 self.set_runtime_ranges(pid, &libraries);

@@ -31,6 +31,7 @@ const RULE_FIELDS: &[&str] = &[
     "library",
     "max_matches",
     "name",
+    "noexcept",
     "python",
     "symbol",
 ];
@@ -98,6 +99,10 @@ pub struct NativeRule {
     pub name: &'static str,
     pub args: Vec<RuleArg>,
     pub max_matches: u32,
+    /// The rule says no exception can leave the functions it names (`noexcept = true`):
+    /// C++ ones get their return probe. Without it only C functions do (see
+    /// [`crate::patterns::may_unwind`]).
+    pub noexcept: bool,
 }
 
 impl NativeRule {
@@ -395,7 +400,7 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
             Err("has both symbol and python; a rule names one function or the other".into())
         }
         (None, Some(python)) => {
-            for key in ["library", "args", "max_matches"] {
+            for key in ["library", "args", "max_matches", "noexcept"] {
                 if table.contains_key(key) {
                     return Err(format!("{key}: only for native rules (symbol = ...)"));
                 }
@@ -439,15 +444,34 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
                     ));
                 }
             };
+            let noexcept = match table.get("noexcept") {
+                None => false,
+                Some(toml::Value::Boolean(value)) => *value,
+                Some(other) => {
+                    return Err(format!("noexcept: {other}; expected true or false"));
+                }
+            };
+            let symbol = SymbolPattern::new(symbol.trim());
+            if symbol.names_cpp() && !noexcept {
+                return Err(format!(
+                    "symbol {:?} names a C++ function: a C++ exception that leaves it would \
+                     cross the return probe lens-probe puts on it and abort the traced \
+                     process (std::terminate) where the program would have caught it; \
+                     probe a C function or one that catches every exception (a Python \
+                     binding), or add noexcept = true if no exception can leave it",
+                    symbol.text()
+                ));
+            }
             Ok(Rule::Native(NativeRule {
                 index,
                 origin: origin.to_string(),
                 library: LibraryPattern::new(library.trim()),
-                symbol: SymbolPattern::new(symbol.trim()),
+                symbol,
                 group,
                 name,
                 args,
                 max_matches,
+                noexcept,
             }))
         }
     }
@@ -696,6 +720,10 @@ mod tests {
                 &["library: empty"],
             ),
             ("probe = 3\n", &["probe must be an array of tables"]),
+            (
+                "[[probe]]\nlibrary = \"a\"\nsymbol = \"ns::f\"\ngroup = \"step\"\nnoexcept = 1\n",
+                &["noexcept: 1", "expected true or false"],
+            ),
         ];
         for (text, needles) in cases {
             let line = rejected(text);
@@ -705,6 +733,40 @@ mod tests {
                     "{needle:?} not in {line:?} for {text:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_cpp_function_needs_the_rule_to_say_no_exception_leaves_it() {
+        // Demangled, mangled (C++ and Rust v0), a C++ glob, a glob over mangled names.
+        for symbol in [
+            "torch::autograd::Engine::execute",
+            "_ZN2my7Trainer7forwardEi",
+            "_RNvCs1234_5crate4step",
+            "c10d::ProcessGroupGloo::allreduce*",
+            "_ZN4c10d*",
+        ] {
+            let rule = format!(
+                "[[probe]]\nlibrary = \"libtorch_cpu.so\"\nsymbol = \"{symbol}\"\ngroup = \"step\"\n"
+            );
+            let line = rejected(&rule);
+            for needle in [
+                "rule 1 (line 1)",
+                "names a C++ function",
+                "abort",
+                "noexcept = true",
+            ] {
+                assert!(line.contains(needle), "{needle:?} not in {line:?}");
+            }
+            let asserted = ProbeRules::parse(&format!("{rule}noexcept = true\n")).unwrap();
+            assert!(asserted.native[0].noexcept, "{symbol}");
+        }
+        // C names and globs over them need no word.
+        for symbol in ["my_train_step", "my_optimizer_*", "ncclAllReduce"] {
+            let rule = format!(
+                "[[probe]]\nlibrary = \"libtrain.so\"\nsymbol = \"{symbol}\"\ngroup = \"step\"\n"
+            );
+            assert!(!ProbeRules::parse(&rule).unwrap().native[0].noexcept);
         }
     }
 

@@ -102,7 +102,7 @@ fn run(
             config,
             format!(
                 "[[probe]]\nlibrary = \"libtorch_cpu.so\"\nsymbol = \"_ZN*\"\n\
-                 group = \"step\"\nmax_matches = {matches}\n"
+                 group = \"step\"\nmax_matches = {matches}\nnoexcept = true\n"
             ),
         )
         .map_err(|e| format!("cannot write {}: {e}", config.display()))?;

@@ -10,7 +10,7 @@ use lens_common::ProbeId;
 use log::warn;
 
 use super::object::{is_multi, uprobe_mut};
-use super::{Attacher, ProbeOutcome, attach_points};
+use super::{AttachKey, Attacher, ProbeOutcome, ProbeScope, attach_points};
 use crate::probes::catalog::{self, Program};
 use crate::sys::{
     library::{FileId, MappedLibrary},
@@ -23,6 +23,8 @@ use crate::sys::{
 /// library stays open so that they can go in again after the process that showed it to
 /// us is gone (`/proc/self/fd/N` names the same inode in any namespace).
 pub(super) struct SampledGroup {
+    /// The process its probes fire in.
+    scope: ProbeScope,
     pub(super) file: FileId,
     library: std::fs::File,
     /// `count_only` (runtime) or `driver_launch` (driver).
@@ -55,13 +57,15 @@ pub(super) struct SampledLaunches {
 }
 
 impl SampledLaunches {
-    /// Takes `file`'s groups out of the kernel and forgets them; returns their links.
-    pub(super) fn forget(&mut self, ebpf: &mut Ebpf, file: FileId) -> Vec<UProbeLink> {
+    /// Takes the groups of `key` (a file in a scope) out of the kernel and forgets them;
+    /// returns their links.
+    pub(super) fn forget(&mut self, ebpf: &mut Ebpf, key: AttachKey) -> Vec<UProbeLink> {
         let mut released = Vec::new();
-        for group in self.groups.iter_mut().filter(|g| g.file == file) {
+        let of_key = |g: &SampledGroup| (g.scope, g.file) == key;
+        for group in self.groups.iter_mut().filter(|g| of_key(g)) {
             released.extend(take_links(ebpf, group));
         }
-        self.groups.retain(|g| g.file != file);
+        self.groups.retain(|g| !of_key(g));
         released
     }
 }
@@ -116,8 +120,10 @@ impl Attacher {
                 continue;
             }
             let path = group.path();
-            let attached = uprobe_mut(ebpf, group.program)
-                .and_then(|uprobe| attach_points(uprobe, group.program, &path, group.cookies()));
+            let scope = group.scope.kernel();
+            let attached = uprobe_mut(ebpf, group.program).and_then(|uprobe| {
+                attach_points(uprobe, group.program, &path, group.cookies(), scope)
+            });
             match attached {
                 Ok(link) => {
                     group.links.push(link);
@@ -139,9 +145,9 @@ impl Attacher {
     /// Whether launches of target `pid` are counted now: a library it maps has its
     /// launch probes in.
     pub fn counts_launches(&self, pid: u32) -> bool {
-        let uses = |file: &FileId| self.users.get(file).is_some_and(|u| u.contains(&pid));
-        let fixed = self.links.iter().any(|(file, links)| {
-            uses(file)
+        let scope = ProbeScope::Process(pid);
+        let fixed = self.links.iter().any(|((s, _), links)| {
+            *s == scope
                 && links.iter().any(|(program, _)| {
                     matches!(program, Program::CountOnly | Program::DriverLaunch)
                 })
@@ -150,7 +156,7 @@ impl Attacher {
             s.probes_in
                 && s.groups
                     .iter()
-                    .any(|g| !g.links.is_empty() && uses(&g.file))
+                    .any(|g| !g.links.is_empty() && g.scope == scope)
         });
         fixed || sampled
     }
@@ -158,9 +164,9 @@ impl Attacher {
     /// Whether a library target `pid` maps has the driver's launch probes (in, or in and
     /// out under an overhead budget).
     pub fn probes_driver(&self, pid: u32) -> bool {
-        let uses = |file: &FileId| self.users.get(file).is_some_and(|u| u.contains(&pid));
-        let fixed = self.links.iter().any(|(file, links)| {
-            uses(file)
+        let scope = ProbeScope::Process(pid);
+        let fixed = self.links.iter().any(|((s, _), links)| {
+            *s == scope
                 && links
                     .iter()
                     .any(|(program, _)| *program == Program::DriverLaunch)
@@ -168,7 +174,7 @@ impl Attacher {
         let sampled = self.sampled.as_ref().is_some_and(|s| {
             s.groups
                 .iter()
-                .any(|g| g.program == Program::DriverLaunch && uses(&g.file))
+                .any(|g| g.program == Program::DriverLaunch && g.scope == scope)
         });
         fixed || sampled
     }
@@ -179,6 +185,7 @@ impl Attacher {
 /// until the next window) if the budget has the launch probes in.
 pub(super) fn sample_spec(
     ebpf: &mut Ebpf,
+    scope: ProbeScope,
     library: &MappedLibrary,
     spec: &catalog::ProbeSpec,
     places: &[(&str, Symbol)],
@@ -192,12 +199,13 @@ pub(super) fn sample_spec(
     let index = match sampled
         .groups
         .iter()
-        .position(|g| g.file == library.file && g.program == program)
+        .position(|g| g.scope == scope && g.file == library.file && g.program == program)
     {
         Some(index) => index,
         None => match std::fs::File::open(&library.open_path) {
             Ok(file) => {
                 sampled.groups.push(SampledGroup {
+                    scope,
                     file: library.file,
                     library: file,
                     program,
@@ -221,7 +229,13 @@ pub(super) fn sample_spec(
         if sampled.probes_in {
             let path = group.path();
             let attached = uprobe_mut(ebpf, program).and_then(|uprobe| {
-                attach_points(uprobe, program, &path, [(offset, catalog::cookie(spec.id))])
+                attach_points(
+                    uprobe,
+                    program,
+                    &path,
+                    [(offset, catalog::cookie(spec.id))],
+                    scope.kernel(),
+                )
             });
             match attached {
                 Ok(link) => group.links.push(link),

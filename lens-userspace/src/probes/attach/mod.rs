@@ -1,9 +1,13 @@
 //! Loading the BPF object and attaching its programs to the libraries a target maps.
 //!
-//! Probes are attached once per library *file* (uprobes are keyed by inode) for all
-//! processes; the kernel side filters by the `TARGETS` map. So a library shared by many
-//! traced processes costs one set of probes, and a process that maps an already-probed
-//! file is covered the moment it is added to `TARGETS`.
+//! Probes are attached per traced process and library *file* (uprobes are keyed by
+//! inode): the kernel plants each breakpoint in that process's memory alone, so an
+//! untraced process that maps the same file never traps and never runs a probe (a
+//! uprobe for all processes slowed every neighbour's calls of `cudaLaunchKernel` from
+//! 1.5 ns to 571 ns, and its return probes could abort them). One exception: the dynamic
+//! loader's `_dl_debug_state` (entry only, an empty function the loader calls at each
+//! library load) stays node-wide, since it is how processes that are not traced yet are
+//! found (`ProbeScope::Node`).
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use aya::{
@@ -13,7 +17,7 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
-use std::{path::Path, sync::Arc};
+use std::{num::NonZeroU32, path::Path, sync::Arc};
 
 use lens_common::ProbeId;
 use log::{debug, warn};
@@ -55,9 +59,43 @@ pub enum ProbeOutcome {
     },
 }
 
+/// Which processes a library's probes fire in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ProbeScope {
+    /// Every process that maps the file: the dynamic loader's probe only.
+    Node,
+    /// One traced process (all its threads).
+    Process(u32),
+}
+
+impl ProbeScope {
+    /// Where `library`'s probes go for target `pid`.
+    pub fn of(pid: u32, library: &MappedLibrary) -> ProbeScope {
+        match library.kind {
+            LibraryKind::DynamicLoader => ProbeScope::Node,
+            _ => ProbeScope::Process(pid),
+        }
+    }
+
+    fn kernel(self) -> UProbeScope {
+        match self {
+            ProbeScope::Process(pid) => match NonZeroU32::new(pid) {
+                Some(pid) => UProbeScope::OneProcess(pid),
+                None => UProbeScope::AllProcesses,
+            },
+            ProbeScope::Node => UProbeScope::AllProcesses,
+        }
+    }
+}
+
+/// One set of probes in the kernel: a library file, in the processes of a scope.
+type AttachKey = (ProbeScope, FileId);
+
 /// The result of attaching to one library file.
 #[derive(Clone, Debug)]
 pub struct LibraryAttachment {
+    /// The processes its probes fire in.
+    pub scope: ProbeScope,
     pub library: MappedLibrary,
     pub outcomes: Vec<ProbeOutcome>,
     /// The kernel links its probes went in as: one per uprobe_multi link (a program's
@@ -74,14 +112,13 @@ impl LibraryAttachment {
     }
 }
 
-/// Keeps track of which files were already probed, so each is attached once, which
-/// targets use each, and its links, so a library no target maps any more is detached.
+/// Keeps track of which files were already probed in which process, so each is attached
+/// once, and of their links, so that an ended process's probes can go.
 #[derive(Default)]
 pub struct Attacher {
-    done: HashSet<FileId>,
+    done: HashSet<AttachKey>,
     attachments: Vec<LibraryAttachment>,
-    links: HashMap<FileId, Vec<(Program, UProbeLinkId)>>,
-    users: HashMap<FileId, HashSet<u32>>,
+    links: HashMap<AttachKey, Vec<(Program, UProbeLinkId)>>,
     sampled: Option<SampledLaunches>,
     /// Configured probe rules (`--config`, `--profile`).
     rules: Arc<ProbeRules>,
@@ -126,53 +163,45 @@ impl Attacher {
             .collect()
     }
 
-    pub fn is_attached(&self, file: FileId) -> bool {
-        self.done.contains(&file)
+    /// Whether `library` is probed for target `pid` (the dynamic loader: for all).
+    pub fn is_attached(&self, pid: u32, library: &MappedLibrary) -> bool {
+        self.done
+            .contains(&(ProbeScope::of(pid, library), library.file))
     }
 
     pub fn attachments(&self) -> &[LibraryAttachment] {
         &self.attachments
     }
 
-    /// Records that target `pid` maps these files.
-    pub fn use_libraries(&mut self, pid: u32, files: impl IntoIterator<Item = FileId>) {
-        for file in files {
-            self.users.entry(file).or_default().insert(pid);
-        }
-    }
-
-    /// Target `pid` is gone: the probes of libraries no other target maps are detached
-    /// (the dynamic loader's stay: it finds the next targets). The kernel takes ~0.1 s
-    /// per link to remove them (a perf link per uprobe, or a uprobe_multi link per
-    /// program), so they go on a thread of their own. Returns how many links were let go.
+    /// Target `pid` is gone: its probes are detached (the dynamic loader's stay: they
+    /// find the next targets). The kernel takes a grace period (~0.1 s) per link to
+    /// remove them (a perf link per uprobe, or a uprobe_multi link per program), so they
+    /// go on a thread of their own, together. Returns how many links were let go.
     pub fn release(&mut self, ebpf: &mut Ebpf, pid: u32) -> usize {
-        let mut unused = Vec::new();
-        for (file, users) in &mut self.users {
-            if users.remove(&pid) && users.is_empty() {
-                unused.push(*file);
-            }
+        let scope = ProbeScope::Process(pid);
+        let keys: Vec<AttachKey> = self
+            .done
+            .iter()
+            .filter(|(s, _)| *s == scope)
+            .copied()
+            .collect();
+        let mut released = Vec::new();
+        for key in keys {
+            debug!("pid {pid} ended: detaching its probes of {:?}", key.1);
+            released.extend(self.take(ebpf, key));
         }
-        let mut count = 0;
-        for file in unused {
-            self.users.remove(&file);
-            let loader = self
-                .attachments
-                .iter()
-                .any(|a| a.library.file == file && a.library.kind == LibraryKind::DynamicLoader);
-            if !loader {
-                debug!("no target maps {file:?} any more: detaching its probes");
-                count += self.forget(ebpf, file);
-            }
+        let count = released.len();
+        if count > 0 {
+            std::thread::spawn(move || drop(released));
         }
         count
     }
 
-    /// Detaches every probe of `file` (on a thread of its own: the kernel is slow to
-    /// remove uprobes) and forgets it was attached. Returns how many links went.
-    fn forget(&mut self, ebpf: &mut Ebpf, file: FileId) -> usize {
+    /// Takes every probe of `key` out of the bookkeeping and returns its links (dropping
+    /// them detaches; the kernel is slow to, so the caller does it on a thread).
+    fn take(&mut self, ebpf: &mut Ebpf, key: AttachKey) -> Vec<aya::programs::uprobe::UProbeLink> {
         let mut released = Vec::new();
-        let mut released_sampled = Vec::new();
-        for (program, id) in self.links.remove(&file).unwrap_or_default() {
+        for (program, id) in self.links.remove(&key).unwrap_or_default() {
             if let Ok(link) = uprobe_mut(ebpf, program).and_then(|uprobe| {
                 uprobe.take_link(id).map_err(|source| LensError::Program {
                     program: program.name(),
@@ -183,15 +212,12 @@ impl Attacher {
             }
         }
         if let Some(sampled) = self.sampled.as_mut() {
-            released_sampled = sampled.forget(ebpf, file);
+            released.extend(sampled.forget(ebpf, key));
         }
-        self.done.remove(&file);
-        self.attachments.retain(|a| a.library.file != file);
-        let count = released.len() + released_sampled.len();
-        if count > 0 {
-            std::thread::spawn(move || drop((released, released_sampled)));
-        }
-        count
+        self.done.remove(&key);
+        self.attachments
+            .retain(|a| (a.scope, a.library.file) != key);
+        released
     }
 
     /// Number of uprobes (entry and return) attached now.
@@ -203,15 +229,19 @@ impl Attacher {
             .count()
     }
 
-    /// Attaches every probe the enabled groups need to `library`. Probes that fail are
+    /// Attaches every probe the enabled groups need to `library` in target `pid` (the
+    /// dynamic loader: in every process, [`ProbeScope::of`]). Probes that fail are
     /// reported (once, as a warning) and skipped; the others still attach.
     pub fn attach_library(
         &mut self,
         ebpf: &mut Ebpf,
+        pid: u32,
         library: &MappedLibrary,
         groups: &SpanGroups,
     ) -> Option<&LibraryAttachment> {
-        if !self.done.insert(library.file) {
+        let scope = ProbeScope::of(pid, library);
+        let key = (scope, library.file);
+        if !self.done.insert(key) {
             return None;
         }
         let specs: Vec<_> = catalog::enabled_for(library.kind, groups).collect();
@@ -241,16 +271,25 @@ impl Attacher {
                         if spec.id.is_launch()
                             && let Some(sampled) = self.sampled.as_mut()
                         {
-                            sample_spec(ebpf, library, spec, &places, &mut outcomes, sampled);
+                            sample_spec(
+                                ebpf,
+                                scope,
+                                library,
+                                spec,
+                                &places,
+                                &mut outcomes,
+                                sampled,
+                            );
                             continue;
                         }
                         batch.add(spec, &places, &mut outcomes);
                     }
                     let attached = batch.attach(
                         ebpf,
+                        scope.kernel(),
                         library,
                         &mut outcomes,
-                        self.links.entry(library.file).or_default(),
+                        self.links.entry(key).or_default(),
                     );
                     kernel_links += attached.kernel_links;
                 }
@@ -260,7 +299,7 @@ impl Attacher {
                 })),
             }
         }
-        kernel_links += self.attach_rules(ebpf, library, groups, &mut outcomes);
+        kernel_links += self.attach_rules(ebpf, scope, library, groups, &mut outcomes);
         let failed = outcomes
             .iter()
             .any(|o| matches!(o, ProbeOutcome::Failed { .. }));
@@ -271,7 +310,8 @@ impl Attacher {
                 "{} went away while attaching; will attach again",
                 library.shown_path.display()
             );
-            self.forget(ebpf, library.file);
+            let links = self.take(ebpf, key);
+            std::thread::spawn(move || drop(links));
             return None;
         }
         for outcome in &outcomes {
@@ -295,6 +335,7 @@ impl Attacher {
             warn!("{}: {note}", library.shown_path.display());
         }
         self.attachments.push(LibraryAttachment {
+            scope,
             library: library.clone(),
             outcomes,
             kernel_links,
@@ -329,7 +370,8 @@ pub fn attach_own(
     id: ProbeId,
 ) -> Result<aya::programs::uprobe::UProbeLink> {
     let uprobe = uprobe_mut(ebpf, program)?;
-    let link = attach_at(uprobe, program, path, offset, catalog::cookie(id))?;
+    let own = ProbeScope::Process(std::process::id()).kernel();
+    let link = attach_at(uprobe, program, path, offset, catalog::cookie(id), own)?;
     uprobe.take_link(link).map_err(|source| LensError::Program {
         program: program.name(),
         source,
@@ -337,26 +379,29 @@ pub fn attach_own(
 }
 
 /// Attaches `uprobe` (the object's `program`) at `offset` in the file at `path`, in
-/// every process that maps it, with `cookie`.
+/// the processes of `scope`, with `cookie`.
 pub(super) fn attach_at(
     uprobe: &mut UProbe,
     program: Program,
     path: &std::path::Path,
     offset: u64,
     cookie: u64,
+    scope: UProbeScope,
 ) -> Result<UProbeLinkId> {
-    attach_points(uprobe, program, path, [(offset, cookie)])
+    attach_points(uprobe, program, path, [(offset, cookie)], scope)
 }
 
 /// Attaches `uprobe` (the object's `program`) at each `(offset, cookie)` in the file at
-/// `path`, in every process that maps it, under one link id: the one way every library
+/// `path`, in the processes of `scope`, under one link id: the one way every library
 /// probe goes in. With the program's `uprobe.multi` twin loaded that is one uprobe_multi
-/// link, else one perf link per point (all detached if one fails).
+/// link (its pid the kernel's filter), else one perf link per point, each opened for the
+/// process (all detached if one fails).
 pub(super) fn attach_points(
     uprobe: &mut UProbe,
     program: Program,
     path: &std::path::Path,
     points: impl IntoIterator<Item = (u64, u64)>,
+    scope: UProbeScope,
 ) -> Result<UProbeLinkId> {
     uprobe
         .attach(
@@ -367,7 +412,7 @@ pub(super) fn attach_points(
                     cookie: Some(cookie),
                 }),
             path,
-            UProbeScope::AllProcesses,
+            scope,
         )
         .map_err(|source| LensError::Program {
             program: program.name(),

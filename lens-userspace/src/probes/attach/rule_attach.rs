@@ -8,7 +8,8 @@ use lens_common::rule_cookie;
 use log::warn;
 
 use super::symbol_places::Batch;
-use super::{Attacher, ProbeOutcome};
+use super::{Attacher, ProbeOutcome, ProbeScope};
+use crate::patterns::may_unwind;
 use crate::probes::catalog::Program;
 use crate::settings::{
     config::{ArgType, NativeRule},
@@ -29,6 +30,7 @@ impl Attacher {
     pub(super) fn attach_rules(
         &mut self,
         ebpf: &mut Ebpf,
+        scope: ProbeScope,
         library: &MappedLibrary,
         groups: &SpanGroups,
         outcomes: &mut Vec<ProbeOutcome>,
@@ -66,7 +68,7 @@ impl Attacher {
                 resolve_matching(&library.open_path, &symbols, &caps)
             })
             .transpose();
-        let links = self.links.entry(library.file).or_default();
+        let links = self.links.entry((scope, library.file)).or_default();
         let mut batch = Batch::default();
         for rule in rules {
             let symbol = rule.symbol.text();
@@ -145,6 +147,21 @@ impl Attacher {
             // Aliases of one function fire once.
             let mut offsets = HashSet::new();
             for (name, place) in &places {
+                // A glob that reached a C++ name (`_ZN4c10d*`, `*allreduce*`): no return
+                // probe where an exception can leave (config.rs refuses C++ names given
+                // as such before anything starts).
+                if !rule.noexcept && may_unwind(name) {
+                    outcomes.push(ProbeOutcome::Failed {
+                        symbol: name.clone(),
+                        reason: format!(
+                            "{}: a C++ function, left out: an exception leaving it through \
+                             its return probe would abort the process; add noexcept = true \
+                             to the rule if none can",
+                            rule.origin
+                        ),
+                    });
+                    continue;
+                }
                 if offsets.insert(place.offset) {
                     for program in [Program::UserRuleEntry, Program::UserRuleReturn] {
                         batch.add_point(program, name, place, cookie, Some(&rule.origin), outcomes);
@@ -152,7 +169,7 @@ impl Attacher {
                 }
             }
         }
-        let attached = batch.attach(ebpf, library, outcomes, links);
+        let attached = batch.attach(ebpf, scope.kernel(), library, outcomes, links);
         if attached.not_tried > 0 {
             warn!(
                 "stopping: {} of the configured rules' probes in {} were not probed",

@@ -2,7 +2,10 @@
 //! address, missing ones reported; and the attaching there.
 use std::collections::{BTreeMap, HashMap};
 
-use aya::{Ebpf, programs::uprobe::UProbeLinkId};
+use aya::{
+    Ebpf,
+    programs::uprobe::{UProbeLinkId, UProbeScope},
+};
 use log::debug;
 
 use super::object::{is_multi, uprobe_mut};
@@ -163,6 +166,7 @@ impl Batch {
     pub(super) fn attach(
         self,
         ebpf: &mut Ebpf,
+        scope: UProbeScope,
         library: &MappedLibrary,
         outcomes: &mut Vec<ProbeOutcome>,
         links: &mut Vec<(Program, UProbeLinkId)>,
@@ -189,6 +193,7 @@ impl Batch {
                         program,
                         path,
                         points.iter().map(|p| (p.offset, p.cookie)),
+                        scope,
                     )
                 });
                 match all {
@@ -214,7 +219,7 @@ impl Batch {
                     continue;
                 }
                 let one = uprobe_mut(ebpf, program)
-                    .and_then(|uprobe| attach_at(uprobe, program, path, p.offset, p.cookie));
+                    .and_then(|uprobe| attach_at(uprobe, program, path, p.offset, p.cookie, scope));
                 outcomes[p.slot] = match one {
                     Ok(id) => {
                         links.push((program, id));
