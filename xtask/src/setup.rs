@@ -395,10 +395,12 @@ fn pypi_wheels(dry_run: bool) -> Result<(), String> {
     Ok(())
 }
 
-// ---- 4. gcc ------------------------------------------------------------------------------
+// ---- 4. gcc and g++ ----------------------------------------------------------------------
 
-fn gcc_version() -> Option<String> {
-    toolchain::capture(Command::new("gcc").arg("--version")).map(|v| first_line(&v).to_owned())
+/// The first line of `compiler --version` (`gcc`, or `g++` for the C++ fixtures that
+/// throw through probed functions), if it runs.
+fn compiler_version(compiler: &str) -> Option<String> {
+    toolchain::capture(Command::new(compiler).arg("--version")).map(|v| first_line(&v).to_owned())
 }
 
 fn apt_get(args: &[&str]) -> Command {
@@ -408,12 +410,14 @@ fn apt_get(args: &[&str]) -> Command {
 }
 
 fn gcc(dry_run: bool) -> Result<(), String> {
-    let what = "gcc (C test fixtures)";
-    if let Some(v) = gcc_version() {
-        step(4, what, format!("already installed ({v})"));
+    let what = "gcc and g++ (C and C++ test fixtures)";
+    let versions = || Some((compiler_version("gcc")?, compiler_version("g++")?));
+    if let Some((c, cxx)) = versions() {
+        step(4, what, format!("already installed ({c}; {cxx})"));
         return Ok(());
     }
-    let mut install = apt_get(&["install", "-y", "gcc"]);
+    let packages = ["install", "-y", "gcc", "g++"];
+    let mut install = apt_get(&packages);
     step(
         4,
         what,
@@ -426,8 +430,8 @@ fn gcc(dry_run: bool) -> Result<(), String> {
         return Ok(());
     }
     let fail = || {
-        "gcc is missing and `apt-get install -y gcc` failed: install a C compiler named gcc, then rerun \
-         `cargo xtask setup`"
+        "gcc or g++ is missing and `apt-get install -y gcc g++` failed: install C and C++ \
+         compilers named gcc and g++, then rerun `cargo xtask setup`"
             .to_owned()
     };
     if toolchain::find_program("apt-get").is_none() {
@@ -436,10 +440,10 @@ fn gcc(dry_run: bool) -> Result<(), String> {
     if run_streaming(&mut install).is_err() {
         step(4, what, "retrying after `apt-get update`");
         run_streaming(&mut apt_get(&["update"])).map_err(|_| fail())?;
-        run_streaming(&mut apt_get(&["install", "-y", "gcc"])).map_err(|_| fail())?;
+        run_streaming(&mut apt_get(&packages)).map_err(|_| fail())?;
     }
-    let v = gcc_version().ok_or_else(fail)?;
-    step(4, what, format!("installed ({v})"));
+    let (c, cxx) = versions().ok_or_else(fail)?;
+    step(4, what, format!("installed ({c}; {cxx})"));
     Ok(())
 }
 
