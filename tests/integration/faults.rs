@@ -507,7 +507,18 @@ fn a_probe_restarted_while_the_job_runs_resumes_at_the_next_step() {
         .spawn()
         .unwrap();
     let pid = trainer.id();
-    std::thread::sleep(Duration::from_millis(200));
+    // Its libraries loaded (on a loaded machine that can take seconds), not a fixed wait.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap_or_default()
+        .contains("libtorch_cpu.so")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "trainer_torch never loaded libtorch_cpu"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let mut first = Command::new(LENS_PROBE)
         .args(["--span-groups", "per_step", "--pid", &pid.to_string()])
         .stderr(Stdio::null())
