@@ -196,7 +196,7 @@ numbered! {
         /// An NCCL collective or point-to-point call, entry to return
         /// ([`CollectiveCall`](crate::record::CollectiveCall)).
         Collective = 1,
-        /// A call timed entry to return, arguments not decoded: gloo's collectives
+        /// A call seen at its entry, arguments not decoded: gloo's collectives
         /// ([`TimedCall`](crate::record::TimedCall)).
         TimedCall = 2,
         /// A CUDA synchronisation call, entry to return

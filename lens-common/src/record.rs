@@ -150,8 +150,9 @@ pub struct CollectiveCall {
     pub result: i32,
 }
 
-/// A call timed entry to return whose arguments are not decoded (gloo's collectives:
-/// their tensors live behind C++ vectors).
+/// A call seen at its entry alone, its arguments not decoded (gloo's collectives: their
+/// tensors live behind C++ vectors, and no return probe may go where they throw). Its
+/// times are both the entry's.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TimedCall {
@@ -159,9 +160,6 @@ pub struct TimedCall {
     /// The first argument: the `ProcessGroupGloo` of a member function, which tells a
     /// process's groups apart.
     pub object: u64,
-    /// The return value's low 32 bits.
-    pub result: i32,
-    pub _pad: u32,
 }
 
 /// A CUDA synchronisation call (stream, event, device), entry to return.
@@ -349,7 +347,7 @@ bodies! {
         times: CallTimes::ZERO, count: 0, comm: 0, stream: 0, python_caller: 0,
         datatype: NONE_I32, redop: NONE_I32, peer: NONE_I32, result: 0,
     }
-    TimedCall => TimedCall { times: CallTimes::ZERO, object: 0, result: 0, _pad: 0 }
+    TimedCall => TimedCall { times: CallTimes::ZERO, object: 0 }
     SyncCall => SyncWait {
         times: CallTimes::ZERO, handle: 0, python_caller: 0, result: 0, _pad: 0,
     }
@@ -411,7 +409,7 @@ const _: () = {
     use core::mem::size_of;
     assert!(size_of::<RecordHeader>() == 16);
     assert!(size_of::<Record<CollectiveCall>>() == 16 + 16 + 32 + 16);
-    assert!(size_of::<Record<TimedCall>>() == 16 + 16 + 8 + 8);
+    assert!(size_of::<Record<TimedCall>>() == 16 + 16 + 8);
     assert!(size_of::<Record<SyncCall>>() == 16 + 16 + 16 + 8);
     assert!(size_of::<Record<CommInitCall>>() == 16 + 16 + 24 + 16);
     assert!(size_of::<Record<EventQuery>>() == 16 + 16 + 16);

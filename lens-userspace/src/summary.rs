@@ -54,7 +54,8 @@ impl Default for SyncWaits {
 pub struct ProcessSummary {
     pub process: Option<ProcessInfo>,
     pub collectives: BTreeMap<CollectiveOp, CollectiveStats>,
-    /// `c10d::ProcessGroupGloo` calls (bytes unknown: tensors are not decoded).
+    /// `c10d::ProcessGroupGloo` calls: counted only (bytes unknown: tensors are not
+    /// decoded; no call time: they are seen at their entry alone).
     pub gloo_collectives: BTreeMap<CollectiveOp, CollectiveStats>,
     sync_waits: BTreeMap<SyncKind, SyncWaits>,
     sync_total_ns: BTreeMap<SyncKind, u64>,
@@ -243,10 +244,9 @@ impl Summary {
                 id_hash: *comm_id_hash,
                 result: *result,
             }),
-            ProbeEvent::GlooCall { timing, op, .. } => {
-                let stats = process.gloo_collectives.entry(*op).or_default();
-                stats.calls += 1;
-                stats.call_time_ns += timing.duration_ns();
+            // Seen at their entry only (docs/probes.md): calls, no time.
+            ProbeEvent::GlooCall { op, .. } => {
+                process.gloo_collectives.entry(*op).or_default().calls += 1;
             }
             ProbeEvent::Group { .. }
             | ProbeEvent::EventRecorded { .. }
@@ -402,7 +402,7 @@ impl Summary {
                     op.gloo_span_name(),
                     stats.calls,
                     "-",
-                    format_duration(stats.call_time_ns),
+                    "-",
                 );
             }
             let launches = process.launches();

@@ -168,7 +168,7 @@ impl ProcessMetrics {
             collective_duration: seconds(
                 metric_names::COLLECTIVE_DURATION,
                 "Collective duration: enqueue to inferred completion (NCCL; by \
-                 dl.collective.end.source, call_return: the enqueue only), call time (gloo)",
+                 dl.collective.end.source, call_return: the enqueue only); not for gloo",
             ),
             collective_arrival_skew: seconds(
                 metric_names::COLLECTIVE_ARRIVAL_SKEW,
@@ -260,9 +260,12 @@ impl ProcessMetrics {
                 self.collective_arrival_skew
                     .record(skew as f64 / 1e9, &attributes);
             }
-            let mut attributes = attributes;
-            attributes.extend(string_attr(span, semconv::DL_COLLECTIVE_END_SOURCE));
-            self.collective_duration.record(seconds, &attributes);
+            // gloo calls are seen at their entry alone: no duration to record.
+            if span.attr(semconv::DL_COLLECTIVE_BACKEND) != Some(&"gloo".into()) {
+                let mut attributes = attributes;
+                attributes.extend(string_attr(span, semconv::DL_COLLECTIVE_END_SOURCE));
+                self.collective_duration.record(seconds, &attributes);
+            }
         } else if let Some(kind) = string_attr(span, semconv::CUDA_SYNC_KIND) {
             self.sync_duration.record(seconds, &[kind]);
         } else if span.name != names::JOB && span.group != crate::settings::groups::SpanGroup::Job {
