@@ -29,7 +29,7 @@ impl Session {
         self.node = Some(filter);
         if let Some(loader) = attach::own_dynamic_loader()? {
             self.attacher
-                .attach_library(&mut self.ebpf, 0, &loader, &self.groups);
+                .attach_loader(&mut self.ebpf, &loader, &self.groups);
         }
         let mut found = 0;
         for pid in discovery::all_pids() {
@@ -66,14 +66,15 @@ impl Session {
 
     pub(super) fn attach_new_loaders(&mut self, libraries: &[MappedLibrary]) {
         for library in libraries {
-            if library.kind == LibraryKind::DynamicLoader && !self.attacher.is_attached(0, library)
+            if library.kind == LibraryKind::DynamicLoader
+                && !self.attacher.is_loader_attached(library)
             {
                 info!(
                     "new dynamic loader {}: attaching",
                     library.shown_path.display()
                 );
                 self.attacher
-                    .attach_library(&mut self.ebpf, 0, library, &self.groups);
+                    .attach_loader(&mut self.ebpf, library, &self.groups);
             }
         }
     }

@@ -173,7 +173,7 @@ impl Session {
         // The child will use (nearly always) the same dynamic loader file as we do.
         if let Some(loader) = attach::own_dynamic_loader()? {
             self.attacher
-                .attach_library(&mut self.ebpf, 0, &loader, &self.groups);
+                .attach_loader(&mut self.ebpf, &loader, &self.groups);
         }
         let gated = target::spawn_gated(argv)?;
         let pid = gated.pid;

@@ -169,6 +169,11 @@ impl Attacher {
             .contains(&(ProbeScope::of(pid, library), library.file))
     }
 
+    /// Whether the dynamic loader `loader` is probed (node-wide).
+    pub fn is_loader_attached(&self, loader: &MappedLibrary) -> bool {
+        self.done.contains(&(ProbeScope::Node, loader.file))
+    }
+
     pub fn attachments(&self) -> &[LibraryAttachment] {
         &self.attachments
     }
@@ -239,7 +244,27 @@ impl Attacher {
         library: &MappedLibrary,
         groups: &SpanGroups,
     ) -> Option<&LibraryAttachment> {
-        let scope = ProbeScope::of(pid, library);
+        self.attach_in(ebpf, ProbeScope::of(pid, library), library, groups)
+    }
+
+    /// Attaches the dynamic loader `loader`'s probe in every process that maps it, before
+    /// any process that uses it is a target: how their library loads are seen.
+    pub fn attach_loader(
+        &mut self,
+        ebpf: &mut Ebpf,
+        loader: &MappedLibrary,
+        groups: &SpanGroups,
+    ) -> Option<&LibraryAttachment> {
+        self.attach_in(ebpf, ProbeScope::Node, loader, groups)
+    }
+
+    fn attach_in(
+        &mut self,
+        ebpf: &mut Ebpf,
+        scope: ProbeScope,
+        library: &MappedLibrary,
+        groups: &SpanGroups,
+    ) -> Option<&LibraryAttachment> {
         let key = (scope, library.file);
         if !self.done.insert(key) {
             return None;
