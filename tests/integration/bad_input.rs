@@ -11,7 +11,7 @@ use std::{
     collections::BTreeSet,
     ffi::{OsStr, OsString},
     os::unix::ffi::OsStrExt,
-    process::{Command, Output},
+    process::Output,
 };
 
 use lens_common::record::{
@@ -40,18 +40,9 @@ use proptest::{
 
 const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
 
-/// Prefixes of the variables lens-probe reads: the test's own are not passed on.
-const SETTING_PREFIXES: [&str; 3] = ["NEMO_LENS_", "LENS_PROBE_", "OTEL_"];
-
 /// lens-probe with these arguments and exactly these of its settings variables.
 fn lens_probe<V: AsRef<OsStr>>(args: &[&str], env: &[(&str, V)]) -> Output {
-    let mut command = Command::new(LENS_PROBE);
-    for (key, _) in std::env::vars_os() {
-        let key = key.to_string_lossy();
-        if SETTING_PREFIXES.iter().any(|p| key.starts_with(p)) {
-            command.env_remove(key.as_ref());
-        }
-    }
+    let mut command = lens_tests::lens_probe_command(LENS_PROBE);
     command.args(args);
     for (key, value) in env {
         command.env(key, value);

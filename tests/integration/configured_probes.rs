@@ -7,7 +7,7 @@
 use std::{
     ffi::OsString,
     path::{Path, PathBuf},
-    process::{Command, Output},
+    process::Output,
     sync::Arc,
     time::Duration,
 };
@@ -228,16 +228,7 @@ impl Drop for ConfigFile {
 }
 
 fn lens_probe(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut command = Command::new(LENS_PROBE);
-    for (key, _) in std::env::vars_os() {
-        let key = key.to_string_lossy();
-        if ["NEMO_LENS_", "LENS_PROBE_", "OTEL_"]
-            .iter()
-            .any(|p| key.starts_with(p))
-        {
-            command.env_remove(key.as_ref());
-        }
-    }
+    let mut command = lens_tests::lens_probe_command(LENS_PROBE);
     command.args(args).envs(env.iter().copied());
     command.output().unwrap()
 }

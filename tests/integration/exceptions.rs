@@ -30,16 +30,7 @@ fn scratch(name: &str) -> PathBuf {
 /// lens-probe in a clean environment, its spans going to `dir/spans.jsonl` (the
 /// program's standard output stays its own).
 fn lens_probe(dir: &Path, args: &[&str]) -> Command {
-    let mut command = Command::new(LENS_PROBE);
-    for (key, _) in std::env::vars_os() {
-        let key = key.to_string_lossy();
-        if ["NEMO_LENS_", "LENS_PROBE_", "OTEL_"]
-            .iter()
-            .any(|p| key.starts_with(p))
-        {
-            command.env_remove(key.as_ref());
-        }
-    }
+    let mut command = lens_tests::lens_probe_command(LENS_PROBE);
     command
         .args(["--exporter", "file", "--export-file"])
         .arg(dir.join("spans.jsonl"))

@@ -178,6 +178,22 @@ pub fn stderr_text(output: &std::process::Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
+/// Prefixes of the variables lens-probe reads its settings from.
+pub const SETTING_PREFIXES: [&str; 3] = ["NEMO_LENS_", "LENS_PROBE_", "OTEL_"];
+
+/// The lens-probe binary at `path` (a test's `CARGO_BIN_EXE_lens-probe`) as a command
+/// that inherits none of the test process's own settings variables.
+pub fn lens_probe_command(path: &str) -> std::process::Command {
+    let mut command = std::process::Command::new(path);
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        if SETTING_PREFIXES.iter().any(|p| key.starts_with(p)) {
+            command.env_remove(key.as_ref());
+        }
+    }
+    command
+}
+
 /// lens-probe's contract for a failure it reports: exit status `code` and exactly one
 /// line on stderr, starting with the program name, containing `needle`.
 pub fn assert_one_line_error(output: &std::process::Output, code: i32, needle: &str) {
