@@ -88,9 +88,6 @@ pub struct KernelKey {
 pub struct CodeRanges {
     /// `[start, end)` of each mapping.
     pub ranges: [[u64; 2]; CODE_RANGES],
-    /// Driver launches left out because libcudart made them: not calls of their own, but
-    /// each is a probe hit the process pays for (the overhead estimate counts them).
-    pub runtime_launches: u64,
 }
 
 /// Mappings of libcudart remembered per process (a process may map a CUDA 12 and a
@@ -183,6 +180,10 @@ pub struct TargetState {
     pub epoch: u64,
     /// Launches counted so far, per launch probe ([`launch_slot`]).
     pub launches: [u64; LAUNCH_PROBES.len()],
+    /// Driver launches left out because the runtime made them (counted at the runtime's
+    /// launch already): not calls of their own, but each is a probe hit the process pays
+    /// for (the overhead estimate counts them).
+    pub runtime_driver_hits: u64,
 }
 
 impl TargetState {
@@ -193,6 +194,7 @@ impl TargetState {
             _pad: 0,
             epoch: 0,
             launches: [0; LAUNCH_PROBES.len()],
+            runtime_driver_hits: 0,
         }
     }
 

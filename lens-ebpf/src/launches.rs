@@ -2,7 +2,7 @@
 //! the launch totals that phase marks carry and the kernel names `cudaRegisterFunction`
 //! registers.
 use aya_ebpf::bindings::BPF_NOEXIST;
-use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user};
+use aya_ebpf::helpers::bpf_probe_read_user;
 use aya_ebpf::programs::ProbeContext;
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::record::LaunchMark;
@@ -11,7 +11,9 @@ use lens_common::{
 };
 
 use crate::ctx::{arg_u64, count_call, count_loss, now_ns, probe_id, traced};
-use crate::maps::{KERNEL_COUNTS, KERNEL_REGISTRY, RUNTIME_RANGES, kernel_names};
+use crate::maps::{
+    KERNEL_COUNTS, KERNEL_REGISTRY, RUNTIME_LAUNCH, RUNTIME_RANGES, RuntimeLaunch, kernel_names,
+};
 
 /// Adds `value` to `*counter`, shared with other CPUs. (The old value is not used: BPF's
 /// plain atomic add, without fetch, is what the `generic` CPU has.)
@@ -97,45 +99,122 @@ uprobe_and_multi! {
 #[inline(always)]
 fn count_only_body(ctx: ProbeContext) -> u32 {
     if let Some((pid_tgid, target)) = traced() {
-        count_launch(&ctx, pid_tgid, target, probe_id(&ctx), false);
+        let probe = probe_id(&ctx);
+        count_launch(&ctx, pid_tgid, target, probe, false);
+        if launch_slot(probe).is_some() {
+            runtime_launch_entered(&ctx, pid_tgid, target);
+        }
     }
     0
 }
 
 uprobe_and_multi! {
     /// The driver's launch functions (`cuLaunchKernel`, `cuLaunchKernelEx`, `cuGraphLaunch`).
-    /// The runtime launches through them too: a call whose return address (`[rsp]` at entry)
-    /// lies in the process's libcudart was counted by `count_only` already and is left out,
-    /// so each launch counts once. Calls from anywhere else (cuBLAS, cuDNN, NCCL's static
-    /// runtime, compiled graphs) are counted here.
+    /// The runtime launches through them too: the driver launch a runtime launch makes is
+    /// left out (counted at the runtime already), so each launch counts once. Calls from
+    /// anywhere else (cuBLAS, cuDNN, NCCL's static runtime, compiled graphs) are counted
+    /// here.
     driver_launch, driver_launch_m => driver_launch_body
 }
 
 #[inline(always)]
 fn driver_launch_body(ctx: ProbeContext) -> u32 {
-    // Only targets have ranges: the runtime's own launches, the commonest calls here,
-    // are left out after this one lookup, before the target check.
-    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if let Some(runtime) = RUNTIME_RANGES.get_ptr_mut(&tgid) {
-        // SAFETY: reading the traced thread's stack through the checked helper.
-        let caller = unsafe { bpf_probe_read_user((*ctx.regs).rsp as *const u64) }.unwrap_or(0);
-        let mut i = 0;
-        while i < CODE_RANGES {
-            // SAFETY: a live map value; the loader writes a process's ranges whole.
-            let [start, end] = unsafe { (*runtime).ranges[i] };
-            if caller >= start && caller < end {
-                // SAFETY: as above; other threads of the process add to it too.
-                atomic_add(unsafe { &raw mut (*runtime).runtime_launches }, 1);
-                return 0;
-            }
-            i += 1;
-        }
-    }
     let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
+    if made_by_runtime(&ctx, pid_tgid, target) {
+        // SAFETY: a live map value (see `atomic_add`).
+        atomic_add(unsafe { &raw mut (*target).runtime_driver_hits }, 1);
+        return 0;
+    }
     count_launch(&ctx, pid_tgid, target, probe_id(&ctx), true);
     0
+}
+
+/// How much deeper than a runtime launch's entry its driver call may be: the runtime's own
+/// frames between the two (a few hundred bytes in libcudart; a generous bound).
+const RUNTIME_FRAMES_BYTES: u64 = 64 * 1024;
+
+/// The process's runtime launches so far (every launch probe that is not the driver's).
+#[inline(always)]
+fn runtime_launches(target: *mut TargetState) -> u64 {
+    const RUNTIME: [ProbeId; 3] = [
+        ProbeId::CudaLaunchKernel,
+        ProbeId::CudaLaunchKernelExC,
+        ProbeId::CudaGraphLaunch,
+    ];
+    let mut total = 0;
+    let mut i = 0;
+    while i < RUNTIME.len() {
+        if let Some(slot) = launch_slot(RUNTIME[i] as u32) {
+            // SAFETY: a live map value, read as it is now (other threads add to it).
+            total += unsafe { core::ptr::read_volatile(&raw const (*target).launches[slot]) };
+        }
+        i += 1;
+    }
+    total
+}
+
+/// Notes on this CPU that thread `pid_tgid` entered a runtime launch: its driver launch
+/// comes next, on the same thread and, unless the thread moves meanwhile, the same CPU.
+#[inline(always)]
+fn runtime_launch_entered(ctx: &ProbeContext, pid_tgid: u64, target: *mut TargetState) {
+    if let Some(launch) = RUNTIME_LAUNCH.get_ptr_mut(0) {
+        // SAFETY: the per-CPU slot; nothing else runs on this CPU while we do. The probe's
+        // saved registers are readable.
+        unsafe {
+            *launch = RuntimeLaunch {
+                pid_tgid,
+                stack: (*ctx.regs).rsp,
+                runtime_launches: runtime_launches(target),
+            };
+        }
+    }
+}
+
+/// Whether this driver launch is one the runtime made. Cheap and most often: the note this
+/// thread left on this CPU at the runtime launch it entered last, with no runtime launch
+/// in the process since, and this call deeper in the same stack (the note is then taken).
+/// Otherwise (the thread moved to another CPU, another thread launched meanwhile, or no
+/// note): whether the caller's return address (`[rsp]`) lies in the process's libcudart,
+/// exact but a `bpf_probe_read_user` (~140 ns a hit here, more than the rest).
+/// (One case the note gets wrong: a runtime launch that failed before reaching the driver,
+/// then a driver launch of the same thread, on the same CPU, with no runtime launch in the
+/// process between them: the latter is taken for the runtime's.)
+#[inline(always)]
+fn made_by_runtime(ctx: &ProbeContext, pid_tgid: u64, target: *mut TargetState) -> bool {
+    // SAFETY: reads of the probe's saved registers.
+    let stack = unsafe { (*ctx.regs).rsp };
+    if let Some(launch) = RUNTIME_LAUNCH.get_ptr_mut(0) {
+        // SAFETY: the per-CPU slot, as in `runtime_launch_entered`.
+        unsafe {
+            let entered = *launch;
+            if entered.pid_tgid == pid_tgid
+                && stack < entered.stack
+                && entered.stack - stack <= RUNTIME_FRAMES_BYTES
+                && entered.runtime_launches == runtime_launches(target)
+            {
+                (*launch).pid_tgid = 0;
+                return true;
+            }
+        }
+    }
+    let tgid = (pid_tgid >> 32) as u32;
+    let Some(runtime) = RUNTIME_RANGES.get_ptr(&tgid) else {
+        return false;
+    };
+    // SAFETY: reading the traced thread's stack through the checked helper.
+    let caller = unsafe { bpf_probe_read_user(stack as *const u64) }.unwrap_or(0);
+    let mut i = 0;
+    while i < CODE_RANGES {
+        // SAFETY: a live map value; the loader writes a process's ranges whole.
+        let [start, end] = unsafe { (*runtime).ranges[i] };
+        if caller >= start && caller < end {
+            return true;
+        }
+        i += 1;
+    }
+    false
 }
 
 /// A mark taken now in the process whose `TARGETS` entry is `target` (the caller's target

@@ -36,6 +36,26 @@ pub(crate) static KERNEL_COUNTS: HashMap<KernelKey, u64> =
 pub(crate) static RUNTIME_RANGES: HashMap<u32, CodeRanges> =
     HashMap::with_max_entries(limits::MAX_TARGETS, 0);
 
+/// The runtime launch each CPU runs now (`RuntimeLaunch`): the driver launch it makes
+/// next is its own, counted at the runtime already.
+#[map(name = "RUNTIME_LAUNCH")]
+pub(crate) static RUNTIME_LAUNCH: PerCpuArray<RuntimeLaunch> = PerCpuArray::with_max_entries(1, 0);
+
+/// A runtime launch (`cudaLaunchKernel`, `cudaLaunchKernelExC`, `cudaGraphLaunch`) entered
+/// on this CPU and not yet seen at the driver.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct RuntimeLaunch {
+    /// The thread (`bpf_get_current_pid_tgid()`); 0 once its driver launch was seen.
+    pub(crate) pid_tgid: u64,
+    /// Its stack pointer at the runtime function's entry: the driver call it makes comes
+    /// from deeper in the same stack.
+    pub(crate) stack: u64,
+    /// The process's runtime launches counted then, this one included: another since
+    /// (this thread's on another CPU, or another thread's) makes the note uncertain.
+    pub(crate) runtime_launches: u64,
+}
+
 /// Streams (per process) holding a collective that no event was recorded after yet:
 /// the next `cudaEventRecord` on one is sent, its event watched.
 #[map(name = "COLLECTIVE_STREAMS")]

@@ -8,8 +8,7 @@ use lens_common::record::{CollectiveCall, CommInitCall, SyncCall, TimedCall};
 use lens_common::{Body, InflightKey, LossCause, Record};
 
 use crate::ctx::{
-    begin_call, call_starting_now, count_loss, now_ns, remember_entry, send, send_now, take_entry,
-    traced,
+    begin_call, call_starting_now, count_loss, now_ns, send, send_now, take_entry, traced,
 };
 use crate::maps::{INFLIGHT_COLLECTIVES, INFLIGHT_COMM_INITS, INFLIGHT_SYNCS};
 use crate::python::sample_if_saving;

@@ -103,16 +103,16 @@ impl Session {
         }
     }
 
-    /// What `calls` cost target `pid`, and each driver launch it made that was left out as
-    /// libcudart's own (an entry hit, not a call), as estimated from the hit costs
-    /// measured at start-up.
+    /// What `calls` cost a target, and each of its `runtime_driver_hits` (driver launches
+    /// left out as the runtime's own: an entry hit, not a call), as estimated from the hit
+    /// costs measured at start-up.
     pub(super) fn probe_cost(
         &self,
-        pid: u32,
         target: &Target,
         calls: &BTreeMap<ProbeId, u64>,
+        runtime_driver_hits: u64,
     ) -> crate::sink::ProbeCost {
-        let uncounted = target.runtime_launches_before_exec + self.runtime_launches(pid);
+        let uncounted = runtime_driver_hits;
         let uncounted_ns = self.hit_costs.entry.as_nanos() as u64 * uncounted;
         crate::sink::ProbeCost {
             estimated_ns: self.hit_costs.of_calls(calls).as_nanos() as u64 + uncounted_ns,
@@ -133,7 +133,8 @@ impl Session {
     ) {
         sink.on_call_counts(pid, reported);
         if let Some(target) = self.targets.get(&pid) {
-            sink.on_probe_cost(pid, self.probe_cost(pid, target, counted));
+            let runtime_driver_hits = self.runtime_driver_hits(pid);
+            sink.on_probe_cost(pid, self.probe_cost(target, counted, runtime_driver_hits));
         }
     }
 

@@ -67,12 +67,7 @@ impl Session {
                 ranges.len()
             );
         }
-        let mut value = CodeRanges {
-            // The count so far goes on (launches between this read and the write below
-            // are not counted: the estimate is one of a few hits short, at a library load).
-            runtime_launches: self.runtime_launches(pid),
-            ..CodeRanges::default()
-        };
+        let mut value = CodeRanges::default();
         for (slot, range) in value.ranges.iter_mut().zip(ranges) {
             *slot = range;
         }
@@ -86,14 +81,14 @@ impl Session {
         }
     }
 
-    /// Driver launches of `pid` left out as libcudart's own, counted in its
-    /// `RUNTIME_RANGES` entry since it was first written.
-    pub(super) fn runtime_launches(&self, pid: u32) -> u64 {
+    /// Driver launches of `pid` left out as the runtime's own (counted at the runtime):
+    /// each a probe hit it paid for.
+    pub(super) fn runtime_driver_hits(&self, pid: u32) -> u64 {
         self.ebpf
-            .map(maps::RUNTIME_RANGES)
-            .and_then(|map| BpfHashMap::<_, u32, CodeRanges>::try_from(map).ok())
+            .map(maps::TARGETS)
+            .and_then(|map| BpfHashMap::<_, u32, TargetState>::try_from(map).ok())
             .and_then(|map| map.get(&pid, 0).ok())
-            .map_or(0, |ranges| ranges.runtime_launches)
+            .map_or(0, |target| target.runtime_driver_hits)
     }
 
     pub(super) fn targets_map(&mut self) -> Result<BpfHashMap<&mut MapData, u32, TargetState>> {

@@ -131,9 +131,6 @@ struct Target {
     exit: Option<ExitStatus>,
     /// When lens-probe began tracing it (monotonic clock): its call counts start there.
     traced_since_ns: u64,
-    /// Driver launches left out as libcudart's own by the programs it ran before its
-    /// last exec (the current one's are in its `RUNTIME_RANGES` entry).
-    runtime_launches_before_exec: u64,
 }
 
 pub struct Session {

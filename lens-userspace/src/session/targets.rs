@@ -160,7 +160,6 @@ impl Session {
                 launches_seen: false,
                 exit: None,
                 traced_since_ns: crate::spans::monotonic_now_ns(),
-                runtime_launches_before_exec: 0,
             },
         );
         Ok(())
@@ -208,7 +207,6 @@ impl Session {
                 launches_seen: false,
                 exit: None,
                 traced_since_ns: crate::spans::monotonic_now_ns(),
-                runtime_launches_before_exec: 0,
             },
         );
         self.child = Some(pid);
@@ -255,7 +253,6 @@ impl Session {
                         launches_seen: false,
                         exit: None,
                         traced_since_ns: crate::spans::monotonic_now_ns(),
-                        runtime_launches_before_exec: 0,
                     },
                 );
                 // It maps what its parent mapped.
@@ -282,10 +279,6 @@ impl Session {
         // the old program's: spans take differences between marks, and the kernel keeps
         // counting without a moment in which a launch could be missed.)
         self.forget_kernel_counts(pid);
-        let runtime_launches = self.runtime_launches(pid);
-        if let Some(target) = self.targets.get_mut(&pid) {
-            target.runtime_launches_before_exec += runtime_launches;
-        }
         if let Some(map) = self.ebpf.map_mut(maps::RUNTIME_RANGES)
             && let Ok(mut ranges) = BpfHashMap::<_, u32, CodeRanges>::try_from(map)
         {
@@ -428,7 +421,10 @@ impl Session {
         self.forget_kernel_counts(pid);
         let mut calls = self.take_call_counts(pid);
         add_launch_counts(&mut calls, launches.as_ref());
-        let cost = self.probe_cost(pid, &target, &calls);
+        let runtime_driver_hits = launches
+            .as_ref()
+            .map_or(0, |entry| entry.runtime_driver_hits);
+        let cost = self.probe_cost(&target, &calls, runtime_driver_hits);
         self.forget_kernel_state(pid);
         if let Some(estimate) = self.launch_estimates.remove(&pid) {
             let new = launch_total(&calls).saturating_sub(estimate.counted);
