@@ -22,10 +22,15 @@ use lens_probe::{
         output::OutputFile,
         privileges,
         target::{self, ExitStatus},
+        teardown,
     },
 };
 
 fn main() -> ExitCode {
+    if std::env::args_os().nth(1).as_deref() == Some(teardown::TEARDOWN_ARG.as_ref()) {
+        teardown::close_inherited();
+        return ExitCode::SUCCESS;
+    }
     let cli = match lens_probe::settings::cli::parse() {
         Ok(cli) => cli,
         Err(Rejected::Info(help)) => {
@@ -41,7 +46,7 @@ fn main() -> ExitCode {
     // SIGINT/SIGTERM during start-up wait until the run loop can handle them (flush, exit 0).
     target::hold_stop_signals();
     match run(cli) {
-        Ok(code) => exit_now(code.clamp(0, 255)),
+        Ok(code) => teardown::exit_now(code.clamp(0, 255)),
         Err(error) => {
             // One line for people; anything longer (a kernel log) only with -vv.
             let text = error.to_string();
@@ -53,39 +58,6 @@ fn main() -> ExitCode {
             }
             ExitCode::from(error.exit_code() as u8)
         }
-    }
-}
-
-/// Exits with `code` at once. The kernel removes uprobes one by one, ~0.1 s each, when
-/// their last file descriptor closes; a child that inherits the descriptors closes them
-/// after we are gone, so whoever waits for lens-probe (a shell, a SLURM epilog) does not
-/// wait for that.
-fn exit_now(code: i32) -> ! {
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    let _ = std::io::stderr().flush();
-    // SAFETY: fork, then only async-signal-safe calls (setsid, _exit) in the child; the
-    // parent only exits.
-    unsafe {
-        let parent = libc::getpid();
-        if libc::fork() == 0 {
-            libc::setsid();
-            // Nothing to say: let go of the terminal and of pipes others read to EOF.
-            for fd in 0..3 {
-                libc::close(fd);
-            }
-            // Hold the descriptors until the parent is gone, so that its exit is not the
-            // last close; ours is.
-            let pause = libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 2_000_000,
-            };
-            while libc::getppid() == parent {
-                libc::nanosleep(&pause, std::ptr::null_mut());
-            }
-            libc::_exit(0);
-        }
-        libc::_exit(code)
     }
 }
 
@@ -153,7 +125,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             None,
         )?),
     };
-    // Never dropped: its uprobes are let go by a child after we exit (see `exit_now`).
+    // Never dropped: its uprobes are let go by a child after we exit (see `sys::teardown`).
     let session: &'static mut Session = Box::leak(Box::new(Session::new(TraceOptions {
         span_groups: cli.span_groups.clone(),
         kernel_logs: cli.verbose >= 2,

@@ -771,3 +771,53 @@ fn only_the_traced_process_gets_the_breakpoint_in_a_file_its_neighbour_maps_too(
         "{rest}"
     );
 }
+
+#[test]
+fn once_lens_probe_has_exited_the_process_it_traced_runs_unpatched() {
+    if !lens_tests::require_bpf("once_lens_probe_has_exited_the_process_it_traced_runs_unpatched") {
+        return;
+    }
+    const PUSH_RBP: u8 = 0x55;
+    const BREAKPOINT: u8 = 0xcc;
+    let library = variant("twice").join("libcudart.so.12");
+    let mut traced = waiting_caller(&library, None);
+    let mut output = wait_ready(&mut traced);
+    let pid = traced.id();
+    let byte = || entry_byte(pid, &library, "cudaLaunchKernel");
+    assert_eq!(byte(), PUSH_RBP);
+
+    let mut probe = lens_tests::lens_probe_command(LENS_PROBE)
+        .args(["--span-groups", "per_step"])
+        .args(["--exporter", "file", "--export-file", "/dev/null"])
+        .args(["--pid", &pid.to_string()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(probe.stderr.take().unwrap());
+    let mut said = String::new();
+    while !said.contains("lens-probe: tracing") {
+        assert_ne!(stderr.read_line(&mut said).unwrap(), 0, "{said}");
+    }
+    assert_eq!(byte(), BREAKPOINT, "traced: {said}");
+    // SAFETY: our own child.
+    unsafe { libc::kill(probe.id() as i32, libc::SIGINT) };
+    assert!(probe.wait().unwrap().success());
+    // lens-probe is gone at once; a child of it closes the links, and the kernel takes the
+    // breakpoint out of the process, which runs on meanwhile.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while byte() != PUSH_RBP {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the breakpoint is still in pid {pid} 120 s after lens-probe exited"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    writeln!(traced.stdin.take().unwrap(), "go").unwrap();
+    assert!(traced.wait().unwrap().success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut output, &mut rest).unwrap();
+    assert!(
+        rest.contains(&format!("cudaLaunchKernel {CALLS}")),
+        "{rest}"
+    );
+}

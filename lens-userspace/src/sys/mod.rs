@@ -2,7 +2,8 @@
 //! (starting, attaching, waiting: `target`; the guardian that resumes a stopped one),
 //! their mappings (`library`), ELF symbol tables and PLT stubs (`symbols`, `plt`),
 //! capabilities (`privileges`), the files created as root (`output`) and lens-probe's own
-//! CPU time (`usage`).
+//! CPU time (`usage`), and leaving without waiting for the kernel to remove the probes
+//! (`teardown`).
 pub mod guardian;
 pub mod library;
 pub mod output;
@@ -10,4 +11,5 @@ pub mod plt;
 pub mod privileges;
 pub mod symbols;
 pub mod target;
+pub mod teardown;
 pub mod usage;
