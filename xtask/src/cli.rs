@@ -48,8 +48,8 @@ pub enum Command {
         /// Rounds of interleaved variants (default 5; 1 with --quick)
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         rounds: Option<u32>,
-        /// These blocks only (trainer, per-kind, torch, attach, throughput, budget,
-        /// python, hangs, teardown, frameworks), comma-separated; docs left as they are
+        /// These blocks only (trainer, per-kind, neighbour, torch, attach, throughput, budget,
+        /// python, hangs, teardown, frameworks, scale), comma-separated; docs left as they are
         #[arg(long, value_parser = Blocks::parse)]
         only: Option<Blocks>,
     },
@@ -179,8 +179,8 @@ mod tests {
         refused(
             &["bench", "--only", "trainer,gpu"],
             ErrorKind::ValueValidation,
-            "unknown bench block `gpu` (blocks: trainer, per-kind, torch, attach, throughput, \
-             budget, python, hangs, teardown, frameworks)",
+            "unknown bench block `gpu` (blocks: trainer, per-kind, neighbour, torch, attach, \
+             throughput, budget, python, hangs, teardown, frameworks, scale)",
         );
         refused(&["bench", "--fast"], ErrorKind::UnknownArgument, "--fast");
         refused(&["BUILD-EBPF"], ErrorKind::InvalidSubcommand, "BUILD-EBPF");

@@ -22,6 +22,8 @@
 //! 8. teardown: lens-probe's exit until its probes are out of the kernel ([`teardown`]).
 //! 9. unmodified framework loops (transformers `Trainer`, 2-rank DDP) per preset
 //!    ([`frameworks`]).
+//! 10. an untraced process beside a traced one, the same library file ([`neighbour`]);
+//! 11. attach, links and teardown with 1, 8 and 64 traced processes ([`scale`]).
 //!
 //! The table and its notes: [`tables`]. `--only` runs some of the blocks (then
 //! docs/performance.md is left as it is).
@@ -31,10 +33,12 @@ mod budget;
 mod fake;
 mod frameworks;
 mod hangs;
+mod neighbour;
 mod per_kind;
 mod proc;
 mod python;
 mod report;
+mod scale;
 mod tables;
 mod teardown;
 mod throughput;
@@ -71,6 +75,8 @@ pub enum Block {
     Trainer,
     /// Per-hit cost per probe kind (1b).
     PerKind,
+    /// An untraced process beside a traced one, the same library file (10).
+    Neighbour,
     /// The PyTorch loop per preset, lens-probe's CPU and memory (2b, 4).
     Torch,
     /// `--pid` attach to a running PyTorch process (3, 4).
@@ -86,12 +92,15 @@ pub enum Block {
     Teardown,
     /// transformers `Trainer` and 2-rank DDP loops per preset (9).
     Frameworks,
+    /// Attach, links and teardown with 1, 8 and 64 traced processes (11).
+    Scale,
 }
 
 impl Block {
-    pub const ALL: [Block; 10] = [
+    pub const ALL: [Block; 12] = [
         Block::Trainer,
         Block::PerKind,
+        Block::Neighbour,
         Block::Torch,
         Block::Attach,
         Block::Throughput,
@@ -100,12 +109,14 @@ impl Block {
         Block::Hangs,
         Block::Teardown,
         Block::Frameworks,
+        Block::Scale,
     ];
 
     pub fn name(self) -> &'static str {
         match self {
             Block::Trainer => "trainer",
             Block::PerKind => "per-kind",
+            Block::Neighbour => "neighbour",
             Block::Torch => "torch",
             Block::Attach => "attach",
             Block::Throughput => "throughput",
@@ -114,6 +125,7 @@ impl Block {
             Block::Hangs => "hangs",
             Block::Teardown => "teardown",
             Block::Frameworks => "frameworks",
+            Block::Scale => "scale",
         }
     }
 }
@@ -395,6 +407,10 @@ pub fn run(opts: Options) -> Result<(), String> {
         true => Some(per_kind::block(&ctx, &mut watch, opts.quick)?),
         false => None,
     };
+    let neighbour = match wanted(Block::Neighbour) {
+        true => Some(neighbour::block(&ctx, &mut watch, opts.quick)?),
+        false => None,
+    };
     let torch = match python.filter(|_| wanted(Block::Torch)) {
         Some(python) => Some(torch_block(&ctx, python, &mut watch)?),
         None => None,
@@ -427,6 +443,10 @@ pub fn run(opts: Options) -> Result<(), String> {
         Some(python) => Some(frameworks::block(&ctx, python, &mut watch, opts.quick)?),
         None => None,
     };
+    let scale = match python.filter(|_| wanted(Block::Scale)) {
+        Some(python) => Some(scale::block(&ctx, python, &mut watch, opts.quick)?),
+        None => None,
+    };
     watch.check();
     let load_end = loadavg();
 
@@ -434,6 +454,7 @@ pub fn run(opts: Options) -> Result<(), String> {
         blocks: opts.blocks,
         fake,
         per_kind,
+        neighbour,
         torch,
         attach,
         throughput,
@@ -442,6 +463,7 @@ pub fn run(opts: Options) -> Result<(), String> {
         hangs,
         teardown,
         frameworks,
+        scale,
     };
     let table = report::table(&sections(&ctx, &results));
     let notes = notes(&ctx, &results, &watch, slack);

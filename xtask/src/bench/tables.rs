@@ -7,9 +7,9 @@ use super::{
     attach::AttachRun,
     budget,
     fake::{Fake, FakeBlock},
-    frameworks, hangs, per_kind, python,
+    frameworks, hangs, neighbour, per_kind, python,
     report::{self, Met, Row, Section, fmt_count, fmt_duration, median, row},
-    teardown, throughput,
+    scale, teardown, throughput,
     torch::{TorchBlock, Usage},
 };
 
@@ -30,6 +30,7 @@ pub(super) struct Results {
     pub(super) blocks: Blocks,
     pub(super) fake: Option<FakeBlock>,
     pub(super) per_kind: Option<per_kind::PerKindBlock>,
+    pub(super) neighbour: Option<neighbour::NeighbourBlock>,
     pub(super) torch: Option<TorchBlock>,
     pub(super) attach: Option<Vec<AttachRun>>,
     pub(super) throughput: Option<throughput::ThroughputBlock>,
@@ -38,6 +39,7 @@ pub(super) struct Results {
     pub(super) hangs: Option<hangs::HangsBlock>,
     pub(super) teardown: Option<teardown::TeardownBlock>,
     pub(super) frameworks: Option<frameworks::FrameworksBlock>,
+    pub(super) scale: Option<scale::ScaleBlock>,
 }
 
 /// The table's sections, in order, for the blocks that ran.
@@ -49,6 +51,12 @@ pub(super) fn sections(ctx: &Ctx, r: &Results) -> Vec<Section> {
     }
     if let Some(per_kind) = &r.per_kind {
         out.push(per_kind.section());
+    }
+    if let Some(neighbour) = &r.neighbour {
+        out.push(neighbour.section());
+    }
+    if let Some(scale) = &r.scale {
+        out.push(scale.section());
     }
     let torch_wanted = r.blocks.contains(Block::Torch);
     if r.fake.is_some() || torch_wanted {
@@ -509,6 +517,12 @@ pub(super) fn notes(ctx: &Ctx, r: &Results, watch: &Watch, slack: bool) -> Strin
     }
     if let Some(per_kind) = &r.per_kind {
         n.push_str(&per_kind.notes());
+    }
+    if let Some(neighbour) = &r.neighbour {
+        n.push_str(&neighbour.notes());
+    }
+    if let Some(scale) = &r.scale {
+        n.push_str(&scale.notes());
     }
     if let Some(throughput) = &r.throughput {
         n.push_str(&throughput.notes());
