@@ -1,29 +1,23 @@
 //! File-creation probes: libc's `open` and `openat`, whose calls with `O_CREAT` are what
 //! a checkpoint's `nemo.checkpoint.files` counts (Python's `open`, `fopen`, Rust's
-//! `File::create` all end there). Every process on a node maps libc, so unlike the other
-//! probes these are attached to each traced process alone: the kernel puts the
-//! breakpoint in that process only (a child it forks loses it at its first hit), and
-//! the links go when the process ends.
-use std::{collections::HashMap, num::NonZeroU32, path::PathBuf};
+//! `File::create` all end there). Like every library probe, they are attached to each
+//! traced process alone (every process on a node maps libc): one link per process, the
+//! kernel's breakpoints in that process only, and the link goes when the process ends.
+use std::{collections::HashMap, num::NonZeroU32};
 
 use aya::{
     Ebpf,
-    programs::{
-        UProbe,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
-    },
+    programs::uprobe::{UProbeLinkId, UProbeScope},
 };
 use log::{debug, warn};
 
+use super::attach::{attach_points, uprobe_mut};
 use super::catalog::{self, Program};
 use crate::sys::{
     library::{self, LibraryKind},
     symbols::resolve_symbols,
 };
-use crate::{
-    error::{LensError, Result},
-    settings::groups::SpanGroups,
-};
+use crate::{error::LensError, settings::groups::SpanGroups};
 
 /// The file-creation links of every traced process that has them.
 #[derive(Default)]
@@ -66,19 +60,15 @@ impl FileProbes {
         let Some(ids) = self.links.remove(&pid) else {
             return;
         };
-        let Ok(uprobe) = file_uprobe(ebpf) else {
+        let Ok(uprobe) = uprobe_mut(ebpf, Program::FileOpenEntry) else {
             return;
         };
         let links: Vec<_> = ids
             .into_iter()
             .filter_map(|id| uprobe.take_link(id).ok())
             .collect();
-        std::thread::spawn(move || drop(links));
+        crate::sys::teardown::release_in_background(links);
     }
-}
-
-fn file_uprobe(ebpf: &mut Ebpf) -> Result<&mut UProbe> {
-    super::attach::program_mut(ebpf, Program::FileOpenEntry.name())
 }
 
 /// Why a process's file probes could not be attached, in a line.
@@ -96,8 +86,7 @@ fn attach_to(
     let wanted: Vec<&str> = specs.iter().map(|spec| spec.symbol).collect();
     let symbols = resolve_symbols(&libc.open_path, &wanted).map_err(text)?;
     let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).ok_or("pid 0")?);
-    let uprobe = file_uprobe(ebpf).map_err(text)?;
-    let mut links = Vec::new();
+    let mut points = Vec::new();
     for spec in specs {
         let Some(place) = symbols.found.get(spec.symbol) else {
             return Err(format!(
@@ -106,23 +95,17 @@ fn attach_to(
                 spec.symbol
             ));
         };
-        let path: PathBuf = libc.open_path.clone();
-        let id = uprobe
-            .attach(
-                [UProbeAttachPoint {
-                    location: UProbeAttachLocation::AbsoluteOffset(place.offset),
-                    cookie: Some(spec.cookie()),
-                }],
-                &path,
-                scope,
-            )
-            .map_err(|source| {
-                text(LensError::Program {
-                    program: Program::FileOpenEntry.name(),
-                    source,
-                })
-            })?;
-        links.push(id);
+        points.push((place.offset, spec.cookie()));
     }
-    Ok(Some(links))
+    // One link for all of them (one uprobe_multi link, or a perf link per point).
+    let uprobe = uprobe_mut(ebpf, Program::FileOpenEntry).map_err(text)?;
+    let link = attach_points(
+        uprobe,
+        Program::FileOpenEntry,
+        &libc.open_path,
+        points,
+        scope,
+    )
+    .map_err(text)?;
+    Ok(Some(vec![link]))
 }

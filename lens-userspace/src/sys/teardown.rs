@@ -110,3 +110,20 @@ pub fn close_inherited() {
         let _ = closer.join();
     }
 }
+
+/// Drops each of `links` on a thread of its own, now, without waiting: a link's removal
+/// waits for grace periods, which concurrent removals share (see the module's comment).
+/// For the links of a process that ended while lens-probe goes on; a removal still under
+/// way when lens-probe exits holds its exit up.
+pub fn release_in_background<L: Send + 'static>(links: Vec<L>) {
+    for link in links {
+        let spawned = std::thread::Builder::new()
+            .name("lens-release".into())
+            .stack_size(64 * 1024)
+            .spawn(move || drop(link));
+        // No thread to spare: the link went here, with the closure, waiting.
+        if let Err(error) = spawned {
+            log::debug!("cannot start a thread to remove a probe link: {error}");
+        }
+    }
+}

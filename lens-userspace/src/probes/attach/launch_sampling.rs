@@ -136,9 +136,7 @@ impl Attacher {
                 ),
             }
         }
-        if !released.is_empty() {
-            std::thread::spawn(move || drop(released));
-        }
+        crate::sys::teardown::release_in_background(released);
         moved
     }
 

@@ -38,7 +38,7 @@ mod rule_attach;
 mod symbol_places;
 
 use launch_sampling::{SampledLaunches, sample_spec};
-use object::uprobe_mut;
+pub(crate) use object::uprobe_mut;
 pub use object::{load_object, program_mut, take_event_ring};
 use symbol_places::{Batch, places};
 
@@ -196,9 +196,7 @@ impl Attacher {
             released.extend(self.take(ebpf, key));
         }
         let count = released.len();
-        if count > 0 {
-            std::thread::spawn(move || drop(released));
-        }
+        crate::sys::teardown::release_in_background(released);
         count
     }
 
@@ -335,8 +333,7 @@ impl Attacher {
                 "{} went away while attaching; will attach again",
                 library.shown_path.display()
             );
-            let links = self.take(ebpf, key);
-            std::thread::spawn(move || drop(links));
+            crate::sys::teardown::release_in_background(self.take(ebpf, key));
             return None;
         }
         for outcome in &outcomes {
@@ -421,7 +418,7 @@ pub(super) fn attach_at(
 /// probe goes in. With the program's `uprobe.multi` twin loaded that is one uprobe_multi
 /// link (its pid the kernel's filter), else one perf link per point, each opened for the
 /// process (all detached if one fails).
-pub(super) fn attach_points(
+pub(crate) fn attach_points(
     uprobe: &mut UProbe,
     program: Program,
     path: &std::path::Path,

@@ -15,13 +15,6 @@ use crate::settings::links::UprobeLinks;
 /// The BPF object built from `lens-ebpf` by the build script.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lens-ebpf.o"));
 
-/// Whether `program` goes in through uprobe_multi links when the kernel has them: the ones
-/// attached for all processes. `file_open_entry` is attached per process (libc's
-/// `probes::files`), which early uprobe_multi kernels filter by thread, not process.
-const fn multi_capable(program: Program) -> bool {
-    !matches!(program, Program::FileOpenEntry)
-}
-
 /// The name `program` is found under in `ebpf`: its `_m` twin where that is the one
 /// [`load_object`] loaded. The object itself says which: only one twin is ever loaded.
 fn loaded_name(ebpf: &Ebpf, program: Program) -> &'static str {
@@ -34,7 +27,7 @@ fn loaded_name(ebpf: &Ebpf, program: Program) -> &'static str {
 /// The name `program` goes in under: its `_m` twin with uprobe_multi links (`multi`),
 /// where it can go in so.
 fn name_for(program: Program, multi: bool) -> &'static str {
-    if multi && multi_capable(program) {
+    if multi {
         program.multi_name()
     } else {
         program.name()
@@ -60,11 +53,31 @@ fn use_uprobe_multi(links: UprobeLinks) -> Result<bool> {
                 false
             }
         };
-    match (supported, links) {
-        (true, _) => Ok(true),
-        (false, UprobeLinks::Multi) => Err(LensError::NoUprobeMulti),
-        (false, _) => {
+    let whole_process = kernel_release()
+        .as_deref()
+        .and_then(release_version)
+        .is_some_and(|version| version >= MULTI_FILTERS_PROCESSES);
+    match (supported, whole_process, links) {
+        (true, true, _) => Ok(true),
+        (false, _, UprobeLinks::Multi) => Err(LensError::NoUprobeMulti),
+        (true, false, UprobeLinks::Multi) => {
+            warn!(
+                "--uprobe-links multi on a kernel older than Linux 6.10: unless it has the fix \
+                 \"bpf: fix multi-uprobe PID filtering logic\", each process's probes fire in its \
+                 first thread only, and calls from its other threads are not seen"
+            );
+            Ok(true)
+        }
+        (true, false, _) => {
             // Once per run: the object is loaded once.
+            warn!(
+                "this kernel's uprobe_multi links filter by thread, not process (before Linux \
+                 6.10): one perf link per probe point instead, removed one at a time (about \
+                 0.1 s each) after lens-probe exits"
+            );
+            Ok(false)
+        }
+        (false, _, _) => {
             warn!(
                 "this kernel has no uprobe_multi links (Linux 6.6+): one perf link per probe \
                  point, removed one at a time (about 0.1 s each) after lens-probe exits"
@@ -72,6 +85,25 @@ fn use_uprobe_multi(links: UprobeLinks) -> Result<bool> {
             Ok(false)
         }
     }
+}
+
+/// The first Linux release whose uprobe_multi links, opened for a process, fire in all its
+/// threads: before it (commit 46ba0e49b642, "bpf: fix multi-uprobe PID filtering logic")
+/// the kernel compared the calling thread with the one the link was opened for. Every
+/// library probe is opened for one process (`docs/probes.md`, "Where probes go").
+const MULTI_FILTERS_PROCESSES: (u32, u32) = (6, 10);
+
+/// This kernel's release (`uname -r`).
+fn kernel_release() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()
+}
+
+/// `6.18.44-fc-v1272` → (6, 18).
+fn release_version(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.trim().split(['.', '-']);
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
 }
 
 /// Loads the BPF object and its programs. `kernel_logs` keeps the kernel-side diagnostics
@@ -136,7 +168,7 @@ pub fn take_event_ring(ebpf: &mut Ebpf) -> Result<aya::maps::RingBuf<aya::maps::
     })
 }
 
-pub(super) fn uprobe_mut(ebpf: &mut Ebpf, program: Program) -> Result<&mut UProbe> {
+pub(crate) fn uprobe_mut(ebpf: &mut Ebpf, program: Program) -> Result<&mut UProbe> {
     let name = loaded_name(ebpf, program);
     program_mut(ebpf, name)
 }
@@ -156,4 +188,19 @@ where
             program: name,
             source,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_releases() {
+        assert_eq!(release_version("6.18.44-fc-v1272\n"), Some((6, 18)));
+        assert_eq!(release_version("6.8.0-49-generic"), Some((6, 8)));
+        assert_eq!(release_version("5.15.0"), Some((5, 15)));
+        assert_eq!(release_version("garbage"), None);
+        assert!(release_version("6.9.12").unwrap() < MULTI_FILTERS_PROCESSES);
+        assert!(release_version("6.10.1").unwrap() >= MULTI_FILTERS_PROCESSES);
+    }
 }
