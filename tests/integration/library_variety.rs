@@ -547,6 +547,15 @@ fn in_mount_namespace(command: &mut Command, source: &Path, target: &Path, fstyp
 /// `bind`: first, in a mount namespace of its own, `(source, target)` bind-mounted (a
 /// container's view of the same file).
 fn waiting_caller(library: &Path, bind: Option<(&Path, &Path)>) -> Child {
+    let mut command = waiting_caller_command(library);
+    if let Some((source, target)) = bind {
+        in_mount_namespace(&mut command, source, target, None);
+    }
+    command.spawn().unwrap()
+}
+
+/// The command of [`waiting_caller`], without a mount namespace.
+fn waiting_caller_command(library: &Path) -> Command {
     let mut command = Command::new(variety_caller());
     command
         .arg(CALLS.to_string())
@@ -555,10 +564,7 @@ fn waiting_caller(library: &Path, bind: Option<(&Path, &Path)>) -> Child {
         .env("LENS_FAKE_SYNC_MS", "1")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped());
-    if let Some((source, target)) = bind {
-        in_mount_namespace(&mut command, source, target, None);
-    }
-    command.spawn().unwrap()
+    command
 }
 
 /// Reads the caller's "ready" (its library is open).
@@ -820,4 +826,49 @@ fn once_lens_probe_has_exited_the_process_it_traced_runs_unpatched() {
         rest.contains(&format!("cudaLaunchKernel {CALLS}")),
         "{rest}"
     );
+}
+
+#[test]
+fn node_mode_patches_only_the_processes_its_filter_matches() {
+    if !lens_tests::require_bpf("node_mode_patches_only_the_processes_its_filter_matches") {
+        return;
+    }
+    const PUSH_RBP: u8 = 0x55;
+    const BREAKPOINT: u8 = 0xcc;
+    // Two processes map the same libcudart file; one has the variable the filter asks for.
+    let library = variant("twice").join("libcudart.so.12");
+    let marker = format!("match-{}", std::process::id());
+    let mut matched = waiting_caller_command(&library)
+        .env("LENS_MATCH_TEST", &marker)
+        .spawn()
+        .unwrap();
+    let mut other = waiting_caller(&library, None);
+    let mut outputs = [wait_ready(&mut matched), wait_ready(&mut other)];
+    let (matched_pid, other_pid) = (matched.id(), other.id());
+    let byte = |pid| entry_byte(pid, &library, "cudaLaunchKernel");
+    assert_eq!((byte(matched_pid), byte(other_pid)), (PUSH_RBP, PUSH_RBP));
+
+    let mut session = Session::new(options()).unwrap();
+    let running = session
+        .watch_node(lens_probe::discovery::NodeFilter {
+            environment: vec![("LENS_MATCH_TEST".into(), marker)],
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(running, 1, "one running process matches");
+    assert_eq!(byte(matched_pid), BREAKPOINT, "the matching process is probed");
+    assert_eq!(
+        byte(other_pid),
+        PUSH_RBP,
+        "a process the filter leaves out, mapping the same file, is not"
+    );
+    drop(session);
+    // Both run their calls as they would untraced.
+    for (child, output) in [&mut matched, &mut other].into_iter().zip(&mut outputs) {
+        writeln!(child.stdin.take().unwrap(), "go").unwrap();
+        assert!(child.wait().unwrap().success());
+        let mut rest = String::new();
+        std::io::Read::read_to_string(output, &mut rest).unwrap();
+        assert!(rest.contains(&format!("cudaLaunchKernel {CALLS}")), "{rest}");
+    }
 }
