@@ -856,7 +856,11 @@ fn node_mode_patches_only_the_processes_its_filter_matches() {
         })
         .unwrap();
     assert_eq!(running, 1, "one running process matches");
-    assert_eq!(byte(matched_pid), BREAKPOINT, "the matching process is probed");
+    assert_eq!(
+        byte(matched_pid),
+        BREAKPOINT,
+        "the matching process is probed"
+    );
     assert_eq!(
         byte(other_pid),
         PUSH_RBP,
@@ -869,6 +873,9 @@ fn node_mode_patches_only_the_processes_its_filter_matches() {
         assert!(child.wait().unwrap().success());
         let mut rest = String::new();
         std::io::Read::read_to_string(output, &mut rest).unwrap();
-        assert!(rest.contains(&format!("cudaLaunchKernel {CALLS}")), "{rest}");
+        assert!(
+            rest.contains(&format!("cudaLaunchKernel {CALLS}")),
+            "{rest}"
+        );
     }
 }

@@ -99,13 +99,33 @@ pub struct Spool {
     dir: PathBuf,
     max_bytes: u64,
     files: Mutex<Files>,
+    /// Holds the directory's lock (`flock` on [`LOCK_FILE`]) while the spool is open.
+    _lock: fs::File,
+    /// A write failed (a full filesystem, say) and that was said.
+    write_failure_said: std::sync::atomic::AtomicBool,
+}
+
+/// The file whose lock says a lens-probe uses the directory: two sending the same batches
+/// would send them twice, and each would count as lost what the other sent.
+const LOCK_FILE: &str = ".lens-probe.lock";
+
+/// The largest spool file read back. lens-probe writes one export batch per file (at most
+/// a few MiB); anything larger is not one of its batches, and reading it whole could take
+/// the memory a DaemonSet's limit allows.
+const MAX_FILE_BYTES: u64 = 64 << 20;
+
+fn euid() -> u32 {
+    // SAFETY: plain geteuid.
+    unsafe { libc::geteuid() }
 }
 
 impl Spool {
-    /// Opens (creating it, mode 0700) the spool directory and reads what an earlier run
-    /// left there. Refused: a symbolic link, something that is not a directory, or a
-    /// directory of another user (lens-probe writes there after dropping the capability
-    /// to override permissions).
+    /// Opens (creating it, mode 0700) the spool directory, locks it, and reads what an
+    /// earlier run left there. Refused: a symbolic link, something that is not a directory,
+    /// a directory of another user or one that group or others may use (mode other than
+    /// 0700: another user's files there would be read and sent, and the spans there are
+    /// the jobs'), a directory below one another user could rename it in, and one another
+    /// lens-probe has locked.
     pub fn open(config: &SpoolConfig) -> Result<Spool, String> {
         let dir = &config.dir;
         match fs::symlink_metadata(dir) {
@@ -119,25 +139,43 @@ impl Spool {
                 return Err("is a symbolic link: lens-probe never writes through one".into());
             }
             Ok(meta) if !meta.is_dir() => return Err("not a directory".into()),
-            // SAFETY: plain geteuid.
-            Ok(meta) if meta.uid() != unsafe { libc::geteuid() } => {
+            Ok(meta) if meta.uid() != euid() => {
                 return Err(format!(
                     "owned by uid {}, not by lens-probe's user: lens-probe writes there without \
                      the capability to override permissions",
                     meta.uid()
                 ));
             }
+            Ok(meta) if meta.mode() & 0o077 != 0 => {
+                return Err(format!(
+                    "mode {:04o}: a spool directory is lens-probe's alone (mode 0700), since \
+                     what others put there would be read and sent; `chmod 700` it, or name a \
+                     directory lens-probe creates",
+                    meta.mode() & 0o7777
+                ));
+            }
             Ok(_) => {}
         }
+        check_ancestors(dir)?;
+        let lock = lock(dir)?;
         let mut files = Files::default();
         for entry in fs::read_dir(dir).map_err(|e| e.to_string())?.flatten() {
             let name = entry.file_name();
             let Some((sequence, spans)) = name.to_str().and_then(parse_name) else {
                 continue;
             };
-            let Ok(meta) = entry.metadata() else {
+            // Not followed: a link, a directory or a FIFO named like a batch is not one.
+            let Ok(meta) = entry.path().symlink_metadata() else {
                 continue;
             };
+            if !meta.is_file() || meta.uid() != euid() {
+                log::warn!(
+                    "{}: not a batch lens-probe wrote (not a regular file of its user): left \
+                     as it is",
+                    entry.path().display()
+                );
+                continue;
+            }
             files.by_sequence.insert(
                 sequence,
                 Entry {
@@ -153,6 +191,8 @@ impl Spool {
             dir: dir.clone(),
             max_bytes: config.max_bytes,
             files: Mutex::new(files),
+            _lock: lock,
+            write_failure_said: Default::default(),
         })
     }
 
@@ -200,6 +240,14 @@ impl Spool {
             .and_then(|()| fs::rename(&partial, &path));
         if let Err(error) = written {
             let _ = fs::remove_file(&partial);
+            let said = &self.write_failure_said;
+            if !said.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log::warn!(
+                    "the spool {} cannot take a batch ({error}): spans the collector does not \
+                     take are lost (and counted) while it cannot",
+                    self.dir.display()
+                );
+            }
             return Err(format!("{}: {error}", self.dir.display()));
         }
         files.by_sequence.insert(
@@ -223,11 +271,9 @@ impl Spool {
             (*sequence, *entry)
         };
         let path = self.path(sequence, entry.spans);
-        let read = fs::read(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|bytes| {
-                serde_json::from_slice::<SpooledBatch>(&bytes).map_err(|e| e.to_string())
-            });
+        let read = read_batch_file(&path).and_then(|bytes| {
+            serde_json::from_slice::<SpooledBatch>(&bytes).map_err(|e| e.to_string())
+        });
         Some(match read {
             Ok(batch) => {
                 let (resource, spans) = batch.into_parts();
@@ -259,6 +305,90 @@ impl Spool {
     fn path(&self, sequence: u64, spans: u64) -> PathBuf {
         self.dir.join(format!("{sequence:020}-{spans}.json"))
     }
+}
+
+/// Refuses a directory whose ancestors another user could change: one of theirs, or one
+/// they may write to without the sticky bit (they could rename the spool directory away
+/// and put their own in its place). As `sshd`'s StrictModes does.
+fn check_ancestors(dir: &Path) -> Result<(), String> {
+    let dir = fs::canonicalize(dir).map_err(|e| e.to_string())?;
+    for ancestor in dir.ancestors().skip(1) {
+        let meta = fs::metadata(ancestor).map_err(|e| format!("{}: {e}", ancestor.display()))?;
+        let mode = meta.mode();
+        if meta.uid() != 0 && meta.uid() != euid() {
+            return Err(format!(
+                "{} above it is owned by uid {}: that user could put another directory in \
+                 its place",
+                ancestor.display(),
+                meta.uid()
+            ));
+        }
+        if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+            return Err(format!(
+                "{} above it is writable by others (mode {:04o}, not sticky): they could put \
+                 another directory in its place",
+                ancestor.display(),
+                mode & 0o7777
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Locks `dir` for this lens-probe (until the returned file is closed).
+fn lock(dir: &Path) -> Result<fs::File, String> {
+    let path = dir.join(LOCK_FILE);
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let error = std::io::Error::last_os_error();
+        return Err(if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            "in use by another lens-probe: two sharing one spool would send its batches \
+             twice; give each its own --spool-dir"
+                .to_string()
+        } else {
+            format!("{}: cannot lock: {error}", path.display())
+        });
+    }
+    Ok(file)
+}
+
+/// A spool file's bytes: not through a link, not blocking on a FIFO, only a regular file
+/// of lens-probe's user, at most [`MAX_FILE_BYTES`].
+fn read_batch_file(path: &Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() || meta.uid() != euid() {
+        return Err("not a regular file of lens-probe's user".into());
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(format!(
+            "{} bytes, more than a batch lens-probe writes ({MAX_FILE_BYTES})",
+            meta.len()
+        ));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(format!("grew past {MAX_FILE_BYTES} bytes while read"));
+    }
+    Ok(bytes)
 }
 
 /// `{sequence:020}-{spans}.json` → (sequence, spans).
@@ -450,6 +580,7 @@ impl SpooledBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::CString;
 
     fn span(name: &'static str, id: u64, error: Option<&str>) -> SpanData {
         let mut events = SpanEvents::default();
@@ -524,7 +655,12 @@ mod tests {
         spool.sent(back.sequence);
         assert_eq!(spool.spans(), 0);
         assert!(spool.oldest().is_none());
-        assert_eq!(fs::read_dir(&dir).unwrap().count(), 0);
+        // Only the lock is left.
+        let left: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, [LOCK_FILE]);
         let _ = fs::remove_dir_all(&dir);
     }
 
@@ -585,6 +721,87 @@ mod tests {
                 .unwrap_err()
                 .contains("not a directory")
         );
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_spool_dir_others_may_use_or_replace_is_refused() {
+        let base = scratch("modes");
+        fs::create_dir_all(&base).unwrap();
+        let config = |dir: PathBuf| SpoolConfig {
+            dir,
+            max_bytes: DEFAULT_MAX_BYTES,
+        };
+        for (mode, needle) in [
+            (0o755, "mode 0755"),
+            (0o1777, "mode 1777"),
+            (0o770, "mode 0770"),
+        ] {
+            let dir = base.join(format!("m{mode:o}"));
+            fs::create_dir(&dir).unwrap();
+            fs::set_permissions(&dir, fs::Permissions::from_mode(mode)).unwrap();
+            let error = Spool::open(&config(dir)).unwrap_err();
+            assert!(error.contains(needle), "{error}");
+        }
+        // A system directory: not lens-probe's alone.
+        let error = Spool::open(&config("/etc".into())).unwrap_err();
+        assert!(
+            error.contains("mode 0755") || error.contains("owned by uid"),
+            "{error}"
+        );
+        // Below a directory anyone may write to (not sticky): it could be swapped.
+        let open = base.join("open");
+        fs::create_dir(&open).unwrap();
+        fs::set_permissions(&open, fs::Permissions::from_mode(0o777)).unwrap();
+        let error = Spool::open(&config(open.join("spool"))).unwrap_err();
+        assert!(error.contains("writable by others"), "{error}");
+        let _ = fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn one_spool_dir_serves_one_lens_probe_at_a_time() {
+        let dir = scratch("lock");
+        let first = spool(&dir, DEFAULT_MAX_BYTES);
+        let error = Spool::open(&SpoolConfig {
+            dir: dir.clone(),
+            max_bytes: DEFAULT_MAX_BYTES,
+        })
+        .unwrap_err();
+        assert!(error.contains("in use by another lens-probe"), "{error}");
+        drop(first);
+        // Free again once the first has gone.
+        drop(spool(&dir, DEFAULT_MAX_BYTES));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn what_is_named_like_a_batch_but_is_not_one_is_never_read() {
+        let dir = scratch("planted");
+        drop(spool(&dir, DEFAULT_MAX_BYTES));
+        // A directory, a link to a file, a FIFO (reading it would block for ever) and a
+        // huge sparse file (reading it whole would take 1 GiB).
+        fs::create_dir(dir.join("00000000000000000001-5.json")).unwrap();
+        let secret = dir.join("secret");
+        fs::write(&secret, b"{}").unwrap();
+        std::os::unix::fs::symlink(&secret, dir.join("00000000000000000002-5.json")).unwrap();
+        let fifo = CString::new(
+            dir.join("00000000000000000003-5.json")
+                .into_os_string()
+                .into_encoded_bytes(),
+        )
+        .unwrap();
+        // SAFETY: a plain mkfifo of a path we own.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        let huge = fs::File::create(dir.join("00000000000000000004-7.json")).unwrap();
+        huge.set_len(1 << 30).unwrap();
+        drop(huge);
+        let spool = spool(&dir, DEFAULT_MAX_BYTES * 2);
+        // Only the regular file is taken for a batch, and it is refused unread.
+        assert_eq!(spool.spans(), 7);
+        let error = spool.oldest().unwrap().err().unwrap();
+        assert_eq!(error.0, 7);
+        assert!(error.1.contains("more than a batch"), "{}", error.1);
+        assert!(spool.oldest().is_none());
         let _ = fs::remove_dir_all(&dir);
     }
 

@@ -29,6 +29,15 @@ pub fn exit_now(code: i32) -> ! {
     let _ = std::io::stderr().flush();
     // Everything the child needs, made before the fork (it may not allocate).
     let highest = highest_open_fd();
+    // Files, sockets, locks (the spool's): let go by the child at once, so that a
+    // lens-probe started right after ours finds them free. It keeps the kernel objects.
+    let plain: Vec<i32> = open_fds()
+        .into_iter()
+        .filter(|fd| {
+            std::fs::read_link(format!("/proc/self/fd/{fd}"))
+                .is_ok_and(|target| !target.to_string_lossy().starts_with("anon_inode:"))
+        })
+        .collect();
     let programs: Vec<CString> = [
         std::fs::read_link("/proc/self/exe").ok(),
         Some("/proc/self/exe".into()),
@@ -48,7 +57,7 @@ pub fn exit_now(code: i32) -> ! {
         if libc::fork() == 0 {
             libc::setsid();
             // Nothing to say: let go of the terminal and of pipes others read to EOF.
-            for fd in 0..3 {
+            for fd in (0..3).chain(plain.iter().copied()) {
                 libc::close(fd);
             }
             // Hold the descriptors until the parent is gone, so that its exit is not the
