@@ -3,6 +3,25 @@
 //! The data path reads top to bottom: [`probes`] (what to attach, where) → kernel events
 //! → [`events`] (decode) → [`sink`] consumers such as the [`summary`]. A [`session`]
 //! drives it for the processes in [`target`].
+/// `eprintln!` that never panics: with stderr closed (`lens-probe … 2>&1 | head`) tracing
+/// and exporting go on, and what cannot be printed is dropped.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+/// `eprint!` that never panics (see [`say!`]).
+#[macro_export]
+macro_rules! say_raw {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 pub mod attach_status;
 pub mod budget;
 pub mod discovery;

@@ -38,7 +38,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(Rejected::Invalid(line)) => {
-            eprintln!("lens-probe: {line}");
+            lens_probe::say!("lens-probe: {line}");
             return ExitCode::from(2);
         }
     };
@@ -51,7 +51,7 @@ fn main() -> ExitCode {
             // One line for people; anything longer (a kernel log) only with -vv.
             let text = error.to_string();
             let mut lines = text.lines();
-            eprintln!("lens-probe: {}", lines.next().unwrap_or_default());
+            lens_probe::say!("lens-probe: {}", lines.next().unwrap_or_default());
             let rest: Vec<&str> = lines.collect();
             if !rest.is_empty() {
                 log::debug!("{}", rest.join("\n"));
@@ -219,17 +219,17 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         stats
     });
 
-    eprint!("{}", summary.render(&report.losses));
-    eprint!("{}", lens_probe::spans::stragglers::render(&stragglers));
+    lens_probe::say_raw!("{}", summary.render(&report.losses));
+    lens_probe::say_raw!("{}", lens_probe::spans::stragglers::render(&stragglers));
     let late_attaches = session.late_attaches();
     if late_attaches > 0 {
-        eprintln!(
+        lens_probe::say!(
             "lens-probe: {late_attaches} library loads attached late (the guardian let their \
              process go on while lens-probe was held up): their first calls were not seen"
         );
     }
     if let Some(budget) = &report.budget {
-        eprintln!(
+        lens_probe::say!(
             "lens-probe: overhead budget {}%: launch probes cost an estimated {:.2}% \
              ({:.0} ns a hit), in for {:.1}% of the time, {} sampled windows",
             budget.budget_percent,
@@ -239,7 +239,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             budget.windows
         );
     }
-    eprint!("{}", own_cpu.render());
+    lens_probe::say_raw!("{}", own_cpu.render());
     if let Some(file) = summary_file {
         let mut json = summary.to_json(&report.losses);
         if let Some(object) = json.as_object_mut() {
@@ -283,7 +283,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         let json = serde_json::to_string_pretty(&json).expect("summary serialises");
         if let Err(error) = file.write_all((json + "\n").as_bytes()) {
             // The trace is done: the command's exit code still goes through.
-            eprintln!("lens-probe: {error}");
+            lens_probe::say!("lens-probe: {error}");
         }
     }
 
@@ -343,14 +343,14 @@ fn report_export(settings: &ExportSettings, stats: ExportStats) {
         _ => "the OTLP endpoint".to_string(),
     };
     if stats.lost() == 0 {
-        eprintln!("lens-probe: {} spans exported to {target}", stats.exported);
+        lens_probe::say!("lens-probe: {} spans exported to {target}", stats.exported);
     } else {
         let spool_full = if stats.spool_dropped > 0 {
             format!(", {} dropped from a full spool", stats.spool_dropped)
         } else {
             String::new()
         };
-        eprintln!(
+        lens_probe::say!(
             "lens-probe: {} spans exported to {target}; {} lost ({} queue full, {} export \
              failed{spool_full})",
             stats.exported,
@@ -360,7 +360,7 @@ fn report_export(settings: &ExportSettings, stats: ExportStats) {
         );
     }
     if let Some(spool) = &settings.spool {
-        eprintln!(
+        lens_probe::say!(
             "lens-probe: spool {}: {} spans kept there this run, {} sent from it, {} waiting \
              there for the next run",
             spool.dir.display(),

@@ -620,3 +620,49 @@ fn a_librarys_probes_go_in_as_one_link_per_program_or_as_perf_links_when_asked()
     }
     assert_eq!(summaries[0].1["calls"]["ncclGroupStart"], 3);
 }
+
+#[test]
+fn a_reader_that_stops_reading_does_not_stop_lens_probe() {
+    // `lens-probe … 2>&1 | head -2`: the pipe closes after two lines, while the job runs.
+    if !lens_tests::require_bpf("a_reader_that_stops_reading_does_not_stop_lens_probe") {
+        return;
+    }
+    use std::io::BufRead;
+    let summary =
+        std::env::temp_dir().join(format!("lens-closed-pipe-{}.json", std::process::id()));
+    let mut probe = lens_tests::lens_probe_command(LENS_PROBE)
+        .env("LENS_FAKE_SYNC_MS", "0")
+        .args(["--span-groups", "per_step", "--summary-json"])
+        .arg(&summary)
+        .args(["--exec", "--"])
+        .arg(lens_tests::torch_trainer())
+        .args(["20", "1", "2", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(probe.stderr.take().unwrap());
+    let mut line = String::new();
+    for _ in 0..2 {
+        line.clear();
+        err.read_line(&mut line).unwrap();
+    }
+    drop(err);
+    drop(probe.stdout.take());
+    let status = probe.wait().unwrap();
+    // It went on: the job's exit code, and its summary written in full.
+    assert_eq!(status.code(), Some(0), "{status:?}");
+    let text = std::fs::read_to_string(&summary).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    // Every one of the 20 backwards, most of them after the reader had gone.
+    let backwards: Vec<u64> = json["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["calls"].as_object().cloned().unwrap_or_default())
+        .filter(|(name, _)| name.contains("Engine7execute"))
+        .filter_map(|(_, count)| count.as_u64())
+        .collect();
+    assert_eq!(backwards, [20], "{text}");
+    let _ = std::fs::remove_file(&summary);
+}

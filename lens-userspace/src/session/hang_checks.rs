@@ -76,12 +76,12 @@ impl Session {
                 HangChange::Found(hang) => {
                     let report = hangs::HangReport::read(hang);
                     for line in report.console_lines() {
-                        eprintln!("{line}");
+                        crate::say!("{line}");
                     }
                     sink.on_hang(&report);
                 }
                 HangChange::Resolved(resolved) => {
-                    eprintln!("{}", resolved.console_line());
+                    crate::say!("{}", resolved.console_line());
                     sink.on_hang_resolved(&resolved);
                 }
             }

@@ -376,7 +376,7 @@ impl Session {
             links: traced_in().map(|a| a.kernel_links).sum(),
         };
         if let Some(line) = status.due(traced, std::time::Instant::now()) {
-            eprintln!("{line}");
+            crate::say!("{line}");
         }
     }
 

@@ -412,19 +412,32 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     const EXPECTED: &str = "expected a positive duration such as 30s, 5m or 1h";
     let text = text.trim();
     // A bare number means seconds.
-    if let Ok(seconds) = text.parse::<f64>() {
-        return match Duration::try_from_secs_f64(seconds) {
-            Ok(duration) if !duration.is_zero() => Ok(duration),
-            Err(_) if seconds > 0.0 => Err(format!("too long; {EXPECTED}")),
-            _ => Err(EXPECTED.into()),
-        };
+    let duration = if let Ok(seconds) = text.parse::<f64>() {
+        match Duration::try_from_secs_f64(seconds) {
+            Ok(duration) if !duration.is_zero() => duration,
+            Err(_) if seconds > 0.0 => return Err(format!("too long; {EXPECTED}")),
+            _ => return Err(EXPECTED.into()),
+        }
+    } else {
+        match humantime::parse_duration(text) {
+            Ok(duration) if !duration.is_zero() => duration,
+            Ok(_) => return Err(EXPECTED.into()),
+            Err(error) => return Err(format!("{error}; {EXPECTED}")),
+        }
+    };
+    // Deadlines are the clock now plus this: beyond what the clock can hold, a run would
+    // panic after its command started.
+    if duration > MAX_DURATION {
+        return Err(format!(
+            "longer than {} days; {EXPECTED}",
+            MAX_DURATION.as_secs() / 86_400
+        ));
     }
-    match humantime::parse_duration(text) {
-        Ok(duration) if !duration.is_zero() => Ok(duration),
-        Ok(_) => Err(EXPECTED.into()),
-        Err(error) => Err(format!("{error}; {EXPECTED}")),
-    }
+    Ok(duration)
 }
+
+/// The longest duration an option takes: ten years.
+pub const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 86_400);
 
 /// `--hang-timeout`: a duration, or 0 for off.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -656,6 +669,15 @@ mod tests {
             Err("too long; expected a positive duration such as 30s, 5m or 1h".into())
         );
         assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        // Fits a Duration but not the clock plus it: refused here, not a panic later.
+        for huge in ["9223372036854775807s", "9223372036854775807", "400000d"] {
+            let error = parse_duration(huge).unwrap_err();
+            assert!(
+                error.starts_with("longer than 3650 days"),
+                "{huge}: {error}"
+            );
+        }
+        assert!(parse_duration("3650d").is_ok());
     }
 
     #[test]
