@@ -608,11 +608,24 @@ fn resources_come_from_the_targets_environment_and_root() {
 
 #[test]
 fn sigterm_flushes_what_was_traced() {
-    let name = "sigterm_flushes_what_was_traced";
+    a_stop_signal_flushes_what_was_traced(libc::SIGTERM, "sigterm_flushes_what_was_traced");
+}
+
+#[test]
+fn sighup_flushes_what_was_traced_as_sigterm_does() {
+    // A closed terminal or ssh session: before, lens-probe died at once (exit 129), with
+    // nothing flushed and the job's exit code lost.
+    a_stop_signal_flushes_what_was_traced(
+        libc::SIGHUP,
+        "sighup_flushes_what_was_traced_as_sigterm_does",
+    );
+}
+
+fn a_stop_signal_flushes_what_was_traced(signal: i32, name: &str) {
     if !lens_tests::require_bpf(name) {
         return;
     }
-    let path = temp_path("sigterm.jsonl");
+    let path = temp_path(&format!("{name}.jsonl"));
     // Steps of ~0.2 s, many more than the run lasts; -v prints the events as they come,
     // so the signal goes once four steps have completed (their optimizer scopes ended).
     let mut child = Command::new(LENS_PROBE)
@@ -643,7 +656,7 @@ fn sigterm_flushes_what_was_traced() {
                 zero_grads += 1;
                 if zero_grads == 4 {
                     // SAFETY: plain kill(2) of our child.
-                    unsafe { libc::kill(pid, libc::SIGTERM) };
+                    unsafe { libc::kill(pid, signal) };
                 }
             }
             if !line.contains("] ") || !line.contains(" at=") {
@@ -656,7 +669,7 @@ fn sigterm_flushes_what_was_traced() {
     let status = child.wait().unwrap();
     let stderr = collected.join().unwrap();
     // The command got the signal too: lens-probe exits as it did.
-    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{stderr}");
+    assert_eq!(status.code(), Some(128 + signal), "{stderr}");
     let spans = file_spans(&path);
     let _ = std::fs::remove_file(&path);
     let steps = spans

@@ -43,7 +43,8 @@ impl Session {
         losses
     }
 
-    /// Pumps events into `sink` until every target exited, SIGINT/SIGTERM, or `limit`.
+    /// Pumps events into `sink` until every target exited, SIGINT/SIGTERM/SIGHUP, or
+    /// `limit`.
     pub async fn run(
         &mut self,
         sink: &mut dyn EventSink,
@@ -74,6 +75,7 @@ impl Session {
 
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sigterm = signal(SignalKind::terminate())?;
+        let mut sighup = signal(SignalKind::hangup())?;
         // Handlers in place: a stop signal held since start-up is delivered now.
         target::release_stop_signals();
         let deadline = limit.map(|limit| tokio::time::Instant::now() + limit);
@@ -150,6 +152,7 @@ impl Session {
                 }
                 _ = sigint.recv() => self.on_signal(libc::SIGINT, &mut stop, &mut grace_deadline),
                 _ = sigterm.recv() => self.on_signal(libc::SIGTERM, &mut stop, &mut grace_deadline),
+                _ = sighup.recv() => self.on_signal(libc::SIGHUP, &mut stop, &mut grace_deadline),
                 _ = until_deadline => {
                     stop = Some(StopReason::Duration);
                     break;
@@ -201,7 +204,7 @@ impl Session {
             .block_on(self.run(sink, limit))
     }
 
-    /// SIGINT/SIGTERM: pass it on to the children we started and give them a grace
+    /// SIGINT/SIGTERM/SIGHUP: pass it on to the children we started and give them a grace
     /// period to exit (their exit is then traced); processes we attached to are left alone.
     pub(super) fn on_signal(
         &mut self,

@@ -596,24 +596,30 @@ impl ExitStatus {
     }
 }
 
-/// SIGINT and SIGTERM, which lens-probe holds (blocked, so pending) from its start until
-/// its handlers are in place: stopping it mid-start-up must still flush and exit cleanly.
+/// The signals that stop lens-probe cleanly (flush, summary, the job's exit code): SIGINT,
+/// SIGTERM, and SIGHUP (a closed terminal or ssh session: its default would end lens-probe
+/// at once, with nothing flushed).
+pub const STOP_SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// [`STOP_SIGNALS`], which lens-probe holds (blocked, so pending) from its start until its
+/// handlers are in place: stopping it mid-start-up must still flush and exit cleanly.
 fn stop_signals() -> libc::sigset_t {
     // SAFETY: sigset operations on a local set.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
+        for signal in STOP_SIGNALS {
+            libc::sigaddset(&mut set, signal);
+        }
         set
     }
 }
 
-/// Set when SIGINT or SIGTERM arrives once the run loop's handlers are in (they take the
+/// Set when a stop signal arrives once the run loop's handlers are in (they take the
 /// signal; long synchronous work, attaching thousands of probes, looks here).
 static STOP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Whether SIGINT or SIGTERM came: pending (held during start-up) or taken by the run
+/// Whether a stop signal came: pending (held during start-up) or taken by the run
 /// loop's handlers. Work that can take long (attaching) stops early when it did.
 pub fn stop_requested() -> bool {
     if STOP_REQUESTED.load(std::sync::atomic::Ordering::Relaxed) {
@@ -623,15 +629,16 @@ pub fn stop_requested() -> bool {
     unsafe {
         let mut pending: libc::sigset_t = std::mem::zeroed();
         libc::sigpending(&mut pending) == 0
-            && (libc::sigismember(&pending, libc::SIGINT) == 1
-                || libc::sigismember(&pending, libc::SIGTERM) == 1)
+            && STOP_SIGNALS
+                .iter()
+                .any(|signal| libc::sigismember(&pending, *signal) == 1)
     }
 }
 
-/// Blocks SIGINT and SIGTERM in the calling thread and the threads it starts later; they
+/// Blocks the stop signals in the calling thread and the threads it starts later; they
 /// wait, pending, for [`release_stop_signals`]. Call first thing, before any thread.
 pub fn hold_stop_signals() {
-    for signal in [libc::SIGINT, libc::SIGTERM] {
+    for signal in STOP_SIGNALS {
         // SAFETY: the action only stores to an atomic (async-signal-safe); the run loop's
         // own handlers (tokio's, through the same registry) still run.
         let _ = unsafe {
