@@ -306,8 +306,9 @@ fn run(cli: Cli) -> Result<i32, LensError> {
 }
 
 /// Attaches every pid given. One that does not train (it maps none of the libraries:
-/// a notebook kernel, a monitoring agent) is one warning and skipped while another
-/// remains; with a single pid, or when none trains, its error is the run's.
+/// a notebook kernel, a monitoring agent) or is gone (a rank that ended between `pgrep`
+/// and now) is one warning and skipped while another remains; with a single pid, or
+/// when none could be attached, its error is the run's.
 fn attach_pids(session: &mut Session, pids: &[u32]) -> Result<(), LensError> {
     let mut unique: Vec<u32> = Vec::with_capacity(pids.len());
     for pid in pids {
@@ -321,9 +322,11 @@ fn attach_pids(session: &mut Session, pids: &[u32]) -> Result<(), LensError> {
         let result = privileges::check_target(pid).and_then(|()| session.attach_pid(pid));
         match result {
             Ok(()) => attached += 1,
-            Err(error @ (LensError::NoTracedLibraries { .. } | LensError::KernelThread { .. }))
-                if unique.len() > 1 =>
-            {
+            Err(
+                error @ (LensError::NoTracedLibraries { .. }
+                | LensError::KernelThread { .. }
+                | LensError::NoSuchProcess(_)),
+            ) if unique.len() > 1 => {
                 log::warn!("{error}: skipped");
                 last_error = Some(error);
             }

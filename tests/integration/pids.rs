@@ -85,6 +85,43 @@ fn several_pids_after_one_flag_trace_the_trainers_and_skip_an_idle_process() {
 }
 
 #[test]
+fn a_pid_gone_since_pgrep_is_skipped_and_the_others_traced() {
+    if !lens_tests::require_bpf("a_pid_gone_since_pgrep") {
+        return;
+    }
+    let mut alive = trainer(20);
+    // A rank that ended between `pgrep` and lens-probe's start: its pid, reaped.
+    let mut ended = Command::new("true").spawn().unwrap();
+    let gone = ended.id();
+    ended.wait().unwrap();
+    let json = std::env::temp_dir().join(format!("lens-pid-gone-{}.json", std::process::id()));
+    let output = Command::new(LENS_PROBE)
+        .args(["--span-groups", "per_step", "--summary-json"])
+        .arg(&json)
+        .args(["--duration", "20s", "--pid"])
+        .args([alive.id().to_string(), gone.to_string()])
+        .output()
+        .unwrap();
+    let err = stderr_text(&output);
+    assert!(alive.wait().unwrap().success());
+    assert_eq!(output.status.code(), Some(0), "{err}");
+    let warnings: Vec<&str> = err.lines().filter(|l| l.contains("skipped")).collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(warnings[0].contains(&format!("pid {gone}")), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let traced: Vec<u64> = summary["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["calls"]["ncclAllReduce"].as_u64() > Some(0))
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(traced, [u64::from(alive.id())], "{summary}");
+}
+
+#[test]
 fn only_pids_that_do_not_train_are_an_error() {
     if !lens_tests::require_bpf("only_pids_that_do_not_train") {
         return;
