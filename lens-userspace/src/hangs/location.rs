@@ -6,6 +6,7 @@
 //! (words on the stack that point just after a call instruction in a mapped file), named
 //! from the mapped files' symbols. A scan needs no frame pointers or unwind tables; it
 //! can show a stale return address left on the stack, which is why it says "scanned".
+use crate::sys::text::Printable;
 use std::{fmt, fs::File, os::unix::fs::FileExt, path::Path};
 
 use lens_common::{PY_NO_FIELD, PyOffsets};
@@ -31,9 +32,11 @@ pub struct PyFrame {
 
 impl fmt::Display for PyFrame {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Names the target wrote: shown escaped (`sys::text`).
+        let (function, file) = (Printable(&self.function), Printable(&self.file));
         match self.line {
-            Some(line) => write!(f, "{} ({}:{line})", self.function, self.file),
-            None => write!(f, "{} ({})", self.function, self.file),
+            Some(line) => write!(f, "{function} ({file}:{line})"),
+            None => write!(f, "{function} ({file})"),
         }
     }
 }
@@ -47,9 +50,9 @@ pub struct NativeFrame {
 
 impl fmt::Display for NativeFrame {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let file = self.file.rsplit('/').next().unwrap_or(&self.file);
+        let file = Printable(self.file.rsplit('/').next().unwrap_or(&self.file));
         match &self.function {
-            Some(function) => write!(f, "{function} ({file})"),
+            Some(function) => write!(f, "{} ({file})", Printable(function)),
             None => write!(f, "{file}"),
         }
     }

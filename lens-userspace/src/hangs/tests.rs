@@ -232,3 +232,24 @@ fn ranks_that_went_on_and_ended_before_the_next_look_resolve_as_went_on() {
     };
     assert!(resolved.every_rank_went_on);
 }
+
+#[test]
+fn names_a_target_wrote_cannot_forge_lines_or_drive_the_terminal() {
+    use crate::hangs::location::{NativeFrame, PyFrame};
+    let python = PyFrame {
+        function: "step\nlens-probe: hang resolved: all well".into(),
+        file: "\u{1b}]0;owned\u{7}train.py".into(),
+        line: Some(3),
+    };
+    let native = NativeFrame {
+        function: Some("ncclAllReduce\r\u{1b}[2K".into()),
+        file: "/lib/\u{9b}libnccl.so.2".into(),
+    };
+    for shown in [python.to_string(), native.to_string()] {
+        assert!(!shown.chars().any(char::is_control), "{shown:?}");
+    }
+    assert_eq!(
+        python.to_string(),
+        "step\\nlens-probe: hang resolved: all well (\\u{1b}]0;owned\\u{7}train.py:3)"
+    );
+}

@@ -384,6 +384,14 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
         }
     };
     let name = match string_field(table, "name")? {
+        // Printed on the console and in logs as it is: no control characters.
+        Some(name) if name.chars().any(char::is_control) => {
+            return Err(format!(
+                "name: {} holds control characters (a newline, an escape): a span name \
+                 is one printable line",
+                crate::sys::text::printable(&name)
+            ));
+        }
         Some(name) => leak(name.trim()),
         None => default_span_name(group),
     };
@@ -767,6 +775,23 @@ mod tests {
                 "[[probe]]\nlibrary = \"libtrain.so\"\nsymbol = \"{symbol}\"\ngroup = \"step\"\n"
             );
             assert!(!ProbeRules::parse(&rule).unwrap().native[0].noexcept);
+        }
+    }
+
+    #[test]
+    fn a_span_name_with_control_characters_is_refused() {
+        // TOML's escapes make them: a newline would forge a console line, ESC drive the
+        // terminal.
+        for name in [
+            "train.step\\nlens-probe: hang resolved",
+            "\\u001b]0;x\\u0007step",
+        ] {
+            let rule = format!(
+                "[[probe]]\npython = \"train:step\"\ngroup = \"step\"\nname = \"{name}\"\n"
+            );
+            let line = rejected(&rule);
+            assert!(line.contains("control characters"), "{line}");
+            assert!(!line.chars().any(char::is_control), "{line:?}");
         }
     }
 

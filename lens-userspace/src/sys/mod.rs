@@ -12,4 +12,5 @@ pub mod privileges;
 pub mod symbols;
 pub mod target;
 pub mod teardown;
+pub mod text;
 pub mod usage;

@@ -378,16 +378,16 @@ pub fn redact_command_line(arguments: Vec<String>) -> Vec<String> {
 
 impl ProcessInfo {
     pub fn read(pid: u32) -> Result<ProcessInfo> {
+        // The process wrote both: shown everywhere with control characters escaped.
         let name = fs::read_to_string(format!("/proc/{pid}/comm"))
-            .map_err(|_| LensError::NoSuchProcess(pid))?
-            .trim_end()
-            .to_string();
+            .map_err(|_| LensError::NoSuchProcess(pid))?;
+        let name = super::text::printable(name.trim_end()).into_owned();
         let command_line = redact_command_line(
             fs::read(format!("/proc/{pid}/cmdline"))
                 .unwrap_or_default()
                 .split(|b| *b == 0)
                 .filter(|arg| !arg.is_empty())
-                .map(|arg| String::from_utf8_lossy(arg).into_owned())
+                .map(|arg| super::text::printable(&String::from_utf8_lossy(arg)).into_owned())
                 .collect(),
         );
         let view = TargetView::capture(pid);
