@@ -389,7 +389,7 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
             return Err(format!(
                 "name: {} holds control characters (a newline, an escape): a span name \
                  is one printable line",
-                crate::sys::text::printable(&name)
+                crate::sys::text::printable(name)
             ));
         }
         Some(name) => leak(name.trim()),
