@@ -21,7 +21,7 @@ use lens_probe::{
     sys::{
         output::OutputFile,
         privileges,
-        target::{self, ExitStatus},
+        target::{self},
         teardown,
     },
 };
@@ -134,6 +134,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     })?));
     session.set_export_strategy(export.strategy);
     session.set_hang_timeout(cli.hang_timeout.0);
+    session.set_stop_grace(cli.stop_grace);
     session.set_rules(rules.clone());
     if let Some(guardian) = guardian {
         session.set_guardian(guardian);
@@ -294,13 +295,21 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     };
     let exit = match report.child_exit {
         Some(exit) => exit,
-        // Tracing stopped (--duration, or the command is a rank that does not export)
-        // while the command runs on: wait for it untraced.
-        None if !matches!(report.stop, StopReason::Signal(_)) => wait_blocking(child),
-        None => match report.stop {
-            StopReason::Signal(signal) => ExitStatus::Signaled(signal),
-            _ => ExitStatus::Unknown,
-        },
+        // Tracing stopped (--duration, a stop signal passed on to the command and its
+        // --stop-grace over, or the command is a rank that does not export) while the
+        // command runs on: wait for it untraced, passing on any further stop signal, and
+        // end with its code (it is never left orphaned).
+        None => {
+            if let StopReason::Signal(_) = report.stop {
+                lens_probe::say!(
+                    "lens-probe: the command is still running {} s after the signal passed on \
+                     to it: tracing stopped, waiting for it (another Ctrl-C or SIGTERM is passed \
+                     on too)",
+                    cli.stop_grace.as_secs_f64()
+                );
+            }
+            target::wait_forwarding_stops(child)
+        }
     };
     Ok(exit.shell_code())
 }
@@ -371,14 +380,5 @@ fn report_export(settings: &ExportSettings, stats: ExportStats) {
             stats.replayed,
             stats.left_in_spool
         );
-    }
-}
-
-fn wait_blocking(pid: u32) -> ExitStatus {
-    loop {
-        if let Some(status) = target::try_wait_child(pid) {
-            return status;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }

@@ -666,3 +666,32 @@ fn a_reader_that_stops_reading_does_not_stop_lens_probe() {
     assert_eq!(backwards, [20], "{text}");
     let _ = std::fs::remove_file(&summary);
 }
+
+#[test]
+fn a_command_slow_to_stop_is_waited_for_and_its_exit_code_returned() {
+    if !lens_tests::require_bpf("a_command_slow_to_stop_is_waited_for") {
+        return;
+    }
+    use std::io::BufRead;
+    // A job that takes 3 s to shut down on SIGTERM, then exits 3: longer than the grace.
+    let mut probe = lens_tests::lens_probe_command(LENS_PROBE)
+        .args(["--stop-grace", "1s", "--exec", "--", "sh", "-c"])
+        .arg("trap 'sleep 3; exit 3' TERM; echo trapped >&2; while :; do sleep 0.1; done")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(probe.stderr.take().unwrap());
+    let mut text = String::new();
+    // The command runs, traced, with its trap set.
+    while !text.contains("trapped") {
+        assert_ne!(err.read_line(&mut text).unwrap(), 0, "{text}");
+    }
+    // SAFETY: our own child.
+    unsafe { libc::kill(probe.id() as i32, libc::SIGTERM) };
+    std::io::Read::read_to_string(&mut err, &mut text).unwrap();
+    let status = probe.wait().unwrap();
+    // Waited for, not orphaned: its own exit code (before: 143 after 5 s, the job left
+    // running).
+    assert_eq!(status.code(), Some(3), "{text}");
+    assert!(text.contains("waiting for it"), "{text}");
+}

@@ -19,9 +19,7 @@ use crate::{
     sys::target::{self, ExitStatus},
 };
 
-use super::{
-    CALL_COUNTS_INTERVAL, CHILD_EXIT_GRACE, DRAIN_INTERVAL, RunReport, Session, StopReason,
-};
+use super::{CALL_COUNTS_INTERVAL, DRAIN_INTERVAL, RunReport, Session, StopReason};
 
 impl Session {
     pub(super) fn losses(&self) -> Losses {
@@ -228,7 +226,7 @@ impl Session {
             target::resume(*pid);
         }
         if !children.is_empty() {
-            *grace_deadline = Some(tokio::time::Instant::now() + CHILD_EXIT_GRACE);
+            *grace_deadline = Some(tokio::time::Instant::now() + self.stop_grace);
         }
     }
 }

@@ -68,7 +68,7 @@ pub(crate) const DRAIN_INTERVAL: Duration = Duration::from_millis(50);
 const CALL_COUNTS_INTERVAL: Duration = Duration::from_secs(5);
 
 /// After a signal, how long the children we started get to exit before we give up.
-const CHILD_EXIT_GRACE: Duration = Duration::from_secs(5);
+pub const CHILD_EXIT_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Clone, Debug, Default)]
 pub struct TraceOptions {
@@ -188,6 +188,9 @@ pub struct Session {
     /// Collectives counted per communicator, for hang reports (`--hang-timeout`) and the
     /// gloo collectives' communicator and number.
     hangs: HangWatcher,
+    /// `--stop-grace`: how long a command we started is traced on after a stop signal was
+    /// passed on to it.
+    stop_grace: Duration,
 }
 
 impl Session {
@@ -265,6 +268,7 @@ impl Session {
             // (off, the launch probes skip that map update).
             kernels: kernel_names.then(KernelCounters::default),
             hangs: HangWatcher::new(None),
+            stop_grace: CHILD_EXIT_GRACE,
         })
     }
 
@@ -280,6 +284,12 @@ impl Session {
     /// `--hang-timeout`: report collectives hung this long (`None`: never).
     pub fn set_hang_timeout(&mut self, timeout: Option<Duration>) {
         self.hangs = HangWatcher::new(timeout);
+    }
+
+    /// `--stop-grace`: after a stop signal, how long the commands lens-probe started are
+    /// traced on (their exit then seen) before tracing stops.
+    pub fn set_stop_grace(&mut self, grace: Duration) {
+        self.stop_grace = grace;
     }
 
     /// Tells `guardian` about every target from now on.

@@ -148,6 +148,18 @@ pub struct Cli {
           value_parser = parse_duration)]
     pub duration: Option<Duration>,
 
+    /// With --exec: after SIGINT, SIGTERM or SIGHUP (passed on to the command), trace the
+    /// command on for this long; then stop tracing, flush, and wait for it untraced (further
+    /// signals passed on too), ending with its exit code
+    #[arg(
+        long,
+        value_name = "DURATION",
+        env = "LENS_PROBE_STOP_GRACE",
+        default_value = "5s",
+        value_parser = parse_duration
+    )]
+    pub stop_grace: Duration,
+
     /// Report a collective some traced ranks entered and others did not (or that none
     /// finished) for this long, with where each rank is; 0 turns it off.
     #[arg(

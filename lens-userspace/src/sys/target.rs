@@ -619,6 +619,31 @@ fn stop_signals() -> libc::sigset_t {
 /// signal; long synchronous work, attaching thousands of probes, looks here).
 static STOP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// The last stop signal taken, and how many were: after tracing stopped, lens-probe waits
+/// for the command it started and passes each new one on ([`wait_forwarding_stops`]).
+static LAST_STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+static STOP_SIGNALS_SEEN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Waits for our child `pid` to exit, untraced, passing on to it every stop signal that
+/// lens-probe takes meanwhile (a command that needs two Ctrl-C gets them), and returns
+/// how it ended.
+pub fn wait_forwarding_stops(pid: u32) -> ExitStatus {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut seen = STOP_SIGNALS_SEEN.load(Relaxed);
+    loop {
+        if let Some(status) = try_wait_child(pid) {
+            return status;
+        }
+        let now = STOP_SIGNALS_SEEN.load(Relaxed);
+        if now != seen {
+            seen = now;
+            // SAFETY: plain kill(2) of our own child, not yet reaped.
+            unsafe { libc::kill(pid as libc::pid_t, LAST_STOP_SIGNAL.load(Relaxed)) };
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// Whether a stop signal came: pending (held during start-up) or taken by the run
 /// loop's handlers. Work that can take long (attaching) stops early when it did.
 pub fn stop_requested() -> bool {
@@ -639,11 +664,14 @@ pub fn stop_requested() -> bool {
 /// wait, pending, for [`release_stop_signals`]. Call first thing, before any thread.
 pub fn hold_stop_signals() {
     for signal in STOP_SIGNALS {
-        // SAFETY: the action only stores to an atomic (async-signal-safe); the run loop's
+        // SAFETY: the action only stores to atomics (async-signal-safe); the run loop's
         // own handlers (tokio's, through the same registry) still run.
         let _ = unsafe {
-            signal_hook_registry::register(signal, || {
-                STOP_REQUESTED.store(true, std::sync::atomic::Ordering::Relaxed)
+            signal_hook_registry::register(signal, move || {
+                use std::sync::atomic::Ordering::Relaxed;
+                STOP_REQUESTED.store(true, Relaxed);
+                LAST_STOP_SIGNAL.store(signal, Relaxed);
+                STOP_SIGNALS_SEEN.fetch_add(1, Relaxed);
             })
         };
     }
