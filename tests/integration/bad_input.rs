@@ -887,6 +887,8 @@ proptest! {
     fn durations_never_panic(text in prop_oneof![any::<String>(), "[-+0-9.e]{1,12}[a-z]{0,3}"]) {
         if let Ok(duration) = cli::parse_duration(&text) {
             prop_assert!(!duration.is_zero());
+            // A deadline of the clock plus it can be represented.
+            prop_assert!(duration <= cli::MAX_DURATION);
         }
     }
 
@@ -898,7 +900,7 @@ proptest! {
                 prop_assert!((duration.as_secs_f64() - seconds).abs() <= seconds * 1e-9 + 1e-9);
             }
             Err(reason) => prop_assert!(
-                !(1e-9..=1e18).contains(&seconds),
+                !(1e-9..=cli::MAX_DURATION.as_secs_f64()).contains(&seconds),
                 "{} rejected: {}", seconds, reason
             ),
         }
@@ -906,8 +908,14 @@ proptest! {
 
     #[test]
     fn durations_with_units_round_trip(n in 1u64..1_000_000, unit in select(vec![("s", 1u64), ("m", 60), ("h", 3600)])) {
-        let duration = cli::parse_duration(&format!("{n}{}", unit.0)).unwrap();
-        prop_assert_eq!(duration.as_secs(), n * unit.1);
+        match cli::parse_duration(&format!("{n}{}", unit.0)) {
+            Ok(duration) => prop_assert_eq!(duration.as_secs(), n * unit.1),
+            // Past ten years: refused by name, never wrapped or shortened.
+            Err(reason) => {
+                prop_assert!(n * unit.1 > cli::MAX_DURATION.as_secs(), "{}", reason);
+                prop_assert!(reason.starts_with("longer than 3650 days"), "{}", reason);
+            }
+        }
     }
 
     #[test]
