@@ -148,7 +148,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     let summary_file = cli
         .summary_json
         .as_deref()
-        .map(|path| OutputFile::create("--summary-json", path))
+        .map(|path| OutputFile::create_replacing("--summary-json", path))
         .transpose()?;
     let child = if cli.node {
         let running = session.watch_node(NodeFilter {

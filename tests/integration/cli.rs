@@ -695,3 +695,26 @@ fn a_command_slow_to_stop_is_waited_for_and_its_exit_code_returned() {
     assert_eq!(status.code(), Some(3), "{text}");
     assert!(text.contains("waiting for it"), "{text}");
 }
+
+#[test]
+fn a_run_that_fails_at_start_leaves_an_earlier_summary_as_it_was() {
+    let dir = std::env::temp_dir().join(format!("lens-summary-kept-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let summary = dir.join("summary.json");
+    std::fs::write(&summary, "{\"earlier\": 1}\n").unwrap();
+    let output = lens_tests::lens_probe_command(LENS_PROBE)
+        .arg("--summary-json")
+        .arg(&summary)
+        .args(["--exec", "--", "/nonexistent/train"])
+        .output()
+        .unwrap();
+    assert_ne!(output.status.code(), Some(0), "{}", stderr(&output));
+    // Not truncated, and nothing of the failed run's left beside it.
+    assert_eq!(
+        std::fs::read_to_string(&summary).unwrap(),
+        "{\"earlier\": 1}\n"
+    );
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -26,6 +26,21 @@ fn trainer(steps: u32) -> Child {
         .unwrap()
 }
 
+/// The pids whose `ncclAllReduce` calls the `--summary-json` at `json` counts (the file
+/// is removed).
+fn pids_that_all_reduced(json: &std::path::Path) -> Vec<u64> {
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(json);
+    summary["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["calls"]["ncclAllReduce"].as_u64() > Some(0))
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect()
+}
+
 #[test]
 fn several_pids_after_one_flag_trace_the_trainers_and_skip_an_idle_process() {
     if !lens_tests::require_bpf("several_pids_after_one_flag") {
@@ -70,17 +85,8 @@ fn several_pids_after_one_flag_trace_the_trainers_and_skip_an_idle_process() {
         warnings[0].contains(&format!("process {} (python", idle.id())),
         "{err}"
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&json);
-    let traced: Vec<u64> = summary["processes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["calls"]["ncclAllReduce"].as_u64() > Some(0))
-        .map(|p| p["pid"].as_u64().unwrap())
-        .collect();
-    assert_eq!(traced.len(), 2, "{summary}");
+    let traced = pids_that_all_reduced(&json);
+    assert_eq!(traced.len(), 2, "{traced:?}");
     assert!(traced.contains(&first.id().into()) && traced.contains(&second.id().into()));
 }
 
@@ -108,17 +114,7 @@ fn a_pid_gone_since_pgrep_is_skipped_and_the_others_traced() {
     let warnings: Vec<&str> = err.lines().filter(|l| l.contains("skipped")).collect();
     assert_eq!(warnings.len(), 1, "{err}");
     assert!(warnings[0].contains(&format!("pid {gone}")), "{err}");
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&json);
-    let traced: Vec<u64> = summary["processes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["calls"]["ncclAllReduce"].as_u64() > Some(0))
-        .map(|p| p["pid"].as_u64().unwrap())
-        .collect();
-    assert_eq!(traced, [u64::from(alive.id())], "{summary}");
+    assert_eq!(pids_that_all_reduced(&json), [u64::from(alive.id())]);
 }
 
 #[test]

@@ -350,6 +350,9 @@ pub fn check_output_file(path: &Path) -> Result<(), String> {
     if path.as_os_str().is_empty() {
         return Err(format!("empty path; {EXPECTED}"));
     }
+    if crate::sys::output::is_standard_stream(path) {
+        return Ok(());
+    }
     if std::fs::symlink_metadata(path).is_ok_and(|meta| meta.file_type().is_symlink()) {
         // Root writing through a link in a shared directory could overwrite any file.
         return Err(format!(

@@ -18,17 +18,68 @@ pub struct OutputFile {
     flag: &'static str,
     path: PathBuf,
     file: File,
+    /// Written beside `path` and renamed over it once whole ([`OutputFile::create_replacing`]);
+    /// removed if never written.
+    partial: Option<PathBuf>,
 }
 
 impl OutputFile {
     /// Creates (or truncates) `path` for `flag`: a regular file or a character device
     /// (`/dev/null`, `/dev/stdout`), never a symbolic link or a FIFO.
     pub fn create(flag: &'static str, path: &Path) -> Result<OutputFile, LensError> {
-        let file = open(path).map_err(|reason| output_error(flag, path, reason))?;
+        let file = match standard_stream(path) {
+            Some(stream) => stream,
+            None => open(path),
+        }
+        .map_err(|reason| output_error(flag, path, reason))?;
         Ok(OutputFile {
             flag,
             path: path.to_path_buf(),
             file,
+            partial: None,
+        })
+    }
+
+    /// For a file written once, at the end (`--summary-json`): created now as a hidden
+    /// file beside `path` (so that a directory lens-probe may not write to fails at
+    /// start), and renamed over `path` once written whole. A run that fails, or a crash,
+    /// leaves an earlier file at `path` as it was, never truncated or half written. A
+    /// character device (`/dev/stdout`, `/dev/null`) is written in place; a symbolic link
+    /// at `path` is refused as by [`OutputFile::create`].
+    pub fn create_replacing(flag: &'static str, path: &Path) -> Result<OutputFile, LensError> {
+        use std::os::unix::fs::FileTypeExt;
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) if meta.file_type().is_char_device() => return Self::create(flag, path),
+            Ok(meta) if meta.file_type().is_symlink() => return Self::create(flag, path),
+            Ok(meta) if !meta.is_file() => {
+                return Err(output_error(
+                    flag,
+                    path,
+                    "is neither a regular file nor a device: give a regular file".into(),
+                ));
+            }
+            _ => {}
+        }
+        let name = path
+            .file_name()
+            .ok_or_else(|| output_error(flag, path, "names no file".into()))?;
+        let partial = path.with_file_name(format!(
+            ".{}.{}.partial",
+            name.to_string_lossy(),
+            std::process::id()
+        ));
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&partial)
+            .map_err(|error| output_error(flag, path, error.to_string()))?;
+        Ok(OutputFile {
+            flag,
+            path: path.to_path_buf(),
+            file,
+            partial: Some(partial),
         })
     }
 
@@ -38,12 +89,36 @@ impl OutputFile {
         self.file
             .write_all(bytes)
             .and_then(|()| self.file.flush())
-            .map_err(|error| output_error(self.flag, &self.path, error.to_string()))
+            .and_then(|()| match &self.partial {
+                // Whole: in place of the old one at once (a rename does not follow a
+                // link put at `path` meanwhile, it replaces it).
+                Some(partial) => std::fs::rename(partial, &self.path),
+                None => Ok(()),
+            })
+            .map_err(|error| output_error(self.flag, &self.path, error.to_string()))?;
+        self.partial = None;
+        Ok(())
     }
 
     /// The open file, for a writer of its own (the OTLP file exporter).
     pub fn into_file(self) -> File {
-        self.file
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped nor used again: each owned field is moved out
+        // exactly once (the file returned, the paths dropped here).
+        unsafe {
+            drop(std::ptr::read(&this.path));
+            drop(std::ptr::read(&this.partial));
+            std::ptr::read(&this.file)
+        }
+    }
+}
+
+impl Drop for OutputFile {
+    fn drop(&mut self) {
+        // Never written whole: the old file stays, the partial one goes.
+        if let Some(partial) = self.partial.take() {
+            let _ = std::fs::remove_file(partial);
+        }
     }
 }
 
@@ -53,6 +128,25 @@ fn output_error(flag: &'static str, path: &Path, reason: String) -> LensError {
         path: path.to_path_buf(),
         reason,
     }
+}
+
+/// `/dev/stdout` and `/dev/stderr`, named so: lens-probe's own output streams. They are
+/// links (to `/proc/self/fd/N`), which no other output path may be: these two are taken
+/// by name and written through a copy of the descriptor, never by following the link.
+pub fn is_standard_stream(path: &Path) -> bool {
+    path == Path::new("/dev/stdout") || path == Path::new("/dev/stderr")
+}
+
+fn standard_stream(path: &Path) -> Option<Result<File, String>> {
+    use std::os::fd::AsFd;
+    let copy = if path == Path::new("/dev/stdout") {
+        io::stdout().as_fd().try_clone_to_owned()
+    } else if path == Path::new("/dev/stderr") {
+        io::stderr().as_fd().try_clone_to_owned()
+    } else {
+        return None;
+    };
+    Some(copy.map(File::from).map_err(|e| e.to_string()))
 }
 
 fn open(path: &Path) -> Result<File, String> {
@@ -123,6 +217,51 @@ mod tests {
         assert!(error.contains("symbolic link"), "{error}");
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep me");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_file_written_at_the_end_replaces_the_old_one_only_once_whole() {
+        let dir = scratch("replacing");
+        let path = dir.join("summary.json");
+        std::fs::write(&path, "earlier run").unwrap();
+        // A run that fails before writing: the earlier file as it was, nothing else left.
+        let file = OutputFile::create_replacing("--summary-json", &path).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "earlier run");
+        drop(file);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "earlier run");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        // One that writes: the new content whole, no partial file left.
+        let file = OutputFile::create_replacing("--summary-json", &path).unwrap();
+        file.write_all(b"{\"new\": true}\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"new\": true}\n");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        // A device is written in place; a link is refused.
+        OutputFile::create_replacing("--summary-json", Path::new("/dev/null"))
+            .unwrap()
+            .write_all(b"{}")
+            .unwrap();
+        let link = dir.join("link.json");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        let error = OutputFile::create_replacing("--summary-json", &link).unwrap_err();
+        assert!(error.to_string().contains("symbolic link"), "{error}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn dev_stdout_and_dev_stderr_are_lens_probes_own_streams() {
+        // Links, but taken by name: written through a copy of the descriptor.
+        for path in ["/dev/stdout", "/dev/stderr"] {
+            assert!(is_standard_stream(Path::new(path)));
+            assert_eq!(
+                crate::settings::cli::check_output_file(Path::new(path)),
+                Ok(())
+            );
+            OutputFile::create("--export-file", Path::new(path))
+                .unwrap()
+                .write_all(b"")
+                .unwrap();
+        }
+        assert!(!is_standard_stream(Path::new("/proc/self/fd/1")));
     }
 
     #[test]

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value as Json;
 
 use super::fake::summary_process;
+use super::per_kind::parse_loop_time;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Section, fmt_count, fmt_duration, median};
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
@@ -93,16 +94,6 @@ fn parse_started(line: &str) -> Option<u32> {
         .strip_prefix("hammer: started pid ")?
         .parse()
         .ok()
-}
-
-/// `hammer: launch N calls in T ns` → seconds.
-fn parse_loop_time(line: &str) -> Option<f64> {
-    let (_, time) = line
-        .trim()
-        .strip_prefix("hammer: ")?
-        .split_once(" calls in ")?;
-    let ns: u64 = time.strip_suffix(" ns")?.parse().ok()?;
-    Some(ns as f64 / 1e9)
 }
 
 fn run(
@@ -258,9 +249,5 @@ mod tests {
     fn hammer_lines() {
         assert_eq!(parse_started("hammer: started pid 4242\n"), Some(4242));
         assert_eq!(parse_started("hammer: launch 5 calls in 10 ns"), None);
-        assert_eq!(
-            parse_loop_time("hammer: launch 100 calls in 2500000000 ns"),
-            Some(2.5)
-        );
     }
 }

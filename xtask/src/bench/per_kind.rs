@@ -137,7 +137,7 @@ impl Variant {
 const WRAPPER: &str = r#"T="$0"; "$T" "$1" 1 >/dev/null || exit 1; "$T" "$1" "$2""#;
 
 /// `hammer: KIND N calls in T ns` → seconds.
-fn parse_loop_time(line: &str) -> Option<f64> {
+pub(super) fn parse_loop_time(line: &str) -> Option<f64> {
     let rest = line.trim().strip_prefix("hammer: ")?;
     let (_, time) = rest.split_once(" calls in ")?;
     let ns: u64 = time.strip_suffix(" ns")?.parse().ok()?;
