@@ -832,12 +832,19 @@ struct SlowCollectorLog {
     refused: u64,
     /// Requests whose body was gzipped.
     gzipped: u64,
+    /// Requests answered 400 (a span named as the collector refuses).
+    malformed: u64,
 }
 
 /// An OTLP/HTTP collector that answers each trace request after `delay` (a busy but
 /// healthy backend), and, with `refuse_first`, the first one with `503` and
-/// `Retry-After: 1`.
-fn slow_collector(delay: Duration, refuse_first: bool) -> (u16, Arc<Mutex<SlowCollectorLog>>) {
+/// `Retry-After: 1`; a request holding a span whose name starts with `malformed` is
+/// answered `400 Bad Request`, as a collector answers one it cannot take.
+fn slow_collector(
+    delay: Duration,
+    refuse_first: bool,
+    malformed: Option<&'static str>,
+) -> (u16, Arc<Mutex<SlowCollectorLog>>) {
     use std::io::{BufRead, BufReader, Read, Write};
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -899,6 +906,20 @@ fn slow_collector(delay: Duration, refuse_first: bool) -> (u16, Arc<Mutex<SlowCo
                         .flat_map(|r| &r.scope_spans)
                         .map(|s| s.spans.len())
                         .sum();
+                    let refused = malformed.is_some_and(|prefix| {
+                        request
+                            .resource_spans
+                            .iter()
+                            .flat_map(|r| &r.scope_spans)
+                            .flat_map(|s| &s.spans)
+                            .any(|span| span.name.starts_with(prefix))
+                    });
+                    if refused {
+                        log.lock().unwrap().malformed += 1;
+                        let _ = stream
+                            .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+                        continue;
+                    }
                     {
                         let mut log = log.lock().unwrap();
                         log.spans += spans as u64;
@@ -924,7 +945,7 @@ fn a_slow_collector_loses_nothing_and_busy_answers_are_retried() {
     // Every answer takes 3 s (under the 10 s export timeout): exports overlap instead
     // of waiting for each other. The first answer is 503 + Retry-After: the batch is
     // sent again, not lost. Bodies are gzipped, as the standard variable asks.
-    let (port, log) = slow_collector(Duration::from_secs(3), true);
+    let (port, log) = slow_collector(Duration::from_secs(3), true, None);
     let output = Command::new(LENS_PROBE)
         .env(
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
@@ -1064,7 +1085,7 @@ fn a_collector_down_then_back_gets_every_span_from_the_spool() {
     assert_eq!((sent, waiting), (0, kept), "{stderr}");
     // Run 2 (a new lens-probe, as after a restart): the collector answers. What run 1
     // left is sent first, then this run's own spans; the spool ends empty.
-    let (port, log) = slow_collector(Duration::ZERO, false);
+    let (port, log) = slow_collector(Duration::ZERO, false, None);
     let (stderr, code) = traced_to_port_with_spool(port, &spool, 20);
     assert_eq!(code, 0, "{stderr}");
     let exported = exported_count(&stderr);
@@ -1078,5 +1099,52 @@ fn a_collector_down_then_back_gets_every_span_from_the_spool() {
         .filter(|name| name.to_string_lossy().ends_with(".json"))
         .collect();
     assert!(left.is_empty(), "batches left in the spool: {left:?}");
+    let _ = std::fs::remove_dir_all(&spool);
+}
+
+#[test]
+fn a_spooled_batch_the_collector_refuses_as_malformed_does_not_hold_up_the_rest() {
+    let name = "a_spooled_batch_refused_as_malformed";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let spool = temp_path("spool-malformed");
+    let _ = std::fs::remove_dir_all(&spool);
+    // The collector down: the run's batches wait in the spool.
+    let (stderr, code) = traced_to_port_with_spool(lens_tests::free_port(), &spool, 200);
+    assert_eq!(code, 0, "{stderr}");
+    let (kept, _, waiting) = spool_line(&stderr);
+    assert!(kept > 0 && waiting == kept, "{stderr}");
+    // The oldest batch made one the collector will refuse at every try.
+    let mut batches: Vec<PathBuf> = std::fs::read_dir(&spool)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    batches.sort();
+    let oldest = &batches[0];
+    let poisoned: u64 = oldest
+        .file_stem()
+        .and_then(|s| s.to_str()?.split_once('-')?.1.parse().ok())
+        .unwrap();
+    let text = std::fs::read_to_string(oldest).unwrap();
+    assert!(text.contains("\"train."), "{text}");
+    std::fs::write(oldest, text.replace("\"train.", "\"malformed.")).unwrap();
+    // Back, refusing that batch: it is dropped and counted, every other one sent.
+    let (port, log) = slow_collector(Duration::ZERO, false, Some("malformed."));
+    let (stderr, code) = traced_to_port_with_spool(port, &spool, 20);
+    assert_eq!(code, 0, "{stderr}");
+    let (_, sent, waiting) = spool_line(&stderr);
+    assert_eq!((sent, waiting), (kept - poisoned, 0), "{stderr}");
+    assert!(
+        stderr.contains("refused a spooled batch as malformed")
+            && stderr.contains(&format!("its {poisoned} spans are dropped")),
+        "{stderr}"
+    );
+    assert_eq!(
+        log.lock().unwrap().malformed,
+        1,
+        "refused once, not retried"
+    );
     let _ = std::fs::remove_dir_all(&spool);
 }

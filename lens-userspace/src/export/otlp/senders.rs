@@ -76,6 +76,19 @@ pub(super) struct SpanExporters {
 pub(super) const REPLAY_AFTER: Duration = Duration::from_secs(2);
 
 /// Exports `batch` with one of the pool's exporters, within the export timeout.
+/// Whether the collector refused a batch as malformed (OTLP/HTTP 400 Bad Request or 413
+/// Content Too Large, gRPC `InvalidArgument`): a batch it will refuse at every try, unlike
+/// a collector that is down, busy or refusing everything (401, 403, 503: the spool waits
+/// those out).
+fn refused_as_malformed(error: &str) -> bool {
+    let http = error
+        .split("status code: ")
+        .nth(1)
+        .and_then(|rest| rest.get(..3))
+        .and_then(|code| code.parse::<u16>().ok());
+    matches!(http, Some(400 | 413)) || error.contains("gRPC code: InvalidArgument")
+}
+
 async fn export_batch(
     exporter: &mut opentelemetry_otlp::SpanExporter,
     resource: &Resource,
@@ -153,6 +166,8 @@ impl SpanExporters {
             // Kept for the spool in case the export fails.
             let copy = spool.as_ref().map(|_| batch.clone());
             let result = match export_batch(&mut exporter, &resource, batch, &counters).await {
+                // Sent again it would be refused again: lost, not spooled.
+                Err(error) if refused_as_malformed(&error) => Err(error),
                 Err(error) if let (Some(spool), Some(copy)) = (&spool, copy) => {
                     spool_batch(spool, &resource, &copy, &error, &counters)
                         .map(|()| None)
@@ -213,11 +228,24 @@ impl SpanExporters {
                 let spans = batch.spans.len() as u64;
                 let sent =
                     export_batch(&mut exporter, &batch.resource, batch.spans, &counters).await;
-                if sent.is_err() {
-                    if let Ok(mut at) = failed_at.lock() {
-                        *at = Some(Instant::now());
+                match sent {
+                    Ok(()) => {}
+                    // Refused again at every try: it would hold up every batch behind it.
+                    Err(error) if refused_as_malformed(&error) => {
+                        spool.sent(batch.sequence);
+                        counters.spool_dropped.fetch_add(spans, Ordering::Relaxed);
+                        warn!(
+                            "the collector refused a spooled batch as malformed ({error}): its \
+                             {spans} spans are dropped and counted lost; the spool goes on"
+                        );
+                        continue;
                     }
-                    break;
+                    Err(_) => {
+                        if let Ok(mut at) = failed_at.lock() {
+                            *at = Some(Instant::now());
+                        }
+                        break;
+                    }
                 }
                 spool.sent(batch.sequence);
                 counters.exported.fetch_add(spans, Ordering::Relaxed);
@@ -363,4 +391,30 @@ pub(super) fn write_json_line(
     writeln!(out, "{line}")
         .and_then(|()| out.flush())
         .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refused_as_malformed;
+
+    #[test]
+    fn only_what_the_collector_will_always_refuse_is_malformed() {
+        for refused in [
+            "Operation failed: HTTP export failed with status code: 400",
+            "HTTP export failed with status code: 413",
+            "Tonic export failed with gRPC code: InvalidArgument",
+        ] {
+            assert!(refused_as_malformed(refused), "{refused}");
+        }
+        for waited_out in [
+            "HTTP export failed with status code: 503",
+            "HTTP export failed with status code: 401",
+            "HTTP export failed with status code: 429",
+            "Tonic export failed with gRPC code: Unavailable",
+            "timed out",
+            "tcp connect error: Connection refused (os error 111)",
+        ] {
+            assert!(!refused_as_malformed(waited_out), "{waited_out}");
+        }
+    }
 }
