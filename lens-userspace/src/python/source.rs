@@ -152,7 +152,15 @@ struct Scope {
 
 /// Every `def`, `async def` and `class` of `source`, in order, with its qualified name.
 pub fn definitions(source: &str) -> Vec<Definition> {
+    definitions_within(source, usize::MAX).unwrap_or_default()
+}
+
+/// [`definitions`], or `None` once their names would take more than `budget` bytes: a
+/// file of deeply nested definitions has names that grow with its depth, so their total
+/// grows with the square of its size (432 MB for one 8 MiB file of them).
+fn definitions_within(source: &str, budget: usize) -> Option<Vec<Definition>> {
     let mut definitions = Vec::new();
+    let mut used = 0usize;
     let mut scopes: Vec<Scope> = Vec::new();
     let mut decorated_at: Option<u32> = None;
     for statement in statements(source) {
@@ -190,6 +198,10 @@ pub fn definitions(source: &str) -> Vec<Definition> {
         } else {
             qualname.clone()
         };
+        used += name.len() + qualname.len() + prefix.len() + std::mem::size_of::<Definition>();
+        if used > budget {
+            return None;
+        }
         definitions.push(Definition {
             first_line,
             line: statement.line,
@@ -202,7 +214,7 @@ pub fn definitions(source: &str) -> Vec<Definition> {
             globals: Vec::new(),
         });
     }
-    definitions
+    Some(definitions)
 }
 
 /// The definition named `name` whose statement begins at `first_line` (its first
@@ -227,12 +239,21 @@ const MAX_SOURCE_BYTES: u64 = 8 << 20;
 /// Files remembered per process before the memo starts over.
 const MAX_FILES: usize = 4096;
 
+/// Bytes the definitions of one file may take: past it, the file's code objects are named
+/// by `co_name` alone.
+const MAX_FILE_NAMES_BYTES: usize = 16 << 20;
+
+/// Bytes the definitions of all of a process's files may take before the memo starts over.
+const MAX_NAMES_BYTES: usize = 64 << 20;
+
 /// Reads one process's source files through its root, once each, and names its 3.10
 /// code objects from them.
 pub struct SourceNames {
     pid: u32,
     /// Per file: its definitions (sorted by line), or `None` when it cannot be read.
     files: HashMap<Arc<str>, Option<Vec<Definition>>>,
+    /// What `files` holds, in bytes, about (names and definitions).
+    bytes: usize,
 }
 
 impl SourceNames {
@@ -240,6 +261,7 @@ impl SourceNames {
         SourceNames {
             pid,
             files: HashMap::new(),
+            bytes: 0,
         }
     }
 
@@ -253,7 +275,18 @@ impl SourceNames {
         }
         if !self.files.contains_key(filename) {
             let read = match read_source(self.pid, filename) {
-                Ok(source) => Some(definitions(&source)),
+                Ok(source) => {
+                    let found = definitions_within(&source, MAX_FILE_NAMES_BYTES);
+                    if found.is_none() {
+                        log::debug!(
+                            "pid {}: {} defines more names than lens-probe keeps for one \
+                             file: its Python 3.10 methods are named by co_name alone",
+                            self.pid,
+                            crate::sys::text::printable(filename)
+                        );
+                    }
+                    found
+                }
                 Err(error) => {
                     log::debug!(
                         "pid {}: cannot read {filename} ({error}): its Python 3.10 methods \
@@ -263,9 +296,17 @@ impl SourceNames {
                     None
                 }
             };
-            if self.files.len() >= MAX_FILES {
+            let bytes = read.as_ref().map_or(0, |definitions| {
+                definitions
+                    .iter()
+                    .map(|d| d.name.len() + d.qualname.len() + std::mem::size_of::<Definition>())
+                    .sum()
+            }) + filename.len();
+            if self.files.len() >= MAX_FILES || self.bytes + bytes > MAX_NAMES_BYTES {
                 self.files.clear();
+                self.bytes = 0;
             }
+            self.bytes += bytes;
             self.files.insert(filename.into(), read);
         }
         let definitions = self.files.get(filename)?.as_deref()?;
@@ -558,6 +599,23 @@ classy = 3
         assert_eq!(qualname_at(source, 7, "classy"), None);
         assert_eq!(qualname_at(source, 99, "m"), None);
         assert_eq!(qualname_at("", 1, "m"), None);
+    }
+
+    #[test]
+    fn a_file_whose_names_outgrow_the_budget_names_nothing() {
+        // Nested definitions: each name carries every enclosing one.
+        let mut source = String::new();
+        for depth in 0..90 {
+            source.push_str(&" ".repeat(depth * 4));
+            source.push_str(&format!("def level_{depth}_with_a_long_name():\n"));
+        }
+        let all = definitions_within(&source, usize::MAX).unwrap();
+        assert_eq!(all.len(), 90);
+        let used: usize = all.iter().map(|d| d.qualname.len()).sum();
+        assert!(used > 100_000, "{used}");
+        // Under a budget smaller than that: nothing, rather than all of it in memory.
+        assert!(definitions_within(&source, 100_000).is_none());
+        assert!(definitions_within(&source, 10 * used).is_some());
     }
 
     #[test]
