@@ -456,3 +456,57 @@ fn python_stacks_are_read_from_the_process_on_every_cpython() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_frame_whose_name_is_not_ascii_is_marked_not_dropped() {
+    let path = "/usr/bin/python3.11";
+    if !Path::new(path).exists() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{path} is missing on this CI machine"
+        );
+        return;
+    }
+    let dir = scratch("non-ascii");
+    let script = dir.join("held.py");
+    let ready = dir.join("ready");
+    std::fs::write(
+        &script,
+        "import sys, time\n\
+         \n\
+         def größe():\n\
+         \x20   open(sys.argv[1], 'w').close()\n\
+         \x20   while True:\n\
+         \x20       time.sleep(0.01)\n\
+         \n\
+         def outer():\n\
+         \x20   größe()\n\
+         \n\
+         outer()\n",
+    )
+    .unwrap();
+    let mut child = Command::new(path).arg(&script).arg(&ready).spawn().unwrap();
+    let deadline = Instant::now() + PATIENCE;
+    let sleeping = || {
+        std::fs::read_to_string(format!("/proc/{}/syscall", child.id()))
+            .is_ok_and(|text| text.starts_with("230 "))
+    };
+    while !ready.exists() || !sleeping() {
+        assert!(Instant::now() < deadline, "the script never slept");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let place = lens_probe::hangs::location::read(child.id(), child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+    let functions: Vec<&str> = place.python.iter().map(|f| f.function.as_str()).collect();
+    // Before: `größe` was left out, and `outer` seemed to call `time.sleep` itself.
+    assert_eq!(
+        functions,
+        [
+            "<name not read: not a compact ASCII string>",
+            "outer",
+            "<module>"
+        ]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

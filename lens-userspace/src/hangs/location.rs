@@ -98,12 +98,34 @@ pub struct RankPlace {
 /// `tid`'s native place.
 pub fn read(pid: u32, tid: u32) -> RankPlace {
     RankPlace {
-        python: python_stack(pid, tid).unwrap_or_default(),
+        python: python_stack_retried(pid, tid).unwrap_or_default(),
         native: native_place(pid, tid),
     }
 }
 
-fn python_stack(pid: u32, tid: u32) -> Option<Vec<PyFrame>> {
+/// Reads of a stack that changed under the reader (the rank runs on while it is read).
+const STACK_READS: usize = 3;
+
+/// `function` of a frame that is there but could not be read whole.
+const NAME_NOT_READ: &str = "<name not read: not a compact ASCII string>";
+const CHAIN_CHANGED: &str = "<more frames: the stack changed while it was read>";
+
+/// The Python stack of `tid`, read again while it changes under the reader (up to
+/// [`STACK_READS`] times); the last read, marked where it broke off, if none was whole.
+fn python_stack_retried(pid: u32, tid: u32) -> Option<Vec<PyFrame>> {
+    let mut last = None;
+    for _ in 0..STACK_READS {
+        match python_stack(pid, tid) {
+            Some((frames, true)) => return Some(frames),
+            Some((frames, false)) => last = Some(frames),
+            None => {}
+        }
+    }
+    last
+}
+
+/// The frames read, innermost first, and whether the chain was read to its end.
+fn python_stack(pid: u32, tid: u32) -> Option<(Vec<PyFrame>, bool)> {
     let runtime = python::find_runtime(pid).ok()??;
     let mem = File::open(format!("/proc/{pid}/mem")).ok()?;
     let read = |address: u64| -> Option<u64> {
@@ -135,30 +157,50 @@ fn python_stack(pid: u32, tid: u32) -> Option<Vec<PyFrame>> {
     let mut frame = current_frame(&read, offsets, tstate)?;
     let mut names = CodeReader::open(pid, runtime.code).ok()?;
     let mut frames = Vec::new();
+    let broken_off = |mut frames: Vec<PyFrame>| {
+        frames.push(PyFrame {
+            function: CHAIN_CHANGED.into(),
+            file: "?".into(),
+            line: None,
+        });
+        Some((frames, false))
+    };
     for _ in 0..MAX_FRAMES {
         if frame == 0 {
             break;
         }
-        let code = read(at(frame, offsets.frame_code)?)?;
+        let Some(code) = at(frame, offsets.frame_code).and_then(read) else {
+            return broken_off(frames);
+        };
         // Entry frames of C calls hold no code object (3.13) or CPython's shim code
         // object (3.12): skipped.
-        if let Some(name) = names
-            .name(code)
-            .filter(|name| &*name.qualname != "<interpreter trampoline>")
-        {
-            let (function, file) = (name.qualname.to_string(), name.filename.to_string());
-            let line = names
-                .line_at(code, frame)
-                .or_else(|| names.first_line(code));
-            frames.push(PyFrame {
-                function,
-                file,
-                line,
-            });
+        match names.name(code) {
+            Some(name) if &*name.qualname == "<interpreter trampoline>" => {}
+            Some(name) => {
+                let (function, file) = (name.qualname.to_string(), name.filename.to_string());
+                let line = names
+                    .line_at(code, frame)
+                    .or_else(|| names.first_line(code));
+                frames.push(PyFrame {
+                    function,
+                    file,
+                    line,
+                });
+            }
+            None if code == 0 => {}
+            // A frame whose names are not plain ASCII (or were mid-update): there, marked.
+            None => frames.push(PyFrame {
+                function: NAME_NOT_READ.into(),
+                file: "?".into(),
+                line: names.first_line(code),
+            }),
         }
-        frame = read(at(frame, offsets.frame_previous)?)?;
+        let Some(previous) = at(frame, offsets.frame_previous).and_then(read) else {
+            return broken_off(frames);
+        };
+        frame = previous;
     }
-    Some(frames)
+    Some((frames, true))
 }
 
 fn current_frame(
