@@ -156,24 +156,21 @@ fn python_stack(pid: u32, tid: u32) -> Option<(Vec<PyFrame>, bool)> {
     let tstate = chosen.or(last)?;
     let mut frame = current_frame(&read, offsets, tstate)?;
     let mut names = CodeReader::open(pid, runtime.code).ok()?;
-    let mut frames = Vec::new();
-    let broken_off = |mut frames: Vec<PyFrame>| {
-        frames.push(PyFrame {
-            function: CHAIN_CHANGED.into(),
-            file: "?".into(),
-            line: None,
-        });
-        Some((frames, false))
-    };
+    // Per frame read: its frame, or (not named) the type of the object it runs, marked
+    // once the loop knows which type code objects have.
+    let mut read_frames: Vec<Result<PyFrame, Option<u64>>> = Vec::new();
+    let mut code_type = None;
+    let mut whole = true;
     for _ in 0..MAX_FRAMES {
         if frame == 0 {
             break;
         }
         let Some(code) = at(frame, offsets.frame_code).and_then(read) else {
-            return broken_off(frames);
+            whole = false;
+            break;
         };
-        // Entry frames of C calls hold no code object (3.13) or CPython's shim code
-        // object (3.12): skipped.
+        // Entry frames of C calls hold no code object (3.13: none, or another object) or
+        // CPython's shim code object (3.12): skipped.
         match names.name(code) {
             Some(name) if &*name.qualname == "<interpreter trampoline>" => {}
             Some(name) => {
@@ -181,27 +178,48 @@ fn python_stack(pid: u32, tid: u32) -> Option<(Vec<PyFrame>, bool)> {
                 let line = names
                     .line_at(code, frame)
                     .or_else(|| names.first_line(code));
-                frames.push(PyFrame {
+                code_type = code_type.or_else(|| read(code.checked_add(OB_TYPE)?));
+                read_frames.push(Ok(PyFrame {
                     function,
                     file,
                     line,
-                });
+                }));
             }
             None if code == 0 => {}
-            // A frame whose names are not plain ASCII (or were mid-update): there, marked.
-            None => frames.push(PyFrame {
-                function: NAME_NOT_READ.into(),
-                file: "?".into(),
-                line: names.first_line(code),
-            }),
+            None => read_frames.push(Err(code.checked_add(OB_TYPE).and_then(read))),
         }
         let Some(previous) = at(frame, offsets.frame_previous).and_then(read) else {
-            return broken_off(frames);
+            whole = false;
+            break;
         };
         frame = previous;
     }
-    Some((frames, true))
+    // A code object whose names are not plain ASCII (or were mid-update): there, marked.
+    // Any other object (3.13's entry frames): not a Python function, left out.
+    let mut frames: Vec<PyFrame> = read_frames
+        .into_iter()
+        .filter_map(|read| match read {
+            Ok(frame) => Some(frame),
+            Err(kind) if kind.is_some() && kind == code_type => Some(PyFrame {
+                function: NAME_NOT_READ.into(),
+                file: "?".into(),
+                line: None,
+            }),
+            Err(_) => None,
+        })
+        .collect();
+    if !whole {
+        frames.push(PyFrame {
+            function: CHAIN_CHANGED.into(),
+            file: "?".into(),
+            line: None,
+        });
+    }
+    Some((frames, whole))
 }
+
+/// Where an object's type pointer is (`ob_type`, after the reference count).
+const OB_TYPE: u64 = 8;
 
 fn current_frame(
     read: &impl Fn(u64) -> Option<u64>,
