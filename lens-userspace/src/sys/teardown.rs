@@ -13,7 +13,10 @@
 //! outlives lens-probe executes lens-probe again, as [`TEARDOWN_ARG`], with the
 //! descriptors and nothing else.
 
-use std::ffi::CString;
+use std::{
+    ffi::CString,
+    os::fd::{FromRawFd, OwnedFd},
+};
 
 /// lens-probe's first argument in the process that closes the descriptors it inherited
 /// ([`close_inherited`]); not an option a user gives.
@@ -28,10 +31,11 @@ pub fn exit_now(code: i32) -> ! {
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     // Everything the child needs, made before the fork (it may not allocate).
-    let highest = highest_open_fd();
+    let fds = open_fds();
+    let highest = fds.iter().copied().max().unwrap_or(2);
     // Files, sockets, locks (the spool's): let go by the child at once, so that a
     // lens-probe started right after ours finds them free. It keeps the kernel objects.
-    let plain: Vec<i32> = open_fds()
+    let plain: Vec<i32> = fds
         .into_iter()
         .filter(|fd| {
             std::fs::read_link(format!("/proc/self/fd/{fd}"))
@@ -82,11 +86,6 @@ pub fn exit_now(code: i32) -> ! {
     }
 }
 
-/// The highest file descriptor open now (2 if none above the standard ones).
-fn highest_open_fd() -> i32 {
-    open_fds().into_iter().max().unwrap_or(2)
-}
-
 /// This process's open descriptors above the standard ones.
 fn open_fds() -> Vec<i32> {
     std::fs::read_dir("/proc/self/fd")
@@ -103,19 +102,17 @@ fn open_fds() -> Vec<i32> {
 /// all at the same time; returns once all are closed (each close returns once the kernel
 /// has removed what it held).
 pub fn close_inherited() {
-    let fds = open_fds();
-    let closers: Vec<_> = fds
+    let fds = open_fds()
         .into_iter()
-        .filter_map(|fd| {
-            std::thread::Builder::new()
-                .stack_size(64 * 1024)
-                // SAFETY: descriptors inherited from lens-probe, used by nothing here
-                // (the directory listing's own is closed by now).
-                .spawn(move || unsafe { libc::close(fd) })
-                .ok()
-        })
-        .collect();
-    for closer in closers {
+        // The directory listing's own descriptor was among them, and is closed by now.
+        // SAFETY: fcntl only asks whether `fd` is open.
+        .filter(|fd| unsafe { libc::fcntl(*fd, libc::F_GETFD) } != -1)
+        .map(|fd| {
+            // SAFETY: descriptors inherited from lens-probe and open, used by nothing
+            // else here: each is owned once.
+            unsafe { OwnedFd::from_raw_fd(fd) }
+        });
+    for closer in drop_each_on_a_thread(fds) {
         let _ = closer.join();
     }
 }
@@ -125,14 +122,26 @@ pub fn close_inherited() {
 /// For the links of a process that ended while lens-probe goes on; a removal still under
 /// way when lens-probe exits holds its exit up.
 pub fn release_in_background<L: Send + 'static>(links: Vec<L>) {
-    for link in links {
-        let spawned = std::thread::Builder::new()
-            .name("lens-release".into())
-            .stack_size(64 * 1024)
-            .spawn(move || drop(link));
-        // No thread to spare: the link went here, with the closure, waiting.
-        if let Err(error) = spawned {
-            log::debug!("cannot start a thread to remove a probe link: {error}");
-        }
-    }
+    drop(drop_each_on_a_thread(links));
+}
+
+/// Drops each of `items` on a thread of its own, all at once, and returns the threads.
+/// One no thread could be started for is dropped here, waiting.
+fn drop_each_on_a_thread<T: Send + 'static>(
+    items: impl IntoIterator<Item = T>,
+) -> Vec<std::thread::JoinHandle<()>> {
+    items
+        .into_iter()
+        .filter_map(|item| {
+            let spawned = std::thread::Builder::new()
+                .name("lens-release".into())
+                .stack_size(64 * 1024)
+                .spawn(move || drop(item));
+            spawned
+                .inspect_err(|error| {
+                    log::debug!("cannot start a thread to remove a probe link: {error}")
+                })
+                .ok()
+        })
+        .collect()
 }
