@@ -22,14 +22,14 @@ use crate::{error::LensError, settings::groups::SpanGroups};
 /// The file-creation links of every traced process that has them.
 #[derive(Default)]
 pub struct FileProbes {
-    links: HashMap<u32, Vec<UProbeLinkId>>,
+    links: HashMap<u32, UProbeLinkId>,
     /// Processes whose libc could not be probed (said once each).
     refused: Vec<u32>,
 }
 
 impl FileProbes {
-    /// Attaches the enabled groups' file probes to `pid`'s libc, once per process.
-    /// Returns how many were attached now.
+    /// Attaches the enabled groups' file probes to `pid`'s libc, once per process, in one
+    /// link. Returns how many probes were attached now.
     pub fn attach(&mut self, ebpf: &mut Ebpf, pid: u32, groups: &SpanGroups) -> usize {
         let specs: Vec<_> = catalog::enabled_for(LibraryKind::Libc, groups).collect();
         if specs.is_empty() || self.links.contains_key(&pid) || self.refused.contains(&pid) {
@@ -39,11 +39,13 @@ impl FileProbes {
             // Not mapped yet (a program started with `--exec` stops at its loader's first
             // event, before libc is loaded): tried again at its next library load.
             Ok(None) => 0,
-            Ok(Some(links)) => {
-                let count = links.len();
-                debug!("pid {pid}: {count} file-creation probes in its libc");
-                self.links.insert(pid, links);
-                count
+            Ok(Some(link)) => {
+                debug!(
+                    "pid {pid}: {} file-creation probes in its libc",
+                    specs.len()
+                );
+                self.links.insert(pid, link);
+                specs.len()
             }
             Err(error) => {
                 warn!("pid {pid}: files created are not counted: {error}");
@@ -53,21 +55,19 @@ impl FileProbes {
         }
     }
 
-    /// `pid` ended (or is no longer traced): its links go, on a thread of their own
-    /// (the kernel is slow to remove uprobes).
+    /// `pid` ended (or is no longer traced): its link goes, on a thread of its own (the
+    /// kernel is slow to remove uprobes).
     pub fn release(&mut self, ebpf: &mut Ebpf, pid: u32) {
         self.refused.retain(|p| *p != pid);
-        let Some(ids) = self.links.remove(&pid) else {
+        let Some(id) = self.links.remove(&pid) else {
             return;
         };
         let Ok(uprobe) = uprobe_mut(ebpf, Program::FileOpenEntry) else {
             return;
         };
-        let links: Vec<_> = ids
-            .into_iter()
-            .filter_map(|id| uprobe.take_link(id).ok())
-            .collect();
-        crate::sys::teardown::release_in_background(links);
+        if let Ok(link) = uprobe.take_link(id) {
+            crate::sys::teardown::release_in_background(vec![link]);
+        }
     }
 }
 
@@ -78,7 +78,7 @@ fn attach_to(
     ebpf: &mut Ebpf,
     pid: u32,
     specs: &[&catalog::ProbeSpec],
-) -> std::result::Result<Option<Vec<UProbeLinkId>>, Refusal> {
+) -> std::result::Result<Option<UProbeLinkId>, Refusal> {
     let text = |error: LensError| error.to_string();
     let Some(libc) = library::find_libc(pid).map_err(text)? else {
         return Ok(None);
@@ -107,5 +107,5 @@ fn attach_to(
         scope,
     )
     .map_err(text)?;
-    Ok(Some(vec![link]))
+    Ok(Some(link))
 }

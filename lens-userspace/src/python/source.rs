@@ -152,13 +152,13 @@ struct Scope {
 
 /// Every `def`, `async def` and `class` of `source`, in order, with its qualified name.
 pub fn definitions(source: &str) -> Vec<Definition> {
-    definitions_within(source, usize::MAX).unwrap_or_default()
+    definitions_within(source, usize::MAX).map_or_else(Vec::new, |(found, _)| found)
 }
 
-/// [`definitions`], or `None` once their names would take more than `budget` bytes: a
-/// file of deeply nested definitions has names that grow with its depth, so their total
-/// grows with the square of its size (432 MB for one 8 MiB file of them).
-fn definitions_within(source: &str, budget: usize) -> Option<Vec<Definition>> {
+/// [`definitions`] and the bytes their names take, or `None` once that would be more
+/// than `budget`: a file of deeply nested definitions has names that grow with its depth,
+/// so their total grows with the square of its size (432 MB for one 8 MiB file of them).
+fn definitions_within(source: &str, budget: usize) -> Option<(Vec<Definition>, usize)> {
     let mut definitions = Vec::new();
     let mut used = 0usize;
     let mut scopes: Vec<Scope> = Vec::new();
@@ -214,7 +214,7 @@ fn definitions_within(source: &str, budget: usize) -> Option<Vec<Definition>> {
             globals: Vec::new(),
         });
     }
-    Some(definitions)
+    Some((definitions, used))
 }
 
 /// The definition named `name` whose statement begins at `first_line` (its first
@@ -296,12 +296,11 @@ impl SourceNames {
                     None
                 }
             };
-            let bytes = read.as_ref().map_or(0, |definitions| {
-                definitions
-                    .iter()
-                    .map(|d| d.name.len() + d.qualname.len() + std::mem::size_of::<Definition>())
-                    .sum()
-            }) + filename.len();
+            let (read, used) = match read {
+                Some((definitions, used)) => (Some(definitions), used),
+                None => (None, 0),
+            };
+            let bytes = used + filename.len();
             if self.files.len() >= MAX_FILES || self.bytes + bytes > MAX_NAMES_BYTES {
                 self.files.clear();
                 self.bytes = 0;
@@ -609,10 +608,11 @@ classy = 3
             source.push_str(&" ".repeat(depth * 4));
             source.push_str(&format!("def level_{depth}_with_a_long_name():\n"));
         }
-        let all = definitions_within(&source, usize::MAX).unwrap();
+        let (all, used) = definitions_within(&source, usize::MAX).unwrap();
         assert_eq!(all.len(), 90);
-        let used: usize = all.iter().map(|d| d.qualname.len()).sum();
-        assert!(used > 100_000, "{used}");
+        let names: usize = all.iter().map(|d| d.qualname.len()).sum();
+        assert!(names > 100_000, "{names}");
+        assert!(used >= names, "{used} < {names}");
         // Under a budget smaller than that: nothing, rather than all of it in memory.
         assert!(definitions_within(&source, 100_000).is_none());
         assert!(definitions_within(&source, 10 * used).is_some());

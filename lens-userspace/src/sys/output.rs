@@ -18,9 +18,31 @@ pub struct OutputFile {
     flag: &'static str,
     path: PathBuf,
     file: File,
-    /// Written beside `path` and renamed over it once whole ([`OutputFile::create_replacing`]);
-    /// removed if never written.
-    partial: Option<PathBuf>,
+    /// Written beside `path` and renamed over it once whole ([`OutputFile::create_replacing`]).
+    partial: Option<Partial>,
+}
+
+/// A hidden file beside an output's path: removed unless it was renamed over the path.
+#[derive(Debug)]
+struct Partial(PathBuf);
+
+impl Partial {
+    /// Puts it in place of `path`, whole at once (a rename does not follow a link put at
+    /// `path` meanwhile, it replaces it).
+    fn rename_over(mut self, path: &Path) -> io::Result<()> {
+        std::fs::rename(&self.0, path)?;
+        self.0 = PathBuf::new();
+        Ok(())
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        // Never written whole: the old file stays, the partial one goes.
+        if !self.0.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
 }
 
 impl OutputFile {
@@ -79,7 +101,7 @@ impl OutputFile {
             flag,
             path: path.to_path_buf(),
             file,
-            partial: Some(partial),
+            partial: Some(Partial(partial)),
         })
     }
 
@@ -89,36 +111,16 @@ impl OutputFile {
         self.file
             .write_all(bytes)
             .and_then(|()| self.file.flush())
-            .and_then(|()| match &self.partial {
-                // Whole: in place of the old one at once (a rename does not follow a
-                // link put at `path` meanwhile, it replaces it).
-                Some(partial) => std::fs::rename(partial, &self.path),
+            .and_then(|()| match self.partial.take() {
+                Some(partial) => partial.rename_over(&self.path),
                 None => Ok(()),
             })
-            .map_err(|error| output_error(self.flag, &self.path, error.to_string()))?;
-        self.partial = None;
-        Ok(())
+            .map_err(|error| output_error(self.flag, &self.path, error.to_string()))
     }
 
     /// The open file, for a writer of its own (the OTLP file exporter).
     pub fn into_file(self) -> File {
-        let this = std::mem::ManuallyDrop::new(self);
-        // SAFETY: `this` is never dropped nor used again: each owned field is moved out
-        // exactly once (the file returned, the paths dropped here).
-        unsafe {
-            drop(std::ptr::read(&this.path));
-            drop(std::ptr::read(&this.partial));
-            std::ptr::read(&this.file)
-        }
-    }
-}
-
-impl Drop for OutputFile {
-    fn drop(&mut self) {
-        // Never written whole: the old file stays, the partial one goes.
-        if let Some(partial) = self.partial.take() {
-            let _ = std::fs::remove_file(partial);
-        }
+        self.file
     }
 }
 
