@@ -18,12 +18,7 @@ use lens_probe::{
     sink::EventPrinter,
     spans::{SpanBuilder, SpanExporter, console::ConsoleTree},
     summary::Summary,
-    sys::{
-        output::OutputFile,
-        privileges,
-        target::{self},
-        teardown,
-    },
+    sys::{output::OutputFile, privileges, target, teardown},
 };
 
 fn main() -> ExitCode {

@@ -693,6 +693,11 @@ fn a_kernel_without_the_uprobe_pmu_is_one_line_and_nothing_runs() {
     assert!(Path::new("/sys/bus/event_source/devices/uprobe/type").exists());
 }
 
+/// The fixture libraries' entry byte as the file has it (`push %rbp`), and as a process
+/// the kernel planted a uprobe in reads it (`int3`).
+const PUSH_RBP: u8 = 0x55;
+const BREAKPOINT: u8 = 0xcc;
+
 /// The first byte of `symbol` in `library` as process `pid` has it in memory now, read
 /// through `/proc/PID/mem`: the breakpoint (0xcc) where a uprobe is planted in that
 /// process, the function's own first instruction elsewhere.
@@ -736,8 +741,6 @@ fn only_the_traced_process_gets_the_breakpoint_in_a_file_its_neighbour_maps_too(
     let (traced_pid, neighbour_pid) = (traced.id(), neighbour.id());
     let byte = |pid| entry_byte(pid, &library, "cudaLaunchKernel");
     // `push %rbp` in both before.
-    const PUSH_RBP: u8 = 0x55;
-    const BREAKPOINT: u8 = 0xcc;
     assert_eq!(
         (byte(traced_pid), byte(neighbour_pid)),
         (PUSH_RBP, PUSH_RBP)
@@ -783,8 +786,6 @@ fn once_lens_probe_has_exited_the_process_it_traced_runs_unpatched() {
     if !lens_tests::require_bpf("once_lens_probe_has_exited_the_process_it_traced_runs_unpatched") {
         return;
     }
-    const PUSH_RBP: u8 = 0x55;
-    const BREAKPOINT: u8 = 0xcc;
     let library = variant("twice").join("libcudart.so.12");
     let mut traced = waiting_caller(&library, None);
     let mut output = wait_ready(&mut traced);
@@ -833,8 +834,6 @@ fn node_mode_patches_only_the_processes_its_filter_matches() {
     if !lens_tests::require_bpf("node_mode_patches_only_the_processes_its_filter_matches") {
         return;
     }
-    const PUSH_RBP: u8 = 0x55;
-    const BREAKPOINT: u8 = 0xcc;
     // Two processes map the same libcudart file; one has the variable the filter asks for.
     let library = variant("twice").join("libcudart.so.12");
     let marker = format!("match-{}", std::process::id());

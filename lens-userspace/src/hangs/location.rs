@@ -6,14 +6,13 @@
 //! (words on the stack that point just after a call instruction in a mapped file), named
 //! from the mapped files' symbols. A scan needs no frame pointers or unwind tables; it
 //! can show a stale return address left on the stack, which is why it says "scanned".
-use crate::sys::text::Printable;
 use std::{fmt, fs::File, os::unix::fs::FileExt, path::Path};
 
 use lens_common::{PY_NO_FIELD, PyOffsets};
 
 use crate::{
     python::{self, code::CodeReader},
-    sys::{library::parse_maps, symbols},
+    sys::{library::parse_maps, symbols, text::Printable},
 };
 
 /// Frames read per stack, innermost first.

@@ -67,8 +67,9 @@ pub(crate) const DRAIN_INTERVAL: Duration = Duration::from_millis(50);
 /// How often the kernel's call counters (launches) of running targets are read.
 const CALL_COUNTS_INTERVAL: Duration = Duration::from_secs(5);
 
-/// After a signal, how long the children we started get to exit before we give up.
-pub const CHILD_EXIT_GRACE: Duration = Duration::from_secs(5);
+/// After a signal, how long the children we started are traced on (`--stop-grace`'s
+/// default for a `Session`).
+const CHILD_EXIT_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Clone, Debug, Default)]
 pub struct TraceOptions {

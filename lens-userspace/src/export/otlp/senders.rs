@@ -75,7 +75,6 @@ pub(super) struct SpanExporters {
 /// How long sending from the spool waits after the collector refused one of its batches.
 pub(super) const REPLAY_AFTER: Duration = Duration::from_secs(2);
 
-/// Exports `batch` with one of the pool's exporters, within the export timeout.
 /// Whether the collector refused a batch as malformed (OTLP/HTTP 400 Bad Request or 413
 /// Content Too Large, gRPC `InvalidArgument`): a batch it will refuse at every try, unlike
 /// a collector that is down, busy or refusing everything (401, 403, 503: the spool waits
@@ -89,6 +88,7 @@ fn refused_as_malformed(error: &str) -> bool {
     matches!(http, Some(400 | 413)) || error.contains("gRPC code: InvalidArgument")
 }
 
+/// Exports `batch` with one of the pool's exporters, within the export timeout.
 async fn export_batch(
     exporter: &mut opentelemetry_otlp::SpanExporter,
     resource: &Resource,
