@@ -299,6 +299,20 @@ fn programs_held_by(pid: u32) -> BTreeSet<u32> {
     ids
 }
 
+/// Uprobe attachments `pid` holds: bpf links (uprobe_multi) and perf events.
+fn attachments_held_by(pid: u32) -> usize {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return 0;
+    };
+    fds.flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter(|target| {
+            let target = target.to_string_lossy();
+            target == "anon_inode:bpf_link" || target == "anon_inode:[perf_event]"
+        })
+        .count()
+}
+
 fn loaded_program_ids() -> BTreeSet<u32> {
     aya::programs::loaded_programs()
         .filter_map(|p| p.ok())
@@ -317,16 +331,22 @@ fn a_probe_killed_with_sigkill_leaves_the_target_running_and_no_probe_behind() {
         return;
     }
     let _serial = serial();
-    // A trainer of 60 steps 100 ms apart (~6 s), attached by pid; lens-probe is killed
-    // once it holds its programs.
+    // A trainer held at a gate file until lens-probe has been killed, so that neither a
+    // slow start-up nor a quick trainer decides the outcome; it then runs 60 steps
+    // through the libraries lens-probe had probed.
+    let scratch = std::env::temp_dir().join(format!("lens-sigkill-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    let gate = scratch.join("go");
+    let _ = std::fs::remove_file(&gate);
     let trainer = Command::new(lens_tests::trainer())
         .arg("60")
-        .env("TRAINER_STEP_DELAY_MS", "100")
+        .env("TRAINER_START_GATE", &gate)
+        .env("TRAINER_STEP_DELAY_MS", "10")
         .env("LENS_FAKE_SYNC_MS", "0")
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(200));
+    let probe_log = scratch.join("probe.log");
     let mut probe = Command::new(LENS_PROBE)
         .args([
             "--span-groups",
@@ -334,18 +354,22 @@ fn a_probe_killed_with_sigkill_leaves_the_target_running_and_no_probe_behind() {
             "--pid",
             &trainer.id().to_string(),
         ])
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&probe_log).unwrap())
         .spawn()
         .unwrap();
-    // Killed once it holds its programs (start-up takes longer when the machine is busy).
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut held = programs_held_by(probe.id());
-    while held.is_empty() {
-        assert!(Instant::now() < deadline, "lens-probe holds no BPF program");
+    // Killed once it holds programs and attachments (start-up takes longer when the
+    // machine is busy, so the deadline only catches a hang).
+    let deadline = Instant::now() + Duration::from_secs(100);
+    while programs_held_by(probe.id()).is_empty() || attachments_held_by(probe.id()) == 0 {
+        if let Some(status) = probe.try_wait().unwrap() {
+            panic!(
+                "lens-probe exited ({status}) before attaching: {}",
+                std::fs::read_to_string(&probe_log).unwrap_or_default()
+            );
+        }
+        assert!(Instant::now() < deadline, "lens-probe never attached");
         std::thread::sleep(Duration::from_millis(50));
-        held = programs_held_by(probe.id());
     }
-    std::thread::sleep(Duration::from_millis(300));
     let held = programs_held_by(probe.id());
     probe.kill().unwrap();
     probe.wait().unwrap();
@@ -355,12 +379,14 @@ fn a_probe_killed_with_sigkill_leaves_the_target_running_and_no_probe_behind() {
         assert!(Instant::now() < deadline, "programs {held:?} still loaded");
         std::thread::sleep(Duration::from_millis(100));
     }
+    std::fs::write(&gate, b"").unwrap();
     let output = trainer.wait_with_output().unwrap();
     assert!(output.status.success());
     assert_eq!(
         String::from_utf8_lossy(&output.stdout),
         "trainer: 60 steps done\n"
     );
+    let _ = std::fs::remove_dir_all(&scratch);
 }
 
 #[test]
