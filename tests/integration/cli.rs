@@ -697,24 +697,32 @@ fn a_command_slow_to_stop_is_waited_for_and_its_exit_code_returned() {
 }
 
 #[test]
-fn a_run_that_fails_at_start_leaves_an_earlier_summary_as_it_was() {
-    let dir = std::env::temp_dir().join(format!("lens-summary-kept-{}", std::process::id()));
+fn a_run_that_fails_at_start_leaves_earlier_outputs_as_they_were() {
+    let dir = std::env::temp_dir().join(format!("lens-outputs-kept-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let summary = dir.join("summary.json");
+    let spans = dir.join("spans.jsonl");
     std::fs::write(&summary, "{\"earlier\": 1}\n").unwrap();
+    std::fs::write(&spans, "{\"earlier\": 2}\n").unwrap();
     let output = lens_tests::lens_probe_command(LENS_PROBE)
         .arg("--summary-json")
         .arg(&summary)
+        .args(["--exporter", "file", "--export-file"])
+        .arg(&spans)
         .args(["--exec", "--", "/nonexistent/train"])
         .output()
         .unwrap();
     assert_ne!(output.status.code(), Some(0), "{}", stderr(&output));
-    // Not truncated, and nothing of the failed run's left beside it.
+    // Not truncated, and nothing of the failed run's left beside them.
     assert_eq!(
         std::fs::read_to_string(&summary).unwrap(),
         "{\"earlier\": 1}\n"
     );
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+    assert_eq!(
+        std::fs::read_to_string(&spans).unwrap(),
+        "{\"earlier\": 2}\n"
+    );
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }

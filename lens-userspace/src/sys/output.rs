@@ -118,9 +118,38 @@ impl OutputFile {
             .map_err(|error| output_error(self.flag, &self.path, error.to_string()))
     }
 
-    /// The open file, for a writer of its own (the OTLP file exporter).
-    pub fn into_file(self) -> File {
-        self.file
+    /// For a file written while the run goes (`--export-file`): created as by
+    /// [`OutputFile::create_replacing`], and put in place at its first whole line, then
+    /// appended to where it stands. A run that fails at start leaves an earlier file as
+    /// it was; one that has written is followed at `path` as it grows.
+    pub fn create_streamed(flag: &'static str, path: &Path) -> Result<StreamedFile, LensError> {
+        let output = Self::create_replacing(flag, path)?;
+        Ok(StreamedFile {
+            path: output.path,
+            out: io::BufWriter::new(output.file),
+            partial: output.partial,
+        })
+    }
+}
+
+/// An output written line by line ([`OutputFile::create_streamed`]).
+#[derive(Debug)]
+pub struct StreamedFile {
+    path: PathBuf,
+    out: io::BufWriter<File>,
+    /// Until the first line is whole: the hidden file it is written to.
+    partial: Option<Partial>,
+}
+
+impl StreamedFile {
+    /// Writes `line` and a newline and flushes them; the first puts the file in place.
+    pub fn write_line(&mut self, line: &str) -> io::Result<()> {
+        writeln!(self.out, "{line}")?;
+        self.out.flush()?;
+        match self.partial.take() {
+            Some(partial) => partial.rename_over(&self.path),
+            None => Ok(()),
+        }
     }
 }
 
@@ -246,6 +275,28 @@ mod tests {
         std::os::unix::fs::symlink(&path, &link).unwrap();
         let error = OutputFile::create_replacing("--summary-json", &link).unwrap_err();
         assert!(error.to_string().contains("symbolic link"), "{error}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_streamed_file_takes_the_old_ones_place_at_its_first_line() {
+        let dir = scratch("streamed");
+        let path = dir.join("spans.jsonl");
+        std::fs::write(&path, "earlier run\n").unwrap();
+        drop(OutputFile::create_streamed("--export-file", &path).unwrap());
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "earlier run\n");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        // In place from the first line, then appended to where it stands.
+        let mut file = OutputFile::create_streamed("--export-file", &path).unwrap();
+        file.write_line("{\"first\": 1}").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"first\": 1}\n");
+        file.write_line("{\"second\": 2}").unwrap();
+        drop(file);
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\"first\": 1}\n{\"second\": 2}\n"
+        );
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

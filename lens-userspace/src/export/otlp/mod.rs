@@ -246,26 +246,34 @@ impl OtelPipeline {
         events_lost: &[(&'static str, u64)],
         cpu: Option<&OwnCpu>,
     ) -> ExportStats {
+        let probe = ProbeMetrics::new(probe_resource(self.service_name.as_deref()));
+        for (cause, count) in events_lost {
+            probe.record_events_lost(cause, *count);
+        }
+        probe.record_spans_lost(
+            "queue_full",
+            self.counters.dropped_queue_full.load(Ordering::Relaxed),
+        );
+        if let Some(cpu) = cpu {
+            probe.record_cpu_time(cpu);
+        }
+        self.close(Some(probe))
+    }
+
+    /// Sends what is queued, with `probe` (lens-probe's own health, when it is known),
+    /// and waits for the export thread.
+    fn close(&mut self, probe: Option<ProbeMetrics>) -> ExportStats {
         let _ = self
             .counters
             .flush_deadline
             .set(Instant::now() + FLUSH_BUDGET);
         if let Some(queue) = self.queue.take() {
-            let probe = ProbeMetrics::new(probe_resource(self.service_name.as_deref()));
-            for (cause, count) in events_lost {
-                probe.record_events_lost(cause, *count);
-            }
-            probe.record_spans_lost(
-                "queue_full",
-                self.counters.dropped_queue_full.load(Ordering::Relaxed),
-            );
-            if let Some(cpu) = cpu {
-                probe.record_cpu_time(cpu);
-            }
             for (pid, process) in self.processes.drain() {
                 let _ = queue.send(Message::ProcessEnded(pid, Some(process.metrics)));
             }
-            let _ = queue.send(Message::ProbeMetrics(Box::new(probe)));
+            if let Some(probe) = probe {
+                let _ = queue.send(Message::ProbeMetrics(Box::new(probe)));
+            }
         }
         if let Some(worker) = self.worker.take() {
             // The queue is closed: the thread sends what is left and ends.
@@ -391,7 +399,10 @@ impl SpanExporter for OtelPipeline {
 }
 
 impl Drop for OtelPipeline {
+    /// A run that ended in an error (or never started) sends what it traced, but no
+    /// health of its own: what it lost is not known, and a run that failed at start
+    /// leaves an earlier `--export-file` as it was.
     fn drop(&mut self) {
-        self.finish(&[], None);
+        self.close(None);
     }
 }

@@ -2,8 +2,6 @@
 //! requests in flight at once, and the spool that keeps what the collector could not
 //! take and replays it.
 use std::{
-    fs::File,
-    io::{BufWriter, Write},
     sync::{Arc, atomic::Ordering},
     time::{Duration, Instant},
 };
@@ -56,7 +54,7 @@ pub(super) enum Sink {
         spans: SpanExporters,
         metrics: Box<opentelemetry_otlp::MetricExporter>,
     },
-    File(BufWriter<File>),
+    File(crate::sys::output::StreamedFile),
 }
 
 /// [`IN_FLIGHT`] OTLP span exporters, one per export running: each takes the resource
@@ -312,9 +310,10 @@ impl Sink {
                         .map_err(build_error)?,
                 ),
             },
-            Destination::File(path) => Sink::File(BufWriter::new(
-                crate::sys::output::OutputFile::create("--export-file", path)?.into_file(),
-            )),
+            Destination::File(path) => Sink::File(crate::sys::output::OutputFile::create_streamed(
+                "--export-file",
+                path,
+            )?),
         })
     }
 
@@ -341,7 +340,7 @@ impl Sink {
     }
 
     pub(super) fn write_spans(
-        out: &mut BufWriter<File>,
+        out: &mut crate::sys::output::StreamedFile,
         resource: &Resource,
         batch: Vec<SpanData>,
     ) -> std::result::Result<(), String> {
@@ -384,13 +383,11 @@ impl Sink {
 }
 
 pub(super) fn write_json_line(
-    out: &mut BufWriter<File>,
+    out: &mut crate::sys::output::StreamedFile,
     request: &impl serde::Serialize,
 ) -> std::result::Result<(), String> {
     let line = serde_json::to_string(request).map_err(|e| e.to_string())?;
-    writeln!(out, "{line}")
-        .and_then(|()| out.flush())
-        .map_err(|e| e.to_string())
+    out.write_line(&line).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
