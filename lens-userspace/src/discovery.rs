@@ -1,7 +1,6 @@
 //! Node-wide discovery: which processes on this host are training processes to trace.
 //! A candidate maps a training library (libtorch_cpu, libnccl or libcudart) and passes
 //! the user's filter (command line, cgroup, environment).
-use std::fs;
 
 use crate::sys::{
     library::{LibraryKind, MappedLibrary},
@@ -61,17 +60,7 @@ impl NodeFilter {
     }
 }
 
-/// Every process on the host now (numeric entries of `/proc`).
-pub fn all_pids() -> Vec<u32> {
-    let Ok(entries) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut pids: Vec<u32> = entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .collect();
-    pids.sort_unstable();
-    pids
-}
+pub use crate::sys::process::all_pids;
 
 #[cfg(test)]
 mod tests {

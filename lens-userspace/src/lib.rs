@@ -23,13 +23,14 @@ macro_rules! say_raw {
 }
 
 pub mod attach_status;
+pub mod bpf;
 pub mod budget;
 pub mod discovery;
 pub mod error;
 pub mod events;
 pub mod export;
+pub mod gpu_kernels;
 pub mod hangs;
-pub mod kernels;
 pub mod names;
 pub mod nccl;
 pub mod patterns;

@@ -6,8 +6,8 @@ use lens_common::ProbeId;
 
 use crate::{
     events::{ProbeEvent, PythonCaller},
+    gpu_kernels::KernelLaunches,
     hangs::{HangReport, Resolved},
-    kernels::KernelLaunches,
     sys::target::{ExitStatus, ProcessInfo},
 };
 

@@ -32,7 +32,6 @@ use tokio::{io::unix::AsyncFd, sync::oneshot};
 use crate::{
     error::{LensError, Result},
     events::{self, Decoded},
-    probes::attach,
     sink::{EventSink, ProcessEnd},
     sys::{privileges, target::ProcessInfo},
 };
@@ -194,8 +193,8 @@ pub fn run(options: Options, sink: &mut dyn EventSink) -> Result<Report> {
     // The generator's own object: its ring buffer is defined and woken as the probes'
     // (lens-ebpf/src/ring.rs, one source for both objects).
     let mut ebpf = aya::Ebpf::load(BENCH_OBJECT)?;
-    let ring = attach::take_event_ring(&mut ebpf)?;
-    let program: &mut RawTracePoint = attach::program_mut(&mut ebpf, PROGRAM)?;
+    let ring = crate::bpf::programs::take_event_ring(&mut ebpf)?;
+    let program: &mut RawTracePoint = crate::bpf::program_mut(&mut ebpf, PROGRAM)?;
     program.load().map_err(|source| LensError::Program {
         program: PROGRAM,
         source,

@@ -365,12 +365,13 @@ fn attach_by_pid_counts_the_calls_made_after_attach() {
 
 #[test]
 fn a_library_without_the_symbols_gets_one_report_per_probe_and_nothing_breaks() {
-    use lens_probe::probes::attach::{Attacher, ProbeOutcome, load_object};
+    use lens_probe::bpf::BpfObject;
+    use lens_probe::probes::attach::{Attacher, ProbeOutcome};
     use lens_probe::sys::library::{FileId, LibraryKind, MappedLibrary};
     if !lens_tests::require_bpf("a_library_without_the_symbols_gets_one_report_per_probe") {
         return;
     }
-    let mut ebpf = load_object(false, Default::default()).unwrap();
+    let mut ebpf = BpfObject::load(false, Default::default()).unwrap().programs;
     let mut attacher = Attacher::default();
     // A file taken for libnccl that defines none of NCCL's API (the fake libcudart), then
     // the real fake libnccl: the first yields one failure per probe, the second attaches.

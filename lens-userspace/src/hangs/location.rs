@@ -12,7 +12,7 @@ use lens_common::{PY_NO_FIELD, PyOffsets};
 
 use crate::{
     python::{self, code::CodeReader},
-    sys::{library::parse_maps, symbols, text::Printable},
+    sys::{process::Process, symbols, text::Printable},
 };
 
 /// Frames read per stack, innermost first.
@@ -126,7 +126,7 @@ fn python_stack_retried(pid: u32, tid: u32) -> Option<Vec<PyFrame>> {
 /// The frames read, innermost first, and whether the chain was read to its end.
 fn python_stack(pid: u32, tid: u32) -> Option<(Vec<PyFrame>, bool)> {
     let runtime = python::find_runtime(pid).ok()??;
-    let mem = File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mem = Process::new(pid).memory().ok()?;
     let read = |address: u64| -> Option<u64> {
         let mut bytes = [0u8; 8];
         mem.read_exact_at(&mut bytes, address).ok()?;
@@ -271,14 +271,14 @@ const SYSCALL_READS: u32 = 100;
 /// a system call, "running" while it runs (then there is no place to read without
 /// stopping it, which a hang report does not do), "-1 sp pc" when stopped elsewhere.
 fn native_place(pid: u32, tid: u32) -> Option<NativePlace> {
-    let path = format!("/proc/{pid}/task/{tid}/syscall");
-    let mut text = std::fs::read_to_string(&path).ok()?;
+    let process = Process::new(pid);
+    let mut text = process.thread_syscall(tid).ok()?;
     for _ in 1..SYSCALL_READS {
         if !text.starts_with("running") {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(1));
-        text = std::fs::read_to_string(&path).ok()?;
+        text = process.thread_syscall(tid).ok()?;
     }
     if text.starts_with("running") {
         return Some(NativePlace {
@@ -293,15 +293,13 @@ fn native_place(pid: u32, tid: u32) -> Option<NativePlace> {
     let sp = hex(fields.get(fields.len().checked_sub(2)?)?)?;
     let syscall = (number >= 0)
         .then(|| syscall_name(number).map_or_else(|| format!("syscall {number}"), str::to_string));
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    let executable: Vec<_> = parse_maps(&maps)
+    let executable: Vec<_> = process
+        .mappings()
+        .ok()?
         .into_iter()
-        .filter(|m| {
-            maps.lines()
-                .any(|line| line.starts_with(&format!("{:x}-{:x} r-x", m.start, m.end)))
-        })
+        .filter(|m| m.executable)
         .collect();
-    let mem = File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mem = process.memory().ok()?;
     let mut addresses = vec![pc];
     addresses.extend(return_addresses(&mem, sp, &executable));
     let mut frames: Vec<NativeFrame> = Vec::new();
@@ -314,7 +312,7 @@ fn native_place(pid: u32, tid: u32) -> Option<NativePlace> {
         };
         // The mapped file itself, whatever its path now says. A return address is just
         // after the call: the call is one byte before.
-        let mapped = format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end);
+        let mapped = process.mapped_file(m);
         let at = if address == pc { address } else { address - 1 };
         let offset = at - m.start + m.offset;
         let function = symbols::functions_at(Path::new(&mapped), &[offset])

@@ -6,19 +6,15 @@
 //! cost from both.
 use std::{
     collections::BTreeMap,
-    path::Path,
     time::{Duration, Instant},
 };
 
-use aya::{
-    Ebpf,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuValues},
-};
-use lens_common::{KernelKey, LossCause, ProbeId, TARGET_CALIBRATION, TargetState, maps};
+use lens_common::{LossCause, ProbeId, TARGET_CALIBRATION, TargetState};
 use log::warn;
 
 use super::attach;
 use super::catalog::{self, Program};
+use crate::bpf::BpfObject;
 use crate::error::{LensError, Result};
 use crate::sys::symbols;
 
@@ -91,8 +87,8 @@ extern "C" fn lens_probe_calibration_target(value: u64) -> u64 {
 }
 
 /// What a probe hit costs here, or [`DEFAULT_HIT_COSTS`] (with a warning).
-pub fn hit_costs(ebpf: &mut Ebpf) -> HitCosts {
-    match measure(ebpf) {
+pub fn hit_costs(bpf: &mut BpfObject) -> HitCosts {
+    match measure(bpf) {
         Ok(costs) => costs,
         Err(error) => {
             warn!(
@@ -125,8 +121,8 @@ fn fastest() -> Duration {
     (0..ROUNDS).map(|_| time_calls()).min().unwrap_or_default()
 }
 
-fn measure(ebpf: &mut Ebpf) -> Result<HitCosts> {
-    let exe = Path::new("/proc/self/exe");
+fn measure(bpf: &mut BpfObject) -> Result<HitCosts> {
+    let exe = crate::sys::process::own_executable();
     let offset = *symbols::resolve_file_offsets(exe, &[TARGET_SYMBOL])?
         .get(TARGET_SYMBOL)
         .ok_or_else(|| LensError::Elf {
@@ -136,18 +132,17 @@ fn measure(ebpf: &mut Ebpf) -> Result<HitCosts> {
     let pid = std::process::id();
     let baseline = fastest();
     // The program does all its work only for a traced process: be one, briefly.
-    map_error(
-        maps::TARGETS,
-        targets(ebpf)?.insert(&pid, &TargetState::new(TARGET_CALIBRATION), 0),
-    )?;
+    bpf.maps
+        .targets
+        .insert(&pid, &TargetState::new(TARGET_CALIBRATION))?;
     // The return probe's hits find no entry to pair, which the kernel counts as lost
     // events: those counters are put back as they were.
-    let unmatched_before = unmatched_returns(ebpf);
+    let unmatched_before = bpf.maps.losses.per_cpu(LossCause::UnmatchedReturn);
     // Entry alone, then entry and return: the difference is the return's cost. A return
     // program with no entry to pair finds none and stops, as cheap as a return gets; a
     // real one also sends its record (tens of ns more).
     let measured = attach::attach_own(
-        ebpf,
+        &mut bpf.programs,
         Program::CountOnly,
         exe,
         offset,
@@ -156,7 +151,7 @@ fn measure(ebpf: &mut Ebpf) -> Result<HitCosts> {
     .and_then(|entry_link| {
         let with_entry = fastest();
         let both = attach::attach_own(
-            ebpf,
+            &mut bpf.programs,
             Program::CudaSyncReturn,
             exe,
             offset,
@@ -170,65 +165,19 @@ fn measure(ebpf: &mut Ebpf) -> Result<HitCosts> {
         });
         Ok((with_entry, both?))
     });
-    forget_own_counters(ebpf, pid);
+    // Leaves no trace of lens-probe itself in the kernel's maps.
+    bpf.maps.targets.remove(&pid);
+    bpf.maps.launches.kernel_counts.forget(pid);
     if let Some(before) = unmatched_before {
-        set_unmatched_returns(ebpf, before);
+        bpf.maps
+            .losses
+            .set_per_cpu(LossCause::UnmatchedReturn, before);
     }
     let (with_entry, with_both) = measured?;
     Ok(HitCosts {
         entry: with_entry.saturating_sub(baseline) / CALLS,
         ret: with_both.saturating_sub(with_entry) / CALLS,
     })
-}
-
-fn map_error<T>(
-    map: &'static str,
-    result: std::result::Result<T, aya::maps::MapError>,
-) -> Result<T> {
-    result.map_err(|source| LensError::Map { map, source })
-}
-
-fn targets(ebpf: &mut Ebpf) -> Result<BpfHashMap<&mut MapData, u32, TargetState>> {
-    let map = ebpf
-        .map_mut(maps::TARGETS)
-        .ok_or(LensError::MissingInObject {
-            kind: "map",
-            name: maps::TARGETS,
-        })?;
-    map_error(maps::TARGETS, BpfHashMap::try_from(map))
-}
-
-/// The kernel's per-CPU count of return hits without an entry.
-fn unmatched_returns(ebpf: &Ebpf) -> Option<PerCpuValues<u64>> {
-    let losses = PerCpuArray::<_, u64>::try_from(ebpf.map(maps::LOSSES)?).ok()?;
-    losses.get(&(LossCause::UnmatchedReturn as u32), 0).ok()
-}
-
-fn set_unmatched_returns(ebpf: &mut Ebpf, values: PerCpuValues<u64>) {
-    if let Some(map) = ebpf.map_mut(maps::LOSSES)
-        && let Ok(mut losses) = PerCpuArray::<_, u64>::try_from(map)
-    {
-        let _ = losses.set(LossCause::UnmatchedReturn as u32, values, 0);
-    }
-}
-
-/// Leaves no trace of lens-probe itself in the kernel's maps.
-fn forget_own_counters(ebpf: &mut Ebpf, pid: u32) {
-    if let Ok(mut targets) = targets(ebpf) {
-        let _ = targets.remove(&pid);
-    }
-    if let Some(map) = ebpf.map_mut(maps::KERNEL_COUNTS)
-        && let Ok(mut counts) = BpfHashMap::<_, KernelKey, u64>::try_from(map)
-    {
-        let own: Vec<KernelKey> = counts
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| k.tgid == pid)
-            .collect();
-        for key in own {
-            let _ = counts.remove(&key);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -120,7 +120,7 @@ pub fn configure<'a>(loader: &mut EbpfLoader<'a>, layout: &'a KernelLayout) {
 /// traced processes are not traced: a warning, not an error.
 pub fn attach(ebpf: &mut Ebpf) -> Result<()> {
     for (name, tracepoint) in TRACEPOINTS {
-        let program: &mut RawTracePoint = super::attach::program_mut(ebpf, name)?;
+        let program: &mut RawTracePoint = crate::bpf::program_mut(ebpf, name)?;
         program
             .load()
             .and_then(|()| program.attach(tracepoint).map(|_| ()))

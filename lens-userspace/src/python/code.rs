@@ -109,7 +109,7 @@ pub struct CodeReader {
 impl CodeReader {
     pub fn open(pid: u32, layout: CodeLayout) -> std::io::Result<CodeReader> {
         Ok(CodeReader {
-            mem: File::open(format!("/proc/{pid}/mem"))?,
+            mem: crate::sys::process::Process::new(pid).memory()?,
             layout,
             names: HashMap::new(),
             last_at: HashMap::new(),

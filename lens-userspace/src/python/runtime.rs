@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use lens_common::{PY_NO_FIELD, PyOffsets};
 
-use crate::sys::{library::parse_maps, symbols};
+use crate::sys::{process::Process, symbols};
 
 /// Where a code object and a `str` keep what names a function.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -202,10 +202,10 @@ fn version_of(file_name: &str) -> Option<String> {
 
 /// `pid`'s CPython, if it runs one: `Ok(None)` when it maps no interpreter.
 pub fn find_runtime(pid: u32) -> Result<Option<PythonRuntime>, RuntimeError> {
-    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
+    let process = Process::new(pid);
+    let Ok(entries) = process.mappings() else {
         return Ok(None);
     };
-    let entries = parse_maps(&text);
     // A shared libpython first (pyenv, conda); else the executable itself (Debian).
     let mut candidates: Vec<&crate::sys::library::MapsEntry> = entries
         .iter()
@@ -235,10 +235,7 @@ pub fn find_runtime(pid: u32) -> Result<Option<PythonRuntime>, RuntimeError> {
         return Err(RuntimeError::UnsupportedVersion { path, version });
     };
     // Read through the process's own view of the file (its mount namespace).
-    let mapped = PathBuf::from(format!(
-        "/proc/{pid}/map_files/{:x}-{:x}",
-        first.start, first.end
-    ));
+    let mapped = process.mapped_file(first);
     let no_symbol = || RuntimeError::NoRuntimeSymbol { path: path.clone() };
     let found = symbols::resolve_file_offsets(&mapped, &["_PyRuntime"])
         .ok()

@@ -325,12 +325,12 @@ struct OpenHow {
 /// its root (`RESOLVE_IN_ROOT`: its symlinks cannot lead outside), a relative one
 /// beneath its working directory; a regular file of at most `MAX_SOURCE_BYTES`.
 fn read_source(pid: u32, filename: &str) -> std::io::Result<String> {
-    let (base, resolve) = if filename.starts_with('/') {
-        ("root", libc::RESOLVE_IN_ROOT)
+    let process = crate::sys::process::Process::new(pid);
+    let (dir, resolve) = if filename.starts_with('/') {
+        (process.root()?, libc::RESOLVE_IN_ROOT)
     } else {
-        ("cwd", libc::RESOLVE_BENEATH)
+        (process.working_directory()?, libc::RESOLVE_BENEATH)
     };
-    let dir = File::open(format!("/proc/{pid}/{base}"))?;
     let path = CString::new(filename).map_err(|_| std::io::ErrorKind::InvalidInput)?;
     let how = OpenHow {
         // Non-blocking: a FIFO must not hang the loader (it is refused below).

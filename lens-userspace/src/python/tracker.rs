@@ -411,7 +411,7 @@ impl PythonTracker {
                 // calls: they ended at its last sample.
                 let gone = pid.is_none()
                     && !thread.open.is_empty()
-                    && !std::path::Path::new(&format!("/proc/{tgid}/task/{tid}")).exists();
+                    && !crate::sys::process::Process::new(*tgid).has_thread(*tid);
                 if gone {
                     let (at_ns, launches, epoch) = thread.last;
                     let at_ns = thread

@@ -65,11 +65,15 @@ impl Session {
                         sink.on_launch_counting(*pid, false, now, true);
                     }
                 }
-                let moved = self.attacher.set_launch_probes(&mut self.ebpf, false);
+                let moved = self
+                    .attacher
+                    .set_launch_probes(&mut self.bpf.programs, false);
                 info!("overhead budget: {moved} launch probes out");
             }
             Action::Attach => {
-                let moved = self.attacher.set_launch_probes(&mut self.ebpf, true);
+                let moved = self
+                    .attacher
+                    .set_launch_probes(&mut self.bpf.programs, true);
                 info!("overhead budget: {moved} launch probes in for a sampled window");
                 self.sync_launch_counting(sink);
             }

@@ -2,8 +2,7 @@
 //! signals into the sink until the targets exit, a signal arrives or the time is up.
 use std::time::Duration;
 
-use aya::maps::PerCpuArray;
-use lens_common::{LossCause, maps};
+use lens_common::LossCause;
 use log::debug;
 use tokio::{
     io::unix::AsyncFd,
@@ -27,16 +26,10 @@ impl Session {
             undecodable: self.undecodable,
             ..Losses::default()
         };
-        if let Some(map) = self.ebpf.map(maps::LOSSES)
-            && let Ok(array) = PerCpuArray::<_, u64>::try_from(map)
-        {
-            for cause in LossCause::ALL {
-                let total = array
-                    .get(&(cause as u32), 0)
-                    .map(|values| values.iter().sum())
-                    .unwrap_or(0);
-                losses.kernel.insert(cause.name(), total);
-            }
+        for cause in LossCause::ALL {
+            losses
+                .kernel
+                .insert(cause.name(), self.bpf.maps.losses.total(cause));
         }
         losses
     }

@@ -1,8 +1,7 @@
 //! `--hang-timeout`: in-flight collectives read from the kernel, and the watcher's
 //! verdicts handed to the sink.
 
-use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall};
-use lens_common::{InflightKey, ProbeId, maps};
+use lens_common::{InflightKey, ProbeId};
 
 use crate::{
     hangs::{self, HangChange},
@@ -11,7 +10,6 @@ use crate::{
 };
 
 use super::Session;
-use super::kernel_maps::inflight_entries;
 
 /// A call in flight, from its key and what its entry record says: when it began, the
 /// communicator or group it runs on (collectives; 0 for the others) and its bytes.
@@ -34,8 +32,10 @@ fn inflight_call(
 impl Session {
     /// The calls traced threads are in now (the kernel's entries waiting for returns).
     pub(super) fn inflight_calls(&self) -> Vec<hangs::InflightCall> {
-        let ebpf = &self.ebpf;
-        let collectives = inflight_entries::<CollectiveCall>(ebpf, maps::INFLIGHT_COLLECTIVES)
+        let inflight = &self.bpf.maps.inflight;
+        let collectives = inflight
+            .collectives
+            .calls()
             .into_iter()
             .filter_map(|(key, entry)| {
                 let call = entry.body;
@@ -43,13 +43,19 @@ impl Session {
                     .map(|dtype| call.count.saturating_mul(dtype.size_bytes()));
                 inflight_call(key, call.times.start_ns, call.comm, bytes)
             });
-        let syncs = inflight_entries::<SyncCall>(ebpf, maps::INFLIGHT_SYNCS)
+        let syncs = inflight
+            .syncs
+            .calls()
             .into_iter()
             .map(|(key, entry)| (key, entry.body.times.start_ns));
-        let inits = inflight_entries::<CommInitCall>(ebpf, maps::INFLIGHT_COMM_INITS)
+        let inits = inflight
+            .comm_inits
+            .calls()
             .into_iter()
             .map(|(key, entry)| (key, entry.body.times.start_ns));
-        let queries = inflight_entries::<EventQuery>(ebpf, maps::INFLIGHT_QUERIES)
+        let queries = inflight
+            .queries
+            .calls()
             .into_iter()
             .map(|(key, entry)| (key, entry.body.times.start_ns));
         let others = syncs

@@ -9,27 +9,21 @@ use std::{
     time::Duration,
 };
 
-use aya::{
-    Ebpf,
-    maps::{MapData, RingBuf},
-};
+use aya::maps::{MapData, RingBuf};
 use aya_log::EbpfLogger;
-use lens_common::{maps, settings};
+use lens_common::settings;
 use log::{info, warn};
 use tokio::sync::mpsc;
 
 use crate::{
     attach_status::AttachStatus,
+    bpf::BpfObject,
     budget::{BudgetController, BudgetReport, OverheadBudget},
     discovery::NodeFilter,
     error::Result,
     export::strategy::ExportStrategy,
     hangs::HangWatcher,
-    probes::{
-        attach::{self, Attacher},
-        calibrate,
-        files::FileProbes,
-    },
+    probes::{attach::Attacher, calibrate, files::FileProbes},
     python::{self, PythonTracker},
     settings::{
         config::ProbeRules,
@@ -44,19 +38,20 @@ use crate::{
 };
 
 mod budget;
+mod counters;
 mod drain;
 mod event_loop;
 mod hang_checks;
-mod kernel_counts;
-mod kernel_maps;
 mod node;
 mod python_samples;
+mod target_maps;
 mod targets;
 
 use budget::LaunchEstimate;
+use counters::KernelCounters;
 use event_loop::EventLoopPriority;
-use kernel_counts::KernelCounters;
-use kernel_maps::set_setting;
+
+pub use crate::bpf::KernelState;
 
 /// How often the ring buffer is drained when no wakeup came (wakeups are batched: the
 /// kernel wakes the reader once per 256 KiB of events, and at once for a control event).
@@ -92,20 +87,6 @@ pub enum StopReason {
     Duration,
 }
 
-/// Entries in the kernel's per-process maps ([`Session::kernel_state`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KernelState {
-    pub targets: usize,
-    /// Slots of the `INFLIGHT_*` maps: calls in flight, and one per thread and function
-    /// called (kept for its next call) until the process ends.
-    pub inflight: usize,
-    pub call_counters: usize,
-    /// Per-kernel launch counters not yet read.
-    pub kernel_counters: usize,
-    /// Processes whose libcudart mappings the driver probes know.
-    pub runtime_ranges: usize,
-}
-
 /// What a finished run reports besides what went to the sink.
 #[derive(Clone, Debug)]
 pub struct RunReport {
@@ -135,7 +116,7 @@ struct Target {
 }
 
 pub struct Session {
-    ebpf: Ebpf,
+    bpf: BpfObject,
     ring: Option<RingBuf<MapData>>,
     logger: Option<EbpfLogger<&'static dyn log::Log>>,
     attacher: Attacher,
@@ -198,10 +179,10 @@ impl Session {
     /// Checks privileges and kernel support, then loads the BPF programs.
     pub fn new(options: TraceOptions) -> Result<Session> {
         privileges::check()?;
-        let mut ebpf = attach::load_object(options.kernel_logs, options.uprobe_links)?;
-        let ring = attach::take_event_ring(&mut ebpf)?;
+        let mut bpf = BpfObject::load(options.kernel_logs, options.uprobe_links)?;
+        let ring = bpf.take_events()?;
         let logger = if options.kernel_logs {
-            match EbpfLogger::init(&mut ebpf) {
+            match EbpfLogger::init(&mut bpf.programs) {
                 Ok(logger) => Some(logger),
                 Err(error) => {
                     warn!("kernel-side logs unavailable: {error}");
@@ -214,10 +195,10 @@ impl Session {
         // Before the calibration below: a launch probe hit costs what it costs with it.
         let kernel_names = options.span_groups.contains(SpanGroup::Step);
         if kernel_names {
-            set_setting(&mut ebpf, settings::KERNEL_NAMES, 1)?;
+            bpf.maps.settings.set(settings::KERNEL_NAMES, 1)?;
         }
         let mut attacher = Attacher::default();
-        let hit_costs = calibrate::hit_costs(&mut ebpf);
+        let hit_costs = calibrate::hit_costs(&mut bpf);
         info!(
             "a probe hit costs {} ns here, {} ns more with a return probe",
             hit_costs.entry.as_nanos(),
@@ -226,7 +207,7 @@ impl Session {
         let budget = match options.overhead_budget {
             Some(budget) => {
                 attacher.sample_launches();
-                let min_cycle = if Attacher::launch_probes_move_as_one(&ebpf) {
+                let min_cycle = if Attacher::launch_probes_move_as_one(&bpf.programs) {
                     crate::budget::MIN_CYCLE_MULTI_LINKS
                 } else {
                     crate::budget::MIN_CYCLE_PERF_LINKS
@@ -239,7 +220,7 @@ impl Session {
             None => None,
         };
         Ok(Session {
-            ebpf,
+            bpf,
             ring: Some(ring),
             logger,
             attacher,
@@ -295,10 +276,7 @@ impl Session {
 
     /// Tells `guardian` about every target from now on.
     pub fn set_guardian(&mut self, mut guardian: Guardian) {
-        if let Some(aya::maps::Map::HashMap(map)) = self.ebpf.map(maps::STOPPED) {
-            use std::os::fd::{AsFd, AsRawFd};
-            guardian.share_stops(map.fd().as_fd().as_raw_fd());
-        }
+        guardian.share_stops(self.bpf.maps.stopped.raw_fd());
         self.guardian = Some(guardian);
     }
 
@@ -326,7 +304,7 @@ impl Session {
             return;
         }
         let tracker_rules_configured = python.iter().any(|rule| !rule.framework);
-        match python::sampler::start(&mut self.ebpf) {
+        match python::sampler::start(&mut self.bpf.programs) {
             Ok(()) => self.python = Some(PythonTracker::new(python)),
             Err(error) if tracker_rules_configured => {
                 warn!("Python rules: cannot start the sampler: {error}")

@@ -18,18 +18,17 @@ use crate::{
 };
 
 use super::Session;
-use super::kernel_maps::set_setting;
 
 impl Session {
     /// Node mode: traces every training process on the host that passes `filter`, those
     /// running now (from their next step on) and those that start later (from the moment
     /// they load a training library). Returns how many were running.
     pub fn watch_node(&mut self, filter: NodeFilter) -> Result<usize> {
-        set_setting(&mut self.ebpf, settings::NODE_MODE, 1)?;
+        self.bpf.maps.settings.set(settings::NODE_MODE, 1)?;
         self.node = Some(filter);
         if let Some(loader) = attach::own_dynamic_loader()? {
             self.attacher
-                .attach_loader(&mut self.ebpf, &loader, &self.groups);
+                .attach_loader(&mut self.bpf.programs, &loader, &self.groups);
         }
         let mut found = 0;
         for pid in discovery::all_pids() {
@@ -74,7 +73,7 @@ impl Session {
                     library.shown_path.display()
                 );
                 self.attacher
-                    .attach_loader(&mut self.ebpf, library, &self.groups);
+                    .attach_loader(&mut self.bpf.programs, library, &self.groups);
             }
         }
     }

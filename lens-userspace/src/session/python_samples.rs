@@ -3,8 +3,7 @@
 //! reads (`PY_SAVING`).
 use std::time::Duration;
 
-use aya::maps::HashMap as BpfHashMap;
-use lens_common::{maps, saving};
+use lens_common::saving;
 use log::{info, warn};
 
 use crate::{
@@ -62,7 +61,7 @@ impl Session {
         }
         match python::find_runtime(pid) {
             Ok(Some(runtime)) => {
-                match python::sampler::add_target(&mut self.ebpf, pid, &runtime.offsets) {
+                match self.bpf.maps.python.targets.insert(&pid, &runtime.offsets) {
                     Ok(()) => {
                         info!(
                             "pid {pid} runs CPython {}.{} ({}): sampling its Python stacks",
@@ -97,7 +96,7 @@ impl Session {
         if !tracker.knows(pid) {
             return;
         }
-        python::sampler::remove_target(&mut self.ebpf, pid);
+        self.bpf.maps.python.targets.remove(&pid);
         let calls = tracker.confirm(0, Some(pid));
         self.deliver_rule_calls(calls, sink);
         if let Some(tracker) = self.python.as_mut() {
@@ -161,15 +160,13 @@ impl Session {
         if now == 0 {
             self.saving_depth.remove(&pid);
         }
-        if was != now
-            && let Some(map) = self.ebpf.map_mut(maps::PY_SAVING)
-            && let Ok(mut saving) = BpfHashMap::<_, u32, u8>::try_from(map)
-        {
-            let _ = if now != 0 {
-                saving.insert(&pid, &now, 0)
+        if was != now {
+            let saving = &mut self.bpf.maps.python.saving;
+            if now != 0 {
+                let _ = saving.insert(&pid, &now);
             } else {
-                saving.remove(&pid)
-            };
+                saving.remove(&pid);
+            }
         }
     }
 

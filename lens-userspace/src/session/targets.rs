@@ -2,8 +2,7 @@
 //! through fork, exec and library loads, and finished when they exit.
 use std::{ffi::OsString, os::fd::OwnedFd};
 
-use aya::maps::HashMap as BpfHashMap;
-use lens_common::{CodeRanges, TARGET_STOP_ON_LINK_MAP_CHANGE, maps};
+use lens_common::TARGET_STOP_ON_LINK_MAP_CHANGE;
 use log::{info, warn};
 
 use crate::{
@@ -20,8 +19,8 @@ use crate::{
 };
 
 use super::budget::{launch_total, scale_launches};
+use super::counters::add_launch_counts;
 use super::event_loop::register;
-use super::kernel_counts::add_launch_counts;
 use super::{Session, Target};
 
 impl Session {
@@ -33,7 +32,8 @@ impl Session {
             .iter()
             .any(|l| matches!(l.kind, LibraryKind::TorchCpu | LibraryKind::Safetensors));
         if writes_checkpoints && !self.fork_images.contains(&pid) {
-            self.file_probes.attach(&mut self.ebpf, pid, &self.groups);
+            self.file_probes
+                .attach(&mut self.bpf.programs, pid, &self.groups);
         }
     }
 
@@ -135,7 +135,7 @@ impl Session {
         self.guard(pid);
         for library in libraries {
             self.attacher
-                .attach_library(&mut self.ebpf, pid, library, &self.groups);
+                .attach_library(&mut self.bpf.programs, pid, library, &self.groups);
         }
         self.set_runtime_ranges(pid, libraries);
         self.sample_python(pid);
@@ -172,7 +172,7 @@ impl Session {
         // The child will use (nearly always) the same dynamic loader file as we do.
         if let Some(loader) = attach::own_dynamic_loader()? {
             self.attacher
-                .attach_loader(&mut self.ebpf, &loader, &self.groups);
+                .attach_loader(&mut self.bpf.programs, &loader, &self.groups);
         }
         let gated = target::spawn_gated(argv)?;
         let pid = gated.pid;
@@ -181,7 +181,7 @@ impl Session {
         self.set_target(pid, flags)?;
         let pidfd = target::pidfd_open(pid)?;
         if let Err(error) = gated.release() {
-            let _ = self.targets_map()?.remove(&pid);
+            self.bpf.maps.targets.remove(&pid);
             return Err(error);
         }
         let mut info = ProcessInfo::read(pid).unwrap_or_else(|_| ProcessInfo {
@@ -261,9 +261,7 @@ impl Session {
             }
             // Gone already (a short-lived helper): nothing to trace.
             Err(_) => {
-                if let Ok(mut targets) = self.targets_map() {
-                    let _ = targets.remove(&child);
-                }
+                self.bpf.maps.targets.remove(&child);
             }
         }
     }
@@ -279,11 +277,7 @@ impl Session {
         // the old program's: spans take differences between marks, and the kernel keeps
         // counting without a moment in which a launch could be missed.)
         self.forget_kernel_counts(pid);
-        if let Some(map) = self.ebpf.map_mut(maps::RUNTIME_RANGES)
-            && let Ok(mut ranges) = BpfHashMap::<_, u32, CodeRanges>::try_from(map)
-        {
-            let _ = ranges.remove(&pid);
-        }
+        self.bpf.maps.launches.runtime_ranges.remove(&pid);
         let Some(target) = self.targets.get_mut(&pid) else {
             return;
         };
@@ -329,12 +323,7 @@ impl Session {
     /// kernel's map, the guardian ended it first (lens-probe was held up past
     /// `guardian::MAX_HOLD`): what loaded then was attached late, and is counted.
     pub(super) fn resume_from_load(&mut self, pid: u32) {
-        let removed = match self.ebpf.map_mut(maps::STOPPED) {
-            Some(map) => BpfHashMap::<_, u32, u64>::try_from(map)
-                .map(|mut stops| stops.remove(&pid).is_ok())
-                .unwrap_or(true),
-            None => true,
-        };
+        let removed = self.bpf.maps.stopped.remove(&pid);
         // One line per process (a process loading many libraries stops at each), all counted.
         if !removed {
             self.late_attaches += 1;
@@ -392,8 +381,12 @@ impl Session {
                 for library in &libraries {
                     if !self.attacher.is_attached(pid, library) {
                         info!("pid {pid} maps {}: attaching", library.shown_path.display());
-                        self.attacher
-                            .attach_library(&mut self.ebpf, pid, library, &self.groups);
+                        self.attacher.attach_library(
+                            &mut self.bpf.programs,
+                            pid,
+                            library,
+                            &self.groups,
+                        );
                     }
                 }
                 self.set_runtime_ranges(pid, &libraries);
@@ -433,9 +426,9 @@ impl Session {
         // Node mode outlives its targets: probes nobody needs any more go. (Otherwise
         // lens-probe ends with its targets, and the probes with it.)
         if self.node.is_some() {
-            self.attacher.release(&mut self.ebpf, pid);
+            self.attacher.release(&mut self.bpf.programs, pid);
         }
-        self.file_probes.release(&mut self.ebpf, pid);
+        self.file_probes.release(&mut self.bpf.programs, pid);
         self.fork_images.remove(&pid);
         if Some(pid) == self.child {
             self.child_exit = exit;

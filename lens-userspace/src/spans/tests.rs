@@ -2,7 +2,7 @@
 use super::{AttrValue, SpanBuilder, SpanLog, SpanStatus, names};
 use crate::{
     events::{CallTiming, CollectiveOp, PhaseSignal, ProbeEvent, PythonCaller, TorchScope},
-    kernels::KernelLaunches,
+    gpu_kernels::KernelLaunches,
     nccl::{DataType, RedOp},
     semconv,
     settings::groups::SpanGroups,

@@ -110,6 +110,8 @@ pub struct MapsEntry {
     pub end: u64,
     /// Where in the file the mapping starts.
     pub offset: u64,
+    /// Mapped executable (`r-xp`): code.
+    pub executable: bool,
     pub file: FileId,
     pub path: String,
 }
@@ -123,7 +125,7 @@ fn parse_maps_line(line: &str) -> Option<MapsEntry> {
     // start-end perms offset major:minor inode path (path may contain spaces)
     let mut fields = line.splitn(6, ' ');
     let range = fields.next()?;
-    let _perms = fields.next()?;
+    let perms = fields.next()?;
     let offset = fields.next()?;
     let dev = fields.next()?;
     let ino: u64 = fields.next()?.parse().ok()?;
@@ -139,6 +141,7 @@ fn parse_maps_line(line: &str) -> Option<MapsEntry> {
         start: u64::from_str_radix(start, 16).ok()?,
         end: u64::from_str_radix(end, 16).ok()?,
         offset: u64::from_str_radix(offset, 16).ok()?,
+        executable: perms.as_bytes().get(2) == Some(&b'x'),
         // The kernel's new_encode_dev layout, as stat() reports st_dev.
         file: FileId {
             dev: (minor & 0xff) | (major << 8) | ((minor & !0xff) << 12),

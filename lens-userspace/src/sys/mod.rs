@@ -5,10 +5,12 @@
 //! CPU time (`usage`), and leaving without waiting for the kernel to remove the probes
 //! (`teardown`).
 pub mod guardian;
+pub mod kernel;
 pub mod library;
 pub mod output;
 pub mod plt;
 pub mod privileges;
+pub mod process;
 pub mod symbols;
 pub mod target;
 pub mod teardown;

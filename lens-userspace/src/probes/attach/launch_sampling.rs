@@ -9,8 +9,8 @@ use aya::{
 use lens_common::ProbeId;
 use log::warn;
 
-use super::object::{is_multi, uprobe_mut};
 use super::{AttachKey, Attacher, ProbeOutcome, ProbeScope, attach_points};
+use crate::bpf::{is_multi, uprobe_mut};
 use crate::probes::catalog::{self, Program};
 use crate::sys::{
     library::{FileId, MappedLibrary},
@@ -39,7 +39,7 @@ pub(super) struct SampledGroup {
 impl SampledGroup {
     fn path(&self) -> std::path::PathBuf {
         use std::os::fd::AsRawFd;
-        format!("/proc/self/fd/{}", self.library.as_raw_fd()).into()
+        crate::sys::process::own_descriptor_path(self.library.as_raw_fd())
     }
 
     fn cookies(&self) -> impl Iterator<Item = (u64, u64)> + '_ {

@@ -33,13 +33,11 @@ use crate::{
 };
 
 mod launch_sampling;
-mod object;
 mod rule_attach;
 mod symbol_places;
 
+pub(crate) use crate::bpf::uprobe_mut;
 use launch_sampling::{SampledLaunches, sample_spec};
-pub(crate) use object::uprobe_mut;
-pub use object::{load_object, program_mut, take_event_ring};
 use symbol_places::{Batch, places};
 
 /// What happened to one probe on one library.

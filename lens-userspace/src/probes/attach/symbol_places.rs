@@ -8,8 +8,8 @@ use aya::{
 };
 use log::debug;
 
-use super::object::{is_multi, uprobe_mut};
 use super::{ProbeOutcome, attach_at, attach_points};
+use crate::bpf::{is_multi, uprobe_mut};
 use crate::probes::catalog::{self, Program};
 use crate::sys::{
     library::MappedLibrary,

@@ -26,7 +26,7 @@ use crate::{
 mod calls;
 mod framework_calls;
 mod held;
-mod sink;
+mod routing;
 
 use framework_calls::{AsyncSave, close_unwritten_async_save};
 use held::HeldCall;

@@ -1,4 +1,4 @@
-//! Kernel names: the launches the kernel counts per (process, phase epoch, kernel), read
+//! GPU kernel names: the launches the (OS) kernel counts per (process, phase epoch, kernel), read
 //! back by the session and named here. A runtime launch's kernel argument is the host
 //! stub, a function whose ELF symbol is the kernel's mangled C++ name; a driver launch's
 //! is a `CUfunction` handle, driver heap memory that no symbol names. Libraries shipped
@@ -13,10 +13,7 @@ use std::{
     sync::Arc,
 };
 
-use crate::sys::{
-    library::{FileId, parse_maps},
-    symbols,
-};
+use crate::sys::{library::FileId, process::Process, symbols};
 
 /// Launches of one kernel by one process in one phase epoch (the epoch a phase mark
 /// opens: see `lens_common::Event::epoch`).
@@ -116,10 +113,10 @@ impl KernelNames {
             let raw = read_c_string(pid, address)?;
             Some(Arc::<str>::from(demangle(&raw)))
         };
-        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
+        let process = Process::new(pid);
+        let Ok(entries) = process.mappings() else {
             return names;
         };
-        let entries = parse_maps(&text);
         // Per mapped file: its path to read, and (function, file offset) pairs.
         let mut per_file: BTreeMap<FileId, FileLookup> = BTreeMap::new();
         for &function in functions {
@@ -138,10 +135,7 @@ impl KernelNames {
             per_file
                 .entry(entry.file)
                 .or_insert_with(|| FileLookup {
-                    path: PathBuf::from(format!(
-                        "/proc/{pid}/map_files/{:x}-{:x}",
-                        entry.start, entry.end
-                    )),
+                    path: process.mapped_file(entry),
                     name: file_name,
                     wanted: Vec::new(),
                 })
@@ -207,7 +201,7 @@ const MAX_NAME_BYTES: usize = 4096;
 /// The NUL-terminated string at `address` in `pid`'s memory, if readable and UTF-8.
 fn read_c_string(pid: u32, address: u64) -> Option<String> {
     use std::os::unix::fs::FileExt;
-    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mem = Process::new(pid).memory().ok()?;
     let mut bytes = Vec::new();
     let mut chunk = [0u8; 256];
     while bytes.len() < MAX_NAME_BYTES {

@@ -1,12 +1,11 @@
-//! The kernel's call and per-kernel launch counters, read into the sink periodically
-//! and when a process ends.
+//! The probes' call counters and per-GPU-kernel launch counters, read into the sink
+//! periodically and when a process ends.
 use std::collections::{BTreeMap, HashMap};
 
-use aya::maps::{HashMap as BpfHashMap, PerCpuHashMap};
-use lens_common::{CallKey, HandleKey, KernelKey, LAUNCH_PROBES, ProbeId, TargetState, maps};
+use lens_common::{HandleKey, KernelKey, LAUNCH_PROBES, ProbeId, TargetState};
 
 use crate::{
-    kernels::{KernelLaunches, KernelNames},
+    gpu_kernels::{KernelLaunches, KernelNames},
     sink::EventSink,
 };
 
@@ -20,20 +19,10 @@ impl Session {
         let Some(kernels) = self.kernels.as_mut() else {
             return;
         };
-        let Some(map) = self.ebpf.map_mut(maps::KERNEL_COUNTS) else {
-            return;
-        };
-        let Ok(mut counts) = BpfHashMap::<_, KernelKey, u64>::try_from(map) else {
-            return;
-        };
-        let keys: Vec<KernelKey> = counts
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| pids.contains(&k.tgid))
-            .collect();
+        let counts = &mut self.bpf.maps.launches.kernel_counts;
         let mut new: HashMap<u32, Vec<(KernelKey, u64)>> = HashMap::new();
-        for key in keys {
-            let Ok(value) = counts.get(&key, 0) else {
+        for key in counts.keys_of(|pid| pids.contains(&pid)) {
+            let Some(value) = counts.get(&key) else {
                 continue;
             };
             let seen = kernels.seen.entry(key).or_default();
@@ -41,7 +30,7 @@ impl Session {
             *seen = value;
             let newest = kernels.epochs.get(&key.tgid).copied().unwrap_or(0);
             if all || u64::from(key.epoch) < newest {
-                let _ = counts.remove(&key);
+                counts.remove(&key);
                 kernels.seen.remove(&key);
             }
             if delta > 0 {
@@ -49,10 +38,7 @@ impl Session {
             }
         }
         // Stubs without a symbol are named as their module registered them.
-        let registry = self
-            .ebpf
-            .map(maps::KERNEL_REGISTRY)
-            .and_then(|map| BpfHashMap::<_, HandleKey, u64>::try_from(map).ok());
+        let registry = &self.bpf.maps.launches.kernel_registry;
         for (pid, entries) in new {
             let functions: Vec<(u64, bool)> = entries
                 .iter()
@@ -64,7 +50,7 @@ impl Session {
                     _pad: 0,
                     handle: function,
                 };
-                registry.as_ref()?.get(&key, 0).ok()
+                registry.get(&key)
             };
             let names = kernels.names.resolve(pid, &functions, &registered);
             let launches: Vec<KernelLaunches> = entries
@@ -89,18 +75,7 @@ impl Session {
             kernels.launches_read.remove(&pid);
             kernels.names.forget(pid);
         }
-        if let Some(map) = self.ebpf.map_mut(maps::KERNEL_COUNTS)
-            && let Ok(mut counts) = BpfHashMap::<_, KernelKey, u64>::try_from(map)
-        {
-            let stale: Vec<KernelKey> = counts
-                .keys()
-                .filter_map(|k| k.ok())
-                .filter(|k| k.tgid == pid)
-                .collect();
-            for key in stale {
-                let _ = counts.remove(&key);
-            }
-        }
+        self.bpf.maps.launches.kernel_counts.forget(pid);
     }
 
     /// What `calls` cost a target, and each of its `runtime_driver_hits` (driver launches
@@ -142,27 +117,16 @@ impl Session {
     /// `TARGETS` entry, other calls in `CALL_COUNTS`.
     pub(super) fn call_counts(&mut self) -> BTreeMap<u32, BTreeMap<ProbeId, u64>> {
         let mut by_pid: BTreeMap<u32, BTreeMap<ProbeId, u64>> = BTreeMap::new();
-        if let Ok(targets) = self.targets_map() {
-            for (pid, entry) in targets.iter().filter_map(|entry| entry.ok()) {
-                add_launch_counts(by_pid.entry(pid).or_default(), Some(&entry));
-            }
+        for (pid, entry) in self.bpf.maps.targets.entries() {
+            add_launch_counts(by_pid.entry(pid).or_default(), Some(&entry));
         }
         by_pid.retain(|pid, _| self.targets.contains_key(pid));
-        let Some(map) = self.ebpf.map(maps::CALL_COUNTS) else {
-            return by_pid;
-        };
-        let Ok(counts) = PerCpuHashMap::<_, CallKey, u64>::try_from(map) else {
-            return by_pid;
-        };
-        for key in counts.keys().filter_map(|k| k.ok()) {
+        for (key, total) in self.bpf.maps.call_counts.totals() {
             if !self.targets.contains_key(&key.tgid) {
                 continue;
             }
-            if let (Ok(values), Some(probe)) = (counts.get(&key, 0), ProbeId::from_u32(key.probe)) {
-                by_pid
-                    .entry(key.tgid)
-                    .or_default()
-                    .insert(probe, values.iter().sum());
+            if let Some(probe) = ProbeId::from_u32(key.probe) {
+                by_pid.entry(key.tgid).or_default().insert(probe, total);
             }
         }
         by_pid
@@ -171,33 +135,18 @@ impl Session {
     /// Takes `pid` out of `TARGETS`: its probes stop counting it. Returns its entry as
     /// it was, launch counters included.
     pub(super) fn take_target_entry(&mut self, pid: u32) -> Option<TargetState> {
-        let mut targets = self.targets_map().ok()?;
-        let entry = targets.get(&pid, 0).ok();
-        let _ = targets.remove(&pid);
-        entry
+        self.bpf.maps.targets.take(&pid)
     }
 
     /// `pid`'s `CALL_COUNTS` counters, removed from the kernel.
     pub(super) fn take_call_counts(&mut self, pid: u32) -> BTreeMap<ProbeId, u64> {
-        let mut calls = BTreeMap::new();
-        let Some(map) = self.ebpf.map_mut(maps::CALL_COUNTS) else {
-            return calls;
-        };
-        let Ok(mut counts) = PerCpuHashMap::<_, CallKey, u64>::try_from(map) else {
-            return calls;
-        };
-        let keys: Vec<CallKey> = counts
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| k.tgid == pid)
-            .collect();
-        for key in keys {
-            if let (Ok(values), Some(probe)) = (counts.get(&key, 0), ProbeId::from_u32(key.probe)) {
-                calls.insert(probe, values.iter().sum());
-            }
-            let _ = counts.remove(&key);
-        }
-        calls
+        self.bpf
+            .maps
+            .call_counts
+            .take_process(pid)
+            .into_iter()
+            .filter_map(|(key, total)| Some((ProbeId::from_u32(key.probe)?, total)))
+            .collect()
     }
 
     /// Tells the sink about targets whose launches began or stopped being counted (their

@@ -1,5 +1,5 @@
 //! The BPF object built from `lens-ebpf`: loaded once, and its programs and ring
-//! buffer found by name.
+//! buffer found by name ([`super::BpfObject`] takes the maps).
 
 use aya::{
     Ebpf, EbpfLoader,
@@ -36,7 +36,7 @@ fn name_for(program: Program, multi: bool) -> &'static str {
 
 /// Whether `program` goes in as its uprobe_multi twin in `ebpf`: one kernel link for all
 /// the points of one attach call.
-pub(super) fn is_multi(ebpf: &Ebpf, program: Program) -> bool {
+pub(crate) fn is_multi(ebpf: &Ebpf, program: Program) -> bool {
     loaded_name(ebpf, program) != program.name()
 }
 
@@ -53,7 +53,7 @@ fn use_uprobe_multi(links: UprobeLinks) -> Result<bool> {
                 false
             }
         };
-    let whole_process = kernel_release()
+    let whole_process = crate::sys::kernel::release()
         .as_deref()
         .and_then(release_version)
         .is_some_and(|version| version >= MULTI_FILTERS_PROCESSES);
@@ -92,11 +92,6 @@ fn use_uprobe_multi(links: UprobeLinks) -> Result<bool> {
 /// the kernel compared the calling thread with the one the link was opened for. Every
 /// library probe is opened for one process (`docs/probes.md`, "Where probes go").
 const MULTI_FILTERS_PROCESSES: (u32, u32) = (6, 10);
-
-/// This kernel's release (`uname -r`).
-fn kernel_release() -> Option<String> {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()
-}
 
 /// `6.18.44-fc-v1272` → (6, 18).
 fn release_version(release: &str) -> Option<(u32, u32)> {

@@ -230,7 +230,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
         }
     }
 
-    fn kernel_launches(&mut self, pid: u32, launches: &[crate::kernels::KernelLaunches]) {
+    fn kernel_launches(&mut self, pid: u32, launches: &[crate::gpu_kernels::KernelLaunches]) {
         if let Some(process) = self.processes.get_mut(&pid) {
             let ledger = process.arena.launches_mut();
             for kernel in launches {
