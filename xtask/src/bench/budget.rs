@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, median, row};
+use super::summary::{BudgetAccount as Account, Summary};
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
-use serde_json::Value as Json;
 
 const EXTRA_LAUNCHES: &str = "2000";
 const LAUNCH_NS: &str = "3000";
@@ -45,26 +45,6 @@ const WRAPPER: &str = r#"T="$0"; C="${T%/*}/monotonic_ns"; "$T" 1 >/dev/null || 
 fn parse_loop(line: &str) -> Option<f64> {
     let ns: u64 = line.trim().strip_prefix("lens-bench-loop ")?.parse().ok()?;
     Some(ns as f64 / 1e9)
-}
-
-/// The budget's account from `--summary-json`.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-struct Account {
-    estimated_percent: f64,
-    sampled_percent: f64,
-    per_hit_ns: f64,
-    windows: f64,
-}
-
-fn account(json: &Json) -> Option<Account> {
-    let budget = json.get("overhead_budget")?;
-    let number = |key: &str| budget.get(key).and_then(Json::as_f64);
-    Some(Account {
-        estimated_percent: number("estimated_percent")?,
-        sampled_percent: number("sampled_percent")?,
-        per_hit_ns: number("per_hit_ns")?,
-        windows: number("windows")?,
-    })
 }
 
 pub(super) struct BudgetBlock {
@@ -159,11 +139,8 @@ fn run(
         Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
         wait_teardown(&name, &before);
         if variant == Variant::AllBudget {
-            let text = fs::read_to_string(&summary_path)
-                .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-            let json = serde_json::from_str::<Json>(&text)
-                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
-            account_found = Some(account(&json).ok_or_else(|| {
+            let json = Summary::read(&summary_path).map_err(|e| format!("{name}: {e}"))?;
+            account_found = Some(json.overhead_budget.ok_or_else(|| {
                 format!("{name}: no overhead_budget in {}", summary_path.display())
             })?);
         }
@@ -290,26 +267,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn loop_lines_and_accounts() {
+    fn loop_lines() {
         assert_eq!(parse_loop("lens-bench-loop 1500000000\n"), Some(1.5));
         assert_eq!(parse_loop("trainer: 3 steps done"), None);
-        let json = serde_json::from_str::<Json>(
-            r#"{"processes": [], "overhead_budget": {"budget_percent": 1.0, "per_hit_ns": 780.0,
-                "estimated_percent": 0.4, "sampled_percent": 2.5, "windows": 3}}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            account(&json),
-            Some(Account {
-                estimated_percent: 0.4,
-                sampled_percent: 2.5,
-                per_hit_ns: 780.0,
-                windows: 3.0
-            })
-        );
-        assert_eq!(
-            account(&serde_json::from_str::<Json>(r#"{"processes": []}"#).unwrap()),
-            None
-        );
     }
 }

@@ -6,14 +6,14 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use serde_json::Value as Json;
-
 use super::{
     CALLS_PER_PROCESS, CALLS_PER_STEP, Ctx, DRIVER_HITS_PER_STEP, FAKE_PROBES, FAKE_WRAPPER,
     PRESETS, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids,
     proc::{Line, Proc, Stream},
     report::median,
-    say, wait_teardown,
+    say,
+    summary::Summary,
+    wait_teardown,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,76 +50,19 @@ pub(super) struct TrainerSummary {
     pub(super) tracer_cpu_s: Option<f64>,
 }
 
-pub(super) fn sum_members(value: Option<&Json>, field: Option<&str>) -> u64 {
-    value
-        .map(|v| {
-            v.as_object()
-                .into_iter()
-                .flatten()
-                .filter_map(|(_, m)| match field {
-                    Some(f) => m.get(f)?.as_u64(),
-                    None => m.as_u64(),
-                })
-                .sum()
-        })
-        .unwrap_or(0)
-}
-
-/// The process of a `--summary-json` run as `PROGRAM ARGS…` (the program named by the
-/// end of its path), if the summary has one.
-pub(super) fn summary_process<'a>(
-    json: &'a Json,
-    program: &str,
-    args: &[&str],
-) -> Option<&'a Json> {
-    json.get("processes")?.as_array()?.iter().find(|p| {
-        let argv = p
-            .get("command_line")
-            .and_then(Json::as_array)
-            .map(Vec::as_slice)
-            .unwrap_or_default();
-        argv.len() == args.len() + 1
-            && argv[0].as_str().is_some_and(|a| a.ends_with(program))
-            && argv[1..]
-                .iter()
-                .zip(args)
-                .all(|(arg, want)| arg.as_str() == Some(want))
-    })
-}
-
-/// Events the kernel and the decoder lost in a `--summary-json` run.
-pub(super) fn summary_losses(json: &Json) -> u64 {
-    let losses = json.get("losses");
-    sum_members(losses.and_then(|l| l.get("kernel")), None)
-        + losses
-            .and_then(|l| l.get("undecodable"))
-            .and_then(Json::as_u64)
-            .unwrap_or(0)
-}
-
 /// The trainer process run with `steps` (not the `trainer 1` warm-up) in a summary.
-pub(super) fn trainer_summary(json: &Json, steps: u64) -> Result<TrainerSummary, String> {
+pub(super) fn trainer_summary(summary: &Summary, steps: u64) -> Result<TrainerSummary, String> {
     let steps = steps.to_string();
-    let process = summary_process(json, "trainer", &[&steps])
+    let process = summary
+        .process("trainer", &[&steps])
         .ok_or_else(|| format!("no `trainer {steps}` process in the summary"))?;
-    let lost = summary_losses(json);
     Ok(TrainerSummary {
-        calls: sum_members(process.get("calls"), None),
-        events: sum_members(process.get("collectives"), Some("calls"))
-            + sum_members(process.get("sync_waits"), Some("calls")),
-        lost,
-        estimated_cost_s: process
-            .pointer("/probe_cost/estimated_ns")
-            .and_then(Json::as_f64)
-            .map(|ns| ns / 1e9),
-        tracer_cpu_s: tracer_cpu_s(json),
+        calls: process.calls.values().sum(),
+        events: process.events(),
+        lost: summary.lost(),
+        estimated_cost_s: process.probe_cost.map(|c| c.estimated_ns as f64 / 1e9),
+        tracer_cpu_s: summary.tracer_cpu_s(),
     })
-}
-
-/// lens-probe's own CPU seconds (user + system), from `--summary-json`.
-pub(super) fn tracer_cpu_s(json: &Json) -> Option<f64> {
-    let cpu = json.get("lens_probe_cpu")?;
-    Some(cpu.get("user_s")?.as_f64()? + cpu.get("system_s")?.as_f64()?)
 }
 
 pub(super) fn parse_elapsed(line: &str) -> Option<f64> {
@@ -322,10 +265,7 @@ pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun, 
             let before = lens_probe_pids();
             Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
             teardown_s = Some(wait_teardown(&name, &before));
-            let text = fs::read_to_string(&summary_path)
-                .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-            let json = serde_json::from_str::<Json>(&text)
-                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
+            let json = Summary::read(&summary_path).map_err(|e| format!("{name}: {e}"))?;
             summary = Some(
                 trainer_summary(&json, ctx.sizes.trainer_steps)
                     .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?,

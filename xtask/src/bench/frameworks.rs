@@ -9,6 +9,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use serde::Deserialize;
+
 use super::proc::{Line, Proc};
 use super::report::{Met, Row, Section, fmt_duration, row};
 use super::tables::ratio_to;
@@ -194,6 +196,20 @@ fn run(
     Ok((slowest, steps))
 }
 
+/// What the bench reads of a ground-truth file (`tests/fixtures/frameworks/_truth.py`).
+#[derive(Deserialize)]
+struct Truth {
+    #[serde(default)]
+    steps: Vec<TruthStep>,
+}
+
+/// One optimizer step; `end_ns` is `null` for a step that never ended.
+#[derive(Deserialize)]
+struct TruthStep {
+    start_ns: Option<u64>,
+    end_ns: Option<u64>,
+}
+
 /// The training loop's time in one ground-truth file: its first step's start to its
 /// last step's end, and its steps.
 fn loop_time(file: &Path) -> Result<(f64, usize), String> {
@@ -203,16 +219,15 @@ fn loop_time(file: &Path) -> Result<(f64, usize), String> {
             file.display()
         )
     })?;
-    let truth: serde_json::Value =
+    let truth: Truth =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
-    let steps = truth["steps"]
-        .as_array()
-        .filter(|steps| !steps.is_empty())
-        .ok_or_else(|| format!("{}: no steps", file.display()))?;
-    let start = steps[0]["start_ns"].as_u64();
-    let end = steps[steps.len() - 1]["end_ns"].as_u64();
-    match (start, end) {
-        (Some(start), Some(end)) if end > start => Ok(((end - start) as f64 / 1e9, steps.len())),
+    let (Some(first), Some(last)) = (truth.steps.first(), truth.steps.last()) else {
+        return Err(format!("{}: no steps", file.display()));
+    };
+    match (first.start_ns, last.end_ns) {
+        (Some(start), Some(end)) if end > start => {
+            Ok(((end - start) as f64 / 1e9, truth.steps.len()))
+        }
         _ => Err(format!("{}: steps without times", file.display())),
     }
 }
@@ -288,6 +303,12 @@ mod tests {
         assert_eq!(loop_time(&file).unwrap(), (2.5, 2));
         fs::write(&file, r#"{"steps": []}"#).unwrap();
         assert!(loop_time(&file).unwrap_err().contains("no steps"));
+        fs::write(
+            &file,
+            r#"{"rank": 0, "steps": [{"start_ns": 5, "end_ns": null}], "evaluations": []}"#,
+        )
+        .unwrap();
+        assert!(loop_time(&file).unwrap_err().contains("without times"));
         let _ = fs::remove_dir_all(&dir);
     }
 }

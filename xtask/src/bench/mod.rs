@@ -39,6 +39,7 @@ mod proc;
 mod python;
 mod report;
 mod scale;
+mod summary;
 mod tables;
 mod teardown;
 mod throughput;
@@ -717,9 +718,9 @@ mod tests {
     use super::fake::{
         TrainerSummary, bpftrace_script, parse_bpftrace_count, parse_elapsed, trainer_summary,
     };
+    use super::summary::Summary;
     use super::torch::parse_time_output;
     use super::*;
-    use serde_json::Value as Json;
 
     #[test]
     fn wrapper_lines() {
@@ -760,7 +761,7 @@ mod tests {
              "probe_cost": {"estimated_ns": 2500000, "traced_ns": 90000000}}
           ],
           "lens_probe_cpu": {"user_s": 1.25, "system_s": 0.5, "wall_s": 3.0}}"#;
-        let json = serde_json::from_str::<Json>(doc).unwrap();
+        let json = serde_json::from_str::<Summary>(doc).unwrap();
         assert_eq!(
             trainer_summary(&json, 40).unwrap(),
             TrainerSummary {

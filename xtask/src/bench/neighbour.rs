@@ -11,12 +11,10 @@ use std::fs;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use serde_json::Value as Json;
-
-use super::fake::summary_process;
 use super::per_kind::parse_loop_time;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Section, fmt_count, fmt_duration, median};
+use super::summary::Summary;
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
 
 /// The twin's call count: far more than it gets to make before it is killed.
@@ -165,13 +163,10 @@ fn run(
     result?;
     if variant == Variant::Beside {
         wait_teardown(&name, &before);
-        let text = fs::read_to_string(&summary_path)
-            .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-        let json = serde_json::from_str::<Json>(&text)
-            .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
-        let twin_calls = summary_process(&json, "hammer", &["launch", TWIN_CALLS])
-            .and_then(|p| p.get("calls")?.get("cudaLaunchKernel")?.as_u64())
-            .unwrap_or(0);
+        let json = Summary::read(&summary_path).map_err(|e| format!("{name}: {e}"))?;
+        let twin_calls = json
+            .process("hammer", &["launch", TWIN_CALLS])
+            .map_or(0, |p| p.calls_of("cudaLaunchKernel"));
         if twin_calls == 0 {
             checks.push(format!(
                 "{name}: lens-probe counted no launch of the traced twin: it was not traced"

@@ -11,11 +11,11 @@ use std::fs;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::fake::{parse_bpftrace_count, summary_losses, summary_process, tracer_cpu_s};
+use super::fake::parse_bpftrace_count;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, fmt_duration, median};
+use super::summary::Summary;
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
-use serde_json::Value as Json;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
@@ -169,16 +169,12 @@ fn bpftrace_script(ctx: &Ctx, kind: Kind, returns: bool) -> String {
 
 /// The probed function's call count and the run's losses, from `--summary-json`: the
 /// process run as `hammer KIND N`.
-fn hammer_summary(json: &Json, kind: Kind, calls: u64) -> Result<(u64, u64), String> {
+fn hammer_summary(summary: &Summary, kind: Kind, calls: u64) -> Result<(u64, u64), String> {
     let n = calls.to_string();
-    let process = summary_process(json, "hammer", &[kind.arg(), &n])
+    let process = summary
+        .process("hammer", &[kind.arg(), &n])
         .ok_or_else(|| format!("no `hammer {} {n}` process in the summary", kind.arg()))?;
-    let counted = process
-        .get("calls")
-        .and_then(|c| c.get(kind.function()))
-        .and_then(Json::as_u64)
-        .unwrap_or(0);
-    Ok((counted, summary_losses(json)))
+    Ok((process.calls_of(kind.function()), summary.lost()))
 }
 
 /// The CPU the loop runs on, and the one the tracer runs on (the same on a 1-CPU machine).
@@ -329,11 +325,8 @@ fn run(
             let before = lens_probe_pids();
             Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
             wait_teardown(&name, &before);
-            let text = fs::read_to_string(&summary_path)
-                .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-            let json = serde_json::from_str::<Json>(&text)
-                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
-            tracer_cpu_s_run = tracer_cpu_s(&json);
+            let json = Summary::read(&summary_path).map_err(|e| format!("{name}: {e}"))?;
+            tracer_cpu_s_run = json.tracer_cpu_s();
             let (counted, lost) = hammer_summary(&json, kind, calls)
                 .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
             if counted != calls {
@@ -598,7 +591,7 @@ mod tests {
             {"command_line": ["/f/hammer", "group", "1"], "calls": {"ncclGroupStart": 1}},
             {"command_line": ["/f/hammer", "group", "500"], "calls": {"ncclGroupStart": 500}}
           ]}"#;
-        let json = serde_json::from_str::<Json>(doc).unwrap();
+        let json = serde_json::from_str::<Summary>(doc).unwrap();
         assert_eq!(hammer_summary(&json, Kind::Group, 500), Ok((500, 1)));
         assert!(hammer_summary(&json, Kind::Launch, 500).is_err());
     }

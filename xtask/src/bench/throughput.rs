@@ -11,7 +11,7 @@ use std::time::Instant;
 use super::proc::{Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, median, min_max};
 use super::{Ctx, RUN_TIMEOUT, Watch, say, scrub_lens_env};
-use serde_json::Value as Json;
+use serde::Deserialize;
 
 /// Target rates (events/s); `None`: as fast as the producer goes.
 const RATES: [Option<u64>; 6] = [
@@ -50,7 +50,8 @@ impl Exporter {
     }
 }
 
-#[derive(Clone, Debug, Default, PartialEq)]
+/// One run's report, the JSON line `examples/throughput` prints (other fields ignored).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 struct GenRun {
     sent: u64,
     received: u64,
@@ -66,21 +67,7 @@ struct GenRun {
 
 impl GenRun {
     fn parse(line: &str) -> Option<GenRun> {
-        let json = serde_json::from_str::<Json>(line.trim()).ok()?;
-        let u = |key: &str| json.get(key).and_then(Json::as_u64);
-        let f = |key: &str| json.get(key).and_then(Json::as_f64);
-        Some(GenRun {
-            sent: u("sent")?,
-            received: u("received")?,
-            lost: u("lost")?,
-            received_rate: f("received_rate")?,
-            elapsed_s: f("elapsed_s")?,
-            consumer_cpu_s: f("consumer_cpu_s")?,
-            producer_cpu_s: f("producer_cpu_s")?,
-            spans: u("spans")?,
-            spans_dropped: u("spans_dropped")?,
-            export_cpu_s: f("export_cpu_s")?,
-        })
+        serde_json::from_str(line.trim()).ok()
     }
 
     /// Share of a core the draining thread used.
