@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
+use xtask::error::{self, Context, Error, Result};
 use xtask::pypi;
 use xtask::torch_venv;
 
@@ -17,7 +18,7 @@ const TOOLCHAIN_FILE: &str = include_str!("../../rust-toolchain.toml");
 /// An optional local wheel directory, used (as an optimisation only) when it exists.
 const LOCAL_WHEELS: &str = "/tmp/wheels";
 
-pub fn run(dry_run: bool) -> Result<(), String> {
+pub fn run(dry_run: bool) -> Result<()> {
     let start = Instant::now();
     println!(
         "xtask setup{}",
@@ -47,17 +48,23 @@ fn step(n: u32, what: &str, msg: impl AsRef<str>) {
 }
 
 /// Runs `cmd` with inherited stdout/stderr; `Err` is one line naming the command.
-fn run_streaming(cmd: &mut Command) -> Result<(), String> {
+fn run_streaming(cmd: &mut Command) -> Result<()> {
     let shown = toolchain::display_command(cmd);
     run_streaming_shown(cmd, &shown)
 }
 
 /// [`run_streaming`], naming the command as `shown`.
-fn run_streaming_shown(cmd: &mut Command, shown: &str) -> Result<(), String> {
+fn run_streaming_shown(cmd: &mut Command, shown: &str) -> Result<()> {
     match cmd.stdin(Stdio::null()).status() {
         Ok(status) if status.success() => Ok(()),
-        Ok(status) => Err(format!("`{shown}` failed ({status})")),
-        Err(e) => Err(format!("cannot run `{shown}`: {e}")),
+        Ok(status) => Err(Error::Failed {
+            command: shown.to_owned(),
+            status,
+        }),
+        Err(source) => Err(Error::Spawn {
+            command: shown.to_owned(),
+            source,
+        }),
     }
 }
 
@@ -78,7 +85,7 @@ fn toolchain_version(name: &str) -> String {
 
 /// The user-space toolchain `rust-toolchain.toml` pins, with clippy and rustfmt (rustup may
 /// already have installed it to run xtask itself; then this only reports it).
-fn stable(dry_run: bool) -> Result<(), String> {
+fn stable(dry_run: bool) -> Result<()> {
     let what = "pinned toolchain (rust-toolchain.toml)";
     let channel = toolchain::toolchain_file_channel(TOOLCHAIN_FILE)
         .ok_or("rust-toolchain.toml has no `channel = \"...\"` line")?;
@@ -104,10 +111,10 @@ fn stable(dry_run: bool) -> Result<(), String> {
     if dry_run {
         return Ok(());
     }
-    run_streaming(&mut cmd).map_err(|e| format!("{e}: the workspace is built with {channel}"))
+    run_streaming(&mut cmd).hint(format!("the workspace is built with {channel}"))
 }
 
-fn nightly(dry_run: bool) -> Result<(), String> {
+fn nightly(dry_run: bool) -> Result<()> {
     let installed = toolchain::nightly_installed().ok_or(NO_RUSTUP)?;
     if installed {
         step(
@@ -132,8 +139,7 @@ fn nightly(dry_run: bool) -> Result<(), String> {
             step(1, "rust-src", "would be checked after installing nightly");
             return Ok(());
         }
-        run_streaming(&mut cmd)
-            .map_err(|e| format!("{e}: the eBPF build needs the {NIGHTLY} toolchain"))?;
+        run_streaming(&mut cmd).hint(format!("the eBPF build needs the {NIGHTLY} toolchain"))?;
     }
 
     let sysroot = match toolchain::nightly_sysroot() {
@@ -142,7 +148,8 @@ fn nightly(dry_run: bool) -> Result<(), String> {
         None => {
             return Err(format!(
                 "`rustc +{NIGHTLY} --print sysroot` failed right after installing it: check `rustup toolchain list`"
-            ));
+            )
+            .into());
         }
     };
     if toolchain::rust_src_installed(&sysroot) {
@@ -166,14 +173,15 @@ fn nightly(dry_run: bool) -> Result<(), String> {
     if dry_run {
         return Ok(());
     }
-    run_streaming(&mut cmd).map_err(|e| {
-        format!("{e}: rust-src is needed for `-Z build-std=core` (check network access to static.rust-lang.org)")
-    })?;
+    run_streaming(&mut cmd).hint(
+        "rust-src is needed for `-Z build-std=core` (check network access to static.rust-lang.org)",
+    )?;
     if !toolchain::rust_src_installed(&sysroot) {
         return Err(format!(
             "rust-src still missing after `rustup component add`: no {}",
             toolchain::rust_src_dir(&sysroot).display()
-        ));
+        )
+        .into());
     }
     Ok(())
 }
@@ -181,7 +189,7 @@ fn nightly(dry_run: bool) -> Result<(), String> {
 // ---- 2. bpf-linker ---------------------------------------------------------------------
 
 /// Derives the bpf-linker install command from the installed nightly.
-fn bpf_linker_plan() -> Result<BpfLinkerInstall, String> {
+fn bpf_linker_plan() -> Result<BpfLinkerInstall> {
     let vv =
         toolchain::capture(toolchain::proxy_command("rustc").args([&format!("+{NIGHTLY}"), "-vV"]))
             .ok_or_else(|| {
@@ -193,14 +201,19 @@ fn bpf_linker_plan() -> Result<BpfLinkerInstall, String> {
         .ok_or_else(|| format!("`rustc +{NIGHTLY} --print sysroot` failed"))?;
     let lib = sysroot.join("lib");
     let names: Vec<String> = fs::read_dir(&lib)
-        .map_err(|e| format!("cannot list {}: {e}", lib.display()))?
+        .map_err(|e| Error::io("list", &lib, e))?
         .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
         .collect();
     let root = toolchain::bpf_linker_root();
-    BpfLinkerInstall::derive(&vv, &sysroot, names, root.as_deref())
+    Ok(BpfLinkerInstall::derive(
+        &vv,
+        &sysroot,
+        names,
+        root.as_deref(),
+    )?)
 }
 
-fn bpf_linker(dry_run: bool) -> Result<(), String> {
+fn bpf_linker(dry_run: bool) -> Result<()> {
     let what = "bpf-linker";
     let found = toolchain::find_bpf_linker().map(|p| {
         let version = toolchain::bpf_linker_version(&p);
@@ -253,7 +266,7 @@ fn bpf_linker(dry_run: bool) -> Result<(), String> {
             None => "not found on PATH or in ~/.cargo/bin".to_owned(),
         },
     };
-    let plan = bpf_linker_plan().map_err(|e| format!("cannot build bpf-linker: {e}"))?;
+    let plan = bpf_linker_plan().context("cannot build bpf-linker")?;
     step(
         2,
         what,
@@ -266,8 +279,7 @@ fn bpf_linker(dry_run: bool) -> Result<(), String> {
     let mut cmd = toolchain::proxy_command("cargo");
     cmd.args(&plan.cargo_args)
         .env("CARGO_ENCODED_RUSTFLAGS", plan.encoded_rustflags());
-    run_streaming(&mut cmd)
-        .map_err(|e| format!("{e}: could not build bpf-linker {BPF_LINKER_VERSION}"))?;
+    run_streaming(&mut cmd).hint(format!("could not build bpf-linker {BPF_LINKER_VERSION}"))?;
     let found = toolchain::find_bpf_linker();
     let version = found.as_deref().and_then(toolchain::bpf_linker_version);
     let llvm = found.as_deref().and_then(toolchain::bpf_linker_llvm);
@@ -280,7 +292,8 @@ fn bpf_linker(dry_run: bool) -> Result<(), String> {
             "bpf-linker was built but the one found ({path:?}) says {version:?}, LLVM {llvm:?}: \
              is another bpf-linker earlier on PATH? (or set ${})",
             toolchain::BPF_LINKER_ROOT_ENV
-        )),
+        )
+        .into()),
     }
 }
 
@@ -305,7 +318,7 @@ fn pip_install(target: &Path, local_wheels: Option<&Path>) -> Command {
     cmd
 }
 
-fn pypi_wheels(dry_run: bool) -> Result<(), String> {
+fn pypi_wheels(dry_run: bool) -> Result<()> {
     let what = "NVIDIA wheels";
     let dir = pypi::cache_dir();
     if pypi::installed(&dir) {
@@ -352,7 +365,7 @@ fn pypi_wheels(dry_run: bool) -> Result<(), String> {
         );
         return Ok(());
     }
-    fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    error::create_dir_all(&dir)?;
     let mut done = false;
     if let Some(local) = local {
         let mut cmd = pip_install(&dir, Some(local));
@@ -376,9 +389,10 @@ fn pypi_wheels(dry_run: bool) -> Result<(), String> {
             what,
             format!("running `{}`", toolchain::display_command(&cmd)),
         );
-        run_streaming(&mut cmd).map_err(|e| {
-            format!("{e}: python3 with pip and access to pypi.org are needed (or set {} to a dir that has them)", pypi::CACHE_ENV)
-        })?;
+        run_streaming(&mut cmd).hint(format!(
+            "python3 with pip and access to pypi.org are needed (or set {} to a dir that has them)",
+            pypi::CACHE_ENV
+        ))?;
     }
     if !pypi::installed(&dir) {
         let missing: Vec<String> = pypi::libraries(&dir)
@@ -386,10 +400,7 @@ fn pypi_wheels(dry_run: bool) -> Result<(), String> {
             .filter(|p| !p.is_file())
             .map(|p| p.display().to_string())
             .collect();
-        return Err(format!(
-            "pip finished but {} is missing",
-            missing.join(" and ")
-        ));
+        return Err(format!("pip finished but {} is missing", missing.join(" and ")).into());
     }
     step(3, what, format!("installed in {}", dir.display()));
     Ok(())
@@ -409,7 +420,7 @@ fn apt_get(args: &[&str]) -> Command {
     cmd
 }
 
-fn gcc(dry_run: bool) -> Result<(), String> {
+fn gcc(dry_run: bool) -> Result<()> {
     let what = "gcc and g++ (C and C++ test fixtures)";
     let versions = || Some((compiler_version("gcc")?, compiler_version("g++")?));
     if let Some((c, cxx)) = versions() {
@@ -430,9 +441,10 @@ fn gcc(dry_run: bool) -> Result<(), String> {
         return Ok(());
     }
     let fail = || {
-        "gcc or g++ is missing and `apt-get install -y gcc g++` failed: install C and C++ \
-         compilers named gcc and g++, then rerun `cargo xtask setup`"
-            .to_owned()
+        Error::from(
+            "gcc or g++ is missing and `apt-get install -y gcc g++` failed: install C and C++ \
+             compilers named gcc and g++, then rerun `cargo xtask setup`",
+        )
     };
     if toolchain::find_program("apt-get").is_none() {
         return Err(fail());
@@ -449,7 +461,7 @@ fn gcc(dry_run: bool) -> Result<(), String> {
 
 // ---- 5. PyTorch venv -------------------------------------------------------------------
 
-fn torch_venv_step(dry_run: bool) -> Result<(), String> {
+fn torch_venv_step(dry_run: bool) -> Result<()> {
     let what = "PyTorch venv";
     let dir = torch_venv::venv_dir();
     let python = torch_venv::venv_python(&dir);
@@ -476,7 +488,8 @@ fn torch_venv_step(dry_run: bool) -> Result<(), String> {
                  delete it (or point {} elsewhere) and rerun `cargo xtask setup`",
                 dir.display(),
                 torch_venv::VENV_ENV
-            ));
+            )
+            .into());
         }
         let reason = match torch_venv::read_stamp(&dir) {
             Some(true) => match torch_venv::import_check(&python) {
@@ -549,8 +562,7 @@ fn torch_venv_step(dry_run: bool) -> Result<(), String> {
     let start = Instant::now();
     if let Some(venv) = &mut venv {
         if let Some(parent) = dir.parent() {
-            fs::create_dir_all(parent)
-                .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+            error::create_dir_all(parent)?;
         }
         let shown = torch_venv::display(venv);
         step(5, what, format!("running `{shown}`"));
@@ -558,19 +570,15 @@ fn torch_venv_step(dry_run: bool) -> Result<(), String> {
     }
     step(5, what, format!("running `{pip_shown}`"));
     let mut pip = pip;
-    run_streaming_shown(&mut pip, &pip_shown).map_err(|e| {
-        format!(
-            "{e}: pip needs access to pypi.org (and ~5.8 GB of disk in {})",
-            dir.display()
-        )
-    })?;
-    torch_venv::import_check(&python).map_err(|e| {
-        format!(
-            "pip finished but `{} -c \"{}\"` fails: {e}",
-            python.display(),
-            torch_venv::IMPORT_CHECK
-        )
-    })?;
+    run_streaming_shown(&mut pip, &pip_shown).hint(format!(
+        "pip needs access to pypi.org (and ~5.8 GB of disk in {})",
+        dir.display()
+    ))?;
+    torch_venv::import_check(&python).context(format!(
+        "pip finished but `{} -c \"{}\"` fails",
+        python.display(),
+        torch_venv::IMPORT_CHECK
+    ))?;
     torch_venv::write_stamp(&dir)?;
     step(
         5,
@@ -600,7 +608,7 @@ fn find_daemon(name: &str) -> Option<std::path::PathBuf> {
     })
 }
 
-fn slurm(dry_run: bool) -> Result<(), String> {
+fn slurm(dry_run: bool) -> Result<()> {
     let what = "SLURM (slurm-wlm, munge: the prolog/epilog test)";
     let missing: Vec<&str> = SLURM_DAEMONS
         .into_iter()
@@ -625,9 +633,10 @@ fn slurm(dry_run: bool) -> Result<(), String> {
         return Ok(());
     }
     let fail = || {
-        "slurmctld, slurmd or munged is missing and `apt-get install -y slurm-wlm munge` failed: \
-         install Debian's slurm-wlm and munge, then rerun `cargo xtask setup`"
-            .to_owned()
+        Error::from(
+            "slurmctld, slurmd or munged is missing and `apt-get install -y slurm-wlm munge` \
+             failed: install Debian's slurm-wlm and munge, then rerun `cargo xtask setup`",
+        )
     };
     if toolchain::find_program("apt-get").is_none() {
         return Err(fail());
@@ -660,7 +669,7 @@ fn prometheus_dir() -> std::path::PathBuf {
 
 /// `promtool`, for `promtool test rules` on the shipped alert rules
 /// (`tests/integration/observability.rs`): on PATH, or unpacked into the cache.
-fn promtool(dry_run: bool) -> Result<(), String> {
+fn promtool(dry_run: bool) -> Result<()> {
     let what = "promtool (Debian's prometheus package: the alert rules' unit tests)";
     let dir = prometheus_dir();
     let unpacked = dir.join("usr/bin/promtool");
@@ -679,13 +688,13 @@ fn promtool(dry_run: bool) -> Result<(), String> {
     if dry_run {
         return Ok(());
     }
-    let fail = |why: String| {
-        format!(
+    let fail = |why: &dyn std::fmt::Display| {
+        Error::from(format!(
             "promtool is missing and could not be unpacked from Debian's prometheus package \
              ({why}): install promtool on PATH, then rerun `cargo xtask setup`"
-        )
+        ))
     };
-    std::fs::create_dir_all(&dir).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
+    std::fs::create_dir_all(&dir).map_err(|e| fail(&format!("{}: {e}", dir.display())))?;
     let download = |dir: &Path| {
         let mut cmd = apt_get(&["download", "prometheus"]);
         cmd.current_dir(dir);
@@ -693,19 +702,20 @@ fn promtool(dry_run: bool) -> Result<(), String> {
     };
     if download(&dir).is_err() {
         step(7, what, "retrying after `apt-get update`");
-        run_streaming(&mut apt_get(&["update"])).map_err(fail)?;
-        download(&dir).map_err(fail)?;
+        run_streaming(&mut apt_get(&["update"])).map_err(|e| fail(&e))?;
+        download(&dir).map_err(|e| fail(&e))?;
     }
     let package = std::fs::read_dir(&dir)
-        .map_err(|e| fail(e.to_string()))?
+        .map_err(|e| fail(&e))?
         .flatten()
         .map(|entry| entry.path())
         .find(|path| path.extension().is_some_and(|e| e == "deb"))
-        .ok_or_else(|| fail("no .deb downloaded".into()))?;
-    run_streaming(Command::new("dpkg-deb").arg("-x").arg(&package).arg(&dir)).map_err(fail)?;
+        .ok_or_else(|| fail(&"no .deb downloaded"))?;
+    run_streaming(Command::new("dpkg-deb").arg("-x").arg(&package).arg(&dir))
+        .map_err(|e| fail(&e))?;
     let _ = std::fs::remove_file(&package);
     if !unpacked.is_file() {
-        return Err(fail(format!("no {} in the package", unpacked.display())));
+        return Err(fail(&format!("no {} in the package", unpacked.display())));
     }
     step(7, what, format!("unpacked ({})", unpacked.display()));
     Ok(())

@@ -12,6 +12,7 @@ use super::{
     torch::parse_time_output,
     wait_teardown,
 };
+use xtask::error::{Error, Result};
 use xtask::torch_venv;
 
 #[derive(Clone, Debug, Default)]
@@ -36,11 +37,7 @@ pub(super) fn parse_uprobes_attached(line: &str) -> Option<u32> {
     before.rsplit(' ').next()?.parse().ok()
 }
 
-pub(super) fn attach_block(
-    ctx: &Ctx,
-    python: &Path,
-    watch: &mut Watch,
-) -> Result<Vec<AttachRun>, String> {
+pub(super) fn attach_block(ctx: &Ctx, python: &Path, watch: &mut Watch) -> Result<Vec<AttachRun>> {
     watch.check();
     let mut target = torch_venv::python_command(python);
     target
@@ -97,7 +94,9 @@ pub(super) fn attach_block(
             }
         })?;
         let Some(tracing) = tracing else {
-            return Err(format!("{name}: lens-probe never printed `tracing pid`"));
+            return Err(Error::Msg(format!(
+                "{name}: lens-probe never printed `tracing pid`"
+            )));
         };
         run.tracing_s = tracing;
         run.exit_s =

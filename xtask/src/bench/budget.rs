@@ -14,6 +14,7 @@ use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, median, row};
 use super::summary::{BudgetAccount as Account, Summary};
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
+use xtask::error::{Context, Result};
 
 const EXTRA_LAUNCHES: &str = "2000";
 const LAUNCH_NS: &str = "3000";
@@ -66,7 +67,7 @@ impl BudgetBlock {
     }
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<BudgetBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<BudgetBlock> {
     let steps = if quick { 400 } else { 1500 };
     let mut block = BudgetBlock {
         steps,
@@ -90,12 +91,7 @@ pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<BudgetB
     Ok(block)
 }
 
-fn run(
-    ctx: &Ctx,
-    variant: Variant,
-    steps: u64,
-    round: u32,
-) -> Result<(f64, Option<Account>), String> {
+fn run(ctx: &Ctx, variant: Variant, steps: u64, round: u32) -> Result<(f64, Option<Account>)> {
     let trainer = ctx.fixtures.join("trainer");
     let name = format!("budget-{}-r{round}", variant.name());
     let log = ctx.logs.join(format!("{name}.log"));
@@ -139,7 +135,7 @@ fn run(
         Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
         wait_teardown(&name, &before);
         if variant == Variant::AllBudget {
-            let json = Summary::read(&summary_path).map_err(|e| format!("{name}: {e}"))?;
+            let json = Summary::read(&summary_path).context(&name)?;
             account_found = Some(json.overhead_budget.ok_or_else(|| {
                 format!("{name}: no overhead_budget in {}", summary_path.display())
             })?);

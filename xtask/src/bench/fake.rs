@@ -15,6 +15,7 @@ use super::{
     summary::Summary,
     wait_teardown,
 };
+use xtask::error::{Context, Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Fake {
@@ -51,7 +52,7 @@ pub(super) struct TrainerSummary {
 }
 
 /// The trainer process run with `steps` (not the `trainer 1` warm-up) in a summary.
-pub(super) fn trainer_summary(summary: &Summary, steps: u64) -> Result<TrainerSummary, String> {
+pub(super) fn trainer_summary(summary: &Summary, steps: u64) -> Result<TrainerSummary> {
     let steps = steps.to_string();
     let process = summary
         .process("trainer", &[&steps])
@@ -176,7 +177,7 @@ impl FakeBlock {
     }
 }
 
-pub(super) fn fake_block(ctx: &Ctx, watch: &mut Watch) -> Result<FakeBlock, String> {
+pub(super) fn fake_block(ctx: &Ctx, watch: &mut Watch) -> Result<FakeBlock> {
     let steps = ctx.sizes.trainer_steps;
     let mut variants = vec![Fake::None];
     variants.extend(PRESETS.map(Fake::Lens));
@@ -187,7 +188,7 @@ pub(super) fn fake_block(ctx: &Ctx, watch: &mut Watch) -> Result<FakeBlock, Stri
     let mut block = FakeBlock {
         steps,
         runs: variants.iter().map(|v| (*v, Vec::new())).collect(),
-        bpftrace_skipped: ctx.bpftrace.as_ref().err().cloned(),
+        bpftrace_skipped: ctx.bpftrace.as_ref().err().map(ToString::to_string),
         count_mismatches: Vec::new(),
     };
     for round in 1..=ctx.rounds {
@@ -217,7 +218,7 @@ pub(super) fn fake_block(ctx: &Ctx, watch: &mut Watch) -> Result<FakeBlock, Stri
     Ok(block)
 }
 
-pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun, String> {
+pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun> {
     let steps = ctx.sizes.trainer_steps.to_string();
     let trainer = ctx.fixtures.join("trainer");
     let name = format!("fake-{}-r{round}", variant.name());
@@ -265,10 +266,10 @@ pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun, 
             let before = lens_probe_pids();
             Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
             teardown_s = Some(wait_teardown(&name, &before));
-            let json = Summary::read(&summary_path).map_err(|e| format!("{name}: {e}"))?;
+            let json = Summary::read(&summary_path).context(&name)?;
             summary = Some(
                 trainer_summary(&json, ctx.sizes.trainer_steps)
-                    .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?,
+                    .context(format!("{name}: {}", summary_path.display()))?,
             );
         }
         Fake::Bpftrace { returns } => {
@@ -304,10 +305,10 @@ pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun, 
             })?;
             result?;
             if bpftrace_count.is_none() {
-                return Err(format!(
+                return Err(Error::Msg(format!(
                     "{name}: bpftrace printed no count (output in {})",
                     log.display()
-                ));
+                )));
             }
         }
     }

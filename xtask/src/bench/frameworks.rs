@@ -17,6 +17,7 @@ use super::tables::ratio_to;
 use super::{
     Ctx, RUN_TIMEOUT, Watch, append_command, lens_command, lens_probe_pids, say, wait_teardown,
 };
+use xtask::error::{self, Error, Result};
 use xtask::torch_venv;
 
 /// The variants of every scenario: untraced, then each preset.
@@ -94,7 +95,7 @@ pub(super) fn block(
     python: &Path,
     watch: &mut Watch,
     quick: bool,
-) -> Result<FrameworksBlock, String> {
+) -> Result<FrameworksBlock> {
     let mut block = FrameworksBlock::default();
     for round in 1..=ctx.rounds {
         for scenario in Scenario::ALL {
@@ -125,11 +126,11 @@ fn run(
     variant: Option<&str>,
     round: u32,
     quick: bool,
-) -> Result<(f64, usize), String> {
+) -> Result<(f64, usize)> {
     let name = format!("fw-{scenario:?}-{}-r{round}", variant.unwrap_or("none")).to_lowercase();
     let dir = ctx.out.join(&name);
     let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    error::create_dir_all(&dir)?;
     let truth = dir.join("truth.json");
     let mut target = torch_venv::python_command(python);
     let scripts = ctx.root.join("tests/fixtures/frameworks");
@@ -212,23 +213,25 @@ struct TruthStep {
 
 /// The training loop's time in one ground-truth file: its first step's start to its
 /// last step's end, and its steps.
-fn loop_time(file: &Path) -> Result<(f64, usize), String> {
+fn loop_time(file: &Path) -> Result<(f64, usize)> {
     let text = fs::read_to_string(file).map_err(|e| {
         format!(
             "no ground truth {} ({e}): the script failed",
             file.display()
         )
     })?;
-    let truth: Truth =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+    let truth: Truth = serde_json::from_str(&text).map_err(|e| Error::json(file, e))?;
     let (Some(first), Some(last)) = (truth.steps.first(), truth.steps.last()) else {
-        return Err(format!("{}: no steps", file.display()));
+        return Err(Error::Msg(format!("{}: no steps", file.display())));
     };
     match (first.start_ns, last.end_ns) {
         (Some(start), Some(end)) if end > start => {
             Ok(((end - start) as f64 / 1e9, truth.steps.len()))
         }
-        _ => Err(format!("{}: steps without times", file.display())),
+        _ => Err(Error::Msg(format!(
+            "{}: steps without times",
+            file.display()
+        ))),
     }
 }
 
@@ -302,13 +305,23 @@ mod tests {
         .unwrap();
         assert_eq!(loop_time(&file).unwrap(), (2.5, 2));
         fs::write(&file, r#"{"steps": []}"#).unwrap();
-        assert!(loop_time(&file).unwrap_err().contains("no steps"));
+        assert!(
+            loop_time(&file)
+                .unwrap_err()
+                .to_string()
+                .contains("no steps")
+        );
         fs::write(
             &file,
             r#"{"rank": 0, "steps": [{"start_ns": 5, "end_ns": null}], "evaluations": []}"#,
         )
         .unwrap();
-        assert!(loop_time(&file).unwrap_err().contains("without times"));
+        assert!(
+            loop_time(&file)
+                .unwrap_err()
+                .to_string()
+                .contains("without times")
+        );
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -14,6 +14,7 @@ use super::{
     Ctx, FAKE_WRAPPER, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say,
     wait_teardown,
 };
+use xtask::error::{Error, Result};
 
 /// The variants, as `--hang-timeout` values.
 const TIMEOUTS: [&str; 2] = ["0", "1s"];
@@ -24,7 +25,7 @@ pub(super) struct HangsBlock {
     on: Vec<f64>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch) -> Result<HangsBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch) -> Result<HangsBlock> {
     let steps = ctx.sizes.trainer_steps;
     let mut block = HangsBlock {
         steps,
@@ -48,7 +49,7 @@ pub(super) fn block(ctx: &Ctx, watch: &mut Watch) -> Result<HangsBlock, String> 
     Ok(block)
 }
 
-fn run(ctx: &Ctx, timeout: &str, round: u32) -> Result<f64, String> {
+fn run(ctx: &Ctx, timeout: &str, round: u32) -> Result<f64> {
     let name = format!("hangs-{timeout}-r{round}");
     let log = ctx.logs.join(format!("{name}.log"));
     let pid_file = ctx.out.join(format!("{name}.pid"));
@@ -71,10 +72,10 @@ fn run(ctx: &Ctx, timeout: &str, round: u32) -> Result<f64, String> {
     Proc::spawn(&name, &mut cmd, &log)?.finish_ok(Instant::now() + RUN_TIMEOUT, &mut on_line)?;
     wait_teardown(&name, &before);
     elapsed.ok_or_else(|| {
-        format!(
+        Error::Msg(format!(
             "{name}: the wrapper printed no elapsed time (output in {})",
             log.display()
-        )
+        ))
     })
 }
 

@@ -55,6 +55,7 @@ use attach::attach_block;
 use fake::fake_block;
 use tables::{Results, notes, sections};
 use torch::torch_block;
+use xtask::error::{self, Context, Error, Result};
 use xtask::{toolchain, torch_venv};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,7 +144,7 @@ impl Blocks {
     }
 
     /// `per-kind,throughput` → those two.
-    pub fn parse(list: &str) -> Result<Blocks, String> {
+    pub fn parse(list: &str) -> Result<Blocks> {
         let mut set = 0;
         for name in list.split(',').map(str::trim) {
             let block = Block::ALL
@@ -284,6 +285,28 @@ const ATTACH_TARGET_ARGS: &[&str] = &[
 ];
 const ATTACH_DURATION_S: f64 = 3.0;
 
+/// Why a program some blocks need is not there: their rows say it in place of a value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Missing(String);
+
+impl std::fmt::Display for Missing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Missing {
+    fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<Missing> for Error {
+    fn from(missing: Missing) -> Error {
+        Error::Msg(missing.0)
+    }
+}
+
 struct Ctx {
     root: PathBuf,
     lens: PathBuf,
@@ -292,9 +315,9 @@ struct Ctx {
     logs: PathBuf,
     rounds: u32,
     sizes: Sizes,
-    python: Result<PathBuf, String>,
-    bpftrace: Result<PathBuf, String>,
-    time: Result<PathBuf, String>,
+    python: Result<PathBuf, Missing>,
+    bpftrace: Result<PathBuf, Missing>,
+    time: Result<PathBuf, Missing>,
     /// `getconf CLK_TCK`.
     clock_ticks: f64,
 }
@@ -332,7 +355,7 @@ fn say(line: &str) {
     println!("==> [xtask bench] {line}");
 }
 
-pub fn run(opts: Options) -> Result<(), String> {
+pub fn run(opts: Options) -> Result<()> {
     let started = Instant::now();
     let root = crate::workspace_root();
     preflight()?;
@@ -361,7 +384,7 @@ pub fn run(opts: Options) -> Result<(), String> {
 
     let out = root.join("target").join("bench");
     let logs = out.join("logs");
-    fs::create_dir_all(&logs).map_err(|e| format!("cannot create {}: {e}", logs.display()))?;
+    error::create_dir_all(&logs)?;
     let python = torch_venv::venv_python(&torch_venv::venv_dir());
     let ctx = Ctx {
         lens: root.join("target/release/lens-probe"),
@@ -373,16 +396,16 @@ pub fn run(opts: Options) -> Result<(), String> {
         python: if python.is_file() {
             Ok(python)
         } else {
-            Err(format!(
+            Err(Missing(format!(
                 "no torch venv at {} (run `cargo xtask setup`)",
                 python.display()
-            ))
+            )))
         },
         bpftrace: toolchain::find_program("bpftrace")
-            .ok_or_else(|| "bpftrace not found (apt-get install bpftrace)".to_owned()),
+            .ok_or_else(|| Missing("bpftrace not found (apt-get install bpftrace)".to_owned())),
         time: Some(PathBuf::from("/usr/bin/time"))
             .filter(|p| p.is_file())
-            .ok_or_else(|| "/usr/bin/time not found (apt-get install time)".to_owned()),
+            .ok_or_else(|| Missing("/usr/bin/time not found (apt-get install time)".to_owned())),
         clock_ticks: toolchain::capture(Command::new("getconf").arg("CLK_TCK"))
             .and_then(|t| t.trim().parse().ok())
             .unwrap_or(100.0),
@@ -497,8 +520,7 @@ pub fn run(opts: Options) -> Result<(), String> {
     );
     println!("\n{generated}");
     let results = ctx.out.join("results.md");
-    fs::write(&results, &generated)
-        .map_err(|e| format!("cannot write {}: {e}", results.display()))?;
+    error::write(&results, &generated)?;
     say(&format!(
         "results in {}, logs in {}",
         results.display(),
@@ -510,18 +532,16 @@ pub fn run(opts: Options) -> Result<(), String> {
         say("--only: docs/performance.md left as it is");
     } else {
         let doc_path = ctx.root.join("docs/performance.md");
-        let doc = fs::read_to_string(&doc_path)
-            .map_err(|e| format!("cannot read {}: {e}", doc_path.display()))?;
-        let updated = report::replace_between_markers(&doc, &generated)
-            .map_err(|e| format!("{}: {e}", doc_path.display()))?;
-        fs::write(&doc_path, updated)
-            .map_err(|e| format!("cannot write {}: {e}", doc_path.display()))?;
+        let doc = error::read_to_string(&doc_path)?;
+        let updated =
+            report::replace_between_markers(&doc, &generated).context(doc_path.display())?;
+        error::write(&doc_path, updated)?;
         say(&format!("wrote the table into {}", doc_path.display()));
     }
     Ok(())
 }
 
-fn preflight() -> Result<(), String> {
+fn preflight() -> Result<()> {
     let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
     let euid = status
         .lines()
@@ -538,7 +558,7 @@ fn preflight() -> Result<(), String> {
 }
 
 /// bpftrace attaches uprobes through tracefs.
-fn mount_tracefs() -> Result<(), String> {
+fn mount_tracefs() -> Result<()> {
     let mounts = fs::read_to_string("/proc/mounts").unwrap_or_default();
     if mounts
         .lines()

@@ -16,6 +16,7 @@ use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Section, fmt_count, fmt_duration, median};
 use super::summary::Summary;
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
+use xtask::error::{Context, Error, Result};
 
 /// The twin's call count: far more than it gets to make before it is killed.
 const TWIN_CALLS: &str = "4000000000";
@@ -48,7 +49,7 @@ pub(super) struct NeighbourBlock {
     checks: Vec<String>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<NeighbourBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<NeighbourBlock> {
     let calls: u64 = if quick { 20_000_000 } else { 100_000_000 };
     let mut block = NeighbourBlock {
         calls,
@@ -100,7 +101,7 @@ fn run(
     calls: u64,
     round: u32,
     checks: &mut Vec<String>,
-) -> Result<f64, String> {
+) -> Result<f64> {
     let name = format!("neighbour-{}-r{round}", variant.name());
     let deadline = Instant::now() + RUN_TIMEOUT;
     let summary_path = ctx.out.join(format!("{name}.summary.json"));
@@ -163,7 +164,7 @@ fn run(
     result?;
     if variant == Variant::Beside {
         wait_teardown(&name, &before);
-        let json = Summary::read(&summary_path).map_err(|e| format!("{name}: {e}"))?;
+        let json = Summary::read(&summary_path).context(&name)?;
         let twin_calls = json
             .process("hammer", &["launch", TWIN_CALLS])
             .map_or(0, |p| p.calls_of("cudaLaunchKernel"));
@@ -173,7 +174,7 @@ fn run(
             ));
         }
     }
-    loop_s.ok_or_else(|| format!("{name}: the neighbour printed no loop time"))
+    loop_s.ok_or_else(|| Error::Msg(format!("{name}: the neighbour printed no loop time")))
 }
 
 impl NeighbourBlock {

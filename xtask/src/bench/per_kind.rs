@@ -16,6 +16,7 @@ use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, fmt_duration, median};
 use super::summary::Summary;
 use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
+use xtask::error::{Context, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
@@ -169,7 +170,7 @@ fn bpftrace_script(ctx: &Ctx, kind: Kind, returns: bool) -> String {
 
 /// The probed function's call count and the run's losses, from `--summary-json`: the
 /// process run as `hammer KIND N`.
-fn hammer_summary(summary: &Summary, kind: Kind, calls: u64) -> Result<(u64, u64), String> {
+fn hammer_summary(summary: &Summary, kind: Kind, calls: u64) -> Result<(u64, u64)> {
     let n = calls.to_string();
     let process = summary
         .process("hammer", &[kind.arg(), &n])
@@ -232,7 +233,7 @@ pub(super) struct PerKindBlock {
     checks: Vec<String>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PerKindBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PerKindBlock> {
     let mut block = PerKindBlock {
         kinds: Kind::ALL
             .iter()
@@ -252,7 +253,7 @@ pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PerKind
                 }
             })
             .collect(),
-        bpftrace_skipped: ctx.bpftrace.as_ref().err().cloned(),
+        bpftrace_skipped: ctx.bpftrace.as_ref().err().map(ToString::to_string),
         checks: Vec::new(),
     };
     for round in 1..=ctx.rounds {
@@ -282,7 +283,7 @@ fn run(
     variant: Variant,
     round: u32,
     checks: &mut Vec<String>,
-) -> Result<Run, String> {
+) -> Result<Run> {
     let hammer = ctx.fixtures.join("hammer");
     let n = calls.to_string();
     let name = format!("hammer-{}-{}-r{round}", kind.arg(), variant.name());
@@ -325,10 +326,10 @@ fn run(
             let before = lens_probe_pids();
             Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
             wait_teardown(&name, &before);
-            let json = Summary::read(&summary_path).map_err(|e| format!("{name}: {e}"))?;
+            let json = Summary::read(&summary_path).context(&name)?;
             tracer_cpu_s_run = json.tracer_cpu_s();
             let (counted, lost) = hammer_summary(&json, kind, calls)
-                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
+                .context(format!("{name}: {}", summary_path.display()))?;
             if counted != calls {
                 checks.push(format!(
                     "{name}: lens-probe counted {counted} calls of {}, expected {calls}",
@@ -592,7 +593,7 @@ mod tests {
             {"command_line": ["/f/hammer", "group", "500"], "calls": {"ncclGroupStart": 500}}
           ]}"#;
         let json = serde_json::from_str::<Summary>(doc).unwrap();
-        assert_eq!(hammer_summary(&json, Kind::Group, 500), Ok((500, 1)));
+        assert_eq!(hammer_summary(&json, Kind::Group, 500).unwrap(), (500, 1));
         assert!(hammer_summary(&json, Kind::Launch, 500).is_err());
     }
 

@@ -4,7 +4,6 @@
 //! `train_step` (so the sampler reads its stacks on every CPU clock tick, 1 ms); the
 //! loop's own time is the measure.
 
-use std::fs;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
@@ -12,6 +11,7 @@ use std::time::Instant;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, row};
 use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, say, wait_teardown};
+use xtask::error::{self, Error, Result};
 
 const PYTHON: &str = "/root/.pyenv/versions/3.11.7/bin/python3.11";
 const RULES: &str = "[[probe]]\npython = \"__main__:train_step\"\ngroup = \"step\"\n";
@@ -27,7 +27,7 @@ pub(super) struct PythonBlock {
     skipped: Option<String>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PythonBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PythonBlock> {
     let steps = if quick { 200 } else { 800 };
     let mut block = PythonBlock {
         steps,
@@ -40,7 +40,7 @@ pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PythonB
         return Ok(block);
     }
     let config = ctx.out.join("python-rules.toml");
-    fs::write(&config, RULES).map_err(|e| format!("cannot write {}: {e}", config.display()))?;
+    error::write(&config, RULES)?;
     for round in 1..=ctx.rounds {
         for sampled in [false, true] {
             watch.check();
@@ -61,7 +61,7 @@ pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PythonB
     Ok(block)
 }
 
-fn run(ctx: &Ctx, config: Option<&PathBuf>, steps: u64, round: u32) -> Result<f64, String> {
+fn run(ctx: &Ctx, config: Option<&PathBuf>, steps: u64, round: u32) -> Result<f64> {
     let script = ctx.root.join("tests/fixtures/python/bench_loop.py");
     let name = format!(
         "python-{}-r{round}",
@@ -103,10 +103,10 @@ fn run(ctx: &Ctx, config: Option<&PathBuf>, steps: u64, round: u32) -> Result<f6
         }
     }
     time.ok_or_else(|| {
-        format!(
+        Error::Msg(format!(
             "{name}: bench_loop.py printed no loop time (output in {})",
             log.display()
-        )
+        ))
     })
 }
 

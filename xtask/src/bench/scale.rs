@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use super::proc::{Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, median};
 use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, say, wait_teardown};
+use xtask::error::{self, Context, Result};
 use xtask::torch_venv;
 
 struct Run {
@@ -38,7 +39,7 @@ pub(super) fn block(
     python: &Path,
     watch: &mut Watch,
     quick: bool,
-) -> Result<ScaleBlock, String> {
+) -> Result<ScaleBlock> {
     let counts: &[usize] = if quick { &[1, 4, 8] } else { &[1, 8, 64] };
     let mut block = ScaleBlock {
         sizes: counts.iter().map(|&n| (n, Vec::new())).collect(),
@@ -72,7 +73,7 @@ fn bpf_links(pid: u32) -> usize {
         .unwrap_or(0)
 }
 
-fn run(ctx: &Ctx, python: &Path, count: usize, round: u32) -> Result<Run, String> {
+fn run(ctx: &Ctx, python: &Path, count: usize, round: u32) -> Result<Run> {
     let name = format!("scale-{count}-r{round}");
     let stop = ctx.out.join(format!("{name}.stop"));
     let _ = fs::remove_file(&stop);
@@ -117,7 +118,7 @@ fn run(ctx: &Ctx, python: &Path, count: usize, round: u32) -> Result<Run, String
         found
     })?;
     let links = bpf_links(lens.pid);
-    fs::write(&stop, "").map_err(|e| format!("{name}: {}: {e}", stop.display()))?;
+    error::write(&stop, "").context(&name)?;
     let stopped = Instant::now();
     let exited = lens.finish_ok(Instant::now() + RUN_TIMEOUT, |_| {})?;
     let teardown_s = wait_teardown(&name, &before);

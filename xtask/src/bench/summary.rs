@@ -5,10 +5,10 @@
 //! default to empty rather than failing the run.
 
 use std::collections::BTreeMap;
-use std::fs;
 use std::path::Path;
 
 use serde::Deserialize;
+use xtask::error::{self, Error, Result};
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 pub(super) struct Summary {
@@ -79,10 +79,9 @@ pub(super) struct BudgetAccount {
 
 impl Summary {
     /// Reads the file `--summary-json` wrote; `Err` is one line naming it.
-    pub(super) fn read(path: &Path) -> Result<Summary, String> {
-        let text =
-            fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    pub(super) fn read(path: &Path) -> Result<Summary> {
+        let text = error::read_to_string(path)?;
+        serde_json::from_str(&text).map_err(|e| Error::json(path, e))
     }
 
     /// The process run as `PROGRAM ARGS…` (the program named by the end of its path).

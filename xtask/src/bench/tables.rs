@@ -3,7 +3,7 @@
 
 use super::{
     ATTACH_TARGET_ARGS, Block, Blocks, CALLS_PER_STEP, Ctx, DONE_MARKER, EVENTS_PER_STEP,
-    FAKE_PROBES, PRESETS, Watch,
+    FAKE_PROBES, Missing, PRESETS, Watch,
     attach::AttachRun,
     budget,
     fake::{Fake, FakeBlock},
@@ -196,7 +196,7 @@ pub(super) fn slowdown_section(
     torch: Option<&TorchBlock>,
     torch_wanted: bool,
 ) -> Section {
-    let no_torch = ctx.python.as_ref().err().map_or("", String::as_str);
+    let no_torch = ctx.python.as_ref().err().map_or("", Missing::as_str);
     let mut rows = Vec::new();
     if let Some(fake) = fake {
         let none = fake.times(Fake::None);
@@ -272,7 +272,7 @@ pub(super) fn slowdown_section(
 
 /// Section 3: Attach time.
 pub(super) fn attach_section(ctx: &Ctx, attach: Option<&[AttachRun]>) -> Section {
-    let no_torch = ctx.python.as_ref().err().map_or("", String::as_str);
+    let no_torch = ctx.python.as_ref().err().map_or("", Missing::as_str);
     let rows = match attach {
         Some(runs) => {
             let tracing: Vec<f64> = runs.iter().map(|r| r.tracing_s).collect();
@@ -340,7 +340,7 @@ pub(super) fn usage_section(
     torch_wanted: bool,
     attach: Option<&[AttachRun]>,
 ) -> Section {
-    let no_torch = ctx.python.as_ref().err().map_or("", String::as_str);
+    let no_torch = ctx.python.as_ref().err().map_or("", Missing::as_str);
     let mut rows = Vec::new();
     let cpu_target = "≤ 1 % of a core";
     let rss_target = "≤ 50 MB";
@@ -440,7 +440,7 @@ pub(super) fn usage_section(
         (Some(_), Err(why)) => rows.push(Row::not_measured(
             "`--pid`: lens-probe CPU and max RSS",
             rss_target,
-            why,
+            why.as_str(),
         )),
         (None, _) => {}
     }

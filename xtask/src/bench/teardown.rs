@@ -7,7 +7,6 @@
 //! uprobe_multi link per program and library), interleaved, for a torch `per_step` run
 //! and for a configured rule matching thousands of libtorch_cpu functions.
 
-use std::fs;
 use std::process::Command;
 use std::time::Instant;
 
@@ -17,6 +16,7 @@ use super::tables::ratio_to;
 use super::{
     Ctx, RUN_TIMEOUT, Watch, append_command, lens_command, lens_probe_pids, say, wait_teardown,
 };
+use xtask::error::{self, Result};
 use xtask::torch_venv;
 
 /// What a configured rule matches in libtorch_cpu: with perf links, 2 × this many links.
@@ -53,7 +53,7 @@ pub(super) fn block(
     ctx: &Ctx,
     python: &std::path::Path,
     watch: &mut Watch,
-) -> Result<TeardownBlock, String> {
+) -> Result<TeardownBlock> {
     let mut block = TeardownBlock::default();
     let config = ctx.out.join("teardown-rule.toml");
     for round in 1..=ctx.rounds {
@@ -85,7 +85,7 @@ fn run(
     scenario: Scenario,
     links: &str,
     round: u32,
-) -> Result<Run, String> {
+) -> Result<Run> {
     let name = format!("teardown-{scenario:?}-{links}-r{round}").to_lowercase();
     let log = ctx.logs.join(format!("{name}.log"));
     let pid_file = ctx.out.join(format!("{name}.pid"));
@@ -98,14 +98,13 @@ fn run(
         } else {
             RULE_MATCHES_MULTI
         };
-        fs::write(
+        error::write(
             config,
             format!(
                 "[[probe]]\nlibrary = \"libtorch_cpu.so\"\nsymbol = \"_ZN*\"\n\
                  group = \"step\"\nmax_matches = {matches}\nnoexcept = true\n"
             ),
-        )
-        .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
+        )?;
         cmd.arg("--config").arg(config);
     }
     cmd.args(["--exec", "--"]);

@@ -12,6 +12,7 @@ use super::proc::{Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, median, min_max};
 use super::{Ctx, RUN_TIMEOUT, Watch, say, scrub_lens_env};
 use serde::Deserialize;
+use xtask::error::{Error, Result};
 
 /// Target rates (events/s); `None`: as fast as the producer goes.
 const RATES: [Option<u64>; 6] = [
@@ -87,7 +88,7 @@ pub(super) struct ThroughputBlock {
     runs: Vec<(Exporter, Option<u64>, Vec<GenRun>)>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<ThroughputBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<ThroughputBlock> {
     let duration_s = if quick { 1.0 } else { 2.0 };
     // 12 runs a round: three rounds at most keep the block near a minute and a half.
     let rounds = ctx.rounds.min(3);
@@ -125,7 +126,7 @@ fn run(
     rate: Option<u64>,
     duration_s: f64,
     round: u32,
-) -> Result<GenRun, String> {
+) -> Result<GenRun> {
     let name = format!(
         "throughput-{}-{}-r{round}",
         exporter.arg(),
@@ -147,7 +148,7 @@ fn run(
             report = Some(run);
         }
     })?;
-    report.ok_or_else(|| format!("{name}: no report (output in {})", log.display()))
+    report.ok_or_else(|| Error::Msg(format!("{name}: no report (output in {})", log.display())))
 }
 
 fn per_second(r: f64) -> String {

@@ -10,6 +10,7 @@ use super::{
     proc::{Proc, Stream},
     say, scrub_lens_env, wait_teardown,
 };
+use xtask::error::{Error, Result};
 
 /// lens-probe's own resource use over one PyTorch `--exec` run, read from `/proc` (not
 /// with `/usr/bin/time`: its figures include the children lens-probe waits for, i.e. the
@@ -107,11 +108,7 @@ pub(super) fn read_pid_file(path: &Path) -> Option<u32> {
     fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
-pub(super) fn torch_block(
-    ctx: &Ctx,
-    python: &Path,
-    watch: &mut Watch,
-) -> Result<TorchBlock, String> {
+pub(super) fn torch_block(ctx: &Ctx, python: &Path, watch: &mut Watch) -> Result<TorchBlock> {
     let mut runs: Vec<(Option<&'static str>, Vec<TorchRun>)> = vec![(None, Vec::new())];
     runs.extend(PRESETS.map(|p| (Some(p), Vec::new())));
     let mut block = TorchBlock {
@@ -140,7 +137,7 @@ pub(super) fn torch_run(
     python: &Path,
     preset: Option<&'static str>,
     round: u32,
-) -> Result<TorchRun, String> {
+) -> Result<TorchRun> {
     let name = format!("torch-{}-r{round}", preset.unwrap_or("none"));
     let log = ctx.logs.join(format!("{name}.log"));
     let script = ctx.root.join("tests/fixtures/torch/train.py");
@@ -194,10 +191,10 @@ pub(super) fn torch_run(
     })?;
     let teardown_s = preset.map(|_| wait_teardown(&name, &before));
     let (Some(step0), Some(done)) = (step0, done) else {
-        return Err(format!(
+        return Err(Error::Msg(format!(
             "{name}: no `step 0` / `{DONE_MARKER}` line (output in {})",
             log.display()
-        ));
+        )));
     };
     Ok(TorchRun {
         loop_s: done.saturating_duration_since(step0).as_secs_f64(),
