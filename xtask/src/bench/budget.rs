@@ -12,8 +12,9 @@ use std::time::Instant;
 
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, median, row};
+use super::rounds::Rounds;
 use super::summary::{BudgetAccount as Account, Summary};
-use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
+use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, wait_teardown};
 use xtask::error::{Context, Result};
 
 const EXTRA_LAUNCHES: &str = "2000";
@@ -50,45 +51,44 @@ fn parse_loop(line: &str) -> Option<f64> {
 
 pub(super) struct BudgetBlock {
     steps: u64,
-    runs: Vec<(Variant, Vec<f64>)>,
-    accounts: Vec<Account>,
+    /// The loop's time, and the budget's account where there is one.
+    runs: Rounds<Variant, (f64, Option<Account>)>,
 }
 
 impl BudgetBlock {
-    fn times(&self, variant: Variant) -> &[f64] {
-        self.runs
-            .iter()
-            .find(|(v, _)| *v == variant)
-            .map_or(&[], |(_, t)| t)
+    fn times(&self, variant: Variant) -> Vec<f64> {
+        self.runs.values(variant, |(time, _)| *time)
     }
 
     fn ratio(&self, variant: Variant) -> Option<f64> {
-        super::tables::ratio_to(self.times(variant), self.times(Variant::None))
+        self.runs.ratio(variant, Variant::None, |(time, _)| *time)
+    }
+
+    /// The budget's accounts, in round order.
+    fn accounts(&self) -> Vec<Account> {
+        self.runs
+            .iter()
+            .flat_map(|(_, runs)| runs.iter().filter_map(|(_, account)| *account))
+            .collect()
     }
 }
 
 pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<BudgetBlock> {
     let steps = if quick { 400 } else { 1500 };
-    let mut block = BudgetBlock {
-        steps,
-        runs: Variant::ALL.iter().map(|v| (*v, Vec::new())).collect(),
-        accounts: Vec::new(),
-    };
-    for round in 1..=ctx.rounds {
-        for (variant, times) in block.runs.iter_mut() {
-            watch.check();
-            let (time, account) = run(ctx, *variant, steps, round)?;
-            say(&format!(
-                "round {round}/{}: launch-heavy trainer {steps} under {:<10} {:.3} s",
-                ctx.rounds,
+    let runs = Rounds::measure(
+        ctx.rounds,
+        Variant::ALL,
+        watch,
+        |variant, round| run(ctx, variant, steps, round),
+        |variant, (time, _)| {
+            format!(
+                "launch-heavy trainer {steps} under {:<10} {:.3} s",
                 variant.name(),
                 time
-            ));
-            times.push(time);
-            block.accounts.extend(account);
-        }
-    }
-    Ok(block)
+            )
+        },
+    )?;
+    Ok(BudgetBlock { steps, runs })
 }
 
 fn run(ctx: &Ctx, variant: Variant, steps: u64, round: u32) -> Result<(f64, Option<Account>)> {
@@ -166,7 +166,7 @@ impl BudgetBlock {
         let mut rows = vec![
             row(
                 label("none"),
-                self.times(Variant::None),
+                &self.times(Variant::None),
                 fmt_duration,
                 Some(1.0),
                 "",
@@ -174,7 +174,7 @@ impl BudgetBlock {
             ),
             row(
                 label("`all`"),
-                self.times(Variant::All),
+                &self.times(Variant::All),
                 fmt_duration,
                 self.ratio(Variant::All),
                 "",
@@ -184,7 +184,7 @@ impl BudgetBlock {
         let budgeted = self.ratio(Variant::AllBudget);
         rows.push(row(
             label(&format!("`all --overhead-budget {BUDGET}`")),
-            self.times(Variant::AllBudget),
+            &self.times(Variant::AllBudget),
             fmt_duration,
             budgeted,
             "≤ 1.03× (≤ 3 %)",
@@ -192,7 +192,8 @@ impl BudgetBlock {
                 Met::from_bool(r <= 1.03)
             }),
         ));
-        let column = |f: fn(&Account) -> f64| -> Vec<f64> { self.accounts.iter().map(f).collect() };
+        let accounts = self.accounts();
+        let column = |f: fn(&Account) -> f64| -> Vec<f64> { accounts.iter().map(f).collect() };
         let estimated = column(|a| a.estimated_percent);
         rows.push(row(
             "… lens-probe's own estimate of the launch probes' cost (hits × measured cost / wall time)",
@@ -228,7 +229,7 @@ impl BudgetBlock {
             "",
             Met::NoTarget,
         ));
-        if self.accounts.is_empty() {
+        if accounts.is_empty() {
             rows.push(Row::not_measured(
                 "… the budget's account",
                 "",

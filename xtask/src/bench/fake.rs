@@ -11,7 +11,7 @@ use super::{
     PRESETS, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids,
     proc::{Line, Proc, Stream},
     report::median,
-    say,
+    rounds::Rounds,
     summary::Summary,
     wait_teardown,
 };
@@ -113,7 +113,7 @@ pub(super) struct FakeRun {
 
 pub(super) struct FakeBlock {
     pub(super) steps: u64,
-    pub(super) runs: Vec<(Fake, Vec<FakeRun>)>,
+    pub(super) runs: Rounds<Fake, FakeRun>,
     /// Why bpftrace was not measured.
     pub(super) bpftrace_skipped: Option<String>,
     /// bpftrace counts that differ from the fixture's documented pattern.
@@ -122,14 +122,11 @@ pub(super) struct FakeBlock {
 
 impl FakeBlock {
     pub(super) fn runs(&self, variant: Fake) -> &[FakeRun] {
-        self.runs
-            .iter()
-            .find(|(v, _)| *v == variant)
-            .map_or(&[], |(_, r)| r)
+        self.runs.runs(variant)
     }
 
     pub(super) fn times(&self, variant: Fake) -> Vec<f64> {
-        self.runs(variant).iter().map(|r| r.elapsed_s).collect()
+        self.runs.values(variant, |r| r.elapsed_s)
     }
 
     /// Probed calls of one timed run: the per_step summaries' count, else the pattern's.
@@ -169,11 +166,8 @@ impl FakeBlock {
     /// Per round: (time of `variant` − uninstrumented time of the same round) / calls.
     pub(super) fn per_call(&self, variant: Fake) -> Vec<f64> {
         let calls = self.calls() as f64;
-        self.times(variant)
-            .iter()
-            .zip(self.times(Fake::None))
-            .map(|(t, base)| (t - base) / calls)
-            .collect()
+        self.runs
+            .over_base(variant, Fake::None, |r| r.elapsed_s, calls)
     }
 }
 
@@ -185,37 +179,40 @@ pub(super) fn fake_block(ctx: &Ctx, watch: &mut Watch) -> Result<FakeBlock> {
         variants.push(Fake::Bpftrace { returns: false });
         variants.push(Fake::Bpftrace { returns: true });
     }
-    let mut block = FakeBlock {
-        steps,
-        runs: variants.iter().map(|v| (*v, Vec::new())).collect(),
-        bpftrace_skipped: ctx.bpftrace.as_ref().err().map(ToString::to_string),
-        count_mismatches: Vec::new(),
-    };
-    for round in 1..=ctx.rounds {
-        for (variant, runs) in block.runs.iter_mut() {
-            watch.check();
-            let run = fake_run(ctx, *variant, round)?;
+    let mut count_mismatches = Vec::new();
+    let runs = Rounds::measure(
+        ctx.rounds,
+        variants,
+        watch,
+        |variant, round| {
+            let run = fake_run(ctx, variant, round)?;
             if let Some(count) = run.bpftrace_count {
                 // The warm-up `trainer 1` and the timed run.
                 let expected =
                     (CALLS_PER_STEP + DRIVER_HITS_PER_STEP) * (steps + 1) + 2 * CALLS_PER_PROCESS;
                 if count != expected {
-                    block.count_mismatches.push(format!(
+                    count_mismatches.push(format!(
                         "{} round {round}: bpftrace counted {count} calls, expected {expected}",
                         variant.name()
                     ));
                 }
             }
-            say(&format!(
-                "round {round}/{}: trainer {steps} under {:<12} {:.3} s",
-                ctx.rounds,
+            Ok(run)
+        },
+        |variant, run| {
+            format!(
+                "trainer {steps} under {:<12} {:.3} s",
                 variant.name(),
                 run.elapsed_s
-            ));
-            runs.push(run);
-        }
-    }
-    Ok(block)
+            )
+        },
+    )?;
+    Ok(FakeBlock {
+        steps,
+        runs,
+        bpftrace_skipped: ctx.bpftrace.as_ref().err().map(ToString::to_string),
+        count_mismatches,
+    })
 }
 
 pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun> {

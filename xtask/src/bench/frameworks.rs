@@ -13,9 +13,9 @@ use serde::Deserialize;
 
 use super::proc::{Line, Proc};
 use super::report::{Met, Row, Section, fmt_duration, row};
-use super::tables::ratio_to;
+use super::rounds::{Rounds, ratio_to};
 use super::{
-    Ctx, RUN_TIMEOUT, Watch, append_command, lens_command, lens_probe_pids, say, wait_teardown,
+    Ctx, RUN_TIMEOUT, Watch, append_command, lens_command, lens_probe_pids, wait_teardown,
 };
 use xtask::error::{self, Error, Result};
 use xtask::torch_venv;
@@ -62,31 +62,23 @@ impl Scenario {
 /// A scenario and its variant (`None`: untraced).
 type Case = (Scenario, Option<&'static str>);
 
-#[derive(Default)]
 pub(super) struct FrameworksBlock {
-    /// Each case's loop time in each round, seconds.
-    runs: Vec<(Case, Vec<f64>)>,
-    /// Steps per run, as the ground truth counted them.
-    steps: Vec<(Scenario, usize)>,
+    /// Each case's loop time (seconds) and steps, as the ground truth counted them.
+    rounds: Rounds<Case, (f64, usize)>,
 }
 
 impl FrameworksBlock {
-    fn times(&self, scenario: Scenario, variant: Option<&str>) -> &[f64] {
-        self.runs
-            .iter()
-            .find(|((s, v), _)| *s == scenario && *v == variant)
-            .map_or(&[], |(_, t)| t)
+    fn times(&self, scenario: Scenario, variant: Option<&'static str>) -> Vec<f64> {
+        self.rounds
+            .values((scenario, variant), |(seconds, _)| *seconds)
     }
 
-    fn push(&mut self, scenario: Scenario, variant: Option<&'static str>, seconds: f64) {
-        match self
-            .runs
-            .iter_mut()
-            .find(|((s, v), _)| *s == scenario && *v == variant)
-        {
-            Some((_, times)) => times.push(seconds),
-            None => self.runs.push(((scenario, variant), vec![seconds])),
-        }
+    /// Steps per run: the first, untraced run's.
+    fn steps(&self, scenario: Scenario) -> usize {
+        self.rounds
+            .runs((scenario, None))
+            .first()
+            .map_or(0, |(_, steps)| *steps)
     }
 }
 
@@ -96,26 +88,23 @@ pub(super) fn block(
     watch: &mut Watch,
     quick: bool,
 ) -> Result<FrameworksBlock> {
-    let mut block = FrameworksBlock::default();
-    for round in 1..=ctx.rounds {
-        for scenario in Scenario::ALL {
-            for variant in VARIANTS {
-                watch.check();
-                let (seconds, steps) = run(ctx, python, scenario, variant, round, quick)?;
-                say(&format!(
-                    "round {round}/{}: {scenario:?} {}: {steps} steps in {}",
-                    ctx.rounds,
-                    variant.unwrap_or("untraced"),
-                    fmt_duration(seconds)
-                ));
-                block.push(scenario, variant, seconds);
-                if !block.steps.iter().any(|(s, _)| *s == scenario) {
-                    block.steps.push((scenario, steps));
-                }
-            }
-        }
-    }
-    Ok(block)
+    let cases = Scenario::ALL
+        .into_iter()
+        .flat_map(|scenario| VARIANTS.map(|variant| (scenario, variant)));
+    let rounds = Rounds::measure(
+        ctx.rounds,
+        cases,
+        watch,
+        |(scenario, variant), round| run(ctx, python, scenario, variant, round, quick),
+        |(scenario, variant), (seconds, steps)| {
+            format!(
+                "{scenario:?} {}: {steps} steps in {}",
+                variant.unwrap_or("untraced"),
+                fmt_duration(*seconds)
+            )
+        },
+    )?;
+    Ok(FrameworksBlock { rounds })
 }
 
 /// One run; returns its loop time (seconds) and steps.
@@ -243,14 +232,10 @@ impl FrameworksBlock {
             if base.is_empty() {
                 continue;
             }
-            let steps = self
-                .steps
-                .iter()
-                .find(|(s, _)| *s == scenario)
-                .map_or(0, |(_, n)| *n);
+            let steps = self.steps(scenario);
             rows.push(row(
                 format!("{}, {steps} steps: untraced", scenario.what()),
-                base,
+                &base,
                 fmt_duration,
                 Some(1.0),
                 "",
@@ -260,9 +245,9 @@ impl FrameworksBlock {
                 let times = self.times(scenario, Some(preset));
                 rows.push(row(
                     format!("same, lens-probe `{preset}`"),
-                    times,
+                    &times,
                     fmt_duration,
-                    ratio_to(times, base),
+                    ratio_to(&times, &base),
                     "",
                     Met::NoTarget,
                 ));

@@ -38,6 +38,7 @@ mod per_kind;
 mod proc;
 mod python;
 mod report;
+mod rounds;
 mod scale;
 mod summary;
 mod tables;

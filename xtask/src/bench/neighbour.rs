@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 
 use super::per_kind::parse_loop_time;
 use super::proc::{Line, Proc, Stream};
-use super::report::{Met, Section, fmt_count, fmt_duration, median};
+use super::report::{Met, Section, fmt_count, fmt_duration};
+use super::rounds::Rounds;
 use super::summary::Summary;
-use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
+use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, wait_teardown};
 use xtask::error::{Context, Error, Result};
 
 /// The twin's call count: far more than it gets to make before it is killed.
@@ -42,38 +43,33 @@ impl Variant {
 
 pub(super) struct NeighbourBlock {
     calls: u64,
-    /// The neighbour's loop time (s) per round, per variant.
-    alone: Vec<f64>,
-    beside: Vec<f64>,
+    /// The neighbour's loop time (s).
+    rounds: Rounds<Variant, f64>,
     /// What did not look right: a twin that was not traced, lost events.
     checks: Vec<String>,
 }
 
 pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<NeighbourBlock> {
     let calls: u64 = if quick { 20_000_000 } else { 100_000_000 };
-    let mut block = NeighbourBlock {
-        calls,
-        alone: Vec::new(),
-        beside: Vec::new(),
-        checks: Vec::new(),
-    };
-    for round in 1..=ctx.rounds {
-        for variant in Variant::ALL {
-            watch.check();
-            let loop_s = run(ctx, variant, calls, round, &mut block.checks)?;
-            say(&format!(
-                "round {round}/{}: untraced hammer launch {calls} {:<6} {:.2} ns per call",
-                ctx.rounds,
+    let mut checks = Vec::new();
+    let rounds = Rounds::measure(
+        ctx.rounds,
+        Variant::ALL,
+        watch,
+        |variant, round| run(ctx, variant, calls, round, &mut checks),
+        |variant, loop_s| {
+            format!(
+                "untraced hammer launch {calls} {:<6} {:.2} ns per call",
                 variant.name(),
                 loop_s / calls as f64 * 1e9
-            ));
-            match variant {
-                Variant::Alone => block.alone.push(loop_s),
-                Variant::Beside => block.beside.push(loop_s),
-            }
-        }
-    }
-    Ok(block)
+            )
+        },
+    )?;
+    Ok(NeighbourBlock {
+        calls,
+        rounds,
+        checks,
+    })
 }
 
 /// `taskset -c CPU hammer launch N`, with the fixtures' environment.
@@ -179,11 +175,9 @@ fn run(
 
 impl NeighbourBlock {
     pub(super) fn section(&self) -> Section {
-        let per_call =
-            |times: &[f64]| -> Vec<f64> { times.iter().map(|t| t / self.calls as f64).collect() };
+        let per_call = |variant| self.rounds.values(variant, |t| t / self.calls as f64);
         let ns = fmt_duration;
-        let alone = median(&self.alone);
-        let ratio = median(&self.beside).zip(alone).map(|(b, a)| b / a);
+        let ratio = self.rounds.ratio(Variant::Beside, Variant::Alone, |t| *t);
         let rows = vec![
             super::report::row(
                 format!(
@@ -191,7 +185,7 @@ impl NeighbourBlock {
                      untraced (alone), per call",
                     fmt_count(self.calls as f64)
                 ),
-                &per_call(&self.alone),
+                &per_call(Variant::Alone),
                 ns,
                 None,
                 "",
@@ -200,7 +194,7 @@ impl NeighbourBlock {
             super::report::row(
                 "… the same, the twin traced by `lens-probe --span-groups per_step --exec` \
                  (beside) (ratio: to alone)",
-                &per_call(&self.beside),
+                &per_call(Variant::Beside),
                 ns,
                 ratio,
                 "≤ 1.02× alone",

@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 use super::fake::parse_bpftrace_count;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, fmt_duration, median};
+use super::rounds::Rounds;
 use super::summary::Summary;
-use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
+use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, wait_teardown};
 use xtask::error::{Context, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -199,81 +200,92 @@ struct Run {
     tracer_cpu_s: Option<f64>,
 }
 
-struct KindRuns {
+/// One kind's runs, each variant's in round order.
+struct KindRuns<'a> {
     kind: Kind,
     calls: u64,
-    runs: Vec<(Variant, Vec<Run>)>,
+    rounds: &'a Rounds<(Kind, Variant), Run>,
 }
 
-impl KindRuns {
+impl KindRuns<'_> {
+    fn runs(&self, variant: Variant) -> &[Run] {
+        self.rounds.runs((self.kind, variant))
+    }
+
     fn times(&self, variant: Variant) -> Vec<f64> {
-        self.runs
-            .iter()
-            .find(|(v, _)| *v == variant)
-            .map_or(&[][..], |(_, r)| r)
-            .iter()
-            .map(|r| r.loop_s)
-            .collect()
+        self.rounds.values((self.kind, variant), |r| r.loop_s)
     }
 
     /// Per round: (time of `variant` − uninstrumented time of the same round) / calls.
     fn per_call(&self, variant: Variant) -> Vec<f64> {
-        self.times(variant)
-            .iter()
-            .zip(self.times(Variant::None))
-            .map(|(t, base)| (t - base) / self.calls as f64)
-            .collect()
+        self.rounds.over_base(
+            (self.kind, variant),
+            (self.kind, Variant::None),
+            |r| r.loop_s,
+            self.calls as f64,
+        )
     }
 }
 
 pub(super) struct PerKindBlock {
-    kinds: Vec<KindRuns>,
+    quick: bool,
+    rounds: Rounds<(Kind, Variant), Run>,
     bpftrace_skipped: Option<String>,
     /// Counts that differ from what the loop made, and lost events.
     checks: Vec<String>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PerKindBlock> {
-    let mut block = PerKindBlock {
-        kinds: Kind::ALL
-            .iter()
-            .map(|&kind| {
-                let mut variants = vec![Variant::None];
-                if ctx.bpftrace.is_ok() {
-                    variants.push(Variant::Bpftrace { returns: false });
-                    if kind.returns() {
-                        variants.push(Variant::Bpftrace { returns: true });
-                    }
-                }
-                variants.push(Variant::Lens);
-                KindRuns {
-                    kind,
-                    calls: kind.calls(quick),
-                    runs: variants.into_iter().map(|v| (v, Vec::new())).collect(),
-                }
-            })
-            .collect(),
-        bpftrace_skipped: ctx.bpftrace.as_ref().err().map(ToString::to_string),
-        checks: Vec::new(),
-    };
-    for round in 1..=ctx.rounds {
-        for kind_runs in block.kinds.iter_mut() {
-            let (kind, calls) = (kind_runs.kind, kind_runs.calls);
-            for (variant, runs) in kind_runs.runs.iter_mut() {
-                watch.check();
-                let run = run(ctx, kind, calls, *variant, round, &mut block.checks)?;
-                say(&format!(
-                    "round {round}/{}: hammer {} {calls} under {:<12} {:.1} ns per call",
-                    ctx.rounds,
-                    kind.arg(),
-                    variant.name(),
-                    run.loop_s / calls as f64 * 1e9
-                ));
-                runs.push(run);
-            }
+impl PerKindBlock {
+    fn kinds(&self) -> impl Iterator<Item = KindRuns<'_>> {
+        Kind::ALL.into_iter().map(|kind| KindRuns {
+            kind,
+            calls: kind.calls(self.quick),
+            rounds: &self.rounds,
+        })
+    }
+}
+
+/// What each kind runs under, in the order they run in a round.
+fn variants(kind: Kind, bpftrace: bool) -> Vec<Variant> {
+    let mut variants = vec![Variant::None];
+    if bpftrace {
+        variants.push(Variant::Bpftrace { returns: false });
+        if kind.returns() {
+            variants.push(Variant::Bpftrace { returns: true });
         }
     }
-    Ok(block)
+    variants.push(Variant::Lens);
+    variants
+}
+
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PerKindBlock> {
+    let cases = Kind::ALL.into_iter().flat_map(|kind| {
+        variants(kind, ctx.bpftrace.is_ok())
+            .into_iter()
+            .map(move |variant| (kind, variant))
+    });
+    let mut checks = Vec::new();
+    let rounds = Rounds::measure(
+        ctx.rounds,
+        cases,
+        watch,
+        |(kind, variant), round| run(ctx, kind, kind.calls(quick), variant, round, &mut checks),
+        |(kind, variant), run| {
+            let calls = kind.calls(quick);
+            format!(
+                "hammer {} {calls} under {:<12} {:.1} ns per call",
+                kind.arg(),
+                variant.name(),
+                run.loop_s / calls as f64 * 1e9
+            )
+        },
+    )?;
+    Ok(PerKindBlock {
+        quick,
+        rounds,
+        bpftrace_skipped: ctx.bpftrace.as_ref().err().map(ToString::to_string),
+        checks,
+    })
 }
 
 fn run(
@@ -407,7 +419,7 @@ impl PerKindBlock {
     pub(super) fn section(&self) -> Section {
         let target = "≤ 1.05× bpftrace";
         let mut rows = Vec::new();
-        for k in &self.kinds {
+        for k in self.kinds() {
             let (kind, calls) = (k.kind, k.calls);
             let call = format!("`{}`", kind.function());
             let base: Vec<f64> = k
@@ -510,10 +522,9 @@ impl PerKindBlock {
                 ));
             }
             let tracer_cpu: Vec<f64> = k
-                .runs
+                .runs(Variant::Lens)
                 .iter()
-                .filter(|(v, _)| *v == Variant::Lens)
-                .flat_map(|(_, runs)| runs.iter().filter_map(|r| r.tracer_cpu_s))
+                .filter_map(|r| r.tracer_cpu_s)
                 .collect();
             rows.push(super::report::row(
                 "  lens-probe's own CPU over its whole run (every thread, start-up included; \
@@ -537,8 +548,7 @@ impl PerKindBlock {
     pub(super) fn notes(&self) -> String {
         let mut n = String::new();
         let sizes: Vec<String> = self
-            .kinds
-            .iter()
+            .kinds()
             .map(|k| format!("{} {}", k.kind.arg(), fmt_count(k.calls as f64)))
             .collect();
         n.push_str(&format!(
@@ -560,8 +570,7 @@ impl PerKindBlock {
              here), whose jitter is of the order of the probes' cost: its rows are the \
              noisiest.\n",
             sizes.join(", "),
-            self.kinds
-                .iter()
+            self.kinds()
                 .find(|k| k.kind == Kind::Sync)
                 .and_then(|k| median(&k.times(Variant::None)).map(|t| t / k.calls as f64))
                 .map_or("?".into(), fmt_duration),

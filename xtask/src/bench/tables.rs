@@ -9,6 +9,7 @@ use super::{
     fake::{Fake, FakeBlock},
     frameworks, hangs, neighbour, per_kind, python,
     report::{self, Met, Row, Section, fmt_count, fmt_duration, median, row},
+    rounds::ratio_to,
     scale, teardown, throughput,
     torch::{TorchBlock, Usage},
 };
@@ -19,10 +20,6 @@ pub(super) fn pct(fraction: f64) -> String {
 
 pub(super) fn megabytes(kib: f64) -> String {
     format!("{:.1} MB", kib * 1024.0 / 1e6)
-}
-
-pub(super) fn ratio_to(values: &[f64], base: &[f64]) -> Option<f64> {
-    Some(median(values)? / median(base)?)
 }
 
 /// What the blocks that ran measured.

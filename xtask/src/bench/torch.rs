@@ -8,7 +8,8 @@ use std::time::Instant;
 use super::{
     Ctx, DONE_MARKER, PRESETS, RUN_TIMEOUT, TORCH_WRAPPER, Watch, lens_command, lens_probe_pids,
     proc::{Proc, Stream},
-    say, scrub_lens_env, wait_teardown,
+    rounds::Rounds,
+    scrub_lens_env, wait_teardown,
 };
 use xtask::error::{Error, Result};
 
@@ -37,20 +38,17 @@ pub(super) struct TorchRun {
 
 pub(super) struct TorchBlock {
     pub(super) steps: u32,
-    /// `None` = uninstrumented.
-    pub(super) runs: Vec<(Option<&'static str>, Vec<TorchRun>)>,
+    /// By preset, `None` = uninstrumented.
+    pub(super) runs: Rounds<Option<&'static str>, TorchRun>,
 }
 
 impl TorchBlock {
-    pub(super) fn runs(&self, preset: Option<&str>) -> &[TorchRun] {
-        self.runs
-            .iter()
-            .find(|(p, _)| *p == preset)
-            .map_or(&[], |(_, r)| r)
+    pub(super) fn runs(&self, preset: Option<&'static str>) -> &[TorchRun] {
+        self.runs.runs(preset)
     }
 
-    pub(super) fn times(&self, preset: Option<&str>) -> Vec<f64> {
-        self.runs(preset).iter().map(|r| r.loop_s).collect()
+    pub(super) fn times(&self, preset: Option<&'static str>) -> Vec<f64> {
+        self.runs.values(preset, |r| r.loop_s)
     }
 }
 
@@ -109,27 +107,25 @@ pub(super) fn read_pid_file(path: &Path) -> Option<u32> {
 }
 
 pub(super) fn torch_block(ctx: &Ctx, python: &Path, watch: &mut Watch) -> Result<TorchBlock> {
-    let mut runs: Vec<(Option<&'static str>, Vec<TorchRun>)> = vec![(None, Vec::new())];
-    runs.extend(PRESETS.map(|p| (Some(p), Vec::new())));
-    let mut block = TorchBlock {
-        steps: ctx.sizes.torch_steps,
-        runs,
-    };
-    for round in 1..=ctx.rounds {
-        for (preset, runs) in block.runs.iter_mut() {
-            watch.check();
-            let run = torch_run(ctx, python, *preset, round)?;
-            say(&format!(
-                "round {round}/{}: train.py loop ({} steps) under {:<9} {:.3} s",
-                ctx.rounds,
+    let presets = std::iter::once(None).chain(PRESETS.map(Some));
+    let runs = Rounds::measure(
+        ctx.rounds,
+        presets,
+        watch,
+        |preset, round| torch_run(ctx, python, preset, round),
+        |preset, run| {
+            format!(
+                "train.py loop ({} steps) under {:<9} {:.3} s",
                 ctx.sizes.torch_steps,
                 preset.unwrap_or("none"),
                 run.loop_s
-            ));
-            runs.push(run);
-        }
-    }
-    Ok(block)
+            )
+        },
+    )?;
+    Ok(TorchBlock {
+        steps: ctx.sizes.torch_steps,
+        runs,
+    })
 }
 
 pub(super) fn torch_run(
