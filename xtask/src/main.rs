@@ -16,15 +16,7 @@ fn workspace_root() -> PathBuf {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = match std::env::args_os()
-        .skip(1)
-        .map(|a| a.into_string())
-        .collect()
-    {
-        Ok(args) => args,
-        Err(bad) => return usage_error(&format!("argument {bad:?} is not UTF-8")),
-    };
-    let command = match cli::parse(&args) {
+    let command = match cli::parse(std::env::args_os().skip(1)) {
         Ok(command) => command,
         // `--help` too: printed with status 0; a bad argument with the usage, status 2.
         Err(error) => error.exit(),
@@ -52,18 +44,13 @@ fn main() -> ExitCode {
             match bench::run(bench::Options {
                 rounds,
                 quick,
-                blocks: only.unwrap_or(bench::Blocks::ALL),
+                blocks: only.map_or(bench::Blocks::ALL, |only| bench::Blocks::of(&only)),
             }) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(e),
             }
         }
     }
-}
-
-fn usage_error(reason: &str) -> ExitCode {
-    eprintln!("xtask: {reason} (see `cargo xtask help`)");
-    ExitCode::from(2)
 }
 
 fn fail(line: impl std::fmt::Display) -> ExitCode {

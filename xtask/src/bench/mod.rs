@@ -72,7 +72,7 @@ impl Options {
 }
 
 /// The bench's blocks, as `--only` names them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Block {
     /// The fake trainer: per-hit cost, slowdown per preset, its events (1, 2a, 5).
     Trainer,
@@ -92,6 +92,7 @@ pub enum Block {
     Python,
     /// Hang detection's look every second, on the fake trainer (7).
     Hangs,
+    /// lens-probe's exit until its probes are out of the kernel (8).
     Teardown,
     /// transformers `Trainer` and 2-rank DDP loops per preset (9).
     Frameworks,
@@ -144,23 +145,8 @@ impl Blocks {
         self.0 & (1 << block as u16) != 0
     }
 
-    /// `per-kind,throughput` → those two.
-    pub fn parse(list: &str) -> Result<Blocks> {
-        let mut set = 0;
-        for name in list.split(',').map(str::trim) {
-            let block = Block::ALL
-                .into_iter()
-                .find(|b| b.name() == name)
-                .ok_or_else(|| {
-                    let names: Vec<&str> = Block::ALL.iter().map(|b| b.name()).collect();
-                    format!(
-                        "unknown bench block `{name}` (blocks: {})",
-                        names.join(", ")
-                    )
-                })?;
-            set |= 1 << block as u16;
-        }
-        Ok(Blocks(set))
+    pub fn of(blocks: &[Block]) -> Blocks {
+        Blocks(blocks.iter().fold(0, |set, block| set | 1 << *block as u16))
     }
 }
 
