@@ -127,3 +127,21 @@ fn attach_run(ctx: &Ctx, target: &mut Proc, round: u32) -> Result<AttachRun> {
     }
     Ok(run)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attach_lines() {
+        assert_eq!(
+            parse_uprobes_attached("lens-probe: 61 uprobes attached (span groups: job)"),
+            Some(61)
+        );
+        assert_eq!(
+            parse_uprobes_attached("[2026-01-01T00:00:00Z INFO  lens_probe] 7 uprobes attached"),
+            Some(7)
+        );
+        assert_eq!(parse_uprobes_attached("no"), None);
+    }
+}

@@ -322,3 +322,69 @@ pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun> 
         teardown_s,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::summary::Summary;
+    use super::super::{CALLS_PER_STEP, DRIVER_HITS_PER_STEP};
+    use super::*;
+
+    #[test]
+    fn wrapper_lines() {
+        assert_eq!(
+            parse_elapsed("lens-bench elapsed_ns=1500000000\n"),
+            Some(1.5)
+        );
+        assert_eq!(parse_elapsed("trainer: 3 steps done"), None);
+        assert_eq!(parse_bpftrace_count("@: 1101"), Some(1101));
+        assert_eq!(parse_bpftrace_count("@ret: 5"), None);
+    }
+
+    #[test]
+    fn summary_of_the_timed_trainer() {
+        let doc = r#"{"losses": {"kernel": {"ring_buffer_full": 2, "unmatched_return": 1}, "undecodable": 0},
+          "processes": [
+            {"name": "sh", "command_line": ["sh", "-c", "x"], "calls": {}},
+            {"name": "trainer", "command_line": ["/f/trainer", "1"], "calls": {"ncclAllReduce": 1}},
+            {"name": "trainer", "command_line": ["/f/trainer", "40"],
+             "calls": {"cudaLaunchKernel": 400, "ncclAllReduce": 40, "ncclCommInitRank": 1},
+             "collectives": {"all_reduce": {"calls": 40, "bytes": 9}, "send": {"calls": 40}},
+             "sync_waits": {"stream": {"calls": 40, "p50_ns": 3}},
+             "probe_cost": {"estimated_ns": 2500000, "traced_ns": 90000000}}
+          ],
+          "lens_probe_cpu": {"user_s": 1.25, "system_s": 0.5, "wall_s": 3.0}}"#;
+        let json = serde_json::from_str::<Summary>(doc).unwrap();
+        assert_eq!(
+            trainer_summary(&json, 40).unwrap(),
+            TrainerSummary {
+                calls: 441,
+                events: 120,
+                lost: 3,
+                estimated_cost_s: Some(0.0025),
+                tracer_cpu_s: Some(1.75),
+            }
+        );
+        assert!(trainer_summary(&json, 7).is_err());
+    }
+
+    #[test]
+    fn bpftrace_probes_the_per_step_functions() {
+        let script = bpftrace_script(Path::new("/fx"), false);
+        assert!(script.starts_with("BEGIN { printf(\"lens-bench-ready\\n\"); }\n"));
+        assert!(script.contains("uprobe:/fx/libcudart.so.12:cudaLaunchKernel,\n"));
+        // The driver's launch functions the fake runtime calls: lens-probe's probes are
+        // hit there too.
+        assert!(script.contains("uprobe:/fx/libcuda.so.1:cuLaunchKernel,\n"));
+        assert!(script.contains("uprobe:/fx/libnccl.so.2:ncclCommInitRank\n{ @ = count(); }"));
+        assert_eq!(script.matches("uprobe:").count(), 19);
+        assert!(!script.contains("uretprobe"));
+        let with_returns = bpftrace_script(Path::new("/fx"), true);
+        assert_eq!(with_returns.matches("uretprobe:").count(), 11);
+        assert!(with_returns.ends_with("{ @ret = count(); }\n"));
+        // 24 calls a step: 10 + 1 launches, 7 collectives, group start and end, 1 graph
+        // launch, 3 syncs; every one of those functions is probed.
+        assert_eq!(CALLS_PER_STEP, 10 + 1 + 7 + 2 + 1 + 3);
+        // Each runtime launch (10 + 1 kernels, 1 graph) reaches the driver once.
+        assert_eq!(DRIVER_HITS_PER_STEP, 10 + 1 + 1);
+    }
+}

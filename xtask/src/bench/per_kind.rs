@@ -8,6 +8,7 @@
 //! otherwise take half the loop's CPU on a 2-CPU machine; its own CPU is a row of its own.
 
 use std::fs;
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -288,6 +289,18 @@ pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PerKind
     })
 }
 
+/// One timed `hammer KIND N` run: what its variants share.
+struct HammerRun<'a> {
+    ctx: &'a Ctx,
+    kind: Kind,
+    calls: u64,
+    name: String,
+    log: PathBuf,
+    deadline: Instant,
+    /// The CPU the tracer runs on.
+    tracer_on: &'static str,
+}
+
 fn run(
     ctx: &Ctx,
     kind: Kind,
@@ -296,21 +309,17 @@ fn run(
     round: u32,
     checks: &mut Vec<String>,
 ) -> Result<Run> {
-    let hammer = ctx.fixtures.join("hammer");
-    let n = calls.to_string();
     let name = format!("hammer-{}-{}-r{round}", kind.arg(), variant.name());
-    let log = ctx.logs.join(format!("{name}.log"));
-    let deadline = Instant::now() + RUN_TIMEOUT;
-    let (loop_on, tracer_on) = cpus();
-    let wrapped = |cmd: &mut Command| {
-        cmd.args(["taskset", "-c", loop_on, "sh", "-c", WRAPPER])
-            .arg(&hammer)
-            .arg(kind.arg())
-            .arg(&n);
-        fake_env(cmd);
+    let run = HammerRun {
+        ctx,
+        kind,
+        calls,
+        log: ctx.logs.join(format!("{name}.log")),
+        name,
+        deadline: Instant::now() + RUN_TIMEOUT,
+        tracer_on: cpus().1,
     };
     let mut loop_s = None;
-    let mut tracer_cpu_s_run = None;
     let mut on_line = |l: &Line| {
         if l.stream == Stream::Out
             && let Some(s) = parse_loop_time(&l.text)
@@ -318,97 +327,129 @@ fn run(
             loop_s = Some(s);
         }
     };
+    let mut tracer_cpu_s = None;
     match variant {
         Variant::None => {
             let mut cmd = Command::new("env");
             cmd.current_dir(&ctx.root);
-            wrapped(&mut cmd);
-            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
+            run.wrap(&mut cmd);
+            Proc::spawn(&run.name, &mut cmd, &run.log)?.finish_ok(run.deadline, &mut on_line)?;
         }
-        Variant::Lens => {
-            let summary_path = ctx.out.join(format!("{name}.summary.json"));
-            let _ = fs::remove_file(&summary_path);
-            let pid_file = ctx.out.join(format!("{name}.pid"));
-            let mut cmd = lens_command(ctx, Some(on_cpu(tracer_on)), "per_step", &pid_file);
-            cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
-                .arg("--summary-json")
-                .arg(&summary_path)
-                .args(["--exec", "--"]);
-            wrapped(&mut cmd);
-            let before = lens_probe_pids();
-            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
-            wait_teardown(&name, &before);
-            let json = Summary::read(&summary_path).context(&name)?;
-            tracer_cpu_s_run = json.tracer_cpu_s();
-            let (counted, lost) = hammer_summary(&json, kind, calls)
-                .context(format!("{name}: {}", summary_path.display()))?;
-            if counted != calls {
-                checks.push(format!(
-                    "{name}: lens-probe counted {counted} calls of {}, expected {calls}",
-                    kind.function()
-                ));
-            }
-            if lost != 0 {
-                checks.push(format!("{name}: lens-probe lost {lost} events"));
-            }
-        }
-        Variant::Bpftrace { returns } => {
-            let program = ctx.bpftrace.as_ref().map_err(Clone::clone)?;
-            let mut bt = on_cpu(tracer_on);
-            bt.arg(program).current_dir(&ctx.root).args([
-                "-B",
-                "none",
-                "-e",
-                &bpftrace_script(ctx, kind, returns),
-            ]);
-            let mut bt = Proc::spawn(&format!("{name} (bpftrace)"), &mut bt, &log)?;
-            // BEGIN runs once every probe is attached.
-            bt.wait_line(
-                Instant::now() + Duration::from_secs(120),
-                "its BEGIN probe ran",
-                |l| l.text.trim() == "lens-bench-ready",
-            )?;
-            let mut cmd = Command::new("env");
-            cmd.current_dir(&ctx.root);
-            wrapped(&mut cmd);
-            let result = Proc::spawn(&name, &mut cmd, &ctx.logs.join(format!("{name}.run.log")))?
-                .finish_ok(deadline, &mut on_line);
-            bt.signal("INT");
-            let mut count = None;
-            let mut ret_count = None;
-            bt.finish(Instant::now() + Duration::from_secs(120), |l| {
-                if let Some(n) = parse_bpftrace_count(&l.text) {
-                    count = Some(n);
-                } else if let Some(n) = l
-                    .text
-                    .trim()
-                    .strip_prefix("@ret: ")
-                    .and_then(|n| n.trim().parse::<u64>().ok())
-                {
-                    ret_count = Some(n);
-                }
-            })?;
-            result?;
-            // The warm-up call and the loop's.
-            let expected = calls + 1;
-            if count != Some(expected) || (returns && ret_count != Some(expected)) {
-                checks.push(format!(
-                    "{name}: bpftrace counted {count:?} entries and {ret_count:?} returns, \
-                     expected {expected}"
-                ));
-            }
-        }
+        Variant::Lens => tracer_cpu_s = run.under_lens(&mut on_line, checks)?,
+        Variant::Bpftrace { returns } => run.under_bpftrace(returns, &mut on_line, checks)?,
     }
     let loop_s = loop_s.ok_or_else(|| {
         format!(
-            "{name}: hammer printed no loop time (output in {})",
-            log.display()
+            "{}: hammer printed no loop time (output in {})",
+            run.name,
+            run.log.display()
         )
     })?;
     Ok(Run {
         loop_s,
-        tracer_cpu_s: tracer_cpu_s_run,
+        tracer_cpu_s,
     })
+}
+
+impl HammerRun<'_> {
+    /// Appends `taskset -c CPU sh -c WRAPPER hammer KIND N` and the fixtures' environment.
+    fn wrap(&self, cmd: &mut Command) {
+        cmd.args(["taskset", "-c", cpus().0, "sh", "-c", WRAPPER])
+            .arg(self.ctx.fixtures.join("hammer"))
+            .arg(self.kind.arg())
+            .arg(self.calls.to_string());
+        fake_env(cmd);
+    }
+
+    /// Under `lens-probe --span-groups per_step`; returns lens-probe's own CPU, and checks
+    /// its count of the calls and its losses.
+    fn under_lens(
+        &self,
+        on_line: &mut impl FnMut(&Line),
+        checks: &mut Vec<String>,
+    ) -> Result<Option<f64>> {
+        let (ctx, name, kind, calls) = (self.ctx, &self.name, self.kind, self.calls);
+        let summary_path = ctx.out.join(format!("{name}.summary.json"));
+        let _ = fs::remove_file(&summary_path);
+        let pid_file = ctx.out.join(format!("{name}.pid"));
+        let mut cmd = lens_command(ctx, Some(on_cpu(self.tracer_on)), "per_step", &pid_file);
+        cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
+            .arg("--summary-json")
+            .arg(&summary_path)
+            .args(["--exec", "--"]);
+        self.wrap(&mut cmd);
+        let before = lens_probe_pids();
+        Proc::spawn(name, &mut cmd, &self.log)?.finish_ok(self.deadline, on_line)?;
+        wait_teardown(name, &before);
+        let json = Summary::read(&summary_path).context(name)?;
+        let (counted, lost) = hammer_summary(&json, kind, calls)
+            .context(format!("{name}: {}", summary_path.display()))?;
+        if counted != calls {
+            checks.push(format!(
+                "{name}: lens-probe counted {counted} calls of {}, expected {calls}",
+                kind.function()
+            ));
+        }
+        if lost != 0 {
+            checks.push(format!("{name}: lens-probe lost {lost} events"));
+        }
+        Ok(json.tracer_cpu_s())
+    }
+
+    /// Under bpftrace `count()`, started first; checks its counts.
+    fn under_bpftrace(
+        &self,
+        returns: bool,
+        on_line: &mut impl FnMut(&Line),
+        checks: &mut Vec<String>,
+    ) -> Result<()> {
+        let (ctx, name, kind) = (self.ctx, &self.name, self.kind);
+        let program = ctx.bpftrace.as_ref().map_err(Clone::clone)?;
+        let mut bt = on_cpu(self.tracer_on);
+        bt.arg(program).current_dir(&ctx.root).args([
+            "-B",
+            "none",
+            "-e",
+            &bpftrace_script(ctx, kind, returns),
+        ]);
+        let mut bt = Proc::spawn(&format!("{name} (bpftrace)"), &mut bt, &self.log)?;
+        // BEGIN runs once every probe is attached.
+        bt.wait_line(
+            Instant::now() + Duration::from_secs(120),
+            "its BEGIN probe ran",
+            |l| l.text.trim() == "lens-bench-ready",
+        )?;
+        let mut cmd = Command::new("env");
+        cmd.current_dir(&ctx.root);
+        self.wrap(&mut cmd);
+        let result = Proc::spawn(name, &mut cmd, &ctx.logs.join(format!("{name}.run.log")))?
+            .finish_ok(self.deadline, on_line);
+        bt.signal("INT");
+        let mut count = None;
+        let mut ret_count = None;
+        bt.finish(Instant::now() + Duration::from_secs(120), |l| {
+            if let Some(n) = parse_bpftrace_count(&l.text) {
+                count = Some(n);
+            } else if let Some(n) = l
+                .text
+                .trim()
+                .strip_prefix("@ret: ")
+                .and_then(|n| n.trim().parse::<u64>().ok())
+            {
+                ret_count = Some(n);
+            }
+        })?;
+        result?;
+        // The warm-up call and the loop's.
+        let expected = self.calls + 1;
+        if count != Some(expected) || (returns && ret_count != Some(expected)) {
+            checks.push(format!(
+                "{name}: bpftrace counted {count:?} entries and {ret_count:?} returns, \
+                 expected {expected}"
+            ));
+        }
+        Ok(())
+    }
 }
 
 fn ns(seconds: f64) -> String {
@@ -417,125 +458,7 @@ fn ns(seconds: f64) -> String {
 
 impl PerKindBlock {
     pub(super) fn section(&self) -> Section {
-        let target = "≤ 1.05× bpftrace";
-        let mut rows = Vec::new();
-        for k in self.kinds() {
-            let (kind, calls) = (k.kind, k.calls);
-            let call = format!("`{}`", kind.function());
-            let base: Vec<f64> = k
-                .times(Variant::None)
-                .iter()
-                .map(|t| t / calls as f64)
-                .collect();
-            rows.push(super::report::row(
-                format!(
-                    "**{}** (`hammer {} {}`): uninstrumented {call}, per call",
-                    kind.arg(),
-                    kind.arg(),
-                    fmt_count(calls as f64)
-                ),
-                &base,
-                ns,
-                None,
-                "",
-                Met::NoTarget,
-            ));
-            let floor_values = k.per_call(Variant::Bpftrace { returns: false });
-            let ret_values = k.per_call(Variant::Bpftrace { returns: true });
-            let lens = k.per_call(Variant::Lens);
-            let floor = median(&floor_values);
-            let ret = median(&ret_values);
-            // No ratio to a cost the noise made zero or negative.
-            let ratio =
-                |values: &[f64], to: Option<f64>| Some(median(values)? / to.filter(|t| *t > 0.0)?);
-            let met = |r: Option<f64>| match (r, &self.bpftrace_skipped) {
-                (Some(r), _) => Met::from_bool(r <= 1.05),
-                (None, Some(why)) => Met::NotMeasured(why.clone()),
-                (None, None) => Met::NotMeasured("no value".into()),
-            };
-            let floor_label = if kind == Kind::Launch {
-                format!(
-                    "+ bpftrace `count()` on the entries of {call} and the `cuLaunchKernel` it \
-                     calls (kernel floor)"
-                )
-            } else {
-                format!("+ bpftrace `count()` on the entry of {call} (kernel floor)")
-            };
-            match &self.bpftrace_skipped {
-                Some(why) => rows.push(Row::not_measured(&floor_label, "", why)),
-                None => rows.push(super::report::row(
-                    floor_label,
-                    &floor_values,
-                    ns,
-                    floor.filter(|f| *f > 0.0).map(|_| 1.0),
-                    "",
-                    Met::NoTarget,
-                )),
-            }
-            if kind.returns() {
-                let label = format!(
-                    "+ bpftrace `count()` on the entry and the return of {call} (ratio: to the floor)"
-                );
-                match &self.bpftrace_skipped {
-                    Some(why) => rows.push(Row::not_measured(&label, "", why)),
-                    None => rows.push(super::report::row(
-                        label,
-                        &ret_values,
-                        ns,
-                        ratio(&ret_values, floor),
-                        "",
-                        Met::NoTarget,
-                    )),
-                }
-                rows.push(super::report::row(
-                    format!(
-                        "+ lens-probe `per_step`: {} (ratio: to the floor)",
-                        kind.programs()
-                    ),
-                    &lens,
-                    ns,
-                    ratio(&lens, floor),
-                    "",
-                    Met::NoTarget,
-                ));
-                let r = ratio(&lens, ret);
-                rows.push(super::report::row(
-                    "… the same, ratio to bpftrace on the same probes (entry + return)",
-                    &lens,
-                    ns,
-                    r,
-                    target,
-                    met(r),
-                ));
-            } else {
-                let r = ratio(&lens, floor);
-                rows.push(super::report::row(
-                    format!(
-                        "+ lens-probe `per_step`: {} (ratio: to the floor, the same probe)",
-                        kind.programs()
-                    ),
-                    &lens,
-                    ns,
-                    r,
-                    target,
-                    met(r),
-                ));
-            }
-            let tracer_cpu: Vec<f64> = k
-                .runs(Variant::Lens)
-                .iter()
-                .filter_map(|r| r.tracer_cpu_s)
-                .collect();
-            rows.push(super::report::row(
-                "  lens-probe's own CPU over its whole run (every thread, start-up included; \
-                 on the other CPU)",
-                &tracer_cpu,
-                ns,
-                None,
-                "",
-                Met::NoTarget,
-            ));
-        }
+        let rows = self.kinds().flat_map(|k| self.kind_rows(&k)).collect();
         Section {
             title: "1b. Per-hit cost per probe kind (`hammer KIND N`: one fake-library function \
                     called N times in a loop on CPU 1, the tracer on CPU 0, the loop's own time; rows \
@@ -543,6 +466,128 @@ impl PerKindBlock {
                 .into(),
             rows,
         }
+    }
+
+    /// One kind's rows: uninstrumented, under bpftrace, under lens-probe, lens-probe's CPU.
+    fn kind_rows(&self, k: &KindRuns) -> Vec<Row> {
+        let target = "≤ 1.05× bpftrace";
+        let mut rows = Vec::new();
+        let (kind, calls) = (k.kind, k.calls);
+        let call = format!("`{}`", kind.function());
+        let base: Vec<f64> = k
+            .times(Variant::None)
+            .iter()
+            .map(|t| t / calls as f64)
+            .collect();
+        rows.push(super::report::row(
+            format!(
+                "**{}** (`hammer {} {}`): uninstrumented {call}, per call",
+                kind.arg(),
+                kind.arg(),
+                fmt_count(calls as f64)
+            ),
+            &base,
+            ns,
+            None,
+            "",
+            Met::NoTarget,
+        ));
+        let floor_values = k.per_call(Variant::Bpftrace { returns: false });
+        let ret_values = k.per_call(Variant::Bpftrace { returns: true });
+        let lens = k.per_call(Variant::Lens);
+        let floor = median(&floor_values);
+        let ret = median(&ret_values);
+        // No ratio to a cost the noise made zero or negative.
+        let ratio =
+            |values: &[f64], to: Option<f64>| Some(median(values)? / to.filter(|t| *t > 0.0)?);
+        let met = |r: Option<f64>| match (r, &self.bpftrace_skipped) {
+            (Some(r), _) => Met::from_bool(r <= 1.05),
+            (None, Some(why)) => Met::NotMeasured(why.clone()),
+            (None, None) => Met::NotMeasured("no value".into()),
+        };
+        let floor_label = if kind == Kind::Launch {
+            format!(
+                "+ bpftrace `count()` on the entries of {call} and the `cuLaunchKernel` it \
+                 calls (kernel floor)"
+            )
+        } else {
+            format!("+ bpftrace `count()` on the entry of {call} (kernel floor)")
+        };
+        match &self.bpftrace_skipped {
+            Some(why) => rows.push(Row::not_measured(&floor_label, "", why)),
+            None => rows.push(super::report::row(
+                floor_label,
+                &floor_values,
+                ns,
+                floor.filter(|f| *f > 0.0).map(|_| 1.0),
+                "",
+                Met::NoTarget,
+            )),
+        }
+        if kind.returns() {
+            let label = format!(
+                "+ bpftrace `count()` on the entry and the return of {call} (ratio: to the floor)"
+            );
+            match &self.bpftrace_skipped {
+                Some(why) => rows.push(Row::not_measured(&label, "", why)),
+                None => rows.push(super::report::row(
+                    label,
+                    &ret_values,
+                    ns,
+                    ratio(&ret_values, floor),
+                    "",
+                    Met::NoTarget,
+                )),
+            }
+            rows.push(super::report::row(
+                format!(
+                    "+ lens-probe `per_step`: {} (ratio: to the floor)",
+                    kind.programs()
+                ),
+                &lens,
+                ns,
+                ratio(&lens, floor),
+                "",
+                Met::NoTarget,
+            ));
+            let r = ratio(&lens, ret);
+            rows.push(super::report::row(
+                "… the same, ratio to bpftrace on the same probes (entry + return)",
+                &lens,
+                ns,
+                r,
+                target,
+                met(r),
+            ));
+        } else {
+            let r = ratio(&lens, floor);
+            rows.push(super::report::row(
+                format!(
+                    "+ lens-probe `per_step`: {} (ratio: to the floor, the same probe)",
+                    kind.programs()
+                ),
+                &lens,
+                ns,
+                r,
+                target,
+                met(r),
+            ));
+        }
+        let tracer_cpu: Vec<f64> = k
+            .runs(Variant::Lens)
+            .iter()
+            .filter_map(|r| r.tracer_cpu_s)
+            .collect();
+        rows.push(super::report::row(
+            "  lens-probe's own CPU over its whole run (every thread, start-up included; \
+             on the other CPU)",
+            &tracer_cpu,
+            ns,
+            None,
+            "",
+            Met::NoTarget,
+        ));
+        rows
     }
 
     pub(super) fn notes(&self) -> String {

@@ -198,3 +198,18 @@ pub(super) fn torch_run(
         teardown_s,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_lines() {
+        assert_eq!(parse_time_output("1.50 0.25 51234\n"), Some((1.75, 51234)));
+        assert_eq!(
+            parse_time_output("Command exited with non-zero status 1\n0.10 0.20 300\n"),
+            Some((0.30000000000000004, 300))
+        );
+        assert_eq!(parse_time_output(""), None);
+    }
+}
