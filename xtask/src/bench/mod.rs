@@ -3,7 +3,8 @@
 //! `<!-- bench:begin -->` and `<!-- bench:end -->`.
 //!
 //! Every measurement interleaves its variants (A B C A B C …) for `--rounds` rounds and
-//! reports medians, so the drift of a noisy VM hits every variant alike. Blocks:
+//! reports medians, so the drift of a noisy VM hits every variant alike ([`rounds`]).
+//! Blocks:
 //!
 //! 1. the fake `trainer` (tests/fixtures) uninstrumented, under lens-probe with each
 //!    preset, and under bpftrace `count()` on the same functions: per-hit cost,
@@ -25,7 +26,8 @@
 //! 10. an untraced process beside a traced one, the same library file ([`neighbour`]);
 //! 11. attach, links and teardown with 1, 8 and 64 traced processes ([`scale`]).
 //!
-//! The table and its notes: [`tables`]. `--only` runs some of the blocks (then
+//! The table: [`tables`], its notes: [`notes`]. What lens-probe's `--summary-json` says is
+//! read by [`summary`]. `--only` runs some of the blocks ([`blocks`]; then
 //! docs/performance.md is left as it is).
 
 mod attach;
