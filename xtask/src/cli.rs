@@ -1,8 +1,10 @@
 //! The command line of `cargo xtask`.
 
+use std::ffi::OsString;
+
 use clap::{Parser, Subcommand};
 
-use crate::bench::Blocks;
+use crate::bench::Block;
 
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "Project automation for lens-probe")]
@@ -11,7 +13,7 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+#[derive(Debug, Clone, PartialEq, Eq, Subcommand)]
 pub enum Command {
     /// Install what the build and tests need
     ///
@@ -48,10 +50,9 @@ pub enum Command {
         /// Rounds of interleaved variants (default 5; 1 with --quick)
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         rounds: Option<u32>,
-        /// These blocks only (trainer, per-kind, neighbour, torch, attach, throughput, budget,
-        /// python, hangs, teardown, frameworks, scale), comma-separated; docs left as they are
-        #[arg(long, value_parser = Blocks::parse)]
-        only: Option<Blocks>,
+        /// These blocks only, comma-separated; docs left as they are
+        #[arg(long, value_enum, value_delimiter = ',')]
+        only: Option<Vec<Block>>,
     },
 }
 
@@ -63,26 +64,31 @@ impl Command {
 }
 
 /// Parses the arguments after `xtask`. An error is clap's: `--help` is one too, which
-/// `exit()` prints with status 0; a bad argument is named with the usage, status 2.
-pub fn parse<S: AsRef<str>>(args: &[S]) -> Result<Command, clap::Error> {
-    let argv = std::iter::once("cargo xtask").chain(args.iter().map(AsRef::as_ref));
+/// `exit()` prints with status 0; a bad argument (one that is not UTF-8 too) is named
+/// with the usage, status 2.
+pub fn parse<I, S>(args: I) -> Result<Command, clap::Error>
+where
+    I: IntoIterator<Item = S>,
+    S: Into<OsString> + Clone,
+{
+    let argv =
+        std::iter::once(OsString::from("cargo xtask")).chain(args.into_iter().map(Into::into));
     Cli::try_parse_from(argv).map(|cli| cli.command)
 }
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::ffi::OsStringExt;
+
     use clap::error::ErrorKind;
 
     use super::*;
 
     #[test]
     fn commands() {
+        assert_eq!(parse(["setup"]).unwrap(), Command::Setup { dry_run: false });
         assert_eq!(
-            parse(&["setup"]).unwrap(),
-            Command::Setup { dry_run: false }
-        );
-        assert_eq!(
-            parse(&["setup", "--dry-run"]).unwrap(),
+            parse(["setup", "--dry-run"]).unwrap(),
             Command::Setup { dry_run: true }
         );
         let build = |args: &[&str]| match parse(args).unwrap() {
@@ -93,13 +99,13 @@ mod tests {
         assert!(!build(&["build-ebpf", "--debug"]));
         assert!(build(&["build-ebpf", "--debug", "--release"]));
         assert!(!build(&["build-ebpf", "--release", "--debug"]));
-        assert_eq!(parse(&["test"]).unwrap(), Command::Test);
-        assert_eq!(parse(&["demo"]).unwrap(), Command::Demo);
+        assert_eq!(parse(["test"]).unwrap(), Command::Test);
+        assert_eq!(parse(["demo"]).unwrap(), Command::Demo);
         for help in [&["help"][..], &["-h"], &["--help"], &["test", "--help"]] {
             assert_eq!(parse(help).unwrap_err().kind(), ErrorKind::DisplayHelp);
         }
         assert_eq!(
-            parse(&["bench"]).unwrap(),
+            parse(["bench"]).unwrap(),
             Command::Bench {
                 quick: false,
                 rounds: None,
@@ -107,7 +113,7 @@ mod tests {
             }
         );
         assert_eq!(
-            parse(&["bench", "--rounds", "3", "--quick"]).unwrap(),
+            parse(["bench", "--rounds", "3", "--quick"]).unwrap(),
             Command::Bench {
                 quick: true,
                 rounds: Some(3),
@@ -115,27 +121,45 @@ mod tests {
             }
         );
         assert_eq!(
-            parse(&["bench", "--rounds=7"]).unwrap(),
+            parse(["bench", "--rounds=7"]).unwrap(),
             Command::Bench {
                 quick: false,
                 rounds: Some(7),
                 only: None
             }
         );
-        let only = Blocks::parse("per-kind,throughput").unwrap();
         for args in [
             &["bench", "--only", "per-kind,throughput", "--quick"][..],
             &["bench", "--only=per-kind,throughput", "--quick"],
+            &[
+                "bench",
+                "--only",
+                "per-kind",
+                "--quick",
+                "--only",
+                "throughput",
+            ],
         ] {
             assert_eq!(
                 parse(args).unwrap(),
                 Command::Bench {
                     quick: true,
                     rounds: None,
-                    only: Some(only)
+                    only: Some(vec![Block::PerKind, Block::Throughput])
                 }
             );
         }
+    }
+
+    /// `--only` takes the names the bench's notes print.
+    #[test]
+    fn block_names() {
+        use clap::ValueEnum;
+        for block in Block::ALL {
+            let value = block.to_possible_value().unwrap();
+            assert_eq!(value.get_name(), block.name());
+        }
+        assert_eq!(Block::value_variants(), Block::ALL);
     }
 
     /// Each bad command line is refused, the error naming what was wrong.
@@ -178,11 +202,19 @@ mod tests {
         refused(&["bench", "--only"], ErrorKind::InvalidValue, "--only");
         refused(
             &["bench", "--only", "trainer,gpu"],
-            ErrorKind::ValueValidation,
-            "unknown bench block `gpu` (blocks: trainer, per-kind, neighbour, torch, attach, \
-             throughput, budget, python, hangs, teardown, frameworks, scale)",
+            ErrorKind::InvalidValue,
+            "invalid value 'gpu' for '--only <ONLY>'\n  [possible values: trainer, per-kind, \
+             neighbour, torch, attach, throughput, budget, python, hangs, teardown, frameworks, \
+             scale]",
         );
         refused(&["bench", "--fast"], ErrorKind::UnknownArgument, "--fast");
         refused(&["BUILD-EBPF"], ErrorKind::InvalidSubcommand, "BUILD-EBPF");
+        // An argument that is not UTF-8 is clap's to refuse too.
+        for at in [0, 2] {
+            let mut args = ["bench", "--rounds", "3"].map(OsString::from);
+            args[at] = OsString::from_vec(vec![b'3', 0xff]);
+            let error = parse(args).unwrap_err();
+            assert!(error.use_stderr(), "{at}: {error}");
+        }
     }
 }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
-use xtask::{ebpf, toolchain};
+use xtask::{Error, Result, ebpf, toolchain};
 
 fn workspace_root() -> PathBuf {
     let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -16,15 +16,7 @@ fn workspace_root() -> PathBuf {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = match std::env::args_os()
-        .skip(1)
-        .map(|a| a.into_string())
-        .collect()
-    {
-        Ok(args) => args,
-        Err(bad) => return usage_error(&format!("argument {bad:?} is not UTF-8")),
-    };
-    let command = match cli::parse(&args) {
+    let command = match cli::parse(std::env::args_os().skip(1)) {
         Ok(command) => command,
         // `--help` too: printed with status 0; a bad argument with the usage, status 2.
         Err(error) => error.exit(),
@@ -32,7 +24,7 @@ fn main() -> ExitCode {
     match command {
         cli::Command::Setup { dry_run } => match setup::run(dry_run) {
             Ok(()) => ExitCode::SUCCESS,
-            Err(e) => fail(&format!("xtask setup: {e}")),
+            Err(e) => fail(format!("xtask setup: {e}")),
         },
         cli::Command::BuildEbpf { debug, release } => {
             build_ebpf(cli::Command::release(debug, release))
@@ -52,21 +44,16 @@ fn main() -> ExitCode {
             match bench::run(bench::Options {
                 rounds,
                 quick,
-                blocks: only.unwrap_or(bench::Blocks::ALL),
+                blocks: only.map_or(bench::Blocks::ALL, |only| bench::Blocks::of(&only)),
             }) {
                 Ok(()) => ExitCode::SUCCESS,
-                Err(e) => fail(&e),
+                Err(e) => fail(e),
             }
         }
     }
 }
 
-fn usage_error(reason: &str) -> ExitCode {
-    eprintln!("xtask: {reason} (see `cargo xtask help`)");
-    ExitCode::from(2)
-}
-
-fn fail(line: &str) -> ExitCode {
+fn fail(line: impl std::fmt::Display) -> ExitCode {
     eprintln!("{line}");
     ExitCode::FAILURE
 }
@@ -79,7 +66,7 @@ fn build_ebpf(release: bool) -> ExitCode {
             println!("{}", object.display());
             ExitCode::SUCCESS
         }
-        Err(e) => fail(&format!("xtask build-ebpf: {e}")),
+        Err(e) => fail(format!("xtask build-ebpf: {e}")),
     }
 }
 
@@ -94,7 +81,7 @@ fn cargo(args: &[&str]) -> Command {
 }
 
 /// Runs one named step; `Err` is the one line to print.
-fn run_step(task: &str, cmd: &mut Command) -> Result<(), String> {
+fn run_step(task: &str, cmd: &mut Command) -> Result<()> {
     run_step_reading(task, cmd, None)
 }
 
@@ -104,7 +91,7 @@ fn run_step_reading(
     task: &str,
     cmd: &mut Command,
     read_line: Option<&mut dyn FnMut(&str)>,
-) -> Result<(), String> {
+) -> Result<()> {
     use std::io::{BufRead, BufReader};
     let shown = toolchain::display_command(cmd);
     println!("==> [xtask {task}] {shown}");
@@ -129,8 +116,12 @@ fn run_step_reading(
             );
             Ok(())
         }
-        Ok(status) => Err(format!("xtask {task}: step `{shown}` failed ({status})")),
-        Err(e) => Err(format!("xtask {task}: step `{shown}` could not start: {e}")),
+        Ok(status) => Err(Error::Msg(format!(
+            "xtask {task}: step `{shown}` failed ({status})"
+        ))),
+        Err(e) => Err(Error::Msg(format!(
+            "xtask {task}: step `{shown}` could not start: {e}"
+        ))),
     }
 }
 
@@ -157,13 +148,13 @@ fn parse_test_result(line: &str) -> Option<(u64, u64)> {
 fn test() -> ExitCode {
     let start = Instant::now();
     if let Err(e) = setup::run(false) {
-        return fail(&format!("xtask test: step `cargo xtask setup` failed: {e}"));
+        return fail(format!("xtask test: step `cargo xtask setup` failed: {e}"));
     }
     if let Err(line) = run_step(
         "test",
         &mut cargo(&["build", "--workspace", "--all-targets"]),
     ) {
-        return fail(&line);
+        return fail(line);
     }
     let (mut passed, mut failed) = (0u64, 0u64);
     let mut tally = |line: &str| {
@@ -181,7 +172,7 @@ fn test() -> ExitCode {
     let totals = format!("tests: {passed} passed, {failed} failed");
     if let Err(line) = tested {
         println!("{totals}");
-        return fail(&line);
+        return fail(line);
     }
     if passed == 0 {
         println!("{totals}");
@@ -200,7 +191,7 @@ fn test() -> ExitCode {
     ];
     for args in checks {
         if let Err(line) = run_step("test", &mut cargo(args)) {
-            return fail(&line);
+            return fail(line);
         }
     }
     println!(
@@ -213,7 +204,7 @@ fn test() -> ExitCode {
 
 fn demo() -> ExitCode {
     if let Err(e) = setup::run(false) {
-        return fail(&format!("xtask demo: step `cargo xtask setup` failed: {e}"));
+        return fail(format!("xtask demo: step `cargo xtask setup` failed: {e}"));
     }
     let root = workspace_root();
     let mut fixtures = Command::new("bash");
@@ -227,7 +218,7 @@ fn demo() -> ExitCode {
         &mut fixtures,
     ] {
         if let Err(line) = run_step("demo", cmd) {
-            return fail(&line);
+            return fail(line);
         }
     }
 
@@ -257,7 +248,7 @@ fn demo() -> ExitCode {
                 ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
             }
         },
-        Err(e) => fail(&format!(
+        Err(e) => fail(format!(
             "xtask demo: cannot run target/release/lens-probe: {e}"
         )),
     }

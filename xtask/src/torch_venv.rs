@@ -12,6 +12,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use crate::error::{Error, Result};
+
 /// Overrides the venv directory.
 pub const VENV_ENV: &str = "LENS_TORCH_VENV";
 /// A Python 3.13 interpreter to create the venv with (else one is searched for).
@@ -99,12 +101,12 @@ pub fn read_stamp(dir: &Path) -> Option<bool> {
 }
 
 /// Writes the stamp (through a temporary file and a rename, so it is never half-written).
-pub fn write_stamp(dir: &Path) -> Result<(), String> {
+pub fn write_stamp(dir: &Path) -> Result<()> {
     let stamp = stamp_path(dir);
     let tmp = dir.join(format!("{STAMP}.tmp"));
     fs::write(&tmp, stamp_contents())
         .and_then(|()| fs::rename(&tmp, &stamp))
-        .map_err(|e| format!("cannot write {}: {e}", stamp.display()))
+        .map_err(|e| Error::io("write", &stamp, e))
 }
 
 /// A command running the Python at `python`, without the variables that would point a
@@ -174,7 +176,7 @@ pub fn python_version(python: &Path) -> Option<String> {
 
 /// Runs [`IMPORT_CHECK`] with `python`; `Err` is the last line of its stderr (the
 /// exception), or why it could not run.
-pub fn import_check(python: &Path) -> Result<(), String> {
+pub fn import_check(python: &Path) -> Result<()> {
     let out = python_command(python)
         .args(["-c", IMPORT_CHECK])
         .output()
@@ -189,7 +191,7 @@ pub fn import_check(python: &Path) -> Result<(), String> {
         .map(str::trim)
         .find(|l| !l.is_empty())
         .unwrap_or("no error output");
-    Err(format!("{last} ({})", out.status))
+    Err(format!("{last} ({})", out.status).into())
 }
 
 /// The `3.13.N` names among pyenv's version directories, newest first (`3.13.0t`,
@@ -234,7 +236,7 @@ pub struct Python {
 /// `python3.13` on `PATH` that runs (a pyenv shim for a version that is not selected does
 /// not), else the newest `$PYENV_ROOT/versions/3.13.*/bin/python3` (`$HOME/.pyenv` without
 /// `PYENV_ROOT`). `Err` is one line saying how to provide one.
-pub fn find_python313() -> Result<Python, String> {
+pub fn find_python313() -> Result<Python> {
     let wanted = PYTHON_VERSION;
     if let Some(p) = env::var_os(PYTHON_ENV).filter(|v| !v.is_empty()) {
         let path = PathBuf::from(&p);
@@ -255,7 +257,8 @@ pub fn find_python313() -> Result<Python, String> {
                 path.display(),
                 wanted.0,
                 wanted.1
-            )),
+            )
+            .into()),
         };
     }
     let is_wanted = |v: &str| parse_version(v) == Some(wanted);
@@ -304,7 +307,8 @@ pub fn find_python313() -> Result<Python, String> {
         "no Python {}.{} found ({PYTHON_ENV} unset, no working {name} on PATH{looked_in}): \
          install one (e.g. `pyenv install {}.{}`) or set {PYTHON_ENV} to its interpreter",
         wanted.0, wanted.1, wanted.0, wanted.1
-    ))
+    )
+    .into())
 }
 
 #[cfg(test)]

@@ -12,8 +12,10 @@ use std::time::Instant;
 
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, median, row};
-use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
-use serde_json::Value as Json;
+use super::rounds::Rounds;
+use super::summary::{BudgetAccount as Account, Summary};
+use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, wait_teardown};
+use xtask::error::{Context, Result};
 
 const EXTRA_LAUNCHES: &str = "2000";
 const LAUNCH_NS: &str = "3000";
@@ -47,75 +49,49 @@ fn parse_loop(line: &str) -> Option<f64> {
     Some(ns as f64 / 1e9)
 }
 
-/// The budget's account from `--summary-json`.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-struct Account {
-    estimated_percent: f64,
-    sampled_percent: f64,
-    per_hit_ns: f64,
-    windows: f64,
-}
-
-fn account(json: &Json) -> Option<Account> {
-    let budget = json.get("overhead_budget")?;
-    let number = |key: &str| budget.get(key).and_then(Json::as_f64);
-    Some(Account {
-        estimated_percent: number("estimated_percent")?,
-        sampled_percent: number("sampled_percent")?,
-        per_hit_ns: number("per_hit_ns")?,
-        windows: number("windows")?,
-    })
-}
-
 pub(super) struct BudgetBlock {
     steps: u64,
-    runs: Vec<(Variant, Vec<f64>)>,
-    accounts: Vec<Account>,
+    /// The loop's time, and the budget's account where there is one.
+    runs: Rounds<Variant, (f64, Option<Account>)>,
 }
 
 impl BudgetBlock {
-    fn times(&self, variant: Variant) -> &[f64] {
-        self.runs
-            .iter()
-            .find(|(v, _)| *v == variant)
-            .map_or(&[], |(_, t)| t)
+    fn times(&self, variant: Variant) -> Vec<f64> {
+        self.runs.values(variant, |(time, _)| *time)
     }
 
     fn ratio(&self, variant: Variant) -> Option<f64> {
-        super::tables::ratio_to(self.times(variant), self.times(Variant::None))
+        self.runs.ratio(variant, Variant::None, |(time, _)| *time)
+    }
+
+    /// The budget's accounts, in round order.
+    fn accounts(&self) -> Vec<Account> {
+        self.runs
+            .iter()
+            .flat_map(|(_, runs)| runs.iter().filter_map(|(_, account)| *account))
+            .collect()
     }
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<BudgetBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<BudgetBlock> {
     let steps = if quick { 400 } else { 1500 };
-    let mut block = BudgetBlock {
-        steps,
-        runs: Variant::ALL.iter().map(|v| (*v, Vec::new())).collect(),
-        accounts: Vec::new(),
-    };
-    for round in 1..=ctx.rounds {
-        for (variant, times) in block.runs.iter_mut() {
-            watch.check();
-            let (time, account) = run(ctx, *variant, steps, round)?;
-            say(&format!(
-                "round {round}/{}: launch-heavy trainer {steps} under {:<10} {:.3} s",
-                ctx.rounds,
+    let runs = Rounds::measure(
+        ctx.rounds,
+        Variant::ALL,
+        watch,
+        |variant, round| run(ctx, variant, steps, round),
+        |variant, (time, _)| {
+            format!(
+                "launch-heavy trainer {steps} under {:<10} {:.3} s",
                 variant.name(),
                 time
-            ));
-            times.push(time);
-            block.accounts.extend(account);
-        }
-    }
-    Ok(block)
+            )
+        },
+    )?;
+    Ok(BudgetBlock { steps, runs })
 }
 
-fn run(
-    ctx: &Ctx,
-    variant: Variant,
-    steps: u64,
-    round: u32,
-) -> Result<(f64, Option<Account>), String> {
+fn run(ctx: &Ctx, variant: Variant, steps: u64, round: u32) -> Result<(f64, Option<Account>)> {
     let trainer = ctx.fixtures.join("trainer");
     let name = format!("budget-{}-r{round}", variant.name());
     let log = ctx.logs.join(format!("{name}.log"));
@@ -159,11 +135,8 @@ fn run(
         Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
         wait_teardown(&name, &before);
         if variant == Variant::AllBudget {
-            let text = fs::read_to_string(&summary_path)
-                .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-            let json = serde_json::from_str::<Json>(&text)
-                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
-            account_found = Some(account(&json).ok_or_else(|| {
+            let json = Summary::read(&summary_path).context(&name)?;
+            account_found = Some(json.overhead_budget.ok_or_else(|| {
                 format!("{name}: no overhead_budget in {}", summary_path.display())
             })?);
         }
@@ -193,7 +166,7 @@ impl BudgetBlock {
         let mut rows = vec![
             row(
                 label("none"),
-                self.times(Variant::None),
+                &self.times(Variant::None),
                 fmt_duration,
                 Some(1.0),
                 "",
@@ -201,7 +174,7 @@ impl BudgetBlock {
             ),
             row(
                 label("`all`"),
-                self.times(Variant::All),
+                &self.times(Variant::All),
                 fmt_duration,
                 self.ratio(Variant::All),
                 "",
@@ -211,7 +184,7 @@ impl BudgetBlock {
         let budgeted = self.ratio(Variant::AllBudget);
         rows.push(row(
             label(&format!("`all --overhead-budget {BUDGET}`")),
-            self.times(Variant::AllBudget),
+            &self.times(Variant::AllBudget),
             fmt_duration,
             budgeted,
             "≤ 1.03× (≤ 3 %)",
@@ -219,7 +192,8 @@ impl BudgetBlock {
                 Met::from_bool(r <= 1.03)
             }),
         ));
-        let column = |f: fn(&Account) -> f64| -> Vec<f64> { self.accounts.iter().map(f).collect() };
+        let accounts = self.accounts();
+        let column = |f: fn(&Account) -> f64| -> Vec<f64> { accounts.iter().map(f).collect() };
         let estimated = column(|a| a.estimated_percent);
         rows.push(row(
             "… lens-probe's own estimate of the launch probes' cost (hits × measured cost / wall time)",
@@ -255,7 +229,7 @@ impl BudgetBlock {
             "",
             Met::NoTarget,
         ));
-        if self.accounts.is_empty() {
+        if accounts.is_empty() {
             rows.push(Row::not_measured(
                 "… the budget's account",
                 "",
@@ -290,26 +264,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn loop_lines_and_accounts() {
+    fn loop_lines() {
         assert_eq!(parse_loop("lens-bench-loop 1500000000\n"), Some(1.5));
         assert_eq!(parse_loop("trainer: 3 steps done"), None);
-        let json = serde_json::from_str::<Json>(
-            r#"{"processes": [], "overhead_budget": {"budget_percent": 1.0, "per_hit_ns": 780.0,
-                "estimated_percent": 0.4, "sampled_percent": 2.5, "windows": 3}}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            account(&json),
-            Some(Account {
-                estimated_percent: 0.4,
-                sampled_percent: 2.5,
-                per_hit_ns: 780.0,
-                windows: 3.0
-            })
-        );
-        assert_eq!(
-            account(&serde_json::from_str::<Json>(r#"{"processes": []}"#).unwrap()),
-            None
-        );
     }
 }

@@ -6,15 +6,16 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use serde_json::Value as Json;
-
 use super::{
     CALLS_PER_PROCESS, CALLS_PER_STEP, Ctx, DRIVER_HITS_PER_STEP, FAKE_PROBES, FAKE_WRAPPER,
     PRESETS, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids,
     proc::{Line, Proc, Stream},
     report::median,
-    say, wait_teardown,
+    rounds::Rounds,
+    summary::Summary,
+    wait_teardown,
 };
+use xtask::error::{Context, Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Fake {
@@ -50,76 +51,19 @@ pub(super) struct TrainerSummary {
     pub(super) tracer_cpu_s: Option<f64>,
 }
 
-pub(super) fn sum_members(value: Option<&Json>, field: Option<&str>) -> u64 {
-    value
-        .map(|v| {
-            v.as_object()
-                .into_iter()
-                .flatten()
-                .filter_map(|(_, m)| match field {
-                    Some(f) => m.get(f)?.as_u64(),
-                    None => m.as_u64(),
-                })
-                .sum()
-        })
-        .unwrap_or(0)
-}
-
-/// The process of a `--summary-json` run as `PROGRAM ARGS…` (the program named by the
-/// end of its path), if the summary has one.
-pub(super) fn summary_process<'a>(
-    json: &'a Json,
-    program: &str,
-    args: &[&str],
-) -> Option<&'a Json> {
-    json.get("processes")?.as_array()?.iter().find(|p| {
-        let argv = p
-            .get("command_line")
-            .and_then(Json::as_array)
-            .map(Vec::as_slice)
-            .unwrap_or_default();
-        argv.len() == args.len() + 1
-            && argv[0].as_str().is_some_and(|a| a.ends_with(program))
-            && argv[1..]
-                .iter()
-                .zip(args)
-                .all(|(arg, want)| arg.as_str() == Some(want))
-    })
-}
-
-/// Events the kernel and the decoder lost in a `--summary-json` run.
-pub(super) fn summary_losses(json: &Json) -> u64 {
-    let losses = json.get("losses");
-    sum_members(losses.and_then(|l| l.get("kernel")), None)
-        + losses
-            .and_then(|l| l.get("undecodable"))
-            .and_then(Json::as_u64)
-            .unwrap_or(0)
-}
-
 /// The trainer process run with `steps` (not the `trainer 1` warm-up) in a summary.
-pub(super) fn trainer_summary(json: &Json, steps: u64) -> Result<TrainerSummary, String> {
+pub(super) fn trainer_summary(summary: &Summary, steps: u64) -> Result<TrainerSummary> {
     let steps = steps.to_string();
-    let process = summary_process(json, "trainer", &[&steps])
+    let process = summary
+        .process("trainer", &[&steps])
         .ok_or_else(|| format!("no `trainer {steps}` process in the summary"))?;
-    let lost = summary_losses(json);
     Ok(TrainerSummary {
-        calls: sum_members(process.get("calls"), None),
-        events: sum_members(process.get("collectives"), Some("calls"))
-            + sum_members(process.get("sync_waits"), Some("calls")),
-        lost,
-        estimated_cost_s: process
-            .pointer("/probe_cost/estimated_ns")
-            .and_then(Json::as_f64)
-            .map(|ns| ns / 1e9),
-        tracer_cpu_s: tracer_cpu_s(json),
+        calls: process.calls.values().sum(),
+        events: process.events(),
+        lost: summary.lost(),
+        estimated_cost_s: process.probe_cost.map(|c| c.estimated_ns as f64 / 1e9),
+        tracer_cpu_s: summary.tracer_cpu_s(),
     })
-}
-
-/// lens-probe's own CPU seconds (user + system), from `--summary-json`.
-pub(super) fn tracer_cpu_s(json: &Json) -> Option<f64> {
-    let cpu = json.get("lens_probe_cpu")?;
-    Some(cpu.get("user_s")?.as_f64()? + cpu.get("system_s")?.as_f64()?)
 }
 
 pub(super) fn parse_elapsed(line: &str) -> Option<f64> {
@@ -169,7 +113,7 @@ pub(super) struct FakeRun {
 
 pub(super) struct FakeBlock {
     pub(super) steps: u64,
-    pub(super) runs: Vec<(Fake, Vec<FakeRun>)>,
+    pub(super) runs: Rounds<Fake, FakeRun>,
     /// Why bpftrace was not measured.
     pub(super) bpftrace_skipped: Option<String>,
     /// bpftrace counts that differ from the fixture's documented pattern.
@@ -178,14 +122,11 @@ pub(super) struct FakeBlock {
 
 impl FakeBlock {
     pub(super) fn runs(&self, variant: Fake) -> &[FakeRun] {
-        self.runs
-            .iter()
-            .find(|(v, _)| *v == variant)
-            .map_or(&[], |(_, r)| r)
+        self.runs.runs(variant)
     }
 
     pub(super) fn times(&self, variant: Fake) -> Vec<f64> {
-        self.runs(variant).iter().map(|r| r.elapsed_s).collect()
+        self.runs.values(variant, |r| r.elapsed_s)
     }
 
     /// Probed calls of one timed run: the per_step summaries' count, else the pattern's.
@@ -225,15 +166,12 @@ impl FakeBlock {
     /// Per round: (time of `variant` − uninstrumented time of the same round) / calls.
     pub(super) fn per_call(&self, variant: Fake) -> Vec<f64> {
         let calls = self.calls() as f64;
-        self.times(variant)
-            .iter()
-            .zip(self.times(Fake::None))
-            .map(|(t, base)| (t - base) / calls)
-            .collect()
+        self.runs
+            .over_base(variant, Fake::None, |r| r.elapsed_s, calls)
     }
 }
 
-pub(super) fn fake_block(ctx: &Ctx, watch: &mut Watch) -> Result<FakeBlock, String> {
+pub(super) fn fake_block(ctx: &Ctx, watch: &mut Watch) -> Result<FakeBlock> {
     let steps = ctx.sizes.trainer_steps;
     let mut variants = vec![Fake::None];
     variants.extend(PRESETS.map(Fake::Lens));
@@ -241,40 +179,43 @@ pub(super) fn fake_block(ctx: &Ctx, watch: &mut Watch) -> Result<FakeBlock, Stri
         variants.push(Fake::Bpftrace { returns: false });
         variants.push(Fake::Bpftrace { returns: true });
     }
-    let mut block = FakeBlock {
-        steps,
-        runs: variants.iter().map(|v| (*v, Vec::new())).collect(),
-        bpftrace_skipped: ctx.bpftrace.as_ref().err().cloned(),
-        count_mismatches: Vec::new(),
-    };
-    for round in 1..=ctx.rounds {
-        for (variant, runs) in block.runs.iter_mut() {
-            watch.check();
-            let run = fake_run(ctx, *variant, round)?;
+    let mut count_mismatches = Vec::new();
+    let runs = Rounds::measure(
+        ctx.rounds,
+        variants,
+        watch,
+        |variant, round| {
+            let run = fake_run(ctx, variant, round)?;
             if let Some(count) = run.bpftrace_count {
                 // The warm-up `trainer 1` and the timed run.
                 let expected =
                     (CALLS_PER_STEP + DRIVER_HITS_PER_STEP) * (steps + 1) + 2 * CALLS_PER_PROCESS;
                 if count != expected {
-                    block.count_mismatches.push(format!(
+                    count_mismatches.push(format!(
                         "{} round {round}: bpftrace counted {count} calls, expected {expected}",
                         variant.name()
                     ));
                 }
             }
-            say(&format!(
-                "round {round}/{}: trainer {steps} under {:<12} {:.3} s",
-                ctx.rounds,
+            Ok(run)
+        },
+        |variant, run| {
+            format!(
+                "trainer {steps} under {:<12} {:.3} s",
                 variant.name(),
                 run.elapsed_s
-            ));
-            runs.push(run);
-        }
-    }
-    Ok(block)
+            )
+        },
+    )?;
+    Ok(FakeBlock {
+        steps,
+        runs,
+        bpftrace_skipped: ctx.bpftrace.as_ref().err().map(ToString::to_string),
+        count_mismatches,
+    })
 }
 
-pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun, String> {
+pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun> {
     let steps = ctx.sizes.trainer_steps.to_string();
     let trainer = ctx.fixtures.join("trainer");
     let name = format!("fake-{}-r{round}", variant.name());
@@ -322,13 +263,10 @@ pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun, 
             let before = lens_probe_pids();
             Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
             teardown_s = Some(wait_teardown(&name, &before));
-            let text = fs::read_to_string(&summary_path)
-                .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-            let json = serde_json::from_str::<Json>(&text)
-                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
+            let json = Summary::read(&summary_path).context(&name)?;
             summary = Some(
                 trainer_summary(&json, ctx.sizes.trainer_steps)
-                    .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?,
+                    .context(format!("{name}: {}", summary_path.display()))?,
             );
         }
         Fake::Bpftrace { returns } => {
@@ -364,10 +302,10 @@ pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun, 
             })?;
             result?;
             if bpftrace_count.is_none() {
-                return Err(format!(
+                return Err(Error::Msg(format!(
                     "{name}: bpftrace printed no count (output in {})",
                     log.display()
-                ));
+                )));
             }
         }
     }
@@ -383,4 +321,70 @@ pub(super) fn fake_run(ctx: &Ctx, variant: Fake, round: u32) -> Result<FakeRun, 
         bpftrace_count,
         teardown_s,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::summary::Summary;
+    use super::super::{CALLS_PER_STEP, DRIVER_HITS_PER_STEP};
+    use super::*;
+
+    #[test]
+    fn wrapper_lines() {
+        assert_eq!(
+            parse_elapsed("lens-bench elapsed_ns=1500000000\n"),
+            Some(1.5)
+        );
+        assert_eq!(parse_elapsed("trainer: 3 steps done"), None);
+        assert_eq!(parse_bpftrace_count("@: 1101"), Some(1101));
+        assert_eq!(parse_bpftrace_count("@ret: 5"), None);
+    }
+
+    #[test]
+    fn summary_of_the_timed_trainer() {
+        let doc = r#"{"losses": {"kernel": {"ring_buffer_full": 2, "unmatched_return": 1}, "undecodable": 0},
+          "processes": [
+            {"name": "sh", "command_line": ["sh", "-c", "x"], "calls": {}},
+            {"name": "trainer", "command_line": ["/f/trainer", "1"], "calls": {"ncclAllReduce": 1}},
+            {"name": "trainer", "command_line": ["/f/trainer", "40"],
+             "calls": {"cudaLaunchKernel": 400, "ncclAllReduce": 40, "ncclCommInitRank": 1},
+             "collectives": {"all_reduce": {"calls": 40, "bytes": 9}, "send": {"calls": 40}},
+             "sync_waits": {"stream": {"calls": 40, "p50_ns": 3}},
+             "probe_cost": {"estimated_ns": 2500000, "traced_ns": 90000000}}
+          ],
+          "lens_probe_cpu": {"user_s": 1.25, "system_s": 0.5, "wall_s": 3.0}}"#;
+        let json = serde_json::from_str::<Summary>(doc).unwrap();
+        assert_eq!(
+            trainer_summary(&json, 40).unwrap(),
+            TrainerSummary {
+                calls: 441,
+                events: 120,
+                lost: 3,
+                estimated_cost_s: Some(0.0025),
+                tracer_cpu_s: Some(1.75),
+            }
+        );
+        assert!(trainer_summary(&json, 7).is_err());
+    }
+
+    #[test]
+    fn bpftrace_probes_the_per_step_functions() {
+        let script = bpftrace_script(Path::new("/fx"), false);
+        assert!(script.starts_with("BEGIN { printf(\"lens-bench-ready\\n\"); }\n"));
+        assert!(script.contains("uprobe:/fx/libcudart.so.12:cudaLaunchKernel,\n"));
+        // The driver's launch functions the fake runtime calls: lens-probe's probes are
+        // hit there too.
+        assert!(script.contains("uprobe:/fx/libcuda.so.1:cuLaunchKernel,\n"));
+        assert!(script.contains("uprobe:/fx/libnccl.so.2:ncclCommInitRank\n{ @ = count(); }"));
+        assert_eq!(script.matches("uprobe:").count(), 19);
+        assert!(!script.contains("uretprobe"));
+        let with_returns = bpftrace_script(Path::new("/fx"), true);
+        assert_eq!(with_returns.matches("uretprobe:").count(), 11);
+        assert!(with_returns.ends_with("{ @ret = count(); }\n"));
+        // 24 calls a step: 10 + 1 launches, 7 collectives, group start and end, 1 graph
+        // launch, 3 syncs; every one of those functions is probed.
+        assert_eq!(CALLS_PER_STEP, 10 + 1 + 7 + 2 + 1 + 3);
+        // Each runtime launch (10 + 1 kernels, 1 graph) reaches the driver once.
+        assert_eq!(DRIVER_HITS_PER_STEP, 10 + 1 + 1);
+    }
 }

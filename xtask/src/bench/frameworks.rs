@@ -9,12 +9,15 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use serde::Deserialize;
+
 use super::proc::{Line, Proc};
 use super::report::{Met, Row, Section, fmt_duration, row};
-use super::tables::ratio_to;
+use super::rounds::{Rounds, ratio_to};
 use super::{
-    Ctx, RUN_TIMEOUT, Watch, append_command, lens_command, lens_probe_pids, say, wait_teardown,
+    Ctx, RUN_TIMEOUT, Watch, append_command, lens_command, lens_probe_pids, wait_teardown,
 };
+use xtask::error::{self, Error, Result};
 use xtask::torch_venv;
 
 /// The variants of every scenario: untraced, then each preset.
@@ -59,31 +62,23 @@ impl Scenario {
 /// A scenario and its variant (`None`: untraced).
 type Case = (Scenario, Option<&'static str>);
 
-#[derive(Default)]
 pub(super) struct FrameworksBlock {
-    /// Each case's loop time in each round, seconds.
-    runs: Vec<(Case, Vec<f64>)>,
-    /// Steps per run, as the ground truth counted them.
-    steps: Vec<(Scenario, usize)>,
+    /// Each case's loop time (seconds) and steps, as the ground truth counted them.
+    rounds: Rounds<Case, (f64, usize)>,
 }
 
 impl FrameworksBlock {
-    fn times(&self, scenario: Scenario, variant: Option<&str>) -> &[f64] {
-        self.runs
-            .iter()
-            .find(|((s, v), _)| *s == scenario && *v == variant)
-            .map_or(&[], |(_, t)| t)
+    fn times(&self, scenario: Scenario, variant: Option<&'static str>) -> Vec<f64> {
+        self.rounds
+            .values((scenario, variant), |(seconds, _)| *seconds)
     }
 
-    fn push(&mut self, scenario: Scenario, variant: Option<&'static str>, seconds: f64) {
-        match self
-            .runs
-            .iter_mut()
-            .find(|((s, v), _)| *s == scenario && *v == variant)
-        {
-            Some((_, times)) => times.push(seconds),
-            None => self.runs.push(((scenario, variant), vec![seconds])),
-        }
+    /// Steps per run: the first, untraced run's.
+    fn steps(&self, scenario: Scenario) -> usize {
+        self.rounds
+            .runs((scenario, None))
+            .first()
+            .map_or(0, |(_, steps)| *steps)
     }
 }
 
@@ -92,27 +87,24 @@ pub(super) fn block(
     python: &Path,
     watch: &mut Watch,
     quick: bool,
-) -> Result<FrameworksBlock, String> {
-    let mut block = FrameworksBlock::default();
-    for round in 1..=ctx.rounds {
-        for scenario in Scenario::ALL {
-            for variant in VARIANTS {
-                watch.check();
-                let (seconds, steps) = run(ctx, python, scenario, variant, round, quick)?;
-                say(&format!(
-                    "round {round}/{}: {scenario:?} {}: {steps} steps in {}",
-                    ctx.rounds,
-                    variant.unwrap_or("untraced"),
-                    fmt_duration(seconds)
-                ));
-                block.push(scenario, variant, seconds);
-                if !block.steps.iter().any(|(s, _)| *s == scenario) {
-                    block.steps.push((scenario, steps));
-                }
-            }
-        }
-    }
-    Ok(block)
+) -> Result<FrameworksBlock> {
+    let cases = Scenario::ALL
+        .into_iter()
+        .flat_map(|scenario| VARIANTS.map(|variant| (scenario, variant)));
+    let rounds = Rounds::measure(
+        ctx.rounds,
+        cases,
+        watch,
+        |(scenario, variant), round| run(ctx, python, scenario, variant, round, quick),
+        |(scenario, variant), (seconds, steps)| {
+            format!(
+                "{scenario:?} {}: {steps} steps in {}",
+                variant.unwrap_or("untraced"),
+                fmt_duration(*seconds)
+            )
+        },
+    )?;
+    Ok(FrameworksBlock { rounds })
 }
 
 /// One run; returns its loop time (seconds) and steps.
@@ -123,11 +115,11 @@ fn run(
     variant: Option<&str>,
     round: u32,
     quick: bool,
-) -> Result<(f64, usize), String> {
+) -> Result<(f64, usize)> {
     let name = format!("fw-{scenario:?}-{}-r{round}", variant.unwrap_or("none")).to_lowercase();
     let dir = ctx.out.join(&name);
     let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    error::create_dir_all(&dir)?;
     let truth = dir.join("truth.json");
     let mut target = torch_venv::python_command(python);
     let scripts = ctx.root.join("tests/fixtures/frameworks");
@@ -194,26 +186,41 @@ fn run(
     Ok((slowest, steps))
 }
 
+/// What the bench reads of a ground-truth file (`tests/fixtures/frameworks/_truth.py`).
+#[derive(Deserialize)]
+struct Truth {
+    #[serde(default)]
+    steps: Vec<TruthStep>,
+}
+
+/// One optimizer step; `end_ns` is `null` for a step that never ended.
+#[derive(Deserialize)]
+struct TruthStep {
+    start_ns: Option<u64>,
+    end_ns: Option<u64>,
+}
+
 /// The training loop's time in one ground-truth file: its first step's start to its
 /// last step's end, and its steps.
-fn loop_time(file: &Path) -> Result<(f64, usize), String> {
+fn loop_time(file: &Path) -> Result<(f64, usize)> {
     let text = fs::read_to_string(file).map_err(|e| {
         format!(
             "no ground truth {} ({e}): the script failed",
             file.display()
         )
     })?;
-    let truth: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
-    let steps = truth["steps"]
-        .as_array()
-        .filter(|steps| !steps.is_empty())
-        .ok_or_else(|| format!("{}: no steps", file.display()))?;
-    let start = steps[0]["start_ns"].as_u64();
-    let end = steps[steps.len() - 1]["end_ns"].as_u64();
-    match (start, end) {
-        (Some(start), Some(end)) if end > start => Ok(((end - start) as f64 / 1e9, steps.len())),
-        _ => Err(format!("{}: steps without times", file.display())),
+    let truth: Truth = serde_json::from_str(&text).map_err(|e| Error::json(file, e))?;
+    let (Some(first), Some(last)) = (truth.steps.first(), truth.steps.last()) else {
+        return Err(Error::Msg(format!("{}: no steps", file.display())));
+    };
+    match (first.start_ns, last.end_ns) {
+        (Some(start), Some(end)) if end > start => {
+            Ok(((end - start) as f64 / 1e9, truth.steps.len()))
+        }
+        _ => Err(Error::Msg(format!(
+            "{}: steps without times",
+            file.display()
+        ))),
     }
 }
 
@@ -225,14 +232,10 @@ impl FrameworksBlock {
             if base.is_empty() {
                 continue;
             }
-            let steps = self
-                .steps
-                .iter()
-                .find(|(s, _)| *s == scenario)
-                .map_or(0, |(_, n)| *n);
+            let steps = self.steps(scenario);
             rows.push(row(
                 format!("{}, {steps} steps: untraced", scenario.what()),
-                base,
+                &base,
                 fmt_duration,
                 Some(1.0),
                 "",
@@ -242,9 +245,9 @@ impl FrameworksBlock {
                 let times = self.times(scenario, Some(preset));
                 rows.push(row(
                     format!("same, lens-probe `{preset}`"),
-                    times,
+                    &times,
                     fmt_duration,
-                    ratio_to(times, base),
+                    ratio_to(&times, &base),
                     "",
                     Met::NoTarget,
                 ));
@@ -287,7 +290,23 @@ mod tests {
         .unwrap();
         assert_eq!(loop_time(&file).unwrap(), (2.5, 2));
         fs::write(&file, r#"{"steps": []}"#).unwrap();
-        assert!(loop_time(&file).unwrap_err().contains("no steps"));
+        assert!(
+            loop_time(&file)
+                .unwrap_err()
+                .to_string()
+                .contains("no steps")
+        );
+        fs::write(
+            &file,
+            r#"{"rank": 0, "steps": [{"start_ns": 5, "end_ns": null}], "evaluations": []}"#,
+        )
+        .unwrap();
+        assert!(
+            loop_time(&file)
+                .unwrap_err()
+                .to_string()
+                .contains("without times")
+        );
         let _ = fs::remove_dir_all(&dir);
     }
 }

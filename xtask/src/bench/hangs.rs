@@ -9,46 +9,34 @@ use std::time::Instant;
 use super::fake::parse_elapsed;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, row};
-use super::tables::ratio_to;
+use super::rounds::{Rounds, ratio_to};
 use super::{
-    Ctx, FAKE_WRAPPER, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say,
-    wait_teardown,
+    Ctx, FAKE_WRAPPER, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, wait_teardown,
 };
+use xtask::error::{Error, Result};
 
 /// The variants, as `--hang-timeout` values.
 const TIMEOUTS: [&str; 2] = ["0", "1s"];
 
 pub(super) struct HangsBlock {
     steps: u64,
-    off: Vec<f64>,
-    on: Vec<f64>,
+    /// The trainer's time, by `--hang-timeout`.
+    rounds: Rounds<&'static str, f64>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch) -> Result<HangsBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch) -> Result<HangsBlock> {
     let steps = ctx.sizes.trainer_steps;
-    let mut block = HangsBlock {
-        steps,
-        off: Vec::new(),
-        on: Vec::new(),
-    };
-    for round in 1..=ctx.rounds {
-        for timeout in TIMEOUTS {
-            watch.check();
-            let time = run(ctx, timeout, round)?;
-            say(&format!(
-                "round {round}/{}: trainer {steps} per_step --hang-timeout {timeout:<3} {time:.3} s",
-                ctx.rounds
-            ));
-            match timeout {
-                "0" => block.off.push(time),
-                _ => block.on.push(time),
-            }
-        }
-    }
-    Ok(block)
+    let rounds = Rounds::measure(
+        ctx.rounds,
+        TIMEOUTS,
+        watch,
+        |timeout, round| run(ctx, timeout, round),
+        |timeout, time| format!("trainer {steps} per_step --hang-timeout {timeout:<3} {time:.3} s"),
+    )?;
+    Ok(HangsBlock { steps, rounds })
 }
 
-fn run(ctx: &Ctx, timeout: &str, round: u32) -> Result<f64, String> {
+fn run(ctx: &Ctx, timeout: &str, round: u32) -> Result<f64> {
     let name = format!("hangs-{timeout}-r{round}");
     let log = ctx.logs.join(format!("{name}.log"));
     let pid_file = ctx.out.join(format!("{name}.pid"));
@@ -71,21 +59,22 @@ fn run(ctx: &Ctx, timeout: &str, round: u32) -> Result<f64, String> {
     Proc::spawn(&name, &mut cmd, &log)?.finish_ok(Instant::now() + RUN_TIMEOUT, &mut on_line)?;
     wait_teardown(&name, &before);
     elapsed.ok_or_else(|| {
-        format!(
+        Error::Msg(format!(
             "{name}: the wrapper printed no elapsed time (output in {})",
             log.display()
-        )
+        ))
     })
 }
 
 impl HangsBlock {
     pub(super) fn section(&self) -> Section {
         let label = |what: &str| format!("fake `trainer {}`, `per_step`: {what}", self.steps);
-        let ratio = ratio_to(&self.on, &self.off);
+        let [off, on] = TIMEOUTS.map(|timeout| self.rounds.values(timeout, |t| *t));
+        let ratio = ratio_to(&on, &off);
         let rows: Vec<Row> = vec![
             row(
                 label("`--hang-timeout 0` (off)"),
-                &self.off,
+                &off,
                 fmt_duration,
                 Some(1.0),
                 "",
@@ -93,7 +82,7 @@ impl HangsBlock {
             ),
             row(
                 label("`--hang-timeout 1s` (a look every second)"),
-                &self.on,
+                &on,
                 fmt_duration,
                 ratio,
                 "no measurable change",

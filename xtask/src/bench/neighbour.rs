@@ -11,13 +11,13 @@ use std::fs;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use serde_json::Value as Json;
-
-use super::fake::summary_process;
 use super::per_kind::parse_loop_time;
 use super::proc::{Line, Proc, Stream};
-use super::report::{Met, Section, fmt_count, fmt_duration, median};
-use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
+use super::report::{Met, Section, fmt_count, fmt_duration};
+use super::rounds::Rounds;
+use super::summary::Summary;
+use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, wait_teardown};
+use xtask::error::{Context, Error, Result};
 
 /// The twin's call count: far more than it gets to make before it is killed.
 const TWIN_CALLS: &str = "4000000000";
@@ -43,38 +43,33 @@ impl Variant {
 
 pub(super) struct NeighbourBlock {
     calls: u64,
-    /// The neighbour's loop time (s) per round, per variant.
-    alone: Vec<f64>,
-    beside: Vec<f64>,
+    /// The neighbour's loop time (s).
+    rounds: Rounds<Variant, f64>,
     /// What did not look right: a twin that was not traced, lost events.
     checks: Vec<String>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<NeighbourBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<NeighbourBlock> {
     let calls: u64 = if quick { 20_000_000 } else { 100_000_000 };
-    let mut block = NeighbourBlock {
-        calls,
-        alone: Vec::new(),
-        beside: Vec::new(),
-        checks: Vec::new(),
-    };
-    for round in 1..=ctx.rounds {
-        for variant in Variant::ALL {
-            watch.check();
-            let loop_s = run(ctx, variant, calls, round, &mut block.checks)?;
-            say(&format!(
-                "round {round}/{}: untraced hammer launch {calls} {:<6} {:.2} ns per call",
-                ctx.rounds,
+    let mut checks = Vec::new();
+    let rounds = Rounds::measure(
+        ctx.rounds,
+        Variant::ALL,
+        watch,
+        |variant, round| run(ctx, variant, calls, round, &mut checks),
+        |variant, loop_s| {
+            format!(
+                "untraced hammer launch {calls} {:<6} {:.2} ns per call",
                 variant.name(),
                 loop_s / calls as f64 * 1e9
-            ));
-            match variant {
-                Variant::Alone => block.alone.push(loop_s),
-                Variant::Beside => block.beside.push(loop_s),
-            }
-        }
-    }
-    Ok(block)
+            )
+        },
+    )?;
+    Ok(NeighbourBlock {
+        calls,
+        rounds,
+        checks,
+    })
 }
 
 /// `taskset -c CPU hammer launch N`, with the fixtures' environment.
@@ -102,7 +97,7 @@ fn run(
     calls: u64,
     round: u32,
     checks: &mut Vec<String>,
-) -> Result<f64, String> {
+) -> Result<f64> {
     let name = format!("neighbour-{}-r{round}", variant.name());
     let deadline = Instant::now() + RUN_TIMEOUT;
     let summary_path = ctx.out.join(format!("{name}.summary.json"));
@@ -165,29 +160,24 @@ fn run(
     result?;
     if variant == Variant::Beside {
         wait_teardown(&name, &before);
-        let text = fs::read_to_string(&summary_path)
-            .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-        let json = serde_json::from_str::<Json>(&text)
-            .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
-        let twin_calls = summary_process(&json, "hammer", &["launch", TWIN_CALLS])
-            .and_then(|p| p.get("calls")?.get("cudaLaunchKernel")?.as_u64())
-            .unwrap_or(0);
+        let json = Summary::read(&summary_path).context(&name)?;
+        let twin_calls = json
+            .process("hammer", &["launch", TWIN_CALLS])
+            .map_or(0, |p| p.calls_of("cudaLaunchKernel"));
         if twin_calls == 0 {
             checks.push(format!(
                 "{name}: lens-probe counted no launch of the traced twin: it was not traced"
             ));
         }
     }
-    loop_s.ok_or_else(|| format!("{name}: the neighbour printed no loop time"))
+    loop_s.ok_or_else(|| Error::Msg(format!("{name}: the neighbour printed no loop time")))
 }
 
 impl NeighbourBlock {
     pub(super) fn section(&self) -> Section {
-        let per_call =
-            |times: &[f64]| -> Vec<f64> { times.iter().map(|t| t / self.calls as f64).collect() };
+        let per_call = |variant| self.rounds.values(variant, |t| t / self.calls as f64);
         let ns = fmt_duration;
-        let alone = median(&self.alone);
-        let ratio = median(&self.beside).zip(alone).map(|(b, a)| b / a);
+        let ratio = self.rounds.ratio(Variant::Beside, Variant::Alone, |t| *t);
         let rows = vec![
             super::report::row(
                 format!(
@@ -195,7 +185,7 @@ impl NeighbourBlock {
                      untraced (alone), per call",
                     fmt_count(self.calls as f64)
                 ),
-                &per_call(&self.alone),
+                &per_call(Variant::Alone),
                 ns,
                 None,
                 "",
@@ -204,7 +194,7 @@ impl NeighbourBlock {
             super::report::row(
                 "… the same, the twin traced by `lens-probe --span-groups per_step --exec` \
                  (beside) (ratio: to alone)",
-                &per_call(&self.beside),
+                &per_call(Variant::Beside),
                 ns,
                 ratio,
                 "≤ 1.02× alone",

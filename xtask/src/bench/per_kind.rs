@@ -8,14 +8,17 @@
 //! otherwise take half the loop's CPU on a 2-CPU machine; its own CPU is a row of its own.
 
 use std::fs;
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::fake::{parse_bpftrace_count, summary_losses, summary_process, tracer_cpu_s};
+use super::fake::parse_bpftrace_count;
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, fmt_duration, median};
-use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, say, wait_teardown};
-use serde_json::Value as Json;
+use super::rounds::Rounds;
+use super::summary::Summary;
+use super::{Ctx, RUN_TIMEOUT, Watch, fake_env, lens_command, lens_probe_pids, wait_teardown};
+use xtask::error::{Context, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
@@ -169,16 +172,12 @@ fn bpftrace_script(ctx: &Ctx, kind: Kind, returns: bool) -> String {
 
 /// The probed function's call count and the run's losses, from `--summary-json`: the
 /// process run as `hammer KIND N`.
-fn hammer_summary(json: &Json, kind: Kind, calls: u64) -> Result<(u64, u64), String> {
+fn hammer_summary(summary: &Summary, kind: Kind, calls: u64) -> Result<(u64, u64)> {
     let n = calls.to_string();
-    let process = summary_process(json, "hammer", &[kind.arg(), &n])
+    let process = summary
+        .process("hammer", &[kind.arg(), &n])
         .ok_or_else(|| format!("no `hammer {} {n}` process in the summary", kind.arg()))?;
-    let counted = process
-        .get("calls")
-        .and_then(|c| c.get(kind.function()))
-        .and_then(Json::as_u64)
-        .unwrap_or(0);
-    Ok((counted, summary_losses(json)))
+    Ok((process.calls_of(kind.function()), summary.lost()))
 }
 
 /// The CPU the loop runs on, and the one the tracer runs on (the same on a 1-CPU machine).
@@ -202,81 +201,104 @@ struct Run {
     tracer_cpu_s: Option<f64>,
 }
 
-struct KindRuns {
+/// One kind's runs, each variant's in round order.
+struct KindRuns<'a> {
     kind: Kind,
     calls: u64,
-    runs: Vec<(Variant, Vec<Run>)>,
+    rounds: &'a Rounds<(Kind, Variant), Run>,
 }
 
-impl KindRuns {
+impl KindRuns<'_> {
+    fn runs(&self, variant: Variant) -> &[Run] {
+        self.rounds.runs((self.kind, variant))
+    }
+
     fn times(&self, variant: Variant) -> Vec<f64> {
-        self.runs
-            .iter()
-            .find(|(v, _)| *v == variant)
-            .map_or(&[][..], |(_, r)| r)
-            .iter()
-            .map(|r| r.loop_s)
-            .collect()
+        self.rounds.values((self.kind, variant), |r| r.loop_s)
     }
 
     /// Per round: (time of `variant` − uninstrumented time of the same round) / calls.
     fn per_call(&self, variant: Variant) -> Vec<f64> {
-        self.times(variant)
-            .iter()
-            .zip(self.times(Variant::None))
-            .map(|(t, base)| (t - base) / self.calls as f64)
-            .collect()
+        self.rounds.over_base(
+            (self.kind, variant),
+            (self.kind, Variant::None),
+            |r| r.loop_s,
+            self.calls as f64,
+        )
     }
 }
 
 pub(super) struct PerKindBlock {
-    kinds: Vec<KindRuns>,
+    quick: bool,
+    rounds: Rounds<(Kind, Variant), Run>,
     bpftrace_skipped: Option<String>,
     /// Counts that differ from what the loop made, and lost events.
     checks: Vec<String>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PerKindBlock, String> {
-    let mut block = PerKindBlock {
-        kinds: Kind::ALL
-            .iter()
-            .map(|&kind| {
-                let mut variants = vec![Variant::None];
-                if ctx.bpftrace.is_ok() {
-                    variants.push(Variant::Bpftrace { returns: false });
-                    if kind.returns() {
-                        variants.push(Variant::Bpftrace { returns: true });
-                    }
-                }
-                variants.push(Variant::Lens);
-                KindRuns {
-                    kind,
-                    calls: kind.calls(quick),
-                    runs: variants.into_iter().map(|v| (v, Vec::new())).collect(),
-                }
-            })
-            .collect(),
-        bpftrace_skipped: ctx.bpftrace.as_ref().err().cloned(),
-        checks: Vec::new(),
-    };
-    for round in 1..=ctx.rounds {
-        for kind_runs in block.kinds.iter_mut() {
-            let (kind, calls) = (kind_runs.kind, kind_runs.calls);
-            for (variant, runs) in kind_runs.runs.iter_mut() {
-                watch.check();
-                let run = run(ctx, kind, calls, *variant, round, &mut block.checks)?;
-                say(&format!(
-                    "round {round}/{}: hammer {} {calls} under {:<12} {:.1} ns per call",
-                    ctx.rounds,
-                    kind.arg(),
-                    variant.name(),
-                    run.loop_s / calls as f64 * 1e9
-                ));
-                runs.push(run);
-            }
+impl PerKindBlock {
+    fn kinds(&self) -> impl Iterator<Item = KindRuns<'_>> {
+        Kind::ALL.into_iter().map(|kind| KindRuns {
+            kind,
+            calls: kind.calls(self.quick),
+            rounds: &self.rounds,
+        })
+    }
+}
+
+/// What each kind runs under, in the order they run in a round.
+fn variants(kind: Kind, bpftrace: bool) -> Vec<Variant> {
+    let mut variants = vec![Variant::None];
+    if bpftrace {
+        variants.push(Variant::Bpftrace { returns: false });
+        if kind.returns() {
+            variants.push(Variant::Bpftrace { returns: true });
         }
     }
-    Ok(block)
+    variants.push(Variant::Lens);
+    variants
+}
+
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PerKindBlock> {
+    let cases = Kind::ALL.into_iter().flat_map(|kind| {
+        variants(kind, ctx.bpftrace.is_ok())
+            .into_iter()
+            .map(move |variant| (kind, variant))
+    });
+    let mut checks = Vec::new();
+    let rounds = Rounds::measure(
+        ctx.rounds,
+        cases,
+        watch,
+        |(kind, variant), round| run(ctx, kind, kind.calls(quick), variant, round, &mut checks),
+        |(kind, variant), run| {
+            let calls = kind.calls(quick);
+            format!(
+                "hammer {} {calls} under {:<12} {:.1} ns per call",
+                kind.arg(),
+                variant.name(),
+                run.loop_s / calls as f64 * 1e9
+            )
+        },
+    )?;
+    Ok(PerKindBlock {
+        quick,
+        rounds,
+        bpftrace_skipped: ctx.bpftrace.as_ref().err().map(ToString::to_string),
+        checks,
+    })
+}
+
+/// One timed `hammer KIND N` run: what its variants share.
+struct HammerRun<'a> {
+    ctx: &'a Ctx,
+    kind: Kind,
+    calls: u64,
+    name: String,
+    log: PathBuf,
+    deadline: Instant,
+    /// The CPU the tracer runs on.
+    tracer_on: &'static str,
 }
 
 fn run(
@@ -286,22 +308,18 @@ fn run(
     variant: Variant,
     round: u32,
     checks: &mut Vec<String>,
-) -> Result<Run, String> {
-    let hammer = ctx.fixtures.join("hammer");
-    let n = calls.to_string();
+) -> Result<Run> {
     let name = format!("hammer-{}-{}-r{round}", kind.arg(), variant.name());
-    let log = ctx.logs.join(format!("{name}.log"));
-    let deadline = Instant::now() + RUN_TIMEOUT;
-    let (loop_on, tracer_on) = cpus();
-    let wrapped = |cmd: &mut Command| {
-        cmd.args(["taskset", "-c", loop_on, "sh", "-c", WRAPPER])
-            .arg(&hammer)
-            .arg(kind.arg())
-            .arg(&n);
-        fake_env(cmd);
+    let run = HammerRun {
+        ctx,
+        kind,
+        calls,
+        log: ctx.logs.join(format!("{name}.log")),
+        name,
+        deadline: Instant::now() + RUN_TIMEOUT,
+        tracer_on: cpus().1,
     };
     let mut loop_s = None;
-    let mut tracer_cpu_s_run = None;
     let mut on_line = |l: &Line| {
         if l.stream == Stream::Out
             && let Some(s) = parse_loop_time(&l.text)
@@ -309,100 +327,129 @@ fn run(
             loop_s = Some(s);
         }
     };
+    let mut tracer_cpu_s = None;
     match variant {
         Variant::None => {
             let mut cmd = Command::new("env");
             cmd.current_dir(&ctx.root);
-            wrapped(&mut cmd);
-            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
+            run.wrap(&mut cmd);
+            Proc::spawn(&run.name, &mut cmd, &run.log)?.finish_ok(run.deadline, &mut on_line)?;
         }
-        Variant::Lens => {
-            let summary_path = ctx.out.join(format!("{name}.summary.json"));
-            let _ = fs::remove_file(&summary_path);
-            let pid_file = ctx.out.join(format!("{name}.pid"));
-            let mut cmd = lens_command(ctx, Some(on_cpu(tracer_on)), "per_step", &pid_file);
-            cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
-                .arg("--summary-json")
-                .arg(&summary_path)
-                .args(["--exec", "--"]);
-            wrapped(&mut cmd);
-            let before = lens_probe_pids();
-            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
-            wait_teardown(&name, &before);
-            let text = fs::read_to_string(&summary_path)
-                .map_err(|e| format!("{name}: cannot read {}: {e}", summary_path.display()))?;
-            let json = serde_json::from_str::<Json>(&text)
-                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
-            tracer_cpu_s_run = tracer_cpu_s(&json);
-            let (counted, lost) = hammer_summary(&json, kind, calls)
-                .map_err(|e| format!("{name}: {}: {e}", summary_path.display()))?;
-            if counted != calls {
-                checks.push(format!(
-                    "{name}: lens-probe counted {counted} calls of {}, expected {calls}",
-                    kind.function()
-                ));
-            }
-            if lost != 0 {
-                checks.push(format!("{name}: lens-probe lost {lost} events"));
-            }
-        }
-        Variant::Bpftrace { returns } => {
-            let program = ctx.bpftrace.as_ref().map_err(Clone::clone)?;
-            let mut bt = on_cpu(tracer_on);
-            bt.arg(program).current_dir(&ctx.root).args([
-                "-B",
-                "none",
-                "-e",
-                &bpftrace_script(ctx, kind, returns),
-            ]);
-            let mut bt = Proc::spawn(&format!("{name} (bpftrace)"), &mut bt, &log)?;
-            // BEGIN runs once every probe is attached.
-            bt.wait_line(
-                Instant::now() + Duration::from_secs(120),
-                "its BEGIN probe ran",
-                |l| l.text.trim() == "lens-bench-ready",
-            )?;
-            let mut cmd = Command::new("env");
-            cmd.current_dir(&ctx.root);
-            wrapped(&mut cmd);
-            let result = Proc::spawn(&name, &mut cmd, &ctx.logs.join(format!("{name}.run.log")))?
-                .finish_ok(deadline, &mut on_line);
-            bt.signal("INT");
-            let mut count = None;
-            let mut ret_count = None;
-            bt.finish(Instant::now() + Duration::from_secs(120), |l| {
-                if let Some(n) = parse_bpftrace_count(&l.text) {
-                    count = Some(n);
-                } else if let Some(n) = l
-                    .text
-                    .trim()
-                    .strip_prefix("@ret: ")
-                    .and_then(|n| n.trim().parse::<u64>().ok())
-                {
-                    ret_count = Some(n);
-                }
-            })?;
-            result?;
-            // The warm-up call and the loop's.
-            let expected = calls + 1;
-            if count != Some(expected) || (returns && ret_count != Some(expected)) {
-                checks.push(format!(
-                    "{name}: bpftrace counted {count:?} entries and {ret_count:?} returns, \
-                     expected {expected}"
-                ));
-            }
-        }
+        Variant::Lens => tracer_cpu_s = run.under_lens(&mut on_line, checks)?,
+        Variant::Bpftrace { returns } => run.under_bpftrace(returns, &mut on_line, checks)?,
     }
     let loop_s = loop_s.ok_or_else(|| {
         format!(
-            "{name}: hammer printed no loop time (output in {})",
-            log.display()
+            "{}: hammer printed no loop time (output in {})",
+            run.name,
+            run.log.display()
         )
     })?;
     Ok(Run {
         loop_s,
-        tracer_cpu_s: tracer_cpu_s_run,
+        tracer_cpu_s,
     })
+}
+
+impl HammerRun<'_> {
+    /// Appends `taskset -c CPU sh -c WRAPPER hammer KIND N` and the fixtures' environment.
+    fn wrap(&self, cmd: &mut Command) {
+        cmd.args(["taskset", "-c", cpus().0, "sh", "-c", WRAPPER])
+            .arg(self.ctx.fixtures.join("hammer"))
+            .arg(self.kind.arg())
+            .arg(self.calls.to_string());
+        fake_env(cmd);
+    }
+
+    /// Under `lens-probe --span-groups per_step`; returns lens-probe's own CPU, and checks
+    /// its count of the calls and its losses.
+    fn under_lens(
+        &self,
+        on_line: &mut impl FnMut(&Line),
+        checks: &mut Vec<String>,
+    ) -> Result<Option<f64>> {
+        let (ctx, name, kind, calls) = (self.ctx, &self.name, self.kind, self.calls);
+        let summary_path = ctx.out.join(format!("{name}.summary.json"));
+        let _ = fs::remove_file(&summary_path);
+        let pid_file = ctx.out.join(format!("{name}.pid"));
+        let mut cmd = lens_command(ctx, Some(on_cpu(self.tracer_on)), "per_step", &pid_file);
+        cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
+            .arg("--summary-json")
+            .arg(&summary_path)
+            .args(["--exec", "--"]);
+        self.wrap(&mut cmd);
+        let before = lens_probe_pids();
+        Proc::spawn(name, &mut cmd, &self.log)?.finish_ok(self.deadline, on_line)?;
+        wait_teardown(name, &before);
+        let json = Summary::read(&summary_path).context(name)?;
+        let (counted, lost) = hammer_summary(&json, kind, calls)
+            .context(format!("{name}: {}", summary_path.display()))?;
+        if counted != calls {
+            checks.push(format!(
+                "{name}: lens-probe counted {counted} calls of {}, expected {calls}",
+                kind.function()
+            ));
+        }
+        if lost != 0 {
+            checks.push(format!("{name}: lens-probe lost {lost} events"));
+        }
+        Ok(json.tracer_cpu_s())
+    }
+
+    /// Under bpftrace `count()`, started first; checks its counts.
+    fn under_bpftrace(
+        &self,
+        returns: bool,
+        on_line: &mut impl FnMut(&Line),
+        checks: &mut Vec<String>,
+    ) -> Result<()> {
+        let (ctx, name, kind) = (self.ctx, &self.name, self.kind);
+        let program = ctx.bpftrace.as_ref().map_err(Clone::clone)?;
+        let mut bt = on_cpu(self.tracer_on);
+        bt.arg(program).current_dir(&ctx.root).args([
+            "-B",
+            "none",
+            "-e",
+            &bpftrace_script(ctx, kind, returns),
+        ]);
+        let mut bt = Proc::spawn(&format!("{name} (bpftrace)"), &mut bt, &self.log)?;
+        // BEGIN runs once every probe is attached.
+        bt.wait_line(
+            Instant::now() + Duration::from_secs(120),
+            "its BEGIN probe ran",
+            |l| l.text.trim() == "lens-bench-ready",
+        )?;
+        let mut cmd = Command::new("env");
+        cmd.current_dir(&ctx.root);
+        self.wrap(&mut cmd);
+        let result = Proc::spawn(name, &mut cmd, &ctx.logs.join(format!("{name}.run.log")))?
+            .finish_ok(self.deadline, on_line);
+        bt.signal("INT");
+        let mut count = None;
+        let mut ret_count = None;
+        bt.finish(Instant::now() + Duration::from_secs(120), |l| {
+            if let Some(n) = parse_bpftrace_count(&l.text) {
+                count = Some(n);
+            } else if let Some(n) = l
+                .text
+                .trim()
+                .strip_prefix("@ret: ")
+                .and_then(|n| n.trim().parse::<u64>().ok())
+            {
+                ret_count = Some(n);
+            }
+        })?;
+        result?;
+        // The warm-up call and the loop's.
+        let expected = self.calls + 1;
+        if count != Some(expected) || (returns && ret_count != Some(expected)) {
+            checks.push(format!(
+                "{name}: bpftrace counted {count:?} entries and {ret_count:?} returns, \
+                 expected {expected}"
+            ));
+        }
+        Ok(())
+    }
 }
 
 fn ns(seconds: f64) -> String {
@@ -411,126 +458,7 @@ fn ns(seconds: f64) -> String {
 
 impl PerKindBlock {
     pub(super) fn section(&self) -> Section {
-        let target = "≤ 1.05× bpftrace";
-        let mut rows = Vec::new();
-        for k in &self.kinds {
-            let (kind, calls) = (k.kind, k.calls);
-            let call = format!("`{}`", kind.function());
-            let base: Vec<f64> = k
-                .times(Variant::None)
-                .iter()
-                .map(|t| t / calls as f64)
-                .collect();
-            rows.push(super::report::row(
-                format!(
-                    "**{}** (`hammer {} {}`): uninstrumented {call}, per call",
-                    kind.arg(),
-                    kind.arg(),
-                    fmt_count(calls as f64)
-                ),
-                &base,
-                ns,
-                None,
-                "",
-                Met::NoTarget,
-            ));
-            let floor_values = k.per_call(Variant::Bpftrace { returns: false });
-            let ret_values = k.per_call(Variant::Bpftrace { returns: true });
-            let lens = k.per_call(Variant::Lens);
-            let floor = median(&floor_values);
-            let ret = median(&ret_values);
-            // No ratio to a cost the noise made zero or negative.
-            let ratio =
-                |values: &[f64], to: Option<f64>| Some(median(values)? / to.filter(|t| *t > 0.0)?);
-            let met = |r: Option<f64>| match (r, &self.bpftrace_skipped) {
-                (Some(r), _) => Met::from_bool(r <= 1.05),
-                (None, Some(why)) => Met::NotMeasured(why.clone()),
-                (None, None) => Met::NotMeasured("no value".into()),
-            };
-            let floor_label = if kind == Kind::Launch {
-                format!(
-                    "+ bpftrace `count()` on the entries of {call} and the `cuLaunchKernel` it \
-                     calls (kernel floor)"
-                )
-            } else {
-                format!("+ bpftrace `count()` on the entry of {call} (kernel floor)")
-            };
-            match &self.bpftrace_skipped {
-                Some(why) => rows.push(Row::not_measured(&floor_label, "", why)),
-                None => rows.push(super::report::row(
-                    floor_label,
-                    &floor_values,
-                    ns,
-                    floor.filter(|f| *f > 0.0).map(|_| 1.0),
-                    "",
-                    Met::NoTarget,
-                )),
-            }
-            if kind.returns() {
-                let label = format!(
-                    "+ bpftrace `count()` on the entry and the return of {call} (ratio: to the floor)"
-                );
-                match &self.bpftrace_skipped {
-                    Some(why) => rows.push(Row::not_measured(&label, "", why)),
-                    None => rows.push(super::report::row(
-                        label,
-                        &ret_values,
-                        ns,
-                        ratio(&ret_values, floor),
-                        "",
-                        Met::NoTarget,
-                    )),
-                }
-                rows.push(super::report::row(
-                    format!(
-                        "+ lens-probe `per_step`: {} (ratio: to the floor)",
-                        kind.programs()
-                    ),
-                    &lens,
-                    ns,
-                    ratio(&lens, floor),
-                    "",
-                    Met::NoTarget,
-                ));
-                let r = ratio(&lens, ret);
-                rows.push(super::report::row(
-                    "… the same, ratio to bpftrace on the same probes (entry + return)",
-                    &lens,
-                    ns,
-                    r,
-                    target,
-                    met(r),
-                ));
-            } else {
-                let r = ratio(&lens, floor);
-                rows.push(super::report::row(
-                    format!(
-                        "+ lens-probe `per_step`: {} (ratio: to the floor, the same probe)",
-                        kind.programs()
-                    ),
-                    &lens,
-                    ns,
-                    r,
-                    target,
-                    met(r),
-                ));
-            }
-            let tracer_cpu: Vec<f64> = k
-                .runs
-                .iter()
-                .filter(|(v, _)| *v == Variant::Lens)
-                .flat_map(|(_, runs)| runs.iter().filter_map(|r| r.tracer_cpu_s))
-                .collect();
-            rows.push(super::report::row(
-                "  lens-probe's own CPU over its whole run (every thread, start-up included; \
-                 on the other CPU)",
-                &tracer_cpu,
-                ns,
-                None,
-                "",
-                Met::NoTarget,
-            ));
-        }
+        let rows = self.kinds().flat_map(|k| self.kind_rows(&k)).collect();
         Section {
             title: "1b. Per-hit cost per probe kind (`hammer KIND N`: one fake-library function \
                     called N times in a loop on CPU 1, the tracer on CPU 0, the loop's own time; rows \
@@ -540,11 +468,132 @@ impl PerKindBlock {
         }
     }
 
+    /// One kind's rows: uninstrumented, under bpftrace, under lens-probe, lens-probe's CPU.
+    fn kind_rows(&self, k: &KindRuns) -> Vec<Row> {
+        let target = "≤ 1.05× bpftrace";
+        let mut rows = Vec::new();
+        let (kind, calls) = (k.kind, k.calls);
+        let call = format!("`{}`", kind.function());
+        let base: Vec<f64> = k
+            .times(Variant::None)
+            .iter()
+            .map(|t| t / calls as f64)
+            .collect();
+        rows.push(super::report::row(
+            format!(
+                "**{}** (`hammer {} {}`): uninstrumented {call}, per call",
+                kind.arg(),
+                kind.arg(),
+                fmt_count(calls as f64)
+            ),
+            &base,
+            ns,
+            None,
+            "",
+            Met::NoTarget,
+        ));
+        let floor_values = k.per_call(Variant::Bpftrace { returns: false });
+        let ret_values = k.per_call(Variant::Bpftrace { returns: true });
+        let lens = k.per_call(Variant::Lens);
+        let floor = median(&floor_values);
+        let ret = median(&ret_values);
+        // No ratio to a cost the noise made zero or negative.
+        let ratio =
+            |values: &[f64], to: Option<f64>| Some(median(values)? / to.filter(|t| *t > 0.0)?);
+        let met = |r: Option<f64>| match (r, &self.bpftrace_skipped) {
+            (Some(r), _) => Met::from_bool(r <= 1.05),
+            (None, Some(why)) => Met::NotMeasured(why.clone()),
+            (None, None) => Met::NotMeasured("no value".into()),
+        };
+        let floor_label = if kind == Kind::Launch {
+            format!(
+                "+ bpftrace `count()` on the entries of {call} and the `cuLaunchKernel` it \
+                 calls (kernel floor)"
+            )
+        } else {
+            format!("+ bpftrace `count()` on the entry of {call} (kernel floor)")
+        };
+        match &self.bpftrace_skipped {
+            Some(why) => rows.push(Row::not_measured(&floor_label, "", why)),
+            None => rows.push(super::report::row(
+                floor_label,
+                &floor_values,
+                ns,
+                floor.filter(|f| *f > 0.0).map(|_| 1.0),
+                "",
+                Met::NoTarget,
+            )),
+        }
+        if kind.returns() {
+            let label = format!(
+                "+ bpftrace `count()` on the entry and the return of {call} (ratio: to the floor)"
+            );
+            match &self.bpftrace_skipped {
+                Some(why) => rows.push(Row::not_measured(&label, "", why)),
+                None => rows.push(super::report::row(
+                    label,
+                    &ret_values,
+                    ns,
+                    ratio(&ret_values, floor),
+                    "",
+                    Met::NoTarget,
+                )),
+            }
+            rows.push(super::report::row(
+                format!(
+                    "+ lens-probe `per_step`: {} (ratio: to the floor)",
+                    kind.programs()
+                ),
+                &lens,
+                ns,
+                ratio(&lens, floor),
+                "",
+                Met::NoTarget,
+            ));
+            let r = ratio(&lens, ret);
+            rows.push(super::report::row(
+                "… the same, ratio to bpftrace on the same probes (entry + return)",
+                &lens,
+                ns,
+                r,
+                target,
+                met(r),
+            ));
+        } else {
+            let r = ratio(&lens, floor);
+            rows.push(super::report::row(
+                format!(
+                    "+ lens-probe `per_step`: {} (ratio: to the floor, the same probe)",
+                    kind.programs()
+                ),
+                &lens,
+                ns,
+                r,
+                target,
+                met(r),
+            ));
+        }
+        let tracer_cpu: Vec<f64> = k
+            .runs(Variant::Lens)
+            .iter()
+            .filter_map(|r| r.tracer_cpu_s)
+            .collect();
+        rows.push(super::report::row(
+            "  lens-probe's own CPU over its whole run (every thread, start-up included; \
+             on the other CPU)",
+            &tracer_cpu,
+            ns,
+            None,
+            "",
+            Met::NoTarget,
+        ));
+        rows
+    }
+
     pub(super) fn notes(&self) -> String {
         let mut n = String::new();
         let sizes: Vec<String> = self
-            .kinds
-            .iter()
+            .kinds()
             .map(|k| format!("{} {}", k.kind.arg(), fmt_count(k.calls as f64)))
             .collect();
         n.push_str(&format!(
@@ -566,8 +615,7 @@ impl PerKindBlock {
              here), whose jitter is of the order of the probes' cost: its rows are the \
              noisiest.\n",
             sizes.join(", "),
-            self.kinds
-                .iter()
+            self.kinds()
                 .find(|k| k.kind == Kind::Sync)
                 .and_then(|k| median(&k.times(Variant::None)).map(|t| t / k.calls as f64))
                 .map_or("?".into(), fmt_duration),
@@ -598,8 +646,8 @@ mod tests {
             {"command_line": ["/f/hammer", "group", "1"], "calls": {"ncclGroupStart": 1}},
             {"command_line": ["/f/hammer", "group", "500"], "calls": {"ncclGroupStart": 500}}
           ]}"#;
-        let json = serde_json::from_str::<Json>(doc).unwrap();
-        assert_eq!(hammer_summary(&json, Kind::Group, 500), Ok((500, 1)));
+        let json = serde_json::from_str::<Summary>(doc).unwrap();
+        assert_eq!(hammer_summary(&json, Kind::Group, 500).unwrap(), (500, 1));
         assert!(hammer_summary(&json, Kind::Launch, 500).is_err());
     }
 

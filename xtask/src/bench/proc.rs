@@ -9,6 +9,8 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use xtask::error::{Context, Error, Result};
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stream {
     Out,
@@ -59,7 +61,7 @@ fn reader(stream: Stream, pipe: impl Read + Send + 'static, tx: mpsc::Sender<Lin
 impl Proc {
     /// Spawns `cmd` with stdin closed and both output streams read line by line; every
     /// line also goes to `log_path`.
-    pub fn spawn(name: &str, cmd: &mut Command, log_path: &Path) -> Result<Proc, String> {
+    pub fn spawn(name: &str, cmd: &mut Command, log_path: &Path) -> Result<Proc> {
         let mut log = File::create(log_path).ok();
         if let Some(log) = log.as_mut() {
             let _ = writeln!(log, "$ {}", super::shown(cmd));
@@ -70,7 +72,11 @@ impl Proc {
         let started = Instant::now();
         let mut child = cmd
             .spawn()
-            .map_err(|e| format!("{name}: cannot start `{}`: {e}", super::shown(cmd)))?;
+            .map_err(|source| Error::Spawn {
+                command: super::shown(cmd),
+                source,
+            })
+            .context(name)?;
         let (tx, rx) = mpsc::channel();
         if let Some(out) = child.stdout.take() {
             reader(Stream::Out, out, tx.clone());
@@ -103,18 +109,18 @@ impl Proc {
         }
     }
 
-    fn timeout(&mut self, what: &str) -> String {
+    fn timeout(&mut self, what: &str) -> Error {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        format!(
+        Error::Msg(format!(
             "{}: timed out {what} (killed; output in {})",
             self.name,
             self.log_path.display()
-        )
+        ))
     }
 
     /// The next line, `None` once both streams are closed.
-    pub fn next_line(&mut self, deadline: Instant) -> Result<Option<Line>, String> {
+    pub fn next_line(&mut self, deadline: Instant) -> Result<Option<Line>> {
         let left = deadline.saturating_duration_since(Instant::now());
         match self.rx.recv_timeout(left) {
             Ok(line) => {
@@ -132,17 +138,17 @@ impl Proc {
         deadline: Instant,
         what: &str,
         mut wanted: impl FnMut(&Line) -> bool,
-    ) -> Result<Line, String> {
+    ) -> Result<Line> {
         while let Some(line) = self.next_line(deadline)? {
             if wanted(&line) {
                 return Ok(line);
             }
         }
-        Err(format!(
+        Err(Error::Msg(format!(
             "{}: ended before {what} (output in {})",
             self.name,
             self.log_path.display()
-        ))
+        )))
     }
 
     /// Lines that are already there, without waiting.
@@ -158,7 +164,7 @@ impl Proc {
         mut self,
         deadline: Instant,
         mut on_line: impl FnMut(&Line),
-    ) -> Result<(ExitStatus, Instant), String> {
+    ) -> Result<(ExitStatus, Instant)> {
         while let Some(line) = self.next_line(deadline)? {
             on_line(&line);
         }
@@ -174,27 +180,23 @@ impl Proc {
                 }
                 Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(2)),
                 Ok(None) => return Err(self.timeout("waiting for the exit")),
-                Err(e) => return Err(format!("{}: wait failed: {e}", self.name)),
+                Err(e) => return Err(format!("wait failed: {e}")).context(&self.name),
             }
         }
     }
 
     /// [`finish`](Self::finish), failing unless the exit status is 0.
-    pub fn finish_ok(
-        self,
-        deadline: Instant,
-        on_line: impl FnMut(&Line),
-    ) -> Result<Instant, String> {
+    pub fn finish_ok(self, deadline: Instant, on_line: impl FnMut(&Line)) -> Result<Instant> {
         let name = self.name.clone();
         let log = self.log_path.clone();
         let (status, at) = self.finish(deadline, on_line)?;
         if status.success() {
             Ok(at)
         } else {
-            Err(format!(
+            Err(Error::Msg(format!(
                 "{name} failed ({status}); output in {}",
                 log.display()
-            ))
+            )))
         }
     }
 

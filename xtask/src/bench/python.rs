@@ -4,14 +4,15 @@
 //! `train_step` (so the sampler reads its stacks on every CPU clock tick, 1 ms); the
 //! loop's own time is the measure.
 
-use std::fs;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, row};
-use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, say, wait_teardown};
+use super::rounds::Rounds;
+use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, wait_teardown};
+use xtask::error::{self, Error, Result};
 
 const PYTHON: &str = "/root/.pyenv/versions/3.11.7/bin/python3.11";
 const RULES: &str = "[[probe]]\npython = \"__main__:train_step\"\ngroup = \"step\"\n";
@@ -22,46 +23,43 @@ fn parse_loop(line: &str) -> Option<f64> {
 
 pub(super) struct PythonBlock {
     steps: u64,
-    none: Vec<f64>,
-    sampled: Vec<f64>,
+    /// The loop's time, untraced (`false`) and sampled (`true`).
+    rounds: Rounds<bool, f64>,
     skipped: Option<String>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PythonBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PythonBlock> {
     let steps = if quick { 200 } else { 800 };
-    let mut block = PythonBlock {
-        steps,
-        none: Vec::new(),
-        sampled: Vec::new(),
-        skipped: None,
-    };
     if !std::path::Path::new(PYTHON).exists() {
-        block.skipped = Some(format!("no {PYTHON}"));
-        return Ok(block);
+        return Ok(PythonBlock {
+            steps,
+            rounds: Rounds::default(),
+            skipped: Some(format!("no {PYTHON}")),
+        });
     }
     let config = ctx.out.join("python-rules.toml");
-    fs::write(&config, RULES).map_err(|e| format!("cannot write {}: {e}", config.display()))?;
-    for round in 1..=ctx.rounds {
-        for sampled in [false, true] {
-            watch.check();
-            let time = run(ctx, sampled.then_some(&config), steps, round)?;
-            say(&format!(
-                "round {round}/{}: bench_loop.py {steps} {} {:.3} s",
-                ctx.rounds,
+    error::write(&config, RULES)?;
+    let rounds = Rounds::measure(
+        ctx.rounds,
+        [false, true],
+        watch,
+        |sampled, round| run(ctx, sampled.then_some(&config), steps, round),
+        |sampled, time| {
+            format!(
+                "bench_loop.py {steps} {} {:.3} s",
                 if sampled { "sampled" } else { "untraced" },
                 time
-            ));
-            if sampled {
-                block.sampled.push(time);
-            } else {
-                block.none.push(time);
-            }
-        }
-    }
-    Ok(block)
+            )
+        },
+    )?;
+    Ok(PythonBlock {
+        steps,
+        rounds,
+        skipped: None,
+    })
 }
 
-fn run(ctx: &Ctx, config: Option<&PathBuf>, steps: u64, round: u32) -> Result<f64, String> {
+fn run(ctx: &Ctx, config: Option<&PathBuf>, steps: u64, round: u32) -> Result<f64> {
     let script = ctx.root.join("tests/fixtures/python/bench_loop.py");
     let name = format!(
         "python-{}-r{round}",
@@ -103,10 +101,10 @@ fn run(ctx: &Ctx, config: Option<&PathBuf>, steps: u64, round: u32) -> Result<f6
         }
     }
     time.ok_or_else(|| {
-        format!(
+        Error::Msg(format!(
             "{name}: bench_loop.py printed no loop time (output in {})",
             log.display()
-        )
+        ))
     })
 }
 
@@ -121,11 +119,11 @@ impl PythonBlock {
         let rows = match &self.skipped {
             Some(why) => vec![Row::not_measured(label("sampled"), "≤ 1.01×", why)],
             None => {
-                let ratio = super::tables::ratio_to(&self.sampled, &self.none);
+                let ratio = self.rounds.ratio(true, false, |t| *t);
                 vec![
                     row(
                         label("untraced"),
-                        &self.none,
+                        &self.rounds.values(false, |t| *t),
                         fmt_duration,
                         Some(1.0),
                         "",
@@ -133,7 +131,7 @@ impl PythonBlock {
                     ),
                     row(
                         label("a Python rule on `train_step` (sampled every 1 ms)"),
-                        &self.sampled,
+                        &self.rounds.values(true, |t| *t),
                         fmt_duration,
                         ratio,
                         "≤ 1.01×",

@@ -1,5 +1,7 @@
 //! Statistics, formatting and the markdown table of `cargo xtask bench` (pure, tested).
 
+use xtask::error::{Error, Result};
+
 pub const BEGIN_MARKER: &str = "<!-- bench:begin -->";
 pub const END_MARKER: &str = "<!-- bench:end -->";
 
@@ -168,7 +170,7 @@ pub fn table(sections: &[Section]) -> String {
 
 /// `doc` with the text between the bench markers replaced by `generated` (markers kept).
 /// Without markers, they are appended with `generated` between them.
-pub fn replace_between_markers(doc: &str, generated: &str) -> Result<String, String> {
+pub fn replace_between_markers(doc: &str, generated: &str) -> Result<String> {
     let generated = generated.trim_matches('\n');
     match (doc.find(BEGIN_MARKER), doc.find(END_MARKER)) {
         (Some(b), Some(e)) if b < e => {
@@ -181,9 +183,9 @@ pub fn replace_between_markers(doc: &str, generated: &str) -> Result<String, Str
             out.push_str(&format!("\n\n{BEGIN_MARKER}\n{generated}\n{END_MARKER}\n"));
             Ok(out)
         }
-        _ => Err(format!(
+        _ => Err(Error::Msg(format!(
             "the markers `{BEGIN_MARKER}` and `{END_MARKER}` are not both there, in order"
-        )),
+        ))),
     }
 }
 

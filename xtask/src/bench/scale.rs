@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 use super::proc::{Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, median};
-use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, say, wait_teardown};
+use super::rounds::Rounds;
+use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, wait_teardown};
+use xtask::error::{self, Context, Result};
 use xtask::torch_venv;
 
 struct Run {
@@ -29,8 +31,8 @@ struct Run {
 }
 
 pub(super) struct ScaleBlock {
-    /// Per process count: its runs.
-    sizes: Vec<(usize, Vec<Run>)>,
+    /// By process count.
+    sizes: Rounds<usize, Run>,
 }
 
 pub(super) fn block(
@@ -38,24 +40,22 @@ pub(super) fn block(
     python: &Path,
     watch: &mut Watch,
     quick: bool,
-) -> Result<ScaleBlock, String> {
+) -> Result<ScaleBlock> {
     let counts: &[usize] = if quick { &[1, 4, 8] } else { &[1, 8, 64] };
-    let mut block = ScaleBlock {
-        sizes: counts.iter().map(|&n| (n, Vec::new())).collect(),
-    };
-    for round in 1..=ctx.rounds {
-        for (count, runs) in block.sizes.iter_mut() {
-            watch.check();
-            let run = run(ctx, python, *count, round)?;
-            say(&format!(
-                "round {round}/{}: {count} processes: attached in {:.2} s, {} links, exit \
-                 {:.2} s after theirs, probes out {:.2} s after",
-                ctx.rounds, run.attach_s, run.links, run.exit_s, run.teardown_s
-            ));
-            runs.push(run);
-        }
-    }
-    Ok(block)
+    let sizes = Rounds::measure(
+        ctx.rounds,
+        counts.iter().copied(),
+        watch,
+        |count, round| run(ctx, python, count, round),
+        |count, run| {
+            format!(
+                "{count} processes: attached in {:.2} s, {} links, exit {:.2} s after theirs, \
+                 probes out {:.2} s after",
+                run.attach_s, run.links, run.exit_s, run.teardown_s
+            )
+        },
+    )?;
+    Ok(ScaleBlock { sizes })
 }
 
 /// How many of `pid`'s descriptors are BPF links.
@@ -72,7 +72,7 @@ fn bpf_links(pid: u32) -> usize {
         .unwrap_or(0)
 }
 
-fn run(ctx: &Ctx, python: &Path, count: usize, round: u32) -> Result<Run, String> {
+fn run(ctx: &Ctx, python: &Path, count: usize, round: u32) -> Result<Run> {
     let name = format!("scale-{count}-r{round}");
     let stop = ctx.out.join(format!("{name}.stop"));
     let _ = fs::remove_file(&stop);
@@ -117,7 +117,7 @@ fn run(ctx: &Ctx, python: &Path, count: usize, round: u32) -> Result<Run, String
         found
     })?;
     let links = bpf_links(lens.pid);
-    fs::write(&stop, "").map_err(|e| format!("{name}: {}: {e}", stop.display()))?;
+    error::write(&stop, "").context(&name)?;
     let stopped = Instant::now();
     let exited = lens.finish_ok(Instant::now() + RUN_TIMEOUT, |_| {})?;
     let teardown_s = wait_teardown(&name, &before);
@@ -135,17 +135,13 @@ impl ScaleBlock {
     pub(super) fn section(&self) -> Section {
         let secs = fmt_duration;
         let count = |n: f64| format!("{n:.0}");
-        let one_attach = self
-            .sizes
-            .iter()
-            .find(|(n, _)| *n == 1)
-            .and_then(|(_, runs)| median(&runs.iter().map(|r| r.attach_s).collect::<Vec<_>>()));
+        let one_attach = median(&self.sizes.values(1, |r| r.attach_s));
         let mut rows: Vec<Row> = Vec::new();
-        for (n, runs) in &self.sizes {
+        for (n, runs) in self.sizes.iter() {
             let values = |f: fn(&Run) -> f64| runs.iter().map(f).collect::<Vec<f64>>();
             let per_process = values(|r| r.attach_s)
                 .iter()
-                .map(|t| t / *n as f64)
+                .map(|t| t / n as f64)
                 .collect::<Vec<_>>();
             let teardown = values(|r| r.teardown_s);
             let teardown_met = median(&teardown).map_or(Met::NotMeasured("no value".into()), |t| {
@@ -156,7 +152,7 @@ impl ScaleBlock {
                     format!(
                         "**{n} process{}**: lens-probe's start → all traced, per process \
                          (ratio: to 1 process)",
-                        if *n == 1 { "" } else { "es" }
+                        if n == 1 { "" } else { "es" }
                     ),
                     &per_process,
                     secs,

@@ -1,14 +1,14 @@
-//! The report: one section per block, as rows of measured values against their targets,
-//! and the notes printed under the table.
+//! The report's table: one section per block, as rows of measured values against their
+//! targets (the notes under it: [`super::notes`]).
 
 use super::{
-    ATTACH_TARGET_ARGS, Block, Blocks, CALLS_PER_STEP, Ctx, DONE_MARKER, EVENTS_PER_STEP,
-    FAKE_PROBES, PRESETS, Watch,
+    Block, Blocks, Ctx, FAKE_PROBES, Missing, PRESETS,
     attach::AttachRun,
     budget,
     fake::{Fake, FakeBlock},
     frameworks, hangs, neighbour, per_kind, python,
-    report::{self, Met, Row, Section, fmt_count, fmt_duration, median, row},
+    report::{Met, Row, Section, fmt_count, fmt_duration, median, row},
+    rounds::ratio_to,
     scale, teardown, throughput,
     torch::{TorchBlock, Usage},
 };
@@ -21,22 +21,31 @@ pub(super) fn megabytes(kib: f64) -> String {
     format!("{:.1} MB", kib * 1024.0 / 1e6)
 }
 
-pub(super) fn ratio_to(values: &[f64], base: &[f64]) -> Option<f64> {
-    Some(median(values)? / median(base)?)
-}
-
 /// What the blocks that ran measured.
 pub(super) struct Results {
     pub(super) blocks: Blocks,
+    pub(super) fixtures: FixtureResults,
+    pub(super) python: PythonResults,
+}
+
+/// The blocks on the fixtures' fake libraries and the kernel-side generator.
+#[derive(Default)]
+pub(super) struct FixtureResults {
     pub(super) fake: Option<FakeBlock>,
     pub(super) per_kind: Option<per_kind::PerKindBlock>,
     pub(super) neighbour: Option<neighbour::NeighbourBlock>,
-    pub(super) torch: Option<TorchBlock>,
-    pub(super) attach: Option<Vec<AttachRun>>,
     pub(super) throughput: Option<throughput::ThroughputBlock>,
     pub(super) budget: Option<budget::BudgetBlock>,
-    pub(super) python_sampler: Option<python::PythonBlock>,
     pub(super) hangs: Option<hangs::HangsBlock>,
+}
+
+/// The blocks on real Python processes.
+#[derive(Default)]
+pub(super) struct PythonResults {
+    pub(super) torch: Option<TorchBlock>,
+    pub(super) attach: Option<Vec<AttachRun>>,
+    /// The stack sampler's.
+    pub(super) sampler: Option<python::PythonBlock>,
     pub(super) teardown: Option<teardown::TeardownBlock>,
     pub(super) frameworks: Option<frameworks::FrameworksBlock>,
     pub(super) scale: Option<scale::ScaleBlock>,
@@ -44,37 +53,42 @@ pub(super) struct Results {
 
 /// The table's sections, in order, for the blocks that ran.
 pub(super) fn sections(ctx: &Ctx, r: &Results) -> Vec<Section> {
-    let (torch, attach) = (r.torch.as_ref(), r.attach.as_deref());
+    let (torch, attach) = (r.python.torch.as_ref(), r.python.attach.as_deref());
     let mut out = Vec::new();
-    if let Some(fake) = &r.fake {
+    if let Some(fake) = &r.fixtures.fake {
         out.push(trainer_cost_section(fake));
     }
-    if let Some(per_kind) = &r.per_kind {
+    if let Some(per_kind) = &r.fixtures.per_kind {
         out.push(per_kind.section());
     }
-    if let Some(neighbour) = &r.neighbour {
+    if let Some(neighbour) = &r.fixtures.neighbour {
         out.push(neighbour.section());
     }
-    if let Some(scale) = &r.scale {
+    if let Some(scale) = &r.python.scale {
         out.push(scale.section());
     }
     let torch_wanted = r.blocks.contains(Block::Torch);
-    if r.fake.is_some() || torch_wanted {
-        out.push(slowdown_section(ctx, r.fake.as_ref(), torch, torch_wanted));
+    if r.fixtures.fake.is_some() || torch_wanted {
+        out.push(slowdown_section(
+            ctx,
+            r.fixtures.fake.as_ref(),
+            torch,
+            torch_wanted,
+        ));
     }
-    if let Some(budget) = &r.budget {
+    if let Some(budget) = &r.fixtures.budget {
         out.push(budget.section());
     }
-    if let Some(python) = &r.python_sampler {
+    if let Some(python) = &r.python.sampler {
         out.push(python.section());
     }
-    if let Some(hangs) = &r.hangs {
+    if let Some(hangs) = &r.fixtures.hangs {
         out.push(hangs.section());
     }
-    if let Some(teardown) = &r.teardown {
+    if let Some(teardown) = &r.python.teardown {
         out.push(teardown.section());
     }
-    if let Some(frameworks) = &r.frameworks {
+    if let Some(frameworks) = &r.python.frameworks {
         out.push(frameworks.section());
     }
     if r.blocks.contains(Block::Attach) {
@@ -83,10 +97,10 @@ pub(super) fn sections(ctx: &Ctx, r: &Results) -> Vec<Section> {
     if torch_wanted || r.blocks.contains(Block::Attach) {
         out.push(usage_section(ctx, torch, torch_wanted, attach));
     }
-    if let Some(fake) = &r.fake {
+    if let Some(fake) = &r.fixtures.fake {
         out.push(trainer_throughput_section(fake));
     }
-    if let Some(throughput) = &r.throughput {
+    if let Some(throughput) = &r.fixtures.throughput {
         out.push(throughput.section());
     }
     out
@@ -196,7 +210,7 @@ pub(super) fn slowdown_section(
     torch: Option<&TorchBlock>,
     torch_wanted: bool,
 ) -> Section {
-    let no_torch = ctx.python.as_ref().err().map_or("", String::as_str);
+    let no_torch = ctx.python.as_ref().err().map_or("", Missing::as_str);
     let mut rows = Vec::new();
     if let Some(fake) = fake {
         let none = fake.times(Fake::None);
@@ -272,7 +286,7 @@ pub(super) fn slowdown_section(
 
 /// Section 3: Attach time.
 pub(super) fn attach_section(ctx: &Ctx, attach: Option<&[AttachRun]>) -> Section {
-    let no_torch = ctx.python.as_ref().err().map_or("", String::as_str);
+    let no_torch = ctx.python.as_ref().err().map_or("", Missing::as_str);
     let rows = match attach {
         Some(runs) => {
             let tracing: Vec<f64> = runs.iter().map(|r| r.tracing_s).collect();
@@ -340,7 +354,7 @@ pub(super) fn usage_section(
     torch_wanted: bool,
     attach: Option<&[AttachRun]>,
 ) -> Section {
-    let no_torch = ctx.python.as_ref().err().map_or("", String::as_str);
+    let no_torch = ctx.python.as_ref().err().map_or("", Missing::as_str);
     let mut rows = Vec::new();
     let cpu_target = "≤ 1 % of a core";
     let rss_target = "≤ 50 MB";
@@ -440,7 +454,7 @@ pub(super) fn usage_section(
         (Some(_), Err(why)) => rows.push(Row::not_measured(
             "`--pid`: lens-probe CPU and max RSS",
             rss_target,
-            why,
+            why.as_str(),
         )),
         (None, _) => {}
     }
@@ -492,202 +506,4 @@ pub(super) fn trainer_throughput_section(fake: &FakeBlock) -> Section {
         title: "5. Event throughput (fake trainer, `per_step`: as many events as its uprobes let it send)".into(),
         rows,
     }
-}
-
-pub(super) fn notes(ctx: &Ctx, r: &Results, watch: &Watch, slack: bool) -> String {
-    let (torch, attach) = (r.torch.as_ref(), r.attach.as_deref());
-    let mut n = String::from("How each row was measured:\n\n");
-    if let Some(fake) = &r.fake {
-        fake_notes(&mut n, fake);
-    }
-    if let Some(budget) = &r.budget {
-        n.push_str(&budget.notes());
-    }
-    if let Some(python) = &r.python_sampler {
-        n.push_str(&python.notes());
-    }
-    if let Some(teardown) = &r.teardown {
-        n.push_str(&teardown.notes());
-    }
-    if let Some(frameworks) = &r.frameworks {
-        n.push_str(&frameworks.notes());
-    }
-    if let Some(hangs) = &r.hangs {
-        n.push_str(&hangs.notes());
-    }
-    if let Some(per_kind) = &r.per_kind {
-        n.push_str(&per_kind.notes());
-    }
-    if let Some(neighbour) = &r.neighbour {
-        n.push_str(&neighbour.notes());
-    }
-    if let Some(scale) = &r.scale {
-        n.push_str(&scale.notes());
-    }
-    if let Some(throughput) = &r.throughput {
-        n.push_str(&throughput.notes());
-    }
-    if slack {
-        n.push_str(
-            "- The timer slack of every process started is 1 ns (`/proc/self/timerslack_ns`, \
-             inherited): the fake syncs are `nanosleep(0)`, which otherwise take ~70 µs each \
-             (the default 50 µs slack) and make the step mostly sleep. Probe costs are \
-             unchanged by it.\n",
-        );
-    } else {
-        n.push_str("- The timer slack could not be lowered: the fake syncs sleep ~70 µs each.\n");
-    }
-    if let Some(torch) = torch {
-        let args = ctx.sizes.torch_args().join(" ");
-        n.push_str(&format!(
-            "- PyTorch: `python -u -c WRAPPER tests/fixtures/torch/train.py {args}` with the \
-             torch venv's Python (CPU), plain or under `lens-probe --span-groups PRESET \
-             --exporter console --exec -- python …` (console tree to a log file). WRAPPER runs \
-             the script with `runpy` as `__main__` and prints `{DONE_MARKER}` when its `main()` \
-             returns (train.py is not changed; the interpreter's exit, ~0.8 s with torch, is \
-             left out). Loop time: from the arrival of the `step 0` line to the arrival of \
-             that marker ({} steps).\n",
-            torch.steps
-        ));
-        n.push_str(
-            "- CPU and RSS of the `per_step` PyTorch runs come from `/proc/PID` of lens-probe \
-             (`--pid-file`): the loop's CPU is the change of its threads' \
-             `/proc/PID/task/*/schedstat` run times between `step 0` and the end of the loop; \
-             the CPU from its start is `/proc/PID/stat` utime + stime at the loop's end; RSS \
-             is VmHWM / VmRSS then. `/usr/bin/time` is not used around `--exec` runs: its \
-             user, sys and max RSS include the children lens-probe waits for, the traced \
-             Python (~820 MB max RSS). It is used around the `--pid` runs, which have none.\n",
-        );
-    }
-    n.push_str(
-        "- `all` and `per_step` enable the same eight span groups today \
-         (lens-userspace/src/settings/groups.rs): their rows differ by noise only.\n",
-    );
-    if let Some(torch) = torch {
-        let base = torch.times(None);
-        if let (Some(m), Some((lo, hi))) = (median(&base), report::min_max(&base))
-            && base.len() > 1
-        {
-            let spread = (hi - lo) / m * 100.0;
-            n.push_str(&format!(
-                "- The uninstrumented PyTorch loop itself varied by {spread:.1} % (min to max) \
-                 over the rounds on this machine: smaller differences are noise{}.\n",
-                if spread > 0.5 {
-                    ", so the 0.5 % target cannot be resolved here"
-                } else {
-                    ""
-                }
-            ));
-        }
-    }
-    if let Some(runs) = attach {
-        let uprobes = runs
-            .iter()
-            .find_map(|r| r.uprobes)
-            .map_or("?".into(), |n| n.to_string());
-        n.push_str(&format!(
-            "- Attach: one `python -u train.py {}` runs throughout; each round runs \
-             `lens-probe --span-groups per_step --exporter console -v --duration 3s --pid PID` \
-             ({uprobes} uprobes), under `/usr/bin/time -f '%U %S %M'` when there is one, and \
-             times its stderr lines from its start.\n",
-            ATTACH_TARGET_ARGS.join(" ")
-        ));
-    }
-    let mut teardowns = Vec::new();
-    for preset in PRESETS {
-        let fake_t: Vec<f64> = r
-            .fake
-            .iter()
-            .flat_map(|fake| fake.runs(Fake::Lens(preset)))
-            .filter_map(|r| r.teardown_s)
-            .collect();
-        if let Some(m) = median(&fake_t) {
-            teardowns.push(format!("fake trainer `{preset}` {}", fmt_duration(m)));
-        }
-    }
-    if let Some(torch) = torch {
-        for preset in PRESETS {
-            let t: Vec<f64> = torch
-                .runs(Some(preset))
-                .iter()
-                .filter_map(|r| r.teardown_s)
-                .collect();
-            if let Some(m) = median(&t) {
-                teardowns.push(format!("PyTorch `{preset}` {}", fmt_duration(m)));
-            }
-        }
-    }
-    if !teardowns.is_empty() {
-        n.push_str(&format!(
-            "- lens-probe exits at once and leaves a child holding the probes' descriptors; \
-             the kernel removes the uprobes (~0.1 s each) when it closes them. Each run waits \
-             for that child before the next starts. Exit → teardown done, medians: {}.\n",
-            teardowns.join(", ")
-        ));
-    }
-    if let Some(fake) = &r.fake {
-        if let Some(why) = &fake.bpftrace_skipped {
-            n.push_str(&format!("- bpftrace not measured: {why}.\n"));
-        }
-        for m in &fake.count_mismatches {
-            n.push_str(&format!("- **Check**: {m}.\n"));
-        }
-    }
-    if let Err(why) = &ctx.python
-        && (r.blocks.contains(Block::Torch) || r.blocks.contains(Block::Attach))
-    {
-        n.push_str(&format!("- PyTorch rows not measured: {why}.\n"));
-    }
-    if watch.foreign.is_empty() {
-        n.push_str("- No other lens-probe or bpftrace process was seen between the runs.\n");
-    } else {
-        let list: Vec<&str> = watch.foreign.iter().map(String::as_str).collect();
-        n.push_str(&format!(
-            "- **Other tracers were running during the bench** ({}): they share the CPUs and \
-             the uprobes of shared library files (the torch venv's), so these numbers are \
-             not clean.\n",
-            list.join(", ")
-        ));
-    }
-    n.push_str(&format!(
-        "- Logs of every run: `{}`.\n",
-        ctx.logs
-            .strip_prefix(&ctx.root)
-            .unwrap_or(&ctx.logs)
-            .display()
-    ));
-    n
-}
-
-/// The fake trainer's notes (blocks 1, 2a, 5).
-pub(super) fn fake_notes(n: &mut String, fake: &FakeBlock) {
-    let steps = fake.steps;
-    n.push_str(&format!(
-        "- Fake trainer: `LENS_FAKE_SYNC_MS=0 sh -c 'trainer 1; t0; trainer {steps}; t1'` with \
-         the fixtures built into `target/bench-fixtures`; the time is `trainer {steps}`'s own \
-         (`monotonic_ns`, a fixture reading `CLOCK_MONOTONIC`, around it, after a `trainer 1` \
-         that has the libraries' probes \
-         attached), not lens-probe's start-up or teardown. lens-probe runs as \
-         `target/release/lens-probe --span-groups PRESET --exporter file --export-file /dev/null \
-         --summary-json F --exec -- sh -c …`; bpftrace \
-         runs `uprobe:LIB:FUNC,… {{ @ = count(); }}` on the same {} functions (started first, \
-         the trainer runs once its `BEGIN` has fired, then SIGINT). {} probed calls per timed \
-         run ({CALLS_PER_STEP} per step + `ncclCommInitRank`, from the `per_step` runs' \
-         `--summary-json`); events: {EVENTS_PER_STEP} per step.\n",
-        FAKE_PROBES.len(),
-        fmt_count(fake.calls() as f64),
-    ));
-    n.push_str(
-        "- Per probed call = (traced − uninstrumented time of the same round) / calls, \
-         median over the rounds. lens-probe puts return probes on 10 of the 24 calls of a \
-         step (collectives, syncs), bpftrace's floor row has entry probes only; the \
-         entries + returns row is the kernel floor for lens-probe's probe set.\n",
-    );
-    n.push_str(
-        "- The fake trainer's lens-probe runs export to a file (`/dev/null`) rather than the \
-         console: the console tree keeps every span of a top-level phase until it ends and \
-         then links children by scanning all of them (quadratic). The fake trainer never ends \
-         its first phase, so 20 000 steps cost lens-probe ~3 min of CPU after the trainer \
-         has exited (measured by hand; outside the timed part, but too long for a bench).\n",
-    );
 }

@@ -7,16 +7,16 @@
 //! uprobe_multi link per program and library), interleaved, for a torch `per_step` run
 //! and for a configured rule matching thousands of libtorch_cpu functions.
 
-use std::fs;
 use std::process::Command;
 use std::time::Instant;
 
 use super::proc::{Line, Proc, Stream};
 use super::report::{Met, Row, Section, fmt_duration, row};
-use super::tables::ratio_to;
+use super::rounds::{Rounds, ratio_to};
 use super::{
-    Ctx, RUN_TIMEOUT, Watch, append_command, lens_command, lens_probe_pids, say, wait_teardown,
+    Ctx, RUN_TIMEOUT, Watch, append_command, lens_command, lens_probe_pids, wait_teardown,
 };
+use xtask::error::{self, Result};
 use xtask::torch_venv;
 
 /// What a configured rule matches in libtorch_cpu: with perf links, 2 × this many links.
@@ -41,41 +41,38 @@ struct Run {
     teardown_s: f64,
 }
 
-#[derive(Default)]
+/// The runs of each scenario, by `--uprobe-links` value.
 pub(super) struct TeardownBlock {
-    torch_perf: Vec<Run>,
-    torch_multi: Vec<Run>,
-    rule_perf: Vec<Run>,
-    rule_multi: Vec<Run>,
+    rounds: Rounds<(Scenario, &'static str), Run>,
 }
+
+/// The variants, in the order they run in a round.
+const CASES: [(Scenario, &str); 4] = [
+    (Scenario::TorchPerStep, "perf"),
+    (Scenario::TorchPerStep, "auto"),
+    (Scenario::Rule, "perf"),
+    (Scenario::Rule, "auto"),
+];
 
 pub(super) fn block(
     ctx: &Ctx,
     python: &std::path::Path,
     watch: &mut Watch,
-) -> Result<TeardownBlock, String> {
-    let mut block = TeardownBlock::default();
+) -> Result<TeardownBlock> {
     let config = ctx.out.join("teardown-rule.toml");
-    for round in 1..=ctx.rounds {
-        for scenario in [Scenario::TorchPerStep, Scenario::Rule] {
-            for links in ["perf", "auto"] {
-                watch.check();
-                let run = run(ctx, python, &config, scenario, links, round)?;
-                say(&format!(
-                    "round {round}/{}: teardown {scenario:?} --uprobe-links {links:<4} \
-                     {} uprobes in {} links: {:.3} s",
-                    ctx.rounds, run.uprobes, run.links, run.teardown_s
-                ));
-                match (scenario, links) {
-                    (Scenario::TorchPerStep, "perf") => block.torch_perf.push(run),
-                    (Scenario::TorchPerStep, _) => block.torch_multi.push(run),
-                    (Scenario::Rule, "perf") => block.rule_perf.push(run),
-                    (Scenario::Rule, _) => block.rule_multi.push(run),
-                }
-            }
-        }
-    }
-    Ok(block)
+    let rounds = Rounds::measure(
+        ctx.rounds,
+        CASES,
+        watch,
+        |(scenario, links), round| run(ctx, python, &config, scenario, links, round),
+        |(scenario, links), run| {
+            format!(
+                "teardown {scenario:?} --uprobe-links {links:<4} {} uprobes in {} links: {:.3} s",
+                run.uprobes, run.links, run.teardown_s
+            )
+        },
+    )?;
+    Ok(TeardownBlock { rounds })
 }
 
 fn run(
@@ -85,7 +82,7 @@ fn run(
     scenario: Scenario,
     links: &str,
     round: u32,
-) -> Result<Run, String> {
+) -> Result<Run> {
     let name = format!("teardown-{scenario:?}-{links}-r{round}").to_lowercase();
     let log = ctx.logs.join(format!("{name}.log"));
     let pid_file = ctx.out.join(format!("{name}.pid"));
@@ -98,14 +95,13 @@ fn run(
         } else {
             RULE_MATCHES_MULTI
         };
-        fs::write(
+        error::write(
             config,
             format!(
                 "[[probe]]\nlibrary = \"libtorch_cpu.so\"\nsymbol = \"_ZN*\"\n\
                  group = \"step\"\nmax_matches = {matches}\nnoexcept = true\n"
             ),
-        )
-        .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
+        )?;
         cmd.arg("--config").arg(config);
     }
     cmd.args(["--exec", "--"]);
@@ -158,18 +154,15 @@ impl TeardownBlock {
             })
         };
         let mut rows: Vec<Row> = Vec::new();
-        for (what, perf, multi) in [
+        for (what, scenario) in [
             (
                 "torch `train.py` 2 steps, `per_step`",
-                &self.torch_perf,
-                &self.torch_multi,
+                Scenario::TorchPerStep,
             ),
-            (
-                "`import torch` + a `_ZN*` rule",
-                &self.rule_perf,
-                &self.rule_multi,
-            ),
+            ("`import torch` + a `_ZN*` rule", Scenario::Rule),
         ] {
+            let perf = self.rounds.runs((scenario, "perf"));
+            let multi = self.rounds.runs((scenario, "auto"));
             let (perf_s, multi_s) = (teardowns(perf), teardowns(multi));
             rows.push(row(
                 format!("{what}, perf links ({})", shape(perf)),

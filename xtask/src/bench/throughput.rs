@@ -10,8 +10,10 @@ use std::time::Instant;
 
 use super::proc::{Proc, Stream};
 use super::report::{Met, Row, Section, fmt_count, median, min_max};
-use super::{Ctx, RUN_TIMEOUT, Watch, say, scrub_lens_env};
-use serde_json::Value as Json;
+use super::rounds::Rounds;
+use super::{Ctx, RUN_TIMEOUT, Watch, scrub_lens_env};
+use serde::Deserialize;
+use xtask::error::{Error, Result};
 
 /// Target rates (events/s); `None`: as fast as the producer goes.
 const RATES: [Option<u64>; 6] = [
@@ -50,7 +52,8 @@ impl Exporter {
     }
 }
 
-#[derive(Clone, Debug, Default, PartialEq)]
+/// One run's report, the JSON line `examples/throughput` prints (other fields ignored).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 struct GenRun {
     sent: u64,
     received: u64,
@@ -66,21 +69,7 @@ struct GenRun {
 
 impl GenRun {
     fn parse(line: &str) -> Option<GenRun> {
-        let json = serde_json::from_str::<Json>(line.trim()).ok()?;
-        let u = |key: &str| json.get(key).and_then(Json::as_u64);
-        let f = |key: &str| json.get(key).and_then(Json::as_f64);
-        Some(GenRun {
-            sent: u("sent")?,
-            received: u("received")?,
-            lost: u("lost")?,
-            received_rate: f("received_rate")?,
-            elapsed_s: f("elapsed_s")?,
-            consumer_cpu_s: f("consumer_cpu_s")?,
-            producer_cpu_s: f("producer_cpu_s")?,
-            spans: u("spans")?,
-            spans_dropped: u("spans_dropped")?,
-            export_cpu_s: f("export_cpu_s")?,
-        })
+        serde_json::from_str(line.trim()).ok()
     }
 
     /// Share of a core the draining thread used.
@@ -97,39 +86,40 @@ impl GenRun {
 pub(super) struct ThroughputBlock {
     duration_s: f64,
     rounds: u32,
-    runs: Vec<(Exporter, Option<u64>, Vec<GenRun>)>,
+    /// By exporter and target rate (`None`: unpaced).
+    runs: Rounds<(Exporter, Option<u64>), GenRun>,
 }
 
-pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<ThroughputBlock, String> {
+pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<ThroughputBlock> {
     let duration_s = if quick { 1.0 } else { 2.0 };
     // 12 runs a round: three rounds at most keep the block near a minute and a half.
     let rounds = ctx.rounds.min(3);
-    let mut block = ThroughputBlock {
-        duration_s,
+    let cases = Exporter::ALL
+        .into_iter()
+        .flat_map(|e| RATES.map(move |r| (e, r)));
+    let runs = Rounds::measure(
         rounds,
-        runs: Exporter::ALL
-            .iter()
-            .flat_map(|e| RATES.iter().map(move |r| (*e, *r, Vec::new())))
-            .collect(),
-    };
-    for round in 1..=rounds {
-        for (exporter, rate, runs) in block.runs.iter_mut() {
-            watch.check();
-            let run = run(ctx, *exporter, *rate, duration_s, round)?;
-            say(&format!(
-                "round {round}/{rounds}: generator at {} /s, {} exporter: {} /s received, {} lost, \
-                 consumer {:.0} % of a core, {} spans dropped",
+        cases,
+        watch,
+        |(exporter, rate), round| run(ctx, exporter, rate, duration_s, round),
+        |(exporter, rate), run| {
+            format!(
+                "generator at {} /s, {} exporter: {} /s received, {} lost, consumer {:.0} % of \
+                 a core, {} spans dropped",
                 rate.map_or("unpaced".into(), |r| fmt_count(r as f64)),
                 exporter.arg(),
                 fmt_count(run.received_rate),
                 run.lost,
                 run.consumer_share() * 100.0,
                 run.spans_dropped
-            ));
-            runs.push(run);
-        }
-    }
-    Ok(block)
+            )
+        },
+    )?;
+    Ok(ThroughputBlock {
+        duration_s,
+        rounds,
+        runs,
+    })
 }
 
 fn run(
@@ -138,7 +128,7 @@ fn run(
     rate: Option<u64>,
     duration_s: f64,
     round: u32,
-) -> Result<GenRun, String> {
+) -> Result<GenRun> {
     let name = format!(
         "throughput-{}-{}-r{round}",
         exporter.arg(),
@@ -160,7 +150,7 @@ fn run(
             report = Some(run);
         }
     })?;
-    report.ok_or_else(|| format!("{name}: no report (output in {})", log.display()))
+    report.ok_or_else(|| Error::Msg(format!("{name}: no report (output in {})", log.display())))
 }
 
 fn per_second(r: f64) -> String {
@@ -169,10 +159,7 @@ fn per_second(r: f64) -> String {
 
 impl ThroughputBlock {
     fn runs(&self, exporter: Exporter, rate: Option<u64>) -> &[GenRun] {
-        self.runs
-            .iter()
-            .find(|(e, r, _)| *e == exporter && *r == rate)
-            .map_or(&[], |(_, _, runs)| runs)
+        self.runs.runs((exporter, rate))
     }
 
     /// The highest target rate held (no loss, rate reached) in every round, and for
@@ -346,11 +333,11 @@ mod tests {
         let block = ThroughputBlock {
             duration_s: 1.0,
             rounds: 1,
-            runs: vec![
-                (Exporter::Null, Some(500_000), vec![run.clone()]),
-                (Exporter::Null, Some(1_000_000), vec![run.clone()]),
-                (Exporter::Null, Some(2_000_000), vec![run]),
-            ],
+            runs: Rounds::from(vec![
+                ((Exporter::Null, Some(500_000)), vec![run.clone()]),
+                ((Exporter::Null, Some(1_000_000)), vec![run.clone()]),
+                ((Exporter::Null, Some(2_000_000)), vec![run]),
+            ]),
         };
         assert_eq!(block.highest_held(Exporter::Null, false), Some(1_000_000));
         assert_eq!(block.highest_held(Exporter::File, true), None);

@@ -8,8 +8,10 @@ use std::time::Instant;
 use super::{
     Ctx, DONE_MARKER, PRESETS, RUN_TIMEOUT, TORCH_WRAPPER, Watch, lens_command, lens_probe_pids,
     proc::{Proc, Stream},
-    say, scrub_lens_env, wait_teardown,
+    rounds::Rounds,
+    scrub_lens_env, wait_teardown,
 };
+use xtask::error::{Error, Result};
 
 /// lens-probe's own resource use over one PyTorch `--exec` run, read from `/proc` (not
 /// with `/usr/bin/time`: its figures include the children lens-probe waits for, i.e. the
@@ -36,20 +38,17 @@ pub(super) struct TorchRun {
 
 pub(super) struct TorchBlock {
     pub(super) steps: u32,
-    /// `None` = uninstrumented.
-    pub(super) runs: Vec<(Option<&'static str>, Vec<TorchRun>)>,
+    /// By preset, `None` = uninstrumented.
+    pub(super) runs: Rounds<Option<&'static str>, TorchRun>,
 }
 
 impl TorchBlock {
-    pub(super) fn runs(&self, preset: Option<&str>) -> &[TorchRun] {
-        self.runs
-            .iter()
-            .find(|(p, _)| *p == preset)
-            .map_or(&[], |(_, r)| r)
+    pub(super) fn runs(&self, preset: Option<&'static str>) -> &[TorchRun] {
+        self.runs.runs(preset)
     }
 
-    pub(super) fn times(&self, preset: Option<&str>) -> Vec<f64> {
-        self.runs(preset).iter().map(|r| r.loop_s).collect()
+    pub(super) fn times(&self, preset: Option<&'static str>) -> Vec<f64> {
+        self.runs.values(preset, |r| r.loop_s)
     }
 }
 
@@ -107,32 +106,26 @@ pub(super) fn read_pid_file(path: &Path) -> Option<u32> {
     fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
-pub(super) fn torch_block(
-    ctx: &Ctx,
-    python: &Path,
-    watch: &mut Watch,
-) -> Result<TorchBlock, String> {
-    let mut runs: Vec<(Option<&'static str>, Vec<TorchRun>)> = vec![(None, Vec::new())];
-    runs.extend(PRESETS.map(|p| (Some(p), Vec::new())));
-    let mut block = TorchBlock {
-        steps: ctx.sizes.torch_steps,
-        runs,
-    };
-    for round in 1..=ctx.rounds {
-        for (preset, runs) in block.runs.iter_mut() {
-            watch.check();
-            let run = torch_run(ctx, python, *preset, round)?;
-            say(&format!(
-                "round {round}/{}: train.py loop ({} steps) under {:<9} {:.3} s",
-                ctx.rounds,
+pub(super) fn torch_block(ctx: &Ctx, python: &Path, watch: &mut Watch) -> Result<TorchBlock> {
+    let presets = std::iter::once(None).chain(PRESETS.map(Some));
+    let runs = Rounds::measure(
+        ctx.rounds,
+        presets,
+        watch,
+        |preset, round| torch_run(ctx, python, preset, round),
+        |preset, run| {
+            format!(
+                "train.py loop ({} steps) under {:<9} {:.3} s",
                 ctx.sizes.torch_steps,
                 preset.unwrap_or("none"),
                 run.loop_s
-            ));
-            runs.push(run);
-        }
-    }
-    Ok(block)
+            )
+        },
+    )?;
+    Ok(TorchBlock {
+        steps: ctx.sizes.torch_steps,
+        runs,
+    })
 }
 
 pub(super) fn torch_run(
@@ -140,7 +133,7 @@ pub(super) fn torch_run(
     python: &Path,
     preset: Option<&'static str>,
     round: u32,
-) -> Result<TorchRun, String> {
+) -> Result<TorchRun> {
     let name = format!("torch-{}-r{round}", preset.unwrap_or("none"));
     let log = ctx.logs.join(format!("{name}.log"));
     let script = ctx.root.join("tests/fixtures/torch/train.py");
@@ -194,14 +187,29 @@ pub(super) fn torch_run(
     })?;
     let teardown_s = preset.map(|_| wait_teardown(&name, &before));
     let (Some(step0), Some(done)) = (step0, done) else {
-        return Err(format!(
+        return Err(Error::Msg(format!(
             "{name}: no `step 0` / `{DONE_MARKER}` line (output in {})",
             log.display()
-        ));
+        )));
     };
     Ok(TorchRun {
         loop_s: done.saturating_duration_since(step0).as_secs_f64(),
         usage: measure.then_some(usage),
         teardown_s,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_lines() {
+        assert_eq!(parse_time_output("1.50 0.25 51234\n"), Some((1.75, 51234)));
+        assert_eq!(
+            parse_time_output("Command exited with non-zero status 1\n0.10 0.20 300\n"),
+            Some((0.30000000000000004, 300))
+        );
+        assert_eq!(parse_time_output(""), None);
+    }
 }
