@@ -620,32 +620,40 @@ fn a_burst_beyond_the_ring_buffer_is_counted_as_lost_never_hidden() {
         .spawn()
         .unwrap();
     // Once the hammer was let go after its libraries were attached (it sleeps before its
-    // loop), lens-probe is stopped: the loop's events fill the ring buffer meanwhile.
-    // (A target is never held at a library load while lens-probe is stopped.)
+    // loop), lens-probe is stopped until the hammer's whole loop is done: its events fill
+    // the ring buffer meanwhile, however slowly a busy machine runs the loop. (A target is
+    // never held at a library load while lens-probe is stopped.)
     let hammer_exe = std::fs::canonicalize(lens_tests::hammer()).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let sleeping = std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
-            let pid: Option<u32> = e.file_name().to_str().and_then(|n| n.parse().ok());
-            pid.is_some_and(|pid| {
-                std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|p| p == hammer_exe)
-                    && std::fs::read_to_string(format!("/proc/{pid}/maps"))
-                        .is_ok_and(|maps| maps.contains("libnccl"))
-                    && state_of(pid) == Some('S')
-            })
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let hammer = loop {
+        let sleeping = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            (std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|p| p == hammer_exe)
+                && std::fs::read_to_string(format!("/proc/{pid}/maps"))
+                    .is_ok_and(|maps| maps.contains("libnccl"))
+                && state_of(pid) == Some('S'))
+            .then_some(pid)
         });
-        if sleeping {
-            break;
+        if let Some(pid) = sleeping {
+            break pid;
         }
         assert!(
             Instant::now() < deadline,
             "the hammer never started its pause"
         );
         std::thread::sleep(Duration::from_millis(20));
-    }
+    };
     // SAFETY: plain signals to our child.
     unsafe { libc::kill(probe.id() as i32, libc::SIGSTOP) };
-    std::thread::sleep(Duration::from_millis(2000));
+    // Its parent (lens-probe) is stopped: the hammer stays a zombie once its loop is done.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !matches!(state_of(hammer), Some('Z') | None) {
+        assert!(
+            Instant::now() < deadline,
+            "the hammer never finished its loop"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // SAFETY: as above.
     unsafe { libc::kill(probe.id() as i32, libc::SIGCONT) };
     let output = probe.wait_with_output().unwrap();
