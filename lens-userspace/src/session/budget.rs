@@ -13,7 +13,7 @@ impl Session {
     /// One tick of the overhead budget: feed it the launch counters, move the launch
     /// probes as it says, and hand the sinks launch totals with the pauses estimated.
     pub(super) fn budget_tick(&mut self, sink: &mut dyn EventSink) {
-        if self.budget.is_none() {
+        if self.costs.budget.is_none() {
             return;
         }
         let counts = self.call_counts();
@@ -22,7 +22,7 @@ impl Session {
         let hits: HashMap<u32, u64> = counts
             .iter()
             .map(|(pid, calls)| {
-                let through_driver = if self.attacher.probes_driver(*pid) {
+                let through_driver = if self.probes.attacher.probes_driver(*pid) {
                     runtime_launches(calls)
                 } else {
                     0
@@ -30,7 +30,7 @@ impl Session {
                 (*pid, launch_total(calls) + through_driver)
             })
             .collect();
-        let Some((controller, started)) = self.budget.as_mut() else {
+        let Some((controller, started)) = self.costs.budget.as_mut() else {
             return;
         };
         let started = *started;
@@ -45,7 +45,7 @@ impl Session {
         log::debug!("overhead budget at {elapsed:.2}s: launches {launches:?} → {action:?}");
         let tick = crate::budget::TICK.as_secs_f64();
         for (pid, total) in &launches {
-            let estimate = self.launch_estimates.entry(*pid).or_default();
+            let estimate = self.costs.launch_estimates.entry(*pid).or_default();
             let new = total.saturating_sub(estimate.counted);
             estimate.counted = *total;
             if was_in {
@@ -66,12 +66,14 @@ impl Session {
                     }
                 }
                 let moved = self
+                    .probes
                     .attacher
                     .set_launch_probes(&mut self.bpf.programs, false);
                 info!("overhead budget: {moved} launch probes out");
             }
             Action::Attach => {
                 let moved = self
+                    .probes
                     .attacher
                     .set_launch_probes(&mut self.bpf.programs, true);
                 info!("overhead budget: {moved} launch probes in for a sampled window");
@@ -80,7 +82,7 @@ impl Session {
         }
         for (pid, counted) in counts {
             let mut reported = counted.clone();
-            if let Some(estimate) = self.launch_estimates.get(&pid) {
+            if let Some(estimate) = self.costs.launch_estimates.get(&pid) {
                 scale_launches(&mut reported, estimate.estimated);
             }
             self.report_call_counts(pid, &counted, &reported, sink);

@@ -88,12 +88,12 @@ impl Session {
         runtime_driver_hits: u64,
     ) -> crate::sink::ProbeCost {
         let uncounted = runtime_driver_hits;
-        let uncounted_ns = self.hit_costs.entry.as_nanos() as u64 * uncounted;
+        let uncounted_ns = self.costs.hit_costs.entry.as_nanos() as u64 * uncounted;
         crate::sink::ProbeCost {
-            estimated_ns: self.hit_costs.of_calls(calls).as_nanos() as u64 + uncounted_ns,
+            estimated_ns: self.costs.hit_costs.of_calls(calls).as_nanos() as u64 + uncounted_ns,
             traced_ns: crate::spans::monotonic_now_ns().saturating_sub(target.traced_since_ns),
-            entry_hit_ns: self.hit_costs.entry.as_nanos() as u64,
-            return_hit_ns: self.hit_costs.ret.as_nanos() as u64,
+            entry_hit_ns: self.costs.hit_costs.entry.as_nanos() as u64,
+            return_hit_ns: self.costs.hit_costs.ret.as_nanos() as u64,
         }
     }
 
@@ -153,9 +153,9 @@ impl Session {
     /// libraries' launch probes went in or out).
     pub(super) fn sync_launch_counting(&mut self, sink: &mut dyn EventSink) {
         let now = crate::spans::monotonic_now_ns();
-        let sampled = self.budget.is_some();
+        let sampled = self.costs.budget.is_some();
         for (pid, target) in &mut self.targets {
-            let counted = self.attacher.counts_launches(*pid);
+            let counted = self.probes.attacher.counts_launches(*pid);
             if counted != target.launches_counted {
                 // A process traced from its start had its libraries probed as they loaded,
                 // before any launch: its count starts with it.

@@ -72,7 +72,7 @@ impl Session {
                 match decoded {
                     Ok(Decoded::Control(control)) => self.on_control(control, sink),
                     Ok(Decoded::Probe(sample @ ProbeEvent::PyStack { .. })) => {
-                        if let Some(tracker) = self.python.as_mut() {
+                        if let Some(tracker) = self.python.tracker.as_mut() {
                             let calls = tracker.on_sample(&sample);
                             self.deliver_rule_calls(calls, sink);
                         }
@@ -80,7 +80,7 @@ impl Session {
                     Ok(Decoded::Probe(mut event)) => {
                         self.hangs.observe(&mut event);
                         if let (Some(tracker), Some((tgid, tid, at))) =
-                            (self.python.as_mut(), event.thread_start())
+                            (self.python.tracker.as_mut(), event.thread_start())
                         {
                             let calls = tracker.settle_framework_calls(tgid, tid, at);
                             self.deliver_rule_calls(calls, sink);
@@ -89,16 +89,16 @@ impl Session {
                         sink.on_event(&event);
                     }
                     Err(error) => {
-                        self.undecodable += 1;
+                        self.events.undecodable += 1;
                         warn!("undecodable event: {error:?}");
                     }
                 }
             }
             // Held candidates that did not become targets go on.
-            for pid in self.held_candidates.drain() {
+            for pid in self.stops.held_candidates.drain() {
                 target::resume(pid);
             }
-            if let Some(tracker) = self.python.as_mut() {
+            if let Some(tracker) = self.python.tracker.as_mut() {
                 let calls = tracker.confirm(crate::spans::monotonic_now_ns(), None);
                 self.deliver_rule_calls(calls, sink);
             }

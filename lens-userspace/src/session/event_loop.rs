@@ -23,7 +23,7 @@ use super::{CALL_COUNTS_INTERVAL, DRAIN_INTERVAL, RunReport, Session, StopReason
 impl Session {
     pub(super) fn losses(&self) -> Losses {
         let mut losses = Losses {
-            undecodable: self.undecodable,
+            undecodable: self.events.undecodable,
             ..Losses::default()
         };
         for cause in LossCause::ALL {
@@ -41,15 +41,15 @@ impl Session {
         sink: &mut dyn EventSink,
         limit: Option<Duration>,
     ) -> Result<RunReport> {
-        let mut ring = register(self.ring.take().expect("run is called once"))?;
+        let mut ring = register(self.events.ring.take().expect("run is called once"))?;
         self.raise_priority();
-        let mut logger = match self.logger.take() {
+        let mut logger = match self.events.logger.take() {
             Some(logger) => Some(register(logger)?),
             None => None,
         };
 
         let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<u32>();
-        self.exit_tx = Some(exit_tx);
+        self.events.exit_tx = Some(exit_tx);
         let mut pids: Vec<u32> = self.targets.keys().copied().collect();
         pids.sort_unstable();
         for pid in pids {
@@ -84,7 +84,7 @@ impl Session {
 
         loop {
             // Node mode watches for new processes until told to stop.
-            if self.targets.is_empty() && self.node.is_none() {
+            if self.targets.is_empty() && self.selection.node.is_none() {
                 stop.get_or_insert(StopReason::TargetsExited);
                 break;
             }
@@ -121,12 +121,12 @@ impl Session {
                     self.expire_armed_loads();
                 }
                 // Under a budget its tick reads the counters (and scales the launches).
-                _ = counts_tick.tick(), if self.budget.is_none() => {
+                _ = counts_tick.tick(), if self.costs.budget.is_none() => {
                     for (pid, calls) in self.call_counts() {
                         self.report_call_counts(pid, &calls, &calls, sink);
                     }
                 }
-                _ = budget_tick.tick(), if self.budget.is_some() => self.budget_tick(sink),
+                _ = budget_tick.tick(), if self.costs.budget.is_some() => self.budget_tick(sink),
                 _ = hang_tick.tick(), if self.hangs.watching() => {
                     self.drain(ring.get_mut(), sink);
                     self.check_hangs(sink);
@@ -169,15 +169,15 @@ impl Session {
             }
             self.finish_target(pid, None, sink);
         }
-        self.ring = Some(ring.into_inner());
-        self.exit_tx = None;
-        let budget = self.budget.as_ref().map(|(controller, started)| {
+        self.events.ring = Some(ring.into_inner());
+        self.events.exit_tx = None;
+        let budget = self.costs.budget.as_ref().map(|(controller, started)| {
             controller.report((crate::spans::monotonic_now_ns() - started) as f64 / 1e9)
         });
         Ok(RunReport {
             stop: stop.unwrap_or(StopReason::TargetsExited),
             losses: self.losses(),
-            child_exit: self.child_exit,
+            child_exit: self.child.exit,
             budget,
         })
     }
@@ -219,7 +219,7 @@ impl Session {
             target::resume(*pid);
         }
         if !children.is_empty() {
-            *grace_deadline = Some(tokio::time::Instant::now() + self.stop_grace);
+            *grace_deadline = Some(tokio::time::Instant::now() + self.child.stop_grace);
         }
     }
 }

@@ -117,21 +117,72 @@ struct Target {
 
 pub struct Session {
     bpf: BpfObject,
-    ring: Option<RingBuf<MapData>>,
-    logger: Option<EbpfLogger<&'static dyn log::Log>>,
-    attacher: Attacher,
+    /// Where events come from: the ring buffer, the exit watchers, the kernel's logs.
+    events: EventInputs,
+    /// The probes in the kernel, per traced process.
+    probes: TargetProbes,
     groups: SpanGroups,
     targets: HashMap<u32, Target>,
+    /// Which processes become targets.
+    selection: Selection,
     /// The process started with `--exec`, whose exit status becomes ours.
-    child: Option<u32>,
-    child_exit: Option<ExitStatus>,
+    child: ExecChild,
+    /// What the probes cost, and the overhead budget that bounds it.
+    costs: ProbeCosts,
+    /// Targets stopped at a library load, and who lets them go.
+    stops: LoadStops,
+    /// Python stacks and the framework calls read from them.
+    python: PythonState,
+    /// Launches are counted per kernel (the `step` group is on): the names, and what
+    /// was read of each counter so far.
+    kernels: Option<KernelCounters>,
+    /// Collectives counted per communicator, for hang reports (`--hang-timeout`) and the
+    /// gloo collectives' communicator and number.
+    hangs: HangWatcher,
+}
+
+/// The event loop's inputs besides the clock, and its thread.
+struct EventInputs {
+    ring: Option<RingBuf<MapData>>,
+    logger: Option<EbpfLogger<&'static dyn log::Log>>,
+    /// Records the decoder refused.
     undecodable: u64,
     /// Where the exit watchers of targets report (set while `run` runs).
     exit_tx: Option<mpsc::UnboundedSender<u32>>,
+    /// The event loop thread's raised priority, restored when the session ends.
+    priority: Option<EventLoopPriority>,
+    /// The console line on what is traced (`show_attach_status`), off by default.
+    attach_status: Option<AttachStatus>,
+}
+
+/// The probes in the kernel, per traced process.
+struct TargetProbes {
+    attacher: Attacher,
+    /// File-creation probes, one set per traced process (`probes::files`).
+    files: FileProbes,
+    /// Targets that are forks still running their parent's program (DataLoader and
+    /// compile workers): they get no file-creation probes of their own.
+    fork_images: HashSet<u32>,
+}
+
+/// Which processes become targets.
+struct Selection {
     /// Which ranks are traced (NeMo Lens' export strategies); others are let go.
     export_strategy: ExportStrategy,
     /// Node mode: the filter discovered processes must pass.
     node: Option<NodeFilter>,
+}
+
+/// The process started with `--exec`.
+struct ExecChild {
+    pid: Option<u32>,
+    exit: Option<ExitStatus>,
+    /// `--stop-grace`: how long it is traced on after a stop signal was passed on to it.
+    stop_grace: Duration,
+}
+
+/// What the probes cost the targets.
+struct ProbeCosts {
     /// `--overhead-budget`: the controller, and when it started (monotonic ns).
     budget: Option<(BudgetController, u64)>,
     /// What a probe hit costs here (measured at start-up): each process's estimate.
@@ -139,40 +190,31 @@ pub struct Session {
     /// Launches per process as reported to the sinks: under a budget, counted launches
     /// plus an estimate for the pauses between windows.
     launch_estimates: HashMap<u32, LaunchEstimate>,
+}
+
+/// Targets stopped at a library load until their new library is attached.
+struct LoadStops {
     /// Continues stopped targets should lens-probe die (the CLI starts one).
     guardian: Option<Guardian>,
-    /// Python rules: their sampled stacks become rule calls (`python`).
-    python: Option<PythonTracker>,
     /// Library loads attached after the guardian had continued their target, and the
     /// processes warned about.
     late_attaches: u64,
     late_warned: HashSet<u32>,
-    /// The console line on what is traced (`show_attach_status`), off by default.
-    attach_status: Option<AttachStatus>,
     /// Node mode: candidates paused until they are attached (`hold_candidates`).
-    held_candidates: std::collections::HashSet<u32>,
-    /// The event loop thread's raised priority, restored when the session ends.
-    priority: Option<EventLoopPriority>,
+    held_candidates: HashSet<u32>,
+}
+
+/// Python stacks and what the session makes of framework calls.
+#[derive(Default)]
+struct PythonState {
+    /// Python rules: their sampled stacks become rule calls (`python`).
+    tracker: Option<PythonTracker>,
     /// Framework save and load calls open per process (what `PY_SAVING` says to the
     /// kernel).
     saving_depth: HashMap<u32, [u32; 2]>,
     /// Processes whose load preparation returned and whose next framework call is not
     /// seen yet: the load part of `saving_depth` is kept for it (`deliver_rule_calls`).
     armed_loads: HashMap<u32, std::time::Instant>,
-    /// File-creation probes, one set per traced process (`probes::files`).
-    file_probes: FileProbes,
-    /// Targets that are forks still running their parent's program (DataLoader and
-    /// compile workers): they get no file-creation probes of their own.
-    fork_images: HashSet<u32>,
-    /// Launches are counted per kernel (the `step` group is on): the names, and what
-    /// was read of each counter so far.
-    kernels: Option<KernelCounters>,
-    /// Collectives counted per communicator, for hang reports (`--hang-timeout`) and the
-    /// gloo collectives' communicator and number.
-    hangs: HangWatcher,
-    /// `--stop-grace`: how long a command we started is traced on after a stop signal was
-    /// passed on to it.
-    stop_grace: Duration,
 }
 
 impl Session {
@@ -221,36 +263,46 @@ impl Session {
         };
         Ok(Session {
             bpf,
-            ring: Some(ring),
-            logger,
-            attacher,
+            events: EventInputs {
+                ring: Some(ring),
+                logger,
+                undecodable: 0,
+                exit_tx: None,
+                priority: None,
+                attach_status: None,
+            },
+            probes: TargetProbes {
+                attacher,
+                files: FileProbes::default(),
+                fork_images: HashSet::new(),
+            },
             groups: options.span_groups,
             targets: HashMap::new(),
-            child: None,
-            child_exit: None,
-            undecodable: 0,
-            hit_costs,
-            exit_tx: None,
-            export_strategy: ExportStrategy::AllRanks,
-            node: None,
-            budget,
-            launch_estimates: HashMap::new(),
-            guardian: None,
-            python: None,
-            late_attaches: 0,
-            late_warned: HashSet::new(),
-            attach_status: None,
-            held_candidates: std::collections::HashSet::new(),
-            priority: None,
-            saving_depth: HashMap::new(),
-            armed_loads: HashMap::new(),
-            file_probes: FileProbes::default(),
-            fork_images: HashSet::new(),
+            selection: Selection {
+                export_strategy: ExportStrategy::AllRanks,
+                node: None,
+            },
+            child: ExecChild {
+                pid: None,
+                exit: None,
+                stop_grace: CHILD_EXIT_GRACE,
+            },
+            costs: ProbeCosts {
+                budget,
+                hit_costs,
+                launch_estimates: HashMap::new(),
+            },
+            stops: LoadStops {
+                guardian: None,
+                late_attaches: 0,
+                late_warned: HashSet::new(),
+                held_candidates: HashSet::new(),
+            },
+            python: PythonState::default(),
             // Launches per kernel, for the steps' top kernels: only when steps are on
             // (off, the launch probes skip that map update).
             kernels: kernel_names.then(KernelCounters::default),
             hangs: HangWatcher::new(None),
-            stop_grace: CHILD_EXIT_GRACE,
         })
     }
 
@@ -258,8 +310,8 @@ impl Session {
     /// lasts; called by [`Session::run`] on its thread, and earlier by the CLI on the
     /// thread that will run it, before it gives up the capability that allows it.
     pub fn raise_priority(&mut self) {
-        if self.priority.is_none() {
-            self.priority = EventLoopPriority::raise();
+        if self.events.priority.is_none() {
+            self.events.priority = EventLoopPriority::raise();
         }
     }
 
@@ -271,23 +323,23 @@ impl Session {
     /// `--stop-grace`: after a stop signal, how long the commands lens-probe started are
     /// traced on (their exit then seen) before tracing stops.
     pub fn set_stop_grace(&mut self, grace: Duration) {
-        self.stop_grace = grace;
+        self.child.stop_grace = grace;
     }
 
     /// Tells `guardian` about every target from now on.
     pub fn set_guardian(&mut self, mut guardian: Guardian) {
         guardian.share_stops(self.bpf.maps.stopped.raw_fd());
-        self.guardian = Some(guardian);
+        self.stops.guardian = Some(guardian);
     }
 
     fn guard(&mut self, pid: u32) {
-        if let Some(guardian) = self.guardian.as_mut() {
+        if let Some(guardian) = self.stops.guardian.as_mut() {
             guardian.watch(pid);
         }
     }
 
     pub fn attacher(&self) -> &Attacher {
-        &self.attacher
+        &self.probes.attacher
     }
 
     /// Configured probe rules (`--config`, `--profile`) to attach besides the built-in
@@ -299,13 +351,13 @@ impl Session {
             .filter(|rule| self.groups.contains(rule.group))
             .cloned()
             .collect();
-        self.attacher.set_rules(rules);
+        self.probes.attacher.set_rules(rules);
         if python.is_empty() {
             return;
         }
         let tracker_rules_configured = python.iter().any(|rule| !rule.framework);
         match python::sampler::start(&mut self.bpf.programs) {
-            Ok(()) => self.python = Some(PythonTracker::new(python)),
+            Ok(()) => self.python.tracker = Some(PythonTracker::new(python)),
             Err(error) if tracker_rules_configured => {
                 warn!("Python rules: cannot start the sampler: {error}")
             }
@@ -318,6 +370,6 @@ impl Session {
     /// traced (decided when its rank is known: at attach, or when it execs). The library
     /// default is every rank; the CLI uses NeMo Lens' default, `single_rank`.
     pub fn set_export_strategy(&mut self, strategy: ExportStrategy) {
-        self.export_strategy = strategy;
+        self.selection.export_strategy = strategy;
     }
 }

@@ -25,9 +25,10 @@ impl Session {
     /// they load a training library). Returns how many were running.
     pub fn watch_node(&mut self, filter: NodeFilter) -> Result<usize> {
         self.bpf.maps.settings.set(settings::NODE_MODE, 1)?;
-        self.node = Some(filter);
+        self.selection.node = Some(filter);
         if let Some(loader) = attach::own_dynamic_loader()? {
-            self.attacher
+            self.probes
+                .attacher
                 .attach_loader(&mut self.bpf.programs, &loader, &self.groups);
         }
         let mut found = 0;
@@ -47,7 +48,13 @@ impl Session {
             let Ok(info) = ProcessInfo::read(pid) else {
                 continue;
             };
-            if self.node.as_ref().is_some_and(|f| f.matches(&info)) && self.exports(&info) {
+            if self
+                .selection
+                .node
+                .as_ref()
+                .is_some_and(|f| f.matches(&info))
+                && self.exports(&info)
+            {
                 self.add_running_target(info, &libraries)?;
                 found += 1;
             }
@@ -66,13 +73,14 @@ impl Session {
     pub(super) fn attach_new_loaders(&mut self, libraries: &[MappedLibrary]) {
         for library in libraries {
             if library.kind == LibraryKind::DynamicLoader
-                && !self.attacher.is_loader_attached(library)
+                && !self.probes.attacher.is_loader_attached(library)
             {
                 info!(
                     "new dynamic loader {}: attaching",
                     library.shown_path.display()
                 );
-                self.attacher
+                self.probes
+                    .attacher
                     .attach_loader(&mut self.bpf.programs, library, &self.groups);
             }
         }
@@ -99,7 +107,12 @@ impl Session {
                 return;
             }
         };
-        if !self.node.as_ref().is_some_and(|f| f.matches(&info)) {
+        if !self
+            .selection
+            .node
+            .as_ref()
+            .is_some_and(|f| f.matches(&info))
+        {
             debug!("node: pid {pid} ({}) does not match the filter", info.name);
             return;
         }
@@ -112,7 +125,7 @@ impl Session {
         sink.on_process_start(&info);
         // Paused while its probes go in (milliseconds), so that its first steps are seen
         // (already, when its load came in a batch with others: `hold_candidates`).
-        let stopped = self.held_candidates.remove(&pid) || target::stop(pid);
+        let stopped = self.stops.held_candidates.remove(&pid) || target::stop(pid);
         let registered = self.add_running_target(info.clone(), &libraries);
         if stopped {
             target::resume(pid);
@@ -139,7 +152,7 @@ impl Session {
         &mut self,
         batch: &[std::result::Result<Decoded, events::DecodeError>],
     ) {
-        let Some(filter) = self.node.as_ref() else {
+        let Some(filter) = self.selection.node.as_ref() else {
             return;
         };
         let mut hold = Vec::new();
@@ -164,7 +177,7 @@ impl Session {
         }
         for pid in hold {
             if target::stop(pid) {
-                self.held_candidates.insert(pid);
+                self.stops.held_candidates.insert(pid);
             }
         }
     }

@@ -36,6 +36,7 @@ impl Session {
         };
         if let Some((function, file)) = self
             .python
+            .tracker
             .as_mut()
             .and_then(|python| python.name_code(timing.tgid, code))
         {
@@ -46,6 +47,7 @@ impl Session {
     /// Python rules that no traced process called, one line each (after a run).
     pub fn unmatched_python_rules(&self) -> Vec<String> {
         self.python
+            .tracker
             .as_ref()
             .map_or_else(Vec::new, PythonTracker::unmatched)
     }
@@ -53,7 +55,7 @@ impl Session {
     /// Samples `pid`'s Python threads if it runs a CPython and Python rules exist.
     /// Returns whether it does.
     pub(super) fn sample_python(&mut self, pid: u32) -> bool {
-        let Some(tracker) = self.python.as_mut() else {
+        let Some(tracker) = self.python.tracker.as_mut() else {
             return false;
         };
         if tracker.knows(pid) {
@@ -90,7 +92,7 @@ impl Session {
 
     /// Stops sampling `pid`'s Python threads; the calls they were in end now.
     pub(super) fn forget_python(&mut self, pid: u32, sink: &mut dyn EventSink) {
-        let Some(tracker) = self.python.as_mut() else {
+        let Some(tracker) = self.python.tracker.as_mut() else {
             return;
         };
         if !tracker.knows(pid) {
@@ -99,7 +101,7 @@ impl Session {
         self.bpf.maps.python.targets.remove(&pid);
         let calls = tracker.confirm(0, Some(pid));
         self.deliver_rule_calls(calls, sink);
-        if let Some(tracker) = self.python.as_mut() {
+        if let Some(tracker) = self.python.tracker.as_mut() {
             tracker.forget(pid);
         }
     }
@@ -115,16 +117,20 @@ impl Session {
                 at_return,
                 ..
             } = call
-                && let Some(role) = self.python.as_ref().and_then(|t| t.framework_role(*rule))
+                && let Some(role) = self
+                    .python
+                    .tracker
+                    .as_ref()
+                    .and_then(|t| t.framework_role(*rule))
             {
                 let was = self.saving_bits(*tgid);
                 let prelude_return = *at_return && role == (true, true);
-                let depths = self.saving_depth.entry(*tgid).or_default();
+                let depths = self.python.saving_depth.entry(*tgid).or_default();
                 // A load's preparation (DCP's `get_state_dict`) keeps its load part past
                 // its return, until the process's next framework call is seen: the load
                 // after it reads its first file (`.metadata`) at once, often before a
                 // sample shows the load itself (the sample between may show neither).
-                if !prelude_return && self.armed_loads.remove(tgid).is_some() {
+                if !prelude_return && self.python.armed_loads.remove(tgid).is_some() {
                     depths[1] = depths[1].saturating_sub(1);
                 }
                 for (index, (depth, part)) in depths.iter_mut().zip([role.0, role.1]).enumerate() {
@@ -138,7 +144,9 @@ impl Session {
                     };
                 }
                 if prelude_return {
-                    self.armed_loads.insert(*tgid, std::time::Instant::now());
+                    self.python
+                        .armed_loads
+                        .insert(*tgid, std::time::Instant::now());
                 }
                 self.write_saving_bits(*tgid, was);
             }
@@ -148,7 +156,7 @@ impl Session {
 
     /// What `PY_SAVING` says of `pid` now.
     pub(super) fn saving_bits(&self, pid: u32) -> u8 {
-        self.saving_depth.get(&pid).map_or(0, |d| {
+        self.python.saving_depth.get(&pid).map_or(0, |d| {
             (if d[0] > 0 { saving::SAVE } else { 0 }) | (if d[1] > 0 { saving::LOAD } else { 0 })
         })
     }
@@ -158,7 +166,7 @@ impl Session {
     pub(super) fn write_saving_bits(&mut self, pid: u32, was: u8) {
         let now = self.saving_bits(pid);
         if now == 0 {
-            self.saving_depth.remove(&pid);
+            self.python.saving_depth.remove(&pid);
         }
         if was != now {
             let saving = &mut self.bpf.maps.python.saving;
@@ -174,15 +182,16 @@ impl Session {
     /// or the job's own use of the state dict): its files are no load's.
     pub(super) fn expire_armed_loads(&mut self) {
         let expired: Vec<u32> = self
+            .python
             .armed_loads
             .iter()
             .filter(|(_, since)| since.elapsed() >= Duration::from_secs(1))
             .map(|(pid, _)| *pid)
             .collect();
         for pid in expired {
-            self.armed_loads.remove(&pid);
+            self.python.armed_loads.remove(&pid);
             let was = self.saving_bits(pid);
-            if let Some(depths) = self.saving_depth.get_mut(&pid) {
+            if let Some(depths) = self.python.saving_depth.get_mut(&pid) {
                 depths[1] = depths[1].saturating_sub(1);
             }
             self.write_saving_bits(pid, was);

@@ -63,8 +63,8 @@ impl Session {
     /// Drops what the kernel keeps for `pid` besides its `TARGETS` entry and call counters
     /// (taken by the caller).
     pub(super) fn forget_kernel_state(&mut self, pid: u32) {
-        self.armed_loads.remove(&pid);
-        self.saving_depth.remove(&pid);
+        self.python.armed_loads.remove(&pid);
+        self.python.saving_depth.remove(&pid);
         self.bpf.maps.forget_process(pid);
     }
 

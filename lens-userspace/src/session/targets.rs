@@ -31,8 +31,9 @@ impl Session {
         let writes_checkpoints = libraries
             .iter()
             .any(|l| matches!(l.kind, LibraryKind::TorchCpu | LibraryKind::Safetensors));
-        if writes_checkpoints && !self.fork_images.contains(&pid) {
-            self.file_probes
+        if writes_checkpoints && !self.probes.fork_images.contains(&pid) {
+            self.probes
+                .files
                 .attach(&mut self.bpf.programs, pid, &self.groups);
         }
     }
@@ -40,18 +41,20 @@ impl Session {
     /// The libraries of interest `pid` maps: the built-in probes' and the files
     /// configured rules name.
     pub(super) fn libraries_of(&self, pid: u32) -> Result<Vec<MappedLibrary>> {
-        library::find_libraries_with(pid, &|path| self.attacher.is_configured_library(path))
+        library::find_libraries_with(pid, &|path| {
+            self.probes.attacher.is_configured_library(path)
+        })
     }
 
     pub(super) fn exports(&self, info: &ProcessInfo) -> bool {
-        let exports = self.export_strategy.exports(info.rank.as_ref());
+        let exports = self.selection.export_strategy.exports(info.rank.as_ref());
         if !exports {
             warn!(
                 "pid {} ({}, rank {}) does not export under {}: not traced",
                 info.pid,
                 info.name,
                 info.rank.map_or(0, |r| r.rank),
-                self.export_strategy
+                self.selection.export_strategy
             );
         }
         exports
@@ -117,6 +120,7 @@ impl Session {
             || libraries.iter().any(|l| l.kind == LibraryKind::Configured)
             || (self
                 .python
+                .tracker
                 .as_ref()
                 .is_some_and(PythonTracker::has_configured)
                 && matches!(python::find_runtime(pid), Ok(Some(_))))
@@ -134,7 +138,8 @@ impl Session {
         let pidfd = target::pidfd_open(pid)?;
         self.guard(pid);
         for library in libraries {
-            self.attacher
+            self.probes
+                .attacher
                 .attach_library(&mut self.bpf.programs, pid, library, &self.groups);
         }
         self.set_runtime_ranges(pid, libraries);
@@ -142,7 +147,7 @@ impl Session {
         self.probe_file_creation(pid, libraries);
         self.set_target(pid, 0)?;
         // Before `run` the exit watch starts there; during it, here.
-        let pidfd = match self.exit_tx {
+        let pidfd = match self.events.exit_tx {
             Some(_) => {
                 self.watch_exit(pid, pidfd)?;
                 None
@@ -171,7 +176,8 @@ impl Session {
     pub fn exec(&mut self, argv: &[OsString]) -> Result<u32> {
         // The child will use (nearly always) the same dynamic loader file as we do.
         if let Some(loader) = attach::own_dynamic_loader()? {
-            self.attacher
+            self.probes
+                .attacher
                 .attach_loader(&mut self.bpf.programs, &loader, &self.groups);
         }
         let gated = target::spawn_gated(argv)?;
@@ -209,13 +215,13 @@ impl Session {
                 traced_since_ns: crate::spans::monotonic_now_ns(),
             },
         );
-        self.child = Some(pid);
+        self.child.pid = Some(pid);
         Ok(pid)
     }
 
     /// Reports the exit of `pid` to `run` once its pidfd becomes readable.
     pub(super) fn watch_exit(&self, pid: u32, pidfd: OwnedFd) -> Result<()> {
-        let Some(exit_tx) = self.exit_tx.clone() else {
+        let Some(exit_tx) = self.events.exit_tx.clone() else {
             return Ok(());
         };
         let pidfd = register(pidfd)?;
@@ -256,7 +262,7 @@ impl Session {
                     },
                 );
                 // It maps what its parent mapped.
-                self.fork_images.insert(child);
+                self.probes.fork_images.insert(child);
                 self.attach_libraries_of(child);
             }
             // Gone already (a short-lived helper): nothing to trace.
@@ -268,7 +274,7 @@ impl Session {
 
     /// A traced process runs a new program: tell the sinks what it is now.
     pub(super) fn on_exec(&mut self, pid: u32, sink: &mut dyn EventSink) {
-        self.fork_images.remove(&pid);
+        self.probes.fork_images.remove(&pid);
         // A fork handled before its exec (torchrun's python starting a worker) was given
         // its parent's interpreter: the new program's is elsewhere (another load
         // address), found again at its library loads.
@@ -311,7 +317,7 @@ impl Session {
     ) {
         if self.targets.contains_key(&pid) {
             self.attach_libraries_of(pid);
-        } else if !traced && self.node.is_some() {
+        } else if !traced && self.selection.node.is_some() {
             self.consider_candidate(pid, sink);
         }
         if stopped {
@@ -326,9 +332,9 @@ impl Session {
         let removed = self.bpf.maps.stopped.remove(&pid);
         // One line per process (a process loading many libraries stops at each), all counted.
         if !removed {
-            self.late_attaches += 1;
+            self.stops.late_attaches += 1;
         }
-        if !removed && self.late_warned.insert(pid) {
+        if !removed && self.stops.late_warned.insert(pid) {
             warn!(
                 "pid {pid} waited over {} ms at a library load: lens-probe's guardian let it \
                  go on, and its new library's first calls were not seen (attached late)",
@@ -341,17 +347,18 @@ impl Session {
     /// Prints a line on stderr when what is traced changes (`attach_status`): the
     /// seconds of a job's start, spent attaching, are not silent.
     pub fn show_attach_status(&mut self) {
-        self.attach_status = Some(AttachStatus::default());
+        self.events.attach_status = Some(AttachStatus::default());
     }
 
     pub(super) fn print_attach_status(&mut self) {
-        let Some(status) = self.attach_status.as_mut() else {
+        let Some(status) = self.events.attach_status.as_mut() else {
             return;
         };
         // The dynamic loader's probe is how lens-probe follows library loads, not what
         // the job is traced in.
         let traced_in = || {
-            self.attacher
+            self.probes
+                .attacher
                 .attachments()
                 .iter()
                 .filter(|a| a.library.kind != LibraryKind::DynamicLoader)
@@ -371,7 +378,7 @@ impl Session {
 
     /// Library loads whose target the guardian continued before lens-probe had attached.
     pub fn late_attaches(&self) -> u64 {
-        self.late_attaches
+        self.stops.late_attaches
     }
 
     /// Attaches to every library `pid` maps that is not probed yet; records its use.
@@ -379,9 +386,9 @@ impl Session {
         match self.libraries_of(pid) {
             Ok(libraries) => {
                 for library in &libraries {
-                    if !self.attacher.is_attached(pid, library) {
+                    if !self.probes.attacher.is_attached(pid, library) {
                         info!("pid {pid} maps {}: attaching", library.shown_path.display());
-                        self.attacher.attach_library(
+                        self.probes.attacher.attach_library(
                             &mut self.bpf.programs,
                             pid,
                             library,
@@ -419,19 +426,19 @@ impl Session {
             .map_or(0, |entry| entry.runtime_driver_hits);
         let cost = self.probe_cost(&target, &calls, runtime_driver_hits);
         self.forget_kernel_state(pid);
-        if let Some(estimate) = self.launch_estimates.remove(&pid) {
+        if let Some(estimate) = self.costs.launch_estimates.remove(&pid) {
             let new = launch_total(&calls).saturating_sub(estimate.counted);
             scale_launches(&mut calls, estimate.estimated + new as f64);
         }
         // Node mode outlives its targets: probes nobody needs any more go. (Otherwise
         // lens-probe ends with its targets, and the probes with it.)
-        if self.node.is_some() {
-            self.attacher.release(&mut self.bpf.programs, pid);
+        if self.selection.node.is_some() {
+            self.probes.attacher.release(&mut self.bpf.programs, pid);
         }
-        self.file_probes.release(&mut self.bpf.programs, pid);
-        self.fork_images.remove(&pid);
-        if Some(pid) == self.child {
-            self.child_exit = exit;
+        self.probes.files.release(&mut self.bpf.programs, pid);
+        self.probes.fork_images.remove(&pid);
+        if Some(pid) == self.child.pid {
+            self.child.exit = exit;
         }
         let ended = self
             .hangs
