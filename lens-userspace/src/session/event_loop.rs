@@ -2,12 +2,15 @@
 //! signals into the sink until the targets exit, a signal arrives or the time is up.
 use std::time::Duration;
 
+use aya::maps::{MapData, RingBuf};
+use aya_log::EbpfLogger;
 use lens_common::LossCause;
 use log::debug;
 use tokio::{
     io::unix::AsyncFd,
-    signal::unix::{SignalKind, signal},
+    signal::unix::{Signal, SignalKind, signal},
     sync::mpsc,
+    time::{Interval, MissedTickBehavior},
 };
 
 use crate::{
@@ -41,14 +44,43 @@ impl Session {
         sink: &mut dyn EventSink,
         limit: Option<Duration>,
     ) -> Result<RunReport> {
-        let mut ring = register(self.events.ring.take().expect("run is called once"))?;
+        let mut inputs = self.open_inputs(sink)?;
+        let mut ticks = Ticks::new();
+        let mut stopping = Stopping {
+            deadline: limit.map(|limit| tokio::time::Instant::now() + limit),
+            ..Stopping::default()
+        };
+        self.sync_launch_counting(sink);
+        // Node mode watches for new processes until told to stop.
+        while !self.targets.is_empty() || self.selection.node.is_some() {
+            if !self
+                .turn(&mut inputs, &mut ticks, &mut stopping, sink)
+                .await?
+            {
+                break;
+            }
+            // Libraries attached while draining may have put launch probes in.
+            self.sync_launch_counting(sink);
+            if stopping.stop.is_some()
+                && (stopping.grace_deadline.is_none()
+                    || !self.targets.values().any(|t| t.own_child))
+            {
+                break;
+            }
+        }
+        Ok(self.close_inputs(inputs, stopping.stop, sink))
+    }
+
+    /// The ring buffer and the kernel's logs registered with the runtime, the targets
+    /// announced to `sink` and their exits watched, the stop signals caught.
+    fn open_inputs(&mut self, sink: &mut dyn EventSink) -> Result<LoopInputs> {
+        let ring = register(self.events.ring.take().expect("run is called once"))?;
         self.raise_priority();
-        let mut logger = match self.events.logger.take() {
+        let logger = match self.events.logger.take() {
             Some(logger) => Some(register(logger)?),
             None => None,
         };
-
-        let (exit_tx, mut exit_rx) = mpsc::unbounded_channel::<u32>();
+        let (exit_tx, exits) = mpsc::unbounded_channel::<u32>();
         self.events.exit_tx = Some(exit_tx);
         let mut pids: Vec<u32> = self.targets.keys().copied().collect();
         pids.sort_unstable();
@@ -63,104 +95,103 @@ impl Session {
                 self.watch_exit(pid, pidfd)?;
             }
         }
-
-        let mut sigint = signal(SignalKind::interrupt())?;
-        let mut sigterm = signal(SignalKind::terminate())?;
-        let mut sighup = signal(SignalKind::hangup())?;
+        let inputs = LoopInputs {
+            ring,
+            logger,
+            exits,
+            sigint: signal(SignalKind::interrupt())?,
+            sigterm: signal(SignalKind::terminate())?,
+            sighup: signal(SignalKind::hangup())?,
+        };
         // Handlers in place: a stop signal held since start-up is delivered now.
         target::release_stop_signals();
-        let deadline = limit.map(|limit| tokio::time::Instant::now() + limit);
-        let mut tick = tokio::time::interval(DRAIN_INTERVAL);
-        let mut counts_tick = tokio::time::interval(CALL_COUNTS_INTERVAL);
-        let mut budget_tick = tokio::time::interval(crate::budget::TICK);
-        let mut hang_tick = tokio::time::interval(hangs::CHECK_INTERVAL);
-        hang_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Ticks missed while the loop was busy are not made up in a burst: the controller
-        // measures rates over the time that really passed.
-        budget_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        self.sync_launch_counting(sink);
-        let mut stop: Option<StopReason> = None;
-        let mut grace_deadline: Option<tokio::time::Instant> = None;
+        Ok(inputs)
+    }
 
-        loop {
-            // Node mode watches for new processes until told to stop.
-            if self.targets.is_empty() && self.selection.node.is_none() {
-                stop.get_or_insert(StopReason::TargetsExited);
-                break;
+    /// Waits for the next input and handles it. `false`: the loop ends now (the time is
+    /// up, or the grace after a stop signal).
+    async fn turn(
+        &mut self,
+        inputs: &mut LoopInputs,
+        ticks: &mut Ticks,
+        stopping: &mut Stopping,
+        sink: &mut dyn EventSink,
+    ) -> Result<bool> {
+        let grace = async {
+            match stopping.grace_deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
             }
-            let grace = async {
-                match grace_deadline {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
-            let until_deadline = async {
-                match deadline {
-                    Some(at) if stop.is_none() => tokio::time::sleep_until(at).await,
-                    _ => std::future::pending().await,
-                }
-            };
-            let log_ready = async {
-                match logger.as_mut() {
-                    Some(logger) => logger.readable_mut().await.map(|mut g| {
-                        g.get_inner_mut().flush();
-                        g.clear_ready();
-                    }),
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                guard = ring.readable_mut() => {
-                    let mut guard = guard?;
-                    self.drain(guard.get_inner_mut(), sink);
-                    guard.clear_ready();
-                }
-                _ = tick.tick() => {
-                    self.drain(ring.get_mut(), sink);
-                    self.print_attach_status();
-                    self.expire_armed_loads();
-                }
-                // Under a budget its tick reads the counters (and scales the launches).
-                _ = counts_tick.tick(), if self.costs.budget.is_none() => {
-                    for (pid, calls) in self.call_counts() {
-                        self.report_call_counts(pid, &calls, &calls, sink);
-                    }
-                }
-                _ = budget_tick.tick(), if self.costs.budget.is_some() => self.budget_tick(sink),
-                _ = hang_tick.tick(), if self.hangs.watching() => {
-                    self.drain(ring.get_mut(), sink);
-                    self.check_hangs(sink);
-                }
-                _ = log_ready => {}
-                Some(pid) = exit_rx.recv() => {
-                    self.drain(ring.get_mut(), sink);
-                    let exit = match self.targets.get(&pid) {
-                        Some(t) if t.own_child => wait_child(pid).await,
-                        Some(t) => Some(t.exit.unwrap_or(ExitStatus::Unknown)),
-                        None => Some(ExitStatus::Unknown),
-                    };
-                    self.finish_target(pid, exit, sink);
-                }
-                _ = sigint.recv() => self.on_signal(libc::SIGINT, &mut stop, &mut grace_deadline),
-                _ = sigterm.recv() => self.on_signal(libc::SIGTERM, &mut stop, &mut grace_deadline),
-                _ = sighup.recv() => self.on_signal(libc::SIGHUP, &mut stop, &mut grace_deadline),
-                _ = until_deadline => {
-                    stop = Some(StopReason::Duration);
-                    break;
-                }
-                _ = grace => break,
+        };
+        let until_deadline = async {
+            match stopping.deadline {
+                Some(at) if stopping.stop.is_none() => tokio::time::sleep_until(at).await,
+                _ => std::future::pending().await,
             }
-            // Libraries attached while draining may have put launch probes in.
-            self.sync_launch_counting(sink);
-            if stop.is_some() && grace_deadline.is_none() {
-                break;
+        };
+        let log_ready = async {
+            match inputs.logger.as_mut() {
+                Some(logger) => logger.readable_mut().await.map(|mut g| {
+                    g.get_inner_mut().flush();
+                    g.clear_ready();
+                }),
+                None => std::future::pending().await,
             }
-            if stop.is_some() && !self.targets.values().any(|t| t.own_child) {
-                break;
+        };
+        let ring = &mut inputs.ring;
+        tokio::select! {
+            guard = ring.readable_mut() => {
+                let mut guard = guard?;
+                self.drain(guard.get_inner_mut(), sink);
+                guard.clear_ready();
             }
+            _ = ticks.drain.tick() => {
+                self.drain(ring.get_mut(), sink);
+                self.print_attach_status();
+                self.expire_armed_loads();
+            }
+            // Under a budget its tick reads the counters (and scales the launches).
+            _ = ticks.counts.tick(), if self.costs.budget.is_none() => {
+                for (pid, calls) in self.call_counts() {
+                    self.report_call_counts(pid, &calls, &calls, sink);
+                }
+            }
+            _ = ticks.budget.tick(), if self.costs.budget.is_some() => self.budget_tick(sink),
+            _ = ticks.hangs.tick(), if self.hangs.watching() => {
+                self.drain(ring.get_mut(), sink);
+                self.check_hangs(sink);
+            }
+            _ = log_ready => {}
+            Some(pid) = inputs.exits.recv() => {
+                self.drain(ring.get_mut(), sink);
+                let exit = match self.targets.get(&pid) {
+                    Some(t) if t.own_child => wait_child(pid).await,
+                    Some(t) => Some(t.exit.unwrap_or(ExitStatus::Unknown)),
+                    None => Some(ExitStatus::Unknown),
+                };
+                self.finish_target(pid, exit, sink);
+            }
+            _ = inputs.sigint.recv() => self.on_signal(libc::SIGINT, stopping),
+            _ = inputs.sigterm.recv() => self.on_signal(libc::SIGTERM, stopping),
+            _ = inputs.sighup.recv() => self.on_signal(libc::SIGHUP, stopping),
+            _ = until_deadline => {
+                stopping.stop = Some(StopReason::Duration);
+                return Ok(false);
+            }
+            _ = grace => return Ok(false),
         }
+        Ok(true)
+    }
 
-        self.drain(ring.get_mut(), sink);
+    /// The last events drained, every target still here finished, the ring buffer given
+    /// back: what the run did.
+    fn close_inputs(
+        &mut self,
+        mut inputs: LoopInputs,
+        stop: Option<StopReason>,
+        sink: &mut dyn EventSink,
+    ) -> RunReport {
+        self.drain(inputs.ring.get_mut(), sink);
         let remaining: Vec<u32> = self.targets.keys().copied().collect();
         for pid in remaining {
             // Never leave a child of ours stopped at a library load.
@@ -169,17 +200,17 @@ impl Session {
             }
             self.finish_target(pid, None, sink);
         }
-        self.events.ring = Some(ring.into_inner());
+        self.events.ring = Some(inputs.ring.into_inner());
         self.events.exit_tx = None;
         let budget = self.costs.budget.as_ref().map(|(controller, started)| {
             controller.report((crate::spans::monotonic_now_ns() - started) as f64 / 1e9)
         });
-        Ok(RunReport {
+        RunReport {
             stop: stop.unwrap_or(StopReason::TargetsExited),
             losses: self.losses(),
             child_exit: self.child.exit,
             budget,
-        })
+        }
     }
 
     /// [`Session::run`] on a single-threaded runtime of its own, for callers that are not
@@ -197,16 +228,11 @@ impl Session {
 
     /// SIGINT/SIGTERM/SIGHUP: pass it on to the children we started and give them a grace
     /// period to exit (their exit is then traced); processes we attached to are left alone.
-    pub(super) fn on_signal(
-        &mut self,
-        signal: i32,
-        stop: &mut Option<StopReason>,
-        grace_deadline: &mut Option<tokio::time::Instant>,
-    ) {
-        if stop.is_some() {
+    fn on_signal(&mut self, signal: i32, stopping: &mut Stopping) {
+        if stopping.stop.is_some() {
             return;
         }
-        *stop = Some(StopReason::Signal(signal));
+        stopping.stop = Some(StopReason::Signal(signal));
         let children: Vec<u32> = self
             .targets
             .iter()
@@ -219,9 +245,63 @@ impl Session {
             target::resume(*pid);
         }
         if !children.is_empty() {
-            *grace_deadline = Some(tokio::time::Instant::now() + self.child.stop_grace);
+            stopping.grace_deadline = Some(tokio::time::Instant::now() + self.child.stop_grace);
         }
     }
+}
+
+/// What the loop waits on besides its clocks.
+struct LoopInputs {
+    ring: AsyncFd<RingBuf<MapData>>,
+    logger: Option<AsyncFd<EbpfLogger<&'static dyn log::Log>>>,
+    /// Pids whose exit a watcher saw.
+    exits: mpsc::UnboundedReceiver<u32>,
+    sigint: Signal,
+    sigterm: Signal,
+    sighup: Signal,
+}
+
+/// The loop's clocks.
+struct Ticks {
+    /// The ring buffer drained when no wakeup came.
+    drain: Interval,
+    /// The call counters read (without a budget).
+    counts: Interval,
+    /// The overhead budget's controller.
+    budget: Interval,
+    /// Hung collectives looked for.
+    hangs: Interval,
+}
+
+impl Ticks {
+    fn new() -> Ticks {
+        let mut ticks = Ticks {
+            drain: tokio::time::interval(DRAIN_INTERVAL),
+            counts: tokio::time::interval(CALL_COUNTS_INTERVAL),
+            budget: tokio::time::interval(crate::budget::TICK),
+            hangs: tokio::time::interval(hangs::CHECK_INTERVAL),
+        };
+        ticks
+            .hangs
+            .set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // Ticks missed while the loop was busy are not made up in a burst: the controller
+        // measures rates over the time that really passed.
+        ticks
+            .budget
+            .set_missed_tick_behavior(MissedTickBehavior::Delay);
+        ticks
+    }
+}
+
+/// When the loop stops.
+#[derive(Default)]
+struct Stopping {
+    /// Why, once known.
+    stop: Option<StopReason>,
+    /// `--duration`'s end.
+    deadline: Option<tokio::time::Instant>,
+    /// After a stop signal passed on to our children: how long they are traced on.
+    grace_deadline: Option<tokio::time::Instant>,
 }
 
 /// Registers an fd-owning value with the runtime's reactor.
