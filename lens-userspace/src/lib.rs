@@ -43,6 +43,5 @@ pub mod sink;
 pub mod spans;
 pub mod summary;
 pub mod sys;
-pub mod throughput;
 
 pub use error::{LensError, Result};

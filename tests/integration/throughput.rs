@@ -1,5 +1,5 @@
 //! The event path fed by the kernel-side generator (`bench_emit`, lens-ebpf/src/bench_gen.rs)
-//! through the real ring buffer, decoder and span builder (`lens_probe::throughput`):
+//! through the real ring buffer, decoder and span builder (the throughput example's harness):
 //! every event a paced run sends arrives, decodes to the collective it describes and
 //! becomes one span.
 use std::time::Duration;
@@ -10,8 +10,12 @@ use lens_probe::{
     settings::groups::SpanGroups,
     sink::{EventSink, SinkInput},
     spans::{SpanBuilder, SpanExporter, SpanRecord},
-    throughput::{self, EVENT_COMM, EVENT_COUNT, EVENT_STREAM, MAX_EVENTS_PER_RUN, Options},
 };
+
+/// The bench harness lives with the example that runs it, out of the library.
+#[path = "../../lens-userspace/examples/throughput/harness.rs"]
+mod throughput;
+use throughput::{EVENT_COMM, EVENT_COUNT, EVENT_STREAM, MAX_EVENTS_PER_RUN, Options};
 
 /// Checks each event against what the generator writes.
 #[derive(Default)]

@@ -57,7 +57,7 @@ pub use crate::bpf::KernelState;
 /// kernel wakes the reader once per 256 KiB of events, and at once for a control event).
 /// Each wakeup of an idle loop costs tens of µs on a VM: at 20 ms they were a sixth of
 /// lens-probe's CPU on a fast loop.
-pub(crate) const DRAIN_INTERVAL: Duration = Duration::from_millis(50);
+pub const DRAIN_INTERVAL: Duration = Duration::from_millis(50);
 
 /// How often the kernel's call counters (launches) of running targets are read.
 const CALL_COUNTS_INTERVAL: Duration = Duration::from_secs(5);

@@ -293,7 +293,7 @@ impl ThroughputBlock {
              unpinned, the kernel wakes it on the producer's CPU and the two share one core) \
              drains it as \
              lens-probe's session does (on a wakeup, or every 50 ms; `events::decode`, then the \
-             summary and the span builder; `lens_probe::throughput`). Lost = not written (ring buffer full) + not received + \
+             summary and the span builder; the throughput example's harness). Lost = not written (ring buffer full) + not received + \
              undecodable. A rate is held when nothing was lost and at least {:.0} % of it \
              arrived: producer, consumer and export thread share the two cores. The probes \
              never wait for the reader: a reader slower than the producer loses events (counted), \

@@ -1,13 +1,13 @@
 //! `throughput`: events per second through lens-probe's user side (ring buffer →
 //! decoder → summary and span builder → exporter), fed by the kernel-side generator
-//! `bench_emit` (see `lens_probe::throughput`). Run by `cargo xtask bench`; as root:
+//! `bench_emit` (the harness: `harness.rs`, shared with `tests/integration/throughput.rs`). Run by `cargo xtask bench`; as root:
 //!
 //!     cargo build --release --example throughput -p lens-userspace
 //!     target/release/examples/throughput --rate 1000000 --duration 3
 //!
 //! An example rather than a binary: it is a measuring tool, not something to install
 //! with lens-probe (`cargo install` leaves examples out). Prints one JSON line on stdout:
-//! the run's `lens_probe::throughput::Report`, plus what became of the spans and the
+//! the run's `harness::Report`, plus what became of the spans and the
 //! CPU time of the export thread.
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
@@ -18,8 +18,11 @@ use lens_probe::{
     settings::groups::SpanGroups,
     spans::{SpanBuilder, SpanExporter, SpanRecord},
     summary::Summary,
-    throughput::{self, MAX_EVENTS_PER_RUN, Options},
 };
+
+mod harness;
+use harness as throughput;
+use throughput::{MAX_EVENTS_PER_RUN, Options};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Exporter {
