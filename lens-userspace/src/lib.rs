@@ -25,6 +25,7 @@ macro_rules! say_raw {
 pub mod attach_status;
 pub mod bpf;
 pub mod budget;
+pub mod calls;
 pub mod discovery;
 pub mod error;
 pub mod events;

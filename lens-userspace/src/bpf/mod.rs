@@ -2,7 +2,8 @@
 //! loaded once. Its programs are found by name and loaded here (`programs`); its maps are
 //! taken out of it typed (`maps`), each saying what it holds and who writes it. Nothing
 //! outside this module names a map; the attach logic above it names programs through
-//! [`crate::probes::catalog::Program`].
+//! [`Program`]. The scheduler's tracepoints, which every session attaches the same way,
+//! go in here too (`sched`).
 use aya::{
     Ebpf,
     maps::{MapData, RingBuf},
@@ -12,9 +13,10 @@ use crate::{error::Result, settings::links::UprobeLinks};
 
 pub mod maps;
 pub mod programs;
+pub mod sched;
 
 pub use maps::{KernelMaps, KernelState};
-pub use programs::program_mut;
+pub use programs::{Program, program_mut};
 pub(crate) use programs::{is_multi, uprobe_mut};
 
 /// The loaded object: its programs (and the links the attach code makes from them), and

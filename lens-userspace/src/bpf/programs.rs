@@ -9,11 +9,67 @@ use aya::{
 use log::{debug, warn};
 
 use crate::error::{LensError, Result};
-use crate::probes::catalog::Program;
 use crate::settings::links::UprobeLinks;
 
 /// The BPF object built from `lens-ebpf` by the build script.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lens-ebpf.o"));
+
+/// Makes [`Program`] from one list: each variant and the name of its function in
+/// `lens-ebpf` (the name the loaded object knows it by).
+macro_rules! programs {
+    ($( $(#[$doc:meta])* $variant:ident => $name:literal, )+) => {
+        /// The BPF programs of `lens-ebpf`, by the name of their function.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Program {
+            $( $(#[$doc])* $variant, )+
+        }
+
+        impl Program {
+            pub const ALL: &[Program] = &[$(Program::$variant),+];
+
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $( Program::$variant => $name, )+
+                }
+            }
+
+            /// The name of its twin in a `uprobe.multi` / `uretprobe.multi` section
+            /// (`lens-ebpf` has one of each program, `<name>_m`).
+            pub const fn multi_name(self) -> &'static str {
+                match self {
+                    $( Program::$variant => concat!($name, "_m"), )+
+                }
+            }
+        }
+    };
+}
+
+programs! {
+    CountOnly => "count_only",
+    NcclGroup => "nccl_group",
+    NcclCollectiveEntry => "nccl_collective_entry",
+    CudaSyncEntry => "cuda_sync_entry",
+    NcclCommInitEntry => "nccl_comm_init_entry",
+    NcclCollectiveReturn => "nccl_collective_return",
+    CudaSyncReturn => "cuda_sync_return",
+    NcclCommInitReturn => "nccl_comm_init_return",
+    DlDebugState => "dl_debug_state",
+    PhaseMark => "phase_mark",
+    PhaseMarkReturn => "phase_mark_return",
+    TorchBackwardEntry => "torch_backward_entry",
+    TorchScopeEnter => "torch_scope_enter",
+    TimedCallEntry => "timed_call_entry",
+    DriverLaunch => "driver_launch",
+    /// Configured probe rules (`crate::settings::config`): entry and return of any function.
+    UserRuleEntry => "user_rule_entry",
+    UserRuleReturn => "user_rule_return",
+    CudaEventRecord => "cuda_event_record",
+    CudaEventQueryEntry => "cuda_event_query_entry",
+    CudaEventQueryReturn => "cuda_event_query_return",
+    CudaRegisterFunction => "cuda_register_function",
+    FileOpenEntry => "file_open_entry",
+    PythonStackEntry => "python_stack_entry",
+}
 
 /// The name `program` is found under in `ebpf`: its `_m` twin where that is the one
 /// [`load_object`] loaded. The object itself says which: only one twin is ever loaded.
@@ -105,11 +161,11 @@ fn release_version(release: &str) -> Option<(u32, u32)> {
 /// (aya-log) on; otherwise they are compiled in but switched off at load.
 pub fn load_object(kernel_logs: bool, links: UprobeLinks) -> Result<Ebpf> {
     let level: u8 = if kernel_logs { 0xff } else { 0 };
-    let layout = crate::probes::processes::kernel_layout_or_warn();
+    let layout = super::sched::kernel_layout_or_warn();
     let mut loader = EbpfLoader::new();
     loader.override_global("AYA_LOG_LEVEL", &level, false);
     if let Some(layout) = &layout {
-        crate::probes::processes::configure(&mut loader, layout);
+        super::sched::configure(&mut loader, layout);
     }
     let mut ebpf = loader.load(BPF_OBJECT)?;
     let multi = use_uprobe_multi(links)?;
@@ -143,7 +199,7 @@ pub fn load_object(kernel_logs: bool, links: UprobeLinks) -> Result<Ebpf> {
             })?;
     }
     if layout.is_some() {
-        crate::probes::processes::attach(&mut ebpf)?;
+        super::sched::attach(&mut ebpf)?;
     }
     Ok(ebpf)
 }

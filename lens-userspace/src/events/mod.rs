@@ -9,7 +9,7 @@ pub use decode::{decode, record_as_bytes};
 
 use crate::nccl::{DataType, RedOp};
 
-pub use crate::probes::calls::{CollectiveOp, SyncKind};
+pub use crate::calls::{CollectiveOp, SyncKind};
 
 /// The communicator identity of a gloo call, for its span and for hang detection:
 /// numbered by the hang watcher (`hangs::HangWatcher::observe`), which sees every rank.

@@ -3,66 +3,11 @@
 //! is not attached (the gate costs nothing).
 use lens_common::{NcclArgs, ProbeId, probe_cookie};
 
-use super::calls::{CollectiveOp, SyncKind};
+use crate::calls::{CollectiveOp, SyncKind};
 use crate::settings::groups::{SpanGroup, SpanGroups};
 use crate::sys::library::LibraryKind;
 
-/// Makes [`Program`] from one list: each variant and the name of its function in
-/// `lens-ebpf` (the name the loaded object knows it by).
-macro_rules! programs {
-    ($( $(#[$doc:meta])* $variant:ident => $name:literal, )+) => {
-        /// The BPF programs of `lens-ebpf`, by the name of their function.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub enum Program {
-            $( $(#[$doc])* $variant, )+
-        }
-
-        impl Program {
-            pub const ALL: &[Program] = &[$(Program::$variant),+];
-
-            pub const fn name(self) -> &'static str {
-                match self {
-                    $( Program::$variant => $name, )+
-                }
-            }
-
-            /// The name of its twin in a `uprobe.multi` / `uretprobe.multi` section
-            /// (`lens-ebpf` has one of each program, `<name>_m`).
-            pub const fn multi_name(self) -> &'static str {
-                match self {
-                    $( Program::$variant => concat!($name, "_m"), )+
-                }
-            }
-        }
-    };
-}
-
-programs! {
-    CountOnly => "count_only",
-    NcclGroup => "nccl_group",
-    NcclCollectiveEntry => "nccl_collective_entry",
-    CudaSyncEntry => "cuda_sync_entry",
-    NcclCommInitEntry => "nccl_comm_init_entry",
-    NcclCollectiveReturn => "nccl_collective_return",
-    CudaSyncReturn => "cuda_sync_return",
-    NcclCommInitReturn => "nccl_comm_init_return",
-    DlDebugState => "dl_debug_state",
-    PhaseMark => "phase_mark",
-    PhaseMarkReturn => "phase_mark_return",
-    TorchBackwardEntry => "torch_backward_entry",
-    TorchScopeEnter => "torch_scope_enter",
-    TimedCallEntry => "timed_call_entry",
-    DriverLaunch => "driver_launch",
-    /// Configured probe rules (`crate::settings::config`): entry and return of any function.
-    UserRuleEntry => "user_rule_entry",
-    UserRuleReturn => "user_rule_return",
-    CudaEventRecord => "cuda_event_record",
-    CudaEventQueryEntry => "cuda_event_query_entry",
-    CudaEventQueryReturn => "cuda_event_query_return",
-    CudaRegisterFunction => "cuda_register_function",
-    FileOpenEntry => "file_open_entry",
-    PythonStackEntry => "python_stack_entry",
-}
+pub use crate::bpf::Program;
 
 impl Program {
     /// The return program that pairs the record this entry program keeps in flight (each

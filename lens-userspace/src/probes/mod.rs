@@ -2,7 +2,5 @@
 //! and the attachment itself.
 pub mod attach;
 pub mod calibrate;
-pub mod calls;
 pub mod catalog;
 pub mod files;
-pub mod processes;
