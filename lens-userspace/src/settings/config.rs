@@ -364,25 +364,7 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
             ));
         }
     }
-    let group_names = rule_groups();
-    let group = match string_field(table, "group")? {
-        None => {
-            return Err(format!("group: missing; valid: {}", group_names.join(", ")));
-        }
-        Some(name) => {
-            let lower = name.trim().to_ascii_lowercase();
-            SpanGroup::ALL
-                .into_iter()
-                .filter(|g| *g != SpanGroup::Job)
-                .find(|g| g.name() == lower)
-                .ok_or_else(|| {
-                    format!(
-                        "group: unknown group {name:?}; valid: {}",
-                        group_names.join(", ")
-                    )
-                })?
-        }
-    };
+    let group = parse_group(table)?;
     let name = match string_field(table, "name")? {
         // Printed on the console and in logs as it is: no control characters.
         Some(name) if name.chars().any(char::is_control) => {
@@ -432,33 +414,7 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
                         .into(),
                 );
             };
-            let max_matches = match table.get("max_matches") {
-                None => DEFAULT_MAX_MATCHES,
-                Some(toml::Value::Integer(n)) if (1..=4096).contains(n) => *n as u32,
-                Some(other) => {
-                    return Err(format!(
-                        "max_matches: {other}; expected an integer from 1 to 4096"
-                    ));
-                }
-            };
-            let args = match table.get("args") {
-                None => Vec::new(),
-                Some(toml::Value::Array(args)) => parse_args(args)?,
-                Some(other) => {
-                    return Err(format!(
-                        "args: expected an array of tables such as [{{ index = 0, type = \
-                         \"int\" }}], got {}",
-                        other.type_str()
-                    ));
-                }
-            };
-            let noexcept = match table.get("noexcept") {
-                None => false,
-                Some(toml::Value::Boolean(value)) => *value,
-                Some(other) => {
-                    return Err(format!("noexcept: {other}; expected true or false"));
-                }
-            };
+            let (max_matches, args, noexcept) = native_options(table)?;
             let symbol = SymbolPattern::new(symbol.trim());
             if symbol.names_cpp() && !noexcept {
                 return Err(format!(
@@ -483,6 +439,61 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
             }))
         }
     }
+}
+
+/// The rule's span group: any but `job`, named in any case.
+fn parse_group(table: &toml::Table) -> Result<SpanGroup, String> {
+    let group_names = rule_groups();
+    Ok(match string_field(table, "group")? {
+        None => {
+            return Err(format!("group: missing; valid: {}", group_names.join(", ")));
+        }
+        Some(name) => {
+            let lower = name.trim().to_ascii_lowercase();
+            SpanGroup::ALL
+                .into_iter()
+                .filter(|g| *g != SpanGroup::Job)
+                .find(|g| g.name() == lower)
+                .ok_or_else(|| {
+                    format!(
+                        "group: unknown group {name:?}; valid: {}",
+                        group_names.join(", ")
+                    )
+                })?
+        }
+    })
+}
+
+/// A native rule's `max_matches`, `args` and `noexcept`, defaults where not given.
+fn native_options(table: &toml::Table) -> Result<(u32, Vec<RuleArg>, bool), String> {
+    let max_matches = match table.get("max_matches") {
+        None => DEFAULT_MAX_MATCHES,
+        Some(toml::Value::Integer(n)) if (1..=4096).contains(n) => *n as u32,
+        Some(other) => {
+            return Err(format!(
+                "max_matches: {other}; expected an integer from 1 to 4096"
+            ));
+        }
+    };
+    let args = match table.get("args") {
+        None => Vec::new(),
+        Some(toml::Value::Array(args)) => parse_args(args)?,
+        Some(other) => {
+            return Err(format!(
+                "args: expected an array of tables such as [{{ index = 0, type = \
+                 \"int\" }}], got {}",
+                other.type_str()
+            ));
+        }
+    };
+    let noexcept = match table.get("noexcept") {
+        None => false,
+        Some(toml::Value::Boolean(value)) => *value,
+        Some(other) => {
+            return Err(format!("noexcept: {other}; expected true or false"));
+        }
+    };
+    Ok((max_matches, args, noexcept))
 }
 
 fn parse_args(args: &[toml::Value]) -> Result<Vec<RuleArg>, String> {
