@@ -142,7 +142,7 @@ fn start_export(export: &ExportSettings) -> Result<Option<OtelPipeline>, LensErr
                     Spool::open(config).map_err(|reason| LensError::Output {
                         flag: "--spool-dir",
                         path: config.dir.clone(),
-                        reason,
+                        reason: reason.to_string(),
                     })
                 })
                 .transpose()?;
