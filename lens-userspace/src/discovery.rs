@@ -7,6 +7,11 @@ use crate::sys::{
     target::{self, ProcessInfo},
 };
 
+crate::error::reason_error! {
+    /// A `--match-env` filter that is not `KEY=VALUE`.
+    pub struct BadFilter;
+}
+
 /// The libraries that make a process a training process.
 pub fn is_training_library(kind: LibraryKind) -> bool {
     matches!(
@@ -32,10 +37,10 @@ pub struct NodeFilter {
 
 impl NodeFilter {
     /// Parses `KEY=VALUE` filters for `--match-env`.
-    pub fn parse_env(text: &str) -> Result<(String, String), String> {
+    pub fn parse_env(text: &str) -> Result<(String, String), BadFilter> {
         match text.split_once('=') {
             Some((key, value)) if !key.is_empty() => Ok((key.to_string(), value.to_string())),
-            _ => Err(format!("expected KEY=VALUE, got {text:?}")),
+            _ => Err(format!("expected KEY=VALUE, got {text:?}").into()),
         }
     }
 

@@ -177,3 +177,44 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
     }
     text
 }
+
+/// Declares an error that is one sentence for the user and nothing more: what a value
+/// parser, a config field or a file check found wrong. clap prints it after the flag,
+/// and a `LensError` variant carries it as its reason, so its text is the whole of it.
+macro_rules! reason_error {
+    ($(#[$doc:meta])* $vis:vis struct $name:ident;) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug, PartialEq, Eq)]
+        $vis struct $name(String);
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl std::error::Error for $name {}
+
+        // Read as its text where it is compared or passed on as one (a test, a warning).
+        impl std::ops::Deref for $name {
+            type Target = str;
+
+            fn deref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl From<String> for $name {
+            fn from(reason: String) -> Self {
+                $name(reason)
+            }
+        }
+
+        impl From<&str> for $name {
+            fn from(reason: &str) -> Self {
+                $name(reason.to_string())
+            }
+        }
+    };
+}
+pub(crate) use reason_error;

@@ -1,24 +1,25 @@
 //! The `lens-probe` binary: parse the command line and environment, check privileges,
 //! then run a session with its sinks and exporters and say how it ended (exit code).
-use std::{io::Write, process::ExitCode, sync::Arc};
+use std::{collections::BTreeMap, io::Write, process::ExitCode, sync::Arc};
 
 use lens_probe::{
     LensError,
     discovery::NodeFilter,
+    events::CollectiveOp,
     export::{
         config::{ExportSettings, ExporterKind},
         otlp::{Destination, ExportStats, OtelPipeline},
         spool::Spool,
     },
-    session::{Session, StopReason, TraceOptions},
+    session::{RunReport, Session, StopReason, TraceOptions},
     settings::{
         cli::{Cli, Rejected},
         config::ProbeRules,
     },
     sink::EventPrinter,
-    spans::{SpanBuilder, SpanExporter, console::ConsoleTree},
+    spans::{SpanBuilder, SpanExporter, console::ConsoleTree, stragglers::OpStragglers},
     summary::Summary,
-    sys::{output::OutputFile, privileges, target, teardown},
+    sys::{output::OutputFile, privileges, target, teardown, usage::OwnCpu},
 };
 
 fn main() -> ExitCode {
@@ -84,7 +85,40 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         log::warn!("{warning}");
     }
     // Forked while lens-probe is single-threaded (the exporter starts threads).
-    let guardian = match lens_probe::sys::guardian::Guardian::start() {
+    let guardian = start_guardian();
+    let mut pipeline = start_export(&export)?;
+    let session = new_session(&cli, &export, rules.clone(), guardian)?;
+    let summary_file = open_outputs(&cli)?;
+    let child = start_targets(session, &cli)?;
+    let traced = trace(session, &cli, rules, pipeline.as_mut())?;
+    // Its own cost beside the probe hits: the reader and the exporter, on the node's CPUs
+    // (read before the export's last flush, which the metric carries).
+    let own_cpu = lens_probe::sys::usage::OwnCpu::now(started.elapsed());
+    let export_stats = pipeline
+        .as_mut()
+        .map(|pipeline| finish_export(pipeline, &export, &traced.report, &own_cpu));
+    let at_exit = AtExit {
+        traced,
+        own_cpu,
+        late_attaches: session.late_attaches(),
+        export_stats,
+    };
+    at_exit.report();
+    if let Some(file) = summary_file {
+        at_exit.write_summary_json(file);
+    }
+    let Some(child) = child else {
+        // Without a command of its own (--pid, --node), lens-probe ends when told to:
+        // SIGINT/SIGTERM after the flush is success.
+        return Ok(0);
+    };
+    Ok(wait_for_command(child, &at_exit.traced.report, &cli))
+}
+
+/// The guardian lets a target stopped at a library load go if lens-probe dies; without
+/// one, tracing still works, with that risk said.
+fn start_guardian() -> Option<lens_probe::sys::guardian::Guardian> {
+    match lens_probe::sys::guardian::Guardian::start() {
         Ok(guardian) => Some(guardian),
         Err(error) => {
             log::warn!(
@@ -92,8 +126,12 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             );
             None
         }
-    };
-    let mut pipeline = match export.exporter {
+    }
+}
+
+/// The OTLP or file pipeline the spans go to; `None` for the console tree.
+fn start_export(export: &ExportSettings) -> Result<Option<OtelPipeline>, LensError> {
+    Ok(match export.exporter {
         ExporterKind::Console => None,
         ExporterKind::Otlp => {
             // Opened now, while lens-probe may still create a directory where root may.
@@ -104,7 +142,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
                     Spool::open(config).map_err(|reason| LensError::Output {
                         flag: "--spool-dir",
                         path: config.dir.clone(),
-                        reason,
+                        reason: reason.to_string(),
                     })
                 })
                 .transpose()?;
@@ -119,7 +157,15 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             export.service_name.clone(),
             None,
         )?),
-    };
+    })
+}
+
+fn new_session(
+    cli: &Cli,
+    export: &ExportSettings,
+    rules: Arc<ProbeRules>,
+    guardian: Option<lens_probe::sys::guardian::Guardian>,
+) -> Result<&'static mut Session, LensError> {
     // Never dropped: its uprobes are let go by a child after we exit (see `sys::teardown`).
     let session: &'static mut Session = Box::leak(Box::new(Session::new(TraceOptions {
         span_groups: cli.span_groups.clone(),
@@ -130,21 +176,30 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     session.set_export_strategy(export.strategy);
     session.set_hang_timeout(cli.hang_timeout.0);
     session.set_stop_grace(cli.stop_grace);
-    session.set_rules(rules.clone());
+    session.set_rules(rules);
     if let Some(guardian) = guardian {
         session.set_guardian(guardian);
     }
+    Ok(session)
+}
+
+/// Writes the pid file and opens the summary file, which is written at exit.
+fn open_outputs(cli: &Cli) -> Result<Option<OutputFile>, LensError> {
     // Fork before any runtime thread exists.
     if let Some(path) = &cli.pid_file {
         OutputFile::create("--pid-file", path)?
             .write_all(format!("{}\n", std::process::id()).as_bytes())?;
     }
     // Opened now, while lens-probe may still write where root may: written at exit.
-    let summary_file = cli
-        .summary_json
+    cli.summary_json
         .as_deref()
         .map(|path| OutputFile::create_replacing("--summary-json", path))
-        .transpose()?;
+        .transpose()
+}
+
+/// Attaches to the node's training processes, the --exec command (its pid returned) or
+/// the --pid ones, then gives up what tracing no longer needs.
+fn start_targets(session: &mut Session, cli: &Cli) -> Result<Option<u32>, LensError> {
     let child = if cli.node {
         let running = session.watch_node(NodeFilter {
             command_line: cli.match_command_line.clone(),
@@ -175,7 +230,24 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         session.attacher().uprobe_count(),
         cli.span_groups
     );
+    Ok(child)
+}
 
+/// What a traced run leaves for the report at exit.
+struct Traced {
+    summary: Summary,
+    report: RunReport,
+    stragglers: BTreeMap<CollectiveOp, OpStragglers>,
+}
+
+/// Runs the event loop until the run ends, feeding the summary, the -v printer and the
+/// spans, then warns of rules that matched nothing.
+fn trace(
+    session: &mut Session,
+    cli: &Cli,
+    rules: Arc<ProbeRules>,
+    pipeline: Option<&mut OtelPipeline>,
+) -> Result<Traced, LensError> {
     // Node mode runs for days over many processes: summaries of ended ones are dropped.
     let mut summary = if cli.node {
         Summary::forgetting().for_groups(&cli.span_groups)
@@ -183,7 +255,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
         Summary::default().for_groups(&cli.span_groups)
     };
     let printer = (cli.verbose >= 1).then(|| EventPrinter::new(std::io::stderr()));
-    let exporter: Box<dyn SpanExporter + '_> = match pipeline.as_mut() {
+    let exporter: Box<dyn SpanExporter + '_> = match pipeline {
         Some(pipeline) => Box::new(pipeline),
         None => Box::new(ConsoleTree::new(std::io::stderr()).with_all_attributes(cli.verbose >= 1)),
     };
@@ -200,48 +272,75 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     {
         log::warn!("{warning}");
     }
-    // Its own cost beside the probe hits: the reader and the exporter, on the node's CPUs
-    // (read before the export's last flush, which the metric carries).
-    let own_cpu = lens_probe::sys::usage::OwnCpu::now(started.elapsed());
-    let export_stats = pipeline.as_mut().map(|pipeline| {
-        let events_lost: Vec<(&'static str, u64)> = report
-            .losses
-            .kernel
-            .iter()
-            .map(|(cause, count)| (*cause, *count))
-            .collect();
-        let stats = pipeline.finish(&events_lost, Some(&own_cpu));
-        report_export(&export, stats);
-        stats
-    });
+    Ok(Traced {
+        summary,
+        report,
+        stragglers,
+    })
+}
 
-    lens_probe::say_raw!("{}", summary.render(&report.losses));
-    lens_probe::say_raw!("{}", lens_probe::spans::stragglers::render(&stragglers));
-    let late_attaches = session.late_attaches();
-    if late_attaches > 0 {
-        lens_probe::say!(
-            "lens-probe: {late_attaches} library loads attached late (the guardian let their \
-             process go on while lens-probe was held up): their first calls were not seen"
+/// Flushes the pipeline with the run's losses and own CPU, and says what became of the spans.
+fn finish_export(
+    pipeline: &mut OtelPipeline,
+    export: &ExportSettings,
+    report: &RunReport,
+    own_cpu: &OwnCpu,
+) -> ExportStats {
+    let events_lost: Vec<(&'static str, u64)> = report
+        .losses
+        .kernel
+        .iter()
+        .map(|(cause, count)| (*cause, *count))
+        .collect();
+    let stats = pipeline.finish(&events_lost, Some(own_cpu));
+    report_export(export, stats);
+    stats
+}
+
+/// Everything the run's end reports, on stderr and in --summary-json.
+struct AtExit {
+    traced: Traced,
+    own_cpu: OwnCpu,
+    late_attaches: u64,
+    export_stats: Option<ExportStats>,
+}
+
+impl AtExit {
+    fn report(&self) {
+        let report = &self.traced.report;
+        lens_probe::say_raw!("{}", self.traced.summary.render(&report.losses));
+        lens_probe::say_raw!(
+            "{}",
+            lens_probe::spans::stragglers::render(&self.traced.stragglers)
         );
+        let late_attaches = self.late_attaches;
+        if late_attaches > 0 {
+            lens_probe::say!(
+                "lens-probe: {late_attaches} library loads attached late (the guardian let their \
+                 process go on while lens-probe was held up): their first calls were not seen"
+            );
+        }
+        if let Some(budget) = &report.budget {
+            lens_probe::say!(
+                "lens-probe: overhead budget {}%: launch probes cost an estimated {:.2}% \
+                 ({:.0} ns a hit), in for {:.1}% of the time, {} sampled windows",
+                budget.budget_percent,
+                budget.estimated_percent,
+                budget.per_hit_ns,
+                budget.sampled_percent,
+                budget.windows
+            );
+        }
+        lens_probe::say_raw!("{}", self.own_cpu.render());
     }
-    if let Some(budget) = &report.budget {
-        lens_probe::say!(
-            "lens-probe: overhead budget {}%: launch probes cost an estimated {:.2}% \
-             ({:.0} ns a hit), in for {:.1}% of the time, {} sampled windows",
-            budget.budget_percent,
-            budget.estimated_percent,
-            budget.per_hit_ns,
-            budget.sampled_percent,
-            budget.windows
-        );
-    }
-    lens_probe::say_raw!("{}", own_cpu.render());
-    if let Some(file) = summary_file {
-        let mut json = summary.to_json(&report.losses);
+
+    fn write_summary_json(&self, file: OutputFile) {
+        let report = &self.traced.report;
+        let mut json = self.traced.summary.to_json(&report.losses);
         if let Some(object) = json.as_object_mut() {
             object.insert(
                 "lens_probe_cpu".into(),
-                serde_json::to_value(own_cpu).expect("CPU usage serialises"),
+                serde_json::to_value(self.own_cpu).expect("CPU usage serialises"),
             );
             if let Some(budget) = &report.budget {
                 object.insert(
@@ -250,7 +349,9 @@ fn run(cli: Cli) -> Result<i32, LensError> {
                 );
             }
             // By operation: collectives matched across ranks, times each rank was last.
-            let stragglers: std::collections::BTreeMap<&str, _> = stragglers
+            let stragglers: BTreeMap<&str, _> = self
+                .traced
+                .stragglers
                 .iter()
                 .map(|(op, stats)| (op.name(), stats))
                 .collect();
@@ -258,9 +359,9 @@ fn run(cli: Cli) -> Result<i32, LensError> {
                 "stragglers".into(),
                 serde_json::to_value(stragglers).expect("straggler stats serialise"),
             );
-            object.insert("late_attaches".into(), late_attaches.into());
+            object.insert("late_attaches".into(), self.late_attaches.into());
             // Every loss stderr reports is here too: spans the export lost, by cause.
-            if let Some(stats) = export_stats {
+            if let Some(stats) = self.export_stats {
                 object.insert(
                     "export".into(),
                     serde_json::json!({
@@ -282,12 +383,10 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             lens_probe::say!("lens-probe: {error}");
         }
     }
+}
 
-    let Some(child) = child else {
-        // Without a command of its own (--pid, --node), lens-probe ends when told to:
-        // SIGINT/SIGTERM after the flush is success.
-        return Ok(0);
-    };
+/// The --exec command's shell exit code, waiting for it if tracing stopped first.
+fn wait_for_command(child: u32, report: &RunReport, cli: &Cli) -> i32 {
     let exit = match report.child_exit {
         Some(exit) => exit,
         // Tracing stopped (--duration, a stop signal passed on to the command and its
@@ -306,7 +405,7 @@ fn run(cli: Cli) -> Result<i32, LensError> {
             target::wait_forwarding_stops(child)
         }
     };
-    Ok(exit.shell_code())
+    exit.shell_code()
 }
 
 /// Attaches every pid given. One that does not train (it maps none of the libraries:

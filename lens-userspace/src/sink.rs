@@ -8,6 +8,7 @@ use crate::{
     events::{ProbeEvent, PythonCaller},
     gpu_kernels::KernelLaunches,
     hangs::{HangReport, Resolved},
+    nccl::{DataType, RedOp},
     sys::target::{ExitStatus, ProcessInfo},
 };
 
@@ -198,10 +199,33 @@ fn called_from(caller: &PythonCaller) -> String {
     }
 }
 
-fn describe(event: &ProbeEvent) -> String {
-    fn us(ns: u64) -> f64 {
-        ns as f64 / 1_000.0
+fn us(ns: u64) -> f64 {
+    ns as f64 / 1_000.0
+}
+
+/// `dtype=… [bytes=…] [op=…] [peer=…]`: what a collective call was given, where it has it.
+fn collective_arguments(
+    event: &ProbeEvent,
+    datatype: Option<DataType>,
+    raw_datatype: i32,
+    redop: Option<RedOp>,
+    peer: Option<i32>,
+) -> String {
+    let dtype = datatype.map_or_else(|| format!("dtype({raw_datatype})"), |d| d.name().into());
+    let mut line = format!("dtype={dtype}");
+    if let Some(bytes) = event.bytes() {
+        line += &format!(" bytes={bytes}");
     }
+    if let Some(redop) = redop {
+        line += &format!(" op={}", redop.name());
+    }
+    if let Some(peer) = peer {
+        line += &format!(" peer={peer}");
+    }
+    line
+}
+
+fn describe(event: &ProbeEvent) -> String {
     match event {
         ProbeEvent::Collective {
             timing,
@@ -215,30 +239,15 @@ fn describe(event: &ProbeEvent) -> String {
             stream,
             result,
             python_caller,
-        } => {
-            let dtype =
-                datatype.map_or_else(|| format!("dtype({raw_datatype})"), |d| d.name().into());
-            let mut line = format!(
-                "[{}:{}] {} count={count} dtype={dtype}",
-                timing.tgid,
-                timing.tid,
-                op.span_name()
-            );
-            if let Some(bytes) = event.bytes() {
-                line += &format!(" bytes={bytes}");
-            }
-            if let Some(redop) = redop {
-                line += &format!(" op={}", redop.name());
-            }
-            if let Some(peer) = peer {
-                line += &format!(" peer={peer}");
-            }
-            line + &format!(
-                " comm={comm:#x} stream={stream:#x} ret={result} call={:.1}us{}",
-                us(timing.duration_ns()),
-                called_from(python_caller)
-            )
-        }
+        } => format!(
+            "[{}:{}] {} count={count} {} comm={comm:#x} stream={stream:#x} ret={result} call={:.1}us{}",
+            timing.tgid,
+            timing.tid,
+            op.span_name(),
+            collective_arguments(event, *datatype, *raw_datatype, *redop, *peer),
+            us(timing.duration_ns()),
+            called_from(python_caller)
+        ),
         ProbeEvent::SyncWait {
             timing,
             kind,

@@ -299,6 +299,27 @@ pub(crate) fn format_duration(ns: u64) -> String {
     }
 }
 
+/// The line on lost events, by cause.
+fn render_losses(out: &mut String, losses: &Losses) {
+    if losses.total() == 0 {
+        out.push_str("lens-probe: no events lost\n");
+    } else {
+        let causes: Vec<String> = losses
+            .kernel
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(cause, n)| format!("{cause} {n}"))
+            .chain((losses.undecodable > 0).then(|| format!("undecodable {}", losses.undecodable)))
+            .collect();
+        let _ = writeln!(
+            out,
+            "lens-probe: {} events lost ({})",
+            losses.total(),
+            causes.join(", ")
+        );
+    }
+}
+
 pub(crate) fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = n as f64;
@@ -337,143 +358,142 @@ impl Summary {
             );
         }
         for (pid, process) in self.processes.iter().filter(|(_, p)| p.trained()) {
-            let name = process.process.as_ref().map_or("?", |p| p.name.as_str());
-            let state = match (process.ended, process.exit) {
-                // Tracing stopped (--duration, SIGINT) while it runs on.
-                (false, _) | (true, None) => "still running".to_string(),
-                (true, Some(ExitStatus::Exited(code))) => format!("exited {code}"),
-                (true, Some(ExitStatus::Signaled(signal))) => format!("killed by signal {signal}"),
-                (true, _) => "exited".to_string(),
-            };
-            let _ = writeln!(out, "lens-probe summary: pid {pid} ({name}), {state}");
-            for comm in &process.communicators {
+            self.render_process(&mut out, *pid, process);
+        }
+        render_losses(&mut out, losses);
+        out
+    }
+
+    /// One trained process: its state, communicators, calls and probe cost.
+    fn render_process(&self, out: &mut String, pid: u32, process: &ProcessSummary) {
+        let name = process.process.as_ref().map_or("?", |p| p.name.as_str());
+        let state = match (process.ended, process.exit) {
+            // Tracing stopped (--duration, SIGINT) while it runs on.
+            (false, _) | (true, None) => "still running".to_string(),
+            (true, Some(ExitStatus::Exited(code))) => format!("exited {code}"),
+            (true, Some(ExitStatus::Signaled(signal))) => format!("killed by signal {signal}"),
+            (true, _) => "exited".to_string(),
+        };
+        let _ = writeln!(out, "lens-probe summary: pid {pid} ({name}), {state}");
+        for comm in &process.communicators {
+            let _ = writeln!(
+                out,
+                "  communicator {:#x}: rank {}/{}  id {:016x}{}",
+                comm.comm,
+                comm.rank,
+                comm.nranks,
+                comm.id_hash,
+                if comm.result != 0 {
+                    format!("  (init failed: ncclResult {})", comm.result)
+                } else {
+                    String::new()
+                }
+            );
+        }
+        self.render_collectives(out, process);
+        self.render_launches(out, process);
+        self.render_sync_waits(out, process);
+        if let Some(cost) = &process.probe_cost {
+            let _ = writeln!(
+                out,
+                "  probe cost: an estimated {} of the {} traced ({:.2} %)",
+                format_duration(cost.estimated_ns),
+                format_duration(cost.traced_ns),
+                cost.share() * 100.0
+            );
+        }
+    }
+
+    fn render_collectives(&self, out: &mut String, process: &ProcessSummary) {
+        if process.collectives.is_empty() {
+            out.push_str(&self.nothing("collectives"));
+        } else {
+            let _ = writeln!(
+                out,
+                "  {:<16} {:>8} {:>12} {:>12} {:>7}",
+                "collective", "calls", "bytes", "call time", "errors"
+            );
+            for (op, stats) in &process.collectives {
+                // The kernel counts every call; events lost on the way are said, not
+                // hidden: bytes and call time are of the calls received.
+                let counted = process
+                    .calls
+                    .iter()
+                    .filter(|(probe, _)| CollectiveOp::from_probe(**probe) == Some(*op))
+                    .map(|(_, count)| *count)
+                    .sum::<u64>();
+                let lost = counted.saturating_sub(stats.calls);
                 let _ = writeln!(
                     out,
-                    "  communicator {:#x}: rank {}/{}  id {:016x}{}",
-                    comm.comm,
-                    comm.rank,
-                    comm.nranks,
-                    comm.id_hash,
-                    if comm.result != 0 {
-                        format!("  (init failed: ncclResult {})", comm.result)
+                    "  {:<16} {:>8} {:>12} {:>12} {:>7}{}",
+                    op.name(),
+                    stats.calls.max(counted),
+                    bytes(stats.bytes),
+                    format_duration(stats.call_time_ns),
+                    stats.errors,
+                    if lost > 0 {
+                        format!("  ({lost} calls' events lost: bytes and time of the rest)")
                     } else {
                         String::new()
                     }
                 );
             }
-            if process.collectives.is_empty() {
-                out.push_str(&self.nothing("collectives"));
-            } else {
-                let _ = writeln!(
-                    out,
-                    "  {:<16} {:>8} {:>12} {:>12} {:>7}",
-                    "collective", "calls", "bytes", "call time", "errors"
-                );
-                for (op, stats) in &process.collectives {
-                    // The kernel counts every call; events lost on the way are said, not
-                    // hidden: bytes and call time are of the calls received.
-                    let counted = process
-                        .calls
-                        .iter()
-                        .filter(|(probe, _)| CollectiveOp::from_probe(**probe) == Some(*op))
-                        .map(|(_, count)| *count)
-                        .sum::<u64>();
-                    let lost = counted.saturating_sub(stats.calls);
-                    let _ = writeln!(
-                        out,
-                        "  {:<16} {:>8} {:>12} {:>12} {:>7}{}",
-                        op.name(),
-                        stats.calls.max(counted),
-                        bytes(stats.bytes),
-                        format_duration(stats.call_time_ns),
-                        stats.errors,
-                        if lost > 0 {
-                            format!("  ({lost} calls' events lost: bytes and time of the rest)")
-                        } else {
-                            String::new()
-                        }
-                    );
-                }
-            }
-            for (op, stats) in &process.gloo_collectives {
-                let _ = writeln!(
-                    out,
-                    "  {:<16} {:>8} {:>12} {:>12}",
-                    op.gloo_span_name(),
-                    stats.calls,
-                    "-",
-                    "-",
-                );
-            }
-            let launches = process.launches();
-            if launches.is_empty() {
-                out.push_str(&self.nothing("launches"));
-            } else {
-                let list: Vec<String> = launches
-                    .iter()
-                    .map(|(id, n)| format!("{} {n}", crate::probes::catalog::symbol(*id)))
-                    .collect();
-                let _ = writeln!(out, "  launches: {}", list.join(", "));
-            }
-            let driver = process.driver_launches();
-            if !driver.is_empty() {
-                let list: Vec<String> = driver
-                    .iter()
-                    .map(|(id, n)| format!("{} {n}", crate::probes::catalog::symbol(*id)))
-                    .collect();
-                let _ = writeln!(out, "  driver launches: {}", list.join(", "));
-            }
-            let syncs = process.sync_stats();
-            if syncs.is_empty() {
-                out.push_str(&self.nothing("sync waits"));
-            } else {
+        }
+        for (op, stats) in &process.gloo_collectives {
+            let _ = writeln!(
+                out,
+                "  {:<16} {:>8} {:>12} {:>12}",
+                op.gloo_span_name(),
+                stats.calls,
+                "-",
+                "-",
+            );
+        }
+    }
+
+    fn render_launches(&self, out: &mut String, process: &ProcessSummary) {
+        let launches = process.launches();
+        if launches.is_empty() {
+            out.push_str(&self.nothing("launches"));
+        } else {
+            let list: Vec<String> = launches
+                .iter()
+                .map(|(id, n)| format!("{} {n}", crate::probes::catalog::symbol(*id)))
+                .collect();
+            let _ = writeln!(out, "  launches: {}", list.join(", "));
+        }
+        let driver = process.driver_launches();
+        if !driver.is_empty() {
+            let list: Vec<String> = driver
+                .iter()
+                .map(|(id, n)| format!("{} {n}", crate::probes::catalog::symbol(*id)))
+                .collect();
+            let _ = writeln!(out, "  driver launches: {}", list.join(", "));
+        }
+    }
+
+    fn render_sync_waits(&self, out: &mut String, process: &ProcessSummary) {
+        let syncs = process.sync_stats();
+        if syncs.is_empty() {
+            out.push_str(&self.nothing("sync waits"));
+        } else {
+            let _ = writeln!(
+                out,
+                "  {:<16} {:>8} {:>12} {:>12} {:>12}",
+                "sync wait", "calls", "total", "p50", "p99"
+            );
+            for (kind, stats) in &syncs {
                 let _ = writeln!(
                     out,
                     "  {:<16} {:>8} {:>12} {:>12} {:>12}",
-                    "sync wait", "calls", "total", "p50", "p99"
-                );
-                for (kind, stats) in &syncs {
-                    let _ = writeln!(
-                        out,
-                        "  {:<16} {:>8} {:>12} {:>12} {:>12}",
-                        kind.name(),
-                        stats.calls,
-                        format_duration(stats.total_ns),
-                        format_duration(stats.p50_ns),
-                        format_duration(stats.p99_ns)
-                    );
-                }
-            }
-            if let Some(cost) = &process.probe_cost {
-                let _ = writeln!(
-                    out,
-                    "  probe cost: an estimated {} of the {} traced ({:.2} %)",
-                    format_duration(cost.estimated_ns),
-                    format_duration(cost.traced_ns),
-                    cost.share() * 100.0
+                    kind.name(),
+                    stats.calls,
+                    format_duration(stats.total_ns),
+                    format_duration(stats.p50_ns),
+                    format_duration(stats.p99_ns)
                 );
             }
         }
-        if losses.total() == 0 {
-            out.push_str("lens-probe: no events lost\n");
-        } else {
-            let causes: Vec<String> = losses
-                .kernel
-                .iter()
-                .filter(|(_, n)| **n > 0)
-                .map(|(cause, n)| format!("{cause} {n}"))
-                .chain(
-                    (losses.undecodable > 0).then(|| format!("undecodable {}", losses.undecodable)),
-                )
-                .collect();
-            let _ = writeln!(
-                out,
-                "lens-probe: {} events lost ({})",
-                losses.total(),
-                causes.join(", ")
-            );
-        }
-        out
     }
 
     /// The summary for scripts.

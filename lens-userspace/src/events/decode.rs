@@ -44,39 +44,9 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded, DecodeError> {
             wait_status: body::<raw::Exit>(bytes)?.wait_status,
         }),
         EventKind::Collective => Decoded::Probe(collective(h, probe()?, body(bytes)?)?),
-        EventKind::TimedCall => {
-            let call = body::<raw::TimedCall>(bytes)?;
-            let op = CollectiveOp::from_gloo_probe(probe()?)
-                .ok_or(DecodeError::UnknownProbe(h.probe))?;
-            Decoded::Probe(ProbeEvent::GlooCall {
-                timing: timing(h, &call.times),
-                op,
-                group: call.object,
-                comm: None,
-            })
-        }
-        EventKind::SyncWait => {
-            let call = body::<raw::SyncCall>(bytes)?;
-            Decoded::Probe(ProbeEvent::SyncWait {
-                timing: timing(h, &call.times),
-                kind: SyncKind::from_probe(probe()?).ok_or(DecodeError::UnknownProbe(h.probe))?,
-                handle: call.handle,
-                result: call.result,
-                python_caller: PythonCaller::from_code(call.python_caller),
-            })
-        }
-        EventKind::CommInit => {
-            let call = body::<raw::CommInitCall>(bytes)?;
-            expect_probe(h, &[ProbeId::NcclCommInitRank])?;
-            Decoded::Probe(ProbeEvent::CommInit {
-                timing: timing(h, &call.times),
-                comm: call.comm,
-                rank: call.rank,
-                nranks: call.nranks,
-                comm_id_hash: call.comm_id_hash,
-                result: call.result,
-            })
-        }
+        EventKind::TimedCall => Decoded::Probe(gloo_call(h, probe()?, body(bytes)?)?),
+        EventKind::SyncWait => Decoded::Probe(sync_wait(h, probe()?, body(bytes)?)?),
+        EventKind::CommInit => Decoded::Probe(comm_init(h, body(bytes)?)?),
         EventKind::Group => {
             let call = body::<raw::GroupCall>(bytes)?;
             expect_probe(h, &[ProbeId::NcclGroupStart, ProbeId::NcclGroupEnd])?;
@@ -212,6 +182,47 @@ fn instant(h: &RecordHeader, at_ns: u64) -> CallTiming {
 fn text(bytes: &[u8], len: u32) -> String {
     let len = (len as usize).min(bytes.len());
     String::from_utf8_lossy(&bytes[..len]).into_owned()
+}
+
+/// A gloo collective, seen at its entry (its return only told the enqueue).
+fn gloo_call(
+    h: &RecordHeader,
+    probe: ProbeId,
+    call: raw::TimedCall,
+) -> Result<ProbeEvent, DecodeError> {
+    let op = CollectiveOp::from_gloo_probe(probe).ok_or(DecodeError::UnknownProbe(h.probe))?;
+    Ok(ProbeEvent::GlooCall {
+        timing: timing(h, &call.times),
+        op,
+        group: call.object,
+        comm: None,
+    })
+}
+
+fn sync_wait(
+    h: &RecordHeader,
+    probe: ProbeId,
+    call: raw::SyncCall,
+) -> Result<ProbeEvent, DecodeError> {
+    Ok(ProbeEvent::SyncWait {
+        timing: timing(h, &call.times),
+        kind: SyncKind::from_probe(probe).ok_or(DecodeError::UnknownProbe(h.probe))?,
+        handle: call.handle,
+        result: call.result,
+        python_caller: PythonCaller::from_code(call.python_caller),
+    })
+}
+
+fn comm_init(h: &RecordHeader, call: raw::CommInitCall) -> Result<ProbeEvent, DecodeError> {
+    expect_probe(h, &[ProbeId::NcclCommInitRank])?;
+    Ok(ProbeEvent::CommInit {
+        timing: timing(h, &call.times),
+        comm: call.comm,
+        rank: call.rank,
+        nranks: call.nranks,
+        comm_id_hash: call.comm_id_hash,
+        result: call.result,
+    })
 }
 
 fn opt_i32(value: i32) -> Option<i32> {

@@ -35,6 +35,7 @@ use super::{
     spool::{DEFAULT_MAX_BYTES, SpoolConfig, parse_size},
     strategy::ExportStrategy,
 };
+use crate::settings::BadValue;
 use crate::{
     error::{LensError, Result},
     settings::cli::{self, Cli},
@@ -228,7 +229,7 @@ impl ExportSettings {
                 value: path.to_string_lossy().into_owned(),
                 key: EXPORT_FILE.flag,
             });
-            cli::check_output_file(path).map_err(|reason| given.invalid(reason))?;
+            cli::check_output_file(path).map_err(|reason| given.invalid(reason.to_string()))?;
         }
         if exporter == ExporterKind::Otlp {
             check_otlp_env(env)?;
@@ -239,7 +240,7 @@ impl ExportSettings {
             parse_metric_interval(&value).map_err(|reason| LensError::InvalidSetting {
                 key: ENV_METRIC_EXPORT_INTERVAL.into(),
                 value,
-                reason,
+                reason: reason.to_string(),
             })?;
         }
 
@@ -275,7 +276,9 @@ impl ExportSettings {
         let spool_dir = SPOOL_DIR.get(spool_dir.as_deref(), env);
         let spool_max = SPOOL_MAX.get(cli.spool_max.as_deref(), env);
         let max_bytes = match &spool_max {
-            Some(given) => parse_size(&given.value).map_err(|reason| given.invalid(reason))?,
+            Some(given) => {
+                parse_size(&given.value).map_err(|reason| given.invalid(reason.to_string()))?
+            }
             None => DEFAULT_MAX_BYTES,
         };
         let spool = match (spool_dir, spool_max) {
@@ -377,7 +380,7 @@ fn check_otlp_env(env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
             check_otlp_endpoint(&value).map_err(|reason| LensError::InvalidSetting {
                 key: endpoint,
                 value: crate::sys::target::redact_url_userinfo(&value),
-                reason,
+                reason: reason.to_string(),
             })?;
         }
         // opentelemetry-otlp parses it untrimmed; a blank one it ignores, as we do.
@@ -396,7 +399,7 @@ fn check_otlp_env(env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
         if let Some(value) = env(&headers) {
             check_otlp_headers(&value).map_err(|reason| LensError::InvalidSecretSetting {
                 key: headers,
-                reason,
+                reason: reason.to_string(),
             })?;
         }
         let compression = otlp_variable(signal, "COMPRESSION");
@@ -417,21 +420,19 @@ fn check_otlp_env(env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
 /// An OTLP endpoint as the OTLP exporter specification has it, and as both of
 /// opentelemetry-otlp's transports can use it: `http` or `https`, a host, an optional
 /// port, an optional path.
-pub fn check_otlp_endpoint(value: &str) -> std::result::Result<(), String> {
+pub fn check_otlp_endpoint(value: &str) -> std::result::Result<(), BadValue> {
     const EXPECTED: &str = "expected a URL such as http://collector:4317 (http or https)";
     if value.trim().is_empty() {
-        return Err(format!("empty; {EXPECTED}, or unset it"));
+        return Err(format!("empty; {EXPECTED}, or unset it").into());
     }
     if value.trim() != value {
-        return Err(format!("blanks around it; {EXPECTED}"));
+        return Err(format!("blanks around it; {EXPECTED}").into());
     }
     let Some((scheme, rest)) = value.split_once("://") else {
-        return Err(format!("no scheme; {EXPECTED}"));
+        return Err(format!("no scheme; {EXPECTED}").into());
     };
     if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
-        return Err(format!(
-            "scheme {scheme:?} is not http or https; {EXPECTED}"
-        ));
+        return Err(format!("scheme {scheme:?} is not http or https; {EXPECTED}").into());
     }
     let (authority, path) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
     let (userinfo, host_port) = match authority.rsplit_once('@') {
@@ -441,16 +442,16 @@ pub fn check_otlp_endpoint(value: &str) -> std::result::Result<(), String> {
     let port = if let Some(bracketed) = host_port.strip_prefix('[') {
         // An IPv6 literal.
         let Some((address, after)) = bracketed.split_once(']') else {
-            return Err(format!("unclosed [ in the host; {EXPECTED}"));
+            return Err(format!("unclosed [ in the host; {EXPECTED}").into());
         };
         let ipv6_char = |c: char| c.is_ascii_hexdigit() || c == ':' || c == '.';
         if !address.contains(':') || !address.chars().all(ipv6_char) {
-            return Err(format!("bad IPv6 address; {EXPECTED}"));
+            return Err(format!("bad IPv6 address; {EXPECTED}").into());
         }
         match after.strip_prefix(':') {
             Some(port) => Some(port),
             None if after.is_empty() => None,
-            None => return Err(format!("text after the IPv6 address; {EXPECTED}")),
+            None => return Err(format!("text after the IPv6 address; {EXPECTED}").into()),
         }
     } else {
         let (host, port) = match host_port.split_once(':') {
@@ -459,10 +460,10 @@ pub fn check_otlp_endpoint(value: &str) -> std::result::Result<(), String> {
         };
         let host_char = |c: char| c.is_ascii_alphanumeric() || "-._~%!$&'()*+,;=".contains(c);
         if host.is_empty() {
-            return Err(format!("no host; {EXPECTED}"));
+            return Err(format!("no host; {EXPECTED}").into());
         }
         if !host.chars().all(host_char) {
-            return Err(format!("bad character in the host; {EXPECTED}"));
+            return Err(format!("bad character in the host; {EXPECTED}").into());
         }
         port
     };
@@ -470,15 +471,11 @@ pub fn check_otlp_endpoint(value: &str) -> std::result::Result<(), String> {
         && !(port.bytes().all(|b| b.is_ascii_digit())
             && port.parse::<u16>().is_ok_and(|port| port > 0))
     {
-        return Err(format!(
-            "the port must be a number from 1 to 65535; {EXPECTED}"
-        ));
+        return Err(format!("the port must be a number from 1 to 65535; {EXPECTED}").into());
     }
     let url_char = |c: char| c.is_ascii_graphic() && !"\"<>\\^`{|}".contains(c);
     if !userinfo.chars().all(url_char) || !path.chars().all(url_char) {
-        return Err(format!(
-            "a blank or a character URLs do not take; {EXPECTED}"
-        ));
+        return Err(format!("a blank or a character URLs do not take; {EXPECTED}").into());
     }
     Ok(())
 }
@@ -488,7 +485,7 @@ pub fn check_otlp_endpoint(value: &str) -> std::result::Result<(), String> {
 /// without a word, so here each must be usable: an HTTP header name, a non-empty value of
 /// visible ASCII once decoded. Empty items (a trailing comma) are allowed. The reason
 /// never quotes a value.
-pub fn check_otlp_headers(value: &str) -> std::result::Result<(), String> {
+pub fn check_otlp_headers(value: &str) -> std::result::Result<(), BadValue> {
     const EXPECTED: &str = "expected comma-separated key=value pairs, values percent-encoded, such as \
          api-key=abc,tenant=t1";
     let tchar = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
@@ -498,22 +495,20 @@ pub fn check_otlp_headers(value: &str) -> std::result::Result<(), String> {
             continue;
         }
         let Some((key, raw)) = item.split_once('=') else {
-            return Err(format!("item {n} has no '='; {EXPECTED}"));
+            return Err(format!("item {n} has no '='; {EXPECTED}").into());
         };
         let key = key.trim();
         if key.is_empty() {
-            return Err(format!("item {n} has no key; {EXPECTED}"));
+            return Err(format!("item {n} has no key; {EXPECTED}").into());
         }
         if !key.chars().all(tchar) {
             // Not quoted: a malformed item may be a token.
-            return Err(format!(
-                "item {n}: the key is not an HTTP header name; {EXPECTED}"
-            ));
+            return Err(format!("item {n}: the key is not an HTTP header name; {EXPECTED}").into());
         }
         let decoded = percent_decode(raw.trim())
             .ok_or_else(|| format!("item {n} ({key}): bad percent-encoding; {EXPECTED}"))?;
         if decoded.is_empty() {
-            return Err(format!("item {n} ({key}) has an empty value; {EXPECTED}"));
+            return Err(format!("item {n} ({key}) has an empty value; {EXPECTED}").into());
         }
         if !decoded
             .iter()
@@ -521,7 +516,8 @@ pub fn check_otlp_headers(value: &str) -> std::result::Result<(), String> {
         {
             return Err(format!(
                 "item {n} ({key}): the value is not visible ASCII once decoded; {EXPECTED}"
-            ));
+            )
+            .into());
         }
     }
     Ok(())
@@ -542,7 +538,7 @@ fn percent_decode(text: &str) -> Option<Vec<u8>> {
 
 /// `OTEL_METRIC_EXPORT_INTERVAL`: a positive whole number of milliseconds (as
 /// [`super::metrics::export_interval`] reads it).
-pub fn parse_metric_interval(value: &str) -> std::result::Result<std::time::Duration, String> {
+pub fn parse_metric_interval(value: &str) -> std::result::Result<std::time::Duration, BadValue> {
     match value.trim().parse::<u64>() {
         Ok(ms) if ms > 0 => Ok(std::time::Duration::from_millis(ms)),
         _ => Err("expected a positive whole number of milliseconds, such as 60000".into()),

@@ -30,6 +30,13 @@ use opentelemetry_sdk::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::settings::BadValue;
+
+crate::error::reason_error! {
+    /// Why the spool could not be opened, or a batch kept in or read from it.
+    pub struct SpoolError;
+}
+
 /// `--spool-max` when not given.
 pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
 
@@ -42,7 +49,7 @@ pub struct SpoolConfig {
 
 /// A size as people write it: `1GiB`, `500MiB`, `64M`, `4096` (bytes); K/M/G/T are
 /// binary multiples with or without `iB`/`B`.
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub fn parse_size(text: &str) -> Result<u64, BadValue> {
     let text = text.trim();
     let digits = text
         .find(|c: char| !c.is_ascii_digit())
@@ -58,9 +65,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
         _ => {
-            return Err(format!(
-                "unknown unit {unit:?}; expected KiB, MiB, GiB or TiB"
-            ));
+            return Err(format!("unknown unit {unit:?}; expected KiB, MiB, GiB or TiB").into());
         }
     };
     let bytes = number
@@ -126,7 +131,7 @@ impl Spool {
     /// 0700: another user's files there would be read and sent, and the spans there are
     /// the jobs'), a directory below one another user could rename it in, and one another
     /// lens-probe has locked.
-    pub fn open(config: &SpoolConfig) -> Result<Spool, String> {
+    pub fn open(config: &SpoolConfig) -> Result<Spool, SpoolError> {
         let dir = &config.dir;
         match fs::symlink_metadata(dir) {
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
@@ -134,7 +139,7 @@ impl Spool {
                 fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
                     .map_err(|e| e.to_string())?;
             }
-            Err(error) => return Err(error.to_string()),
+            Err(error) => return Err(error.to_string().into()),
             Ok(meta) if meta.file_type().is_symlink() => {
                 return Err("is a symbolic link: lens-probe never writes through one".into());
             }
@@ -144,7 +149,8 @@ impl Spool {
                     "owned by uid {}, not by lens-probe's user: lens-probe writes there without \
                      the capability to override permissions",
                     meta.uid()
-                ));
+                )
+                .into());
             }
             Ok(meta) if meta.mode() & 0o077 != 0 => {
                 return Err(format!(
@@ -152,7 +158,8 @@ impl Spool {
                      what others put there would be read and sent; `chmod 700` it, or name a \
                      directory lens-probe creates",
                     meta.mode() & 0o7777
-                ));
+                )
+                .into());
             }
             Ok(_) => {}
         }
@@ -207,12 +214,12 @@ impl Spool {
 
     /// Keeps `spans` of `resource` for later. Returns the spans of the oldest files that
     /// went to make room (lost); an error if the batch could not be written (lost too).
-    pub fn keep(&self, resource: &Resource, spans: &[SpanData]) -> Result<u64, String> {
+    pub fn keep(&self, resource: &Resource, spans: &[SpanData]) -> Result<u64, SpoolError> {
         let batch = SpooledBatch::new(resource, spans);
         let text = serde_json::to_vec(&batch).map_err(|e| e.to_string())?;
         let bytes = text.len() as u64;
         if bytes > self.max_bytes {
-            return Err(format!("a batch of {bytes} bytes is larger than the spool"));
+            return Err(format!("a batch of {bytes} bytes is larger than the spool").into());
         }
         let mut files = self.files.lock().map_err(|_| "spool lock poisoned")?;
         let mut evicted = 0;
@@ -248,7 +255,7 @@ impl Spool {
                     self.dir.display()
                 );
             }
-            return Err(format!("{}: {error}", self.dir.display()));
+            return Err(format!("{}: {error}", self.dir.display()).into());
         }
         files.by_sequence.insert(
             sequence,
@@ -272,7 +279,8 @@ impl Spool {
         };
         let path = self.path(sequence, entry.spans);
         let read = read_batch_file(&path).and_then(|bytes| {
-            serde_json::from_slice::<SpooledBatch>(&bytes).map_err(|e| e.to_string())
+            serde_json::from_slice::<SpooledBatch>(&bytes)
+                .map_err(|e| SpoolError::from(e.to_string()))
         });
         Some(match read {
             Ok(batch) => {
@@ -310,7 +318,7 @@ impl Spool {
 /// Refuses a directory whose ancestors another user could change: one of theirs, or one
 /// they may write to without the sticky bit (they could rename the spool directory away
 /// and put their own in its place). As `sshd`'s StrictModes does.
-fn check_ancestors(dir: &Path) -> Result<(), String> {
+fn check_ancestors(dir: &Path) -> Result<(), SpoolError> {
     let dir = fs::canonicalize(dir).map_err(|e| e.to_string())?;
     for ancestor in dir.ancestors().skip(1) {
         let meta = fs::metadata(ancestor).map_err(|e| format!("{}: {e}", ancestor.display()))?;
@@ -321,7 +329,8 @@ fn check_ancestors(dir: &Path) -> Result<(), String> {
                  its place",
                 ancestor.display(),
                 meta.uid()
-            ));
+            )
+            .into());
         }
         if mode & 0o022 != 0 && mode & 0o1000 == 0 {
             return Err(format!(
@@ -329,14 +338,15 @@ fn check_ancestors(dir: &Path) -> Result<(), String> {
                  another directory in its place",
                 ancestor.display(),
                 mode & 0o7777
-            ));
+            )
+            .into());
         }
     }
     Ok(())
 }
 
 /// Locks `dir` for this lens-probe (until the returned file is closed).
-fn lock(dir: &Path) -> Result<fs::File, String> {
+fn lock(dir: &Path) -> Result<fs::File, SpoolError> {
     let path = dir.join(LOCK_FILE);
     let file = fs::OpenOptions::new()
         .read(true)
@@ -357,14 +367,15 @@ fn lock(dir: &Path) -> Result<fs::File, String> {
                 .to_string()
         } else {
             format!("{}: cannot lock: {error}", path.display())
-        });
+        }
+        .into());
     }
     Ok(file)
 }
 
 /// A spool file's bytes: not through a link, not blocking on a FIFO, only a regular file
 /// of lens-probe's user, at most [`MAX_FILE_BYTES`].
-fn read_batch_file(path: &Path) -> Result<Vec<u8>, String> {
+fn read_batch_file(path: &Path) -> Result<Vec<u8>, SpoolError> {
     use std::io::Read;
     let file = fs::OpenOptions::new()
         .read(true)
@@ -379,14 +390,15 @@ fn read_batch_file(path: &Path) -> Result<Vec<u8>, String> {
         return Err(format!(
             "{} bytes, more than a batch lens-probe writes ({MAX_FILE_BYTES})",
             meta.len()
-        ));
+        )
+        .into());
     }
     let mut bytes = Vec::with_capacity(meta.len() as usize);
     file.take(MAX_FILE_BYTES + 1)
         .read_to_end(&mut bytes)
         .map_err(|e| e.to_string())?;
     if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(format!("grew past {MAX_FILE_BYTES} bytes while read"));
+        return Err(format!("grew past {MAX_FILE_BYTES} bytes while read").into());
     }
     Ok(bytes)
 }

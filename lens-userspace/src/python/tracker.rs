@@ -88,6 +88,111 @@ fn module_matches(module: &str, filename: &str, main_script: Option<&str>) -> bo
         .any(|tail| filename == tail || filename.ends_with(&format!("/{tail}")))
 }
 
+/// The names of a sample's frames, outermost first. The outer frames this sample shares
+/// with the thread's last one (`last`) are the same calls, still running (an outer frame
+/// cannot end before the frames it called): their names are kept, not read again.
+/// Reading names costs a few system calls per frame, and on a loaded node a loader that
+/// reads every frame of every sample falls behind its targets (DCP saves went unseen so).
+fn name_frames(
+    reader: &mut CodeReader,
+    frames: &[PyFrame],
+    last: &[(PyFrame, Option<CodeName>)],
+) -> Vec<(PyFrame, Option<CodeName>)> {
+    let mut kept = 0;
+    frames
+        .iter()
+        .rev()
+        .map(|frame| {
+            if let Some((_, Some(name))) = last.get(kept).filter(|(f, _)| f == frame) {
+                kept += 1;
+                return (*frame, Some(name.clone()));
+            }
+            kept = usize::MAX;
+            (*frame, reader.name(frame.code).cloned())
+        })
+        .collect()
+}
+
+/// The rule calls named frames show, and the file of each one's function.
+fn matching_calls(
+    rules: &[PythonRule],
+    names: &[(PyFrame, Option<CodeName>)],
+    main_script: Option<&str>,
+) -> (Vec<OpenCall>, Vec<Option<String>>) {
+    let calls: Vec<OpenCall> = names
+        .iter()
+        .filter_map(|(frame, name)| {
+            let name = name.as_ref()?;
+            let rule = rules.iter().find(|rule| {
+                *rule.qualname == *name.qualname
+                    && module_matches(&rule.module, &name.filename, main_script)
+            })?;
+            Some(OpenCall {
+                rule: rule.index,
+                frame: *frame,
+            })
+        })
+        .collect();
+    let files: Vec<Option<String>> = calls
+        .iter()
+        .map(|call| {
+            names
+                .iter()
+                .find(|(frame, _)| *frame == call.frame)
+                .and_then(|(_, name)| name.as_ref().map(|n| n.filename.to_string()))
+        })
+        .collect();
+    (calls, files)
+}
+
+impl ThreadCalls {
+    /// A sample taken where the thread stopped in a probed C call the interpreter made:
+    /// its frame chain is whole, so what it shows holds now, without a second sample (a
+    /// framework save that then waits, unsampled, for the GIL or a peer is seen where it
+    /// began).
+    fn take_synchronous(&mut self, tgid: u32, tid: u32, sample: Tentative) -> Vec<ProbeEvent> {
+        self.tentative = None;
+        let target = sample
+            .calls
+            .iter()
+            .copied()
+            .zip(sample.files.iter().cloned())
+            .collect();
+        transition(tgid, tid, &mut self.open, target, &sample)
+    }
+
+    /// An asynchronous sample: what it and the tentative one before it agree on is taken,
+    /// and it is held as the next tentative one where it differs from the open calls.
+    fn take_confirmed(&mut self, tgid: u32, tid: u32, sample: Tentative) -> Vec<ProbeEvent> {
+        let mut calls = Vec::new();
+        if let Some(tentative) = self.tentative.take() {
+            // What both samples agree on: open calls either still shows stay; calls both
+            // show are opened.
+            let target: Vec<(OpenCall, Option<String>)> = self
+                .open
+                .iter()
+                .filter(|call| tentative.calls.contains(call) || sample.calls.contains(call))
+                .map(|call| (*call, None))
+                .chain(
+                    tentative
+                        .calls
+                        .iter()
+                        .zip(&tentative.files)
+                        .filter(|(call, _)| {
+                            sample.calls.contains(call) && !self.open.contains(call)
+                        })
+                        .map(|(call, file)| (*call, file.clone())),
+                )
+                .collect();
+            calls.extend(transition(tgid, tid, &mut self.open, target, &tentative));
+        }
+        if sample.calls != self.open {
+            self.tentative = Some(sample);
+        }
+        calls
+    }
+}
+
 impl PythonTracker {
     pub fn new(rules: Vec<PythonRule>) -> PythonTracker {
         PythonTracker {
@@ -202,29 +307,12 @@ impl PythonTracker {
         let Some(reader) = process.reader.as_mut() else {
             return Vec::new();
         };
-        // Outermost first. The outer frames this sample shares with the thread's last
-        // one are the same calls, still running (an outer frame cannot end before the
-        // frames it called): their names are kept, not read again. Reading names costs a
-        // few system calls per frame, and on a loaded node a loader that reads every
-        // frame of every sample falls behind its targets (DCP saves went unseen so).
         let last = process
             .threads
             .get_mut(tid)
             .map(|thread| std::mem::take(&mut thread.named))
             .unwrap_or_default();
-        let mut kept = 0;
-        let names: Vec<(PyFrame, Option<CodeName>)> = frames
-            .iter()
-            .rev()
-            .map(|frame| {
-                if let Some((_, Some(name))) = last.get(kept).filter(|(f, _)| f == frame) {
-                    kept += 1;
-                    return (*frame, Some(name.clone()));
-                }
-                kept = usize::MAX;
-                (*frame, reader.name(frame.code).cloned())
-            })
-            .collect();
+        let names = name_frames(reader, frames, &last);
         // The main thread's outermost frame is the script's body once it runs (during
         // start-up it is `site`'s or an import's: followed, not kept).
         if tid == tgid
@@ -233,32 +321,9 @@ impl PythonTracker {
         {
             process.main_script = Some(outermost.filename.clone());
         }
-        let main_script = process.main_script.clone();
-        let now: Vec<OpenCall> = names
-            .iter()
-            .filter_map(|(frame, name)| {
-                let name = name.as_ref()?;
-                let rule = self.rules.iter().find(|rule| {
-                    *rule.qualname == *name.qualname
-                        && module_matches(&rule.module, &name.filename, main_script.as_deref())
-                })?;
-                Some(OpenCall {
-                    rule: rule.index,
-                    frame: *frame,
-                })
-            })
-            .collect();
-        let files: Vec<Option<String>> = now
-            .iter()
-            .map(|call| {
-                names
-                    .iter()
-                    .find(|(frame, _)| *frame == call.frame)
-                    .and_then(|(_, name)| name.as_ref().map(|n| n.filename.to_string()))
-            })
-            .collect();
+        let (calls, files) = matching_calls(&self.rules, &names, process.main_script.as_deref());
         let sample = Tentative {
-            calls: now,
+            calls,
             at_ns: *at_ns,
             launches: *launches,
             epoch: *epoch,
@@ -275,53 +340,11 @@ impl PythonTracker {
         let thread = process.threads.entry(*tid).or_default();
         thread.last = (*at_ns, *launches, *epoch);
         thread.named = names;
-        let mut calls = Vec::new();
-        if *synchronous {
-            // Taken where the thread stopped in a probed C call the interpreter made: its
-            // frame chain is whole, so what it shows holds now, without a second sample
-            // (a framework save that then waits, unsampled, for the GIL or a peer is
-            // seen where it began).
-            thread.tentative = None;
-            let target = sample
-                .calls
-                .iter()
-                .copied()
-                .zip(sample.files.iter().cloned())
-                .collect();
-            calls.extend(transition(*tgid, *tid, &mut thread.open, target, &sample));
-            self.note_opened(&calls);
-            return calls;
-        }
-        if let Some(tentative) = thread.tentative.take() {
-            // What both samples agree on: open calls either still shows stay; calls both
-            // show are opened.
-            let target: Vec<(OpenCall, Option<String>)> = thread
-                .open
-                .iter()
-                .filter(|call| tentative.calls.contains(call) || sample.calls.contains(call))
-                .map(|call| (*call, None))
-                .chain(
-                    tentative
-                        .calls
-                        .iter()
-                        .zip(&tentative.files)
-                        .filter(|(call, _)| {
-                            sample.calls.contains(call) && !thread.open.contains(call)
-                        })
-                        .map(|(call, file)| (*call, file.clone())),
-                )
-                .collect();
-            calls.extend(transition(
-                *tgid,
-                *tid,
-                &mut thread.open,
-                target,
-                &tentative,
-            ));
-        }
-        if sample.calls != thread.open {
-            thread.tentative = Some(sample);
-        }
+        let calls = if *synchronous {
+            thread.take_synchronous(*tgid, *tid, sample)
+        } else {
+            thread.take_confirmed(*tgid, *tid, sample)
+        };
         self.note_opened(&calls);
         calls
     }

@@ -4,6 +4,7 @@
 //! one line naming the flag, or the variable when the value came from there, and the
 //! values it takes: exit status 2, before anything is loaded. As in NeMo Lens, a variable
 //! that is empty or blank counts as unset.
+use super::BadValue;
 use std::{
     ffi::OsString,
     io,
@@ -322,14 +323,14 @@ fn given(arg: &clap::Arg, args: &[OsString]) -> bool {
         })
 }
 
-fn parse_pid(text: &str) -> Result<u32, String> {
+fn parse_pid(text: &str) -> Result<u32, BadValue> {
     match text.trim().parse::<u32>() {
         Ok(pid) if pid > 0 && pid <= i32::MAX as u32 => Ok(pid),
         _ => Err("expected a process id, a positive integer such as 4242".into()),
     }
 }
 
-fn parse_match_text(text: &str) -> Result<String, String> {
+fn parse_match_text(text: &str) -> Result<String, BadValue> {
     if text.is_empty() {
         Err("expected some text: an empty one would match every process".into())
     } else {
@@ -345,10 +346,10 @@ fn output_file() -> impl TypedValueParser<Value = PathBuf> {
 /// Whether lens-probe can create or overwrite `path` (checked before anything runs, so
 /// that a file written at the end does not fail after the whole trace). Says what is
 /// wrong and what is expected.
-pub fn check_output_file(path: &Path) -> Result<(), String> {
+pub fn check_output_file(path: &Path) -> Result<(), BadValue> {
     const EXPECTED: &str = "expected a file lens-probe can create or overwrite";
     if path.as_os_str().is_empty() {
-        return Err(format!("empty path; {EXPECTED}"));
+        return Err(format!("empty path; {EXPECTED}").into());
     }
     if crate::sys::output::is_standard_stream(path) {
         return Ok(());
@@ -357,11 +358,13 @@ pub fn check_output_file(path: &Path) -> Result<(), String> {
         // Root writing through a link in a shared directory could overwrite any file.
         return Err(format!(
             "is a symbolic link, which lens-probe never writes through; {EXPECTED}"
-        ));
+        )
+        .into());
     }
     match std::fs::metadata(path) {
-        Ok(meta) if meta.is_dir() => Err(format!("is a directory; {EXPECTED}")),
-        Ok(_) => writable(path).map_err(|error| format!("cannot be written ({error}); {EXPECTED}")),
+        Ok(meta) if meta.is_dir() => Err(format!("is a directory; {EXPECTED}").into()),
+        Ok(_) => writable(path)
+            .map_err(|error| format!("cannot be written ({error}); {EXPECTED}").into()),
         Err(error)
             if matches!(
                 error.kind(),
@@ -378,19 +381,16 @@ pub fn check_output_file(path: &Path) -> Result<(), String> {
                         "cannot create a file in {} ({error}); {EXPECTED}",
                         parent.display()
                     )
+                    .into()
                 }),
-                Ok(_) => Err(format!(
-                    "{} is not a directory; {EXPECTED}",
-                    parent.display()
-                )),
-                Err(error) if error.kind() == io::ErrorKind::NotFound => Err(format!(
-                    "directory {} does not exist; {EXPECTED}",
-                    parent.display()
-                )),
-                Err(error) => Err(format!("{}: {error}; {EXPECTED}", parent.display())),
+                Ok(_) => Err(format!("{} is not a directory; {EXPECTED}", parent.display()).into()),
+                Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                    Err(format!("directory {} does not exist; {EXPECTED}", parent.display()).into())
+                }
+                Err(error) => Err(format!("{}: {error}; {EXPECTED}", parent.display()).into()),
             }
         }
-        Err(error) => Err(format!("{error}; {EXPECTED}")),
+        Err(error) => Err(format!("{error}; {EXPECTED}").into()),
     }
 }
 
@@ -406,38 +406,38 @@ fn writable(path: &Path) -> io::Result<()> {
     }
 }
 
-fn parse_uprobe_links(text: &str) -> Result<UprobeLinks, String> {
+fn parse_uprobe_links(text: &str) -> Result<UprobeLinks, BadValue> {
     text.parse()
 }
 
-fn parse_profile(text: &str) -> Result<Profile, String> {
+fn parse_profile(text: &str) -> Result<Profile, BadValue> {
     text.parse()
 }
 
-fn parse_span_groups(spec: &str) -> Result<SpanGroups, String> {
+fn parse_span_groups(spec: &str) -> Result<SpanGroups, BadValue> {
     spec.parse::<SpanGroups>().map_err(|error| match error {
-        crate::error::LensError::InvalidSetting { reason, .. } => reason,
-        other => other.to_string(),
+        crate::error::LensError::InvalidSetting { reason, .. } => reason.into(),
+        other => other.to_string().into(),
     })
 }
 
 /// `--duration`: a positive duration with a unit (`30s`, `5m`, `1h 30m`), or a number of
 /// seconds.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
+pub fn parse_duration(text: &str) -> Result<Duration, BadValue> {
     const EXPECTED: &str = "expected a positive duration such as 30s, 5m or 1h";
     let text = text.trim();
     // A bare number means seconds.
     let duration = if let Ok(seconds) = text.parse::<f64>() {
         match Duration::try_from_secs_f64(seconds) {
             Ok(duration) if !duration.is_zero() => duration,
-            Err(_) if seconds > 0.0 => return Err(format!("too long; {EXPECTED}")),
+            Err(_) if seconds > 0.0 => return Err(format!("too long; {EXPECTED}").into()),
             _ => return Err(EXPECTED.into()),
         }
     } else {
         match humantime::parse_duration(text) {
             Ok(duration) if !duration.is_zero() => duration,
             Ok(_) => return Err(EXPECTED.into()),
-            Err(error) => return Err(format!("{error}; {EXPECTED}")),
+            Err(error) => return Err(format!("{error}; {EXPECTED}").into()),
         }
     };
     // Deadlines are the clock now plus this: beyond what the clock can hold, a run would
@@ -446,7 +446,8 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         return Err(format!(
             "longer than {} days; {EXPECTED}",
             MAX_DURATION.as_secs() / 86_400
-        ));
+        )
+        .into());
     }
     Ok(duration)
 }
@@ -458,13 +459,13 @@ pub const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 86_400);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HangTimeout(pub Option<Duration>);
 
-fn parse_hang_timeout(text: &str) -> Result<HangTimeout, String> {
+fn parse_hang_timeout(text: &str) -> Result<HangTimeout, BadValue> {
     if matches!(text.trim(), "0" | "0s" | "off") {
         return Ok(HangTimeout(None));
     }
     parse_duration(text)
         .map(|duration| HangTimeout(Some(duration)))
-        .map_err(|error| format!("{error} (or 0 for off)"))
+        .map_err(|error| format!("{error} (or 0 for off)").into())
 }
 
 #[cfg(test)]
@@ -643,18 +644,21 @@ mod tests {
         assert!(
             check_output_file(&dir)
                 .unwrap_err()
+                .to_string()
                 .starts_with("is a directory")
         );
         let under_file = file.join("x");
         assert!(
             check_output_file(&under_file)
                 .unwrap_err()
+                .to_string()
                 .contains("summary.json is not a directory")
         );
         let missing = dir.join("missing").join("x");
         assert!(
             check_output_file(&missing)
                 .unwrap_err()
+                .to_string()
                 .starts_with("directory ")
         );
         assert!(check_output_file(Path::new("")).is_err());
@@ -686,7 +690,7 @@ mod tests {
         assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
         // Fits a Duration but not the clock plus it: refused here, not a panic later.
         for huge in ["9223372036854775807s", "9223372036854775807", "400000d"] {
-            let error = parse_duration(huge).unwrap_err();
+            let error = parse_duration(huge).unwrap_err().to_string();
             assert!(
                 error.starts_with("longer than 3650 days"),
                 "{huge}: {error}"

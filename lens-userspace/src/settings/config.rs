@@ -6,6 +6,7 @@
 //! Everything is checked before anything is loaded: a bad file is one line naming the
 //! file, the rule (its number and line) and the field, with the values it takes (exit
 //! status 2, [`LensError::InvalidConfig`]).
+use super::BadValue;
 use std::path::{Path, PathBuf};
 
 use lens_common::{MAX_RULES, RULE_ARGS};
@@ -142,7 +143,7 @@ pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 /// The contents of a config file: a regular file (a FIFO or a device is never opened
 /// for reading in a way that could block or run forever) of at most
 /// [`MAX_CONFIG_BYTES`], UTF-8.
-fn read_config_file(path: &Path) -> Result<String, String> {
+fn read_config_file(path: &Path) -> Result<String, BadValue> {
     use std::{io::Read, os::unix::fs::OpenOptionsExt};
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -161,7 +162,8 @@ fn read_config_file(path: &Path) -> Result<String, String> {
             "{} bytes, over the {} KiB limit of a config file",
             meta.len(),
             MAX_CONFIG_BYTES >> 10
-        ));
+        )
+        .into());
     }
     let mut bytes = Vec::new();
     // A file that grows while it is read is still cut at the limit.
@@ -172,7 +174,8 @@ fn read_config_file(path: &Path) -> Result<String, String> {
         return Err(format!(
             "over the {} KiB limit of a config file",
             MAX_CONFIG_BYTES >> 10
-        ));
+        )
+        .into());
     }
     String::from_utf8(bytes).map_err(|_| "not UTF-8 text; expected a TOML file".into())
 }
@@ -188,7 +191,7 @@ impl ProbeRules {
                 path: path.to_path_buf(),
                 reason,
             };
-            let text = read_config_file(path).map_err(invalid)?;
+            let text = read_config_file(path).map_err(|error| invalid(error.to_string()))?;
             rules
                 .add_toml(&text, &path.display().to_string())
                 .map_err(|error| match error {
@@ -341,48 +344,24 @@ fn leak(text: &str) -> &'static str {
     Box::leak(text.to_string().into_boxed_str())
 }
 
-fn string_field<'a>(table: &'a toml::Table, key: &str) -> Result<Option<&'a str>, String> {
+fn string_field<'a>(table: &'a toml::Table, key: &str) -> Result<Option<&'a str>, BadValue> {
     match table.get(key) {
         None => Ok(None),
         Some(toml::Value::String(text)) if text.trim().is_empty() => {
-            Err(format!("{key}: empty; expected a non-empty string"))
+            Err(format!("{key}: empty; expected a non-empty string").into())
         }
         Some(toml::Value::String(text)) => Ok(Some(text)),
-        Some(other) => Err(format!(
-            "{key}: expected a string, got {}",
-            other.type_str()
-        )),
+        Some(other) => Err(format!("{key}: expected a string, got {}", other.type_str()).into()),
     }
 }
 
-fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, String> {
+fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, BadValue> {
     for key in table.keys() {
         if !RULE_FIELDS.contains(&key.as_str()) {
-            return Err(format!(
-                "unknown field {key:?}; valid: {}",
-                RULE_FIELDS.join(", ")
-            ));
+            return Err(format!("unknown field {key:?}; valid: {}", RULE_FIELDS.join(", ")).into());
         }
     }
-    let group_names = rule_groups();
-    let group = match string_field(table, "group")? {
-        None => {
-            return Err(format!("group: missing; valid: {}", group_names.join(", ")));
-        }
-        Some(name) => {
-            let lower = name.trim().to_ascii_lowercase();
-            SpanGroup::ALL
-                .into_iter()
-                .filter(|g| *g != SpanGroup::Job)
-                .find(|g| g.name() == lower)
-                .ok_or_else(|| {
-                    format!(
-                        "group: unknown group {name:?}; valid: {}",
-                        group_names.join(", ")
-                    )
-                })?
-        }
-    };
+    let group = parse_group(table)?;
     let name = match string_field(table, "name")? {
         // Printed on the console and in logs as it is: no control characters.
         Some(name) if name.chars().any(char::is_control) => {
@@ -390,7 +369,8 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
                 "name: {} holds control characters (a newline, an escape): a span name \
                  is one printable line",
                 crate::sys::text::printable(name)
-            ));
+            )
+            .into());
         }
         Some(name) => leak(name.trim()),
         None => default_span_name(group),
@@ -410,7 +390,7 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
         (None, Some(python)) => {
             for key in ["library", "args", "max_matches", "noexcept"] {
                 if table.contains_key(key) {
-                    return Err(format!("{key}: only for native rules (symbol = ...)"));
+                    return Err(format!("{key}: only for native rules (symbol = ...)").into());
                 }
             }
             let (module, qualname) = parse_python(python)?;
@@ -432,33 +412,7 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
                         .into(),
                 );
             };
-            let max_matches = match table.get("max_matches") {
-                None => DEFAULT_MAX_MATCHES,
-                Some(toml::Value::Integer(n)) if (1..=4096).contains(n) => *n as u32,
-                Some(other) => {
-                    return Err(format!(
-                        "max_matches: {other}; expected an integer from 1 to 4096"
-                    ));
-                }
-            };
-            let args = match table.get("args") {
-                None => Vec::new(),
-                Some(toml::Value::Array(args)) => parse_args(args)?,
-                Some(other) => {
-                    return Err(format!(
-                        "args: expected an array of tables such as [{{ index = 0, type = \
-                         \"int\" }}], got {}",
-                        other.type_str()
-                    ));
-                }
-            };
-            let noexcept = match table.get("noexcept") {
-                None => false,
-                Some(toml::Value::Boolean(value)) => *value,
-                Some(other) => {
-                    return Err(format!("noexcept: {other}; expected true or false"));
-                }
-            };
+            let (max_matches, args, noexcept) = native_options(table)?;
             let symbol = SymbolPattern::new(symbol.trim());
             if symbol.names_cpp() && !noexcept {
                 return Err(format!(
@@ -468,7 +422,8 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
                      probe a C function or one that catches every exception (a Python \
                      binding), or add noexcept = true if no exception can leave it",
                     symbol.text()
-                ));
+                )
+                .into());
             }
             Ok(Rule::Native(NativeRule {
                 index,
@@ -485,7 +440,61 @@ fn parse_rule(table: &toml::Table, index: u32, origin: &str) -> Result<Rule, Str
     }
 }
 
-fn parse_args(args: &[toml::Value]) -> Result<Vec<RuleArg>, String> {
+/// The rule's span group: any but `job`, named in any case.
+fn parse_group(table: &toml::Table) -> Result<SpanGroup, BadValue> {
+    let group_names = rule_groups();
+    Ok(match string_field(table, "group")? {
+        None => {
+            return Err(format!("group: missing; valid: {}", group_names.join(", ")).into());
+        }
+        Some(name) => {
+            let lower = name.trim().to_ascii_lowercase();
+            SpanGroup::ALL
+                .into_iter()
+                .filter(|g| *g != SpanGroup::Job)
+                .find(|g| g.name() == lower)
+                .ok_or_else(|| {
+                    format!(
+                        "group: unknown group {name:?}; valid: {}",
+                        group_names.join(", ")
+                    )
+                })?
+        }
+    })
+}
+
+/// A native rule's `max_matches`, `args` and `noexcept`, defaults where not given.
+fn native_options(table: &toml::Table) -> Result<(u32, Vec<RuleArg>, bool), BadValue> {
+    let max_matches = match table.get("max_matches") {
+        None => DEFAULT_MAX_MATCHES,
+        Some(toml::Value::Integer(n)) if (1..=4096).contains(n) => *n as u32,
+        Some(other) => {
+            return Err(format!("max_matches: {other}; expected an integer from 1 to 4096").into());
+        }
+    };
+    let args = match table.get("args") {
+        None => Vec::new(),
+        Some(toml::Value::Array(args)) => parse_args(args)?,
+        Some(other) => {
+            return Err(format!(
+                "args: expected an array of tables such as [{{ index = 0, type = \
+                 \"int\" }}], got {}",
+                other.type_str()
+            )
+            .into());
+        }
+    };
+    let noexcept = match table.get("noexcept") {
+        None => false,
+        Some(toml::Value::Boolean(value)) => *value,
+        Some(other) => {
+            return Err(format!("noexcept: {other}; expected true or false").into());
+        }
+    };
+    Ok((max_matches, args, noexcept))
+}
+
+fn parse_args(args: &[toml::Value]) -> Result<Vec<RuleArg>, BadValue> {
     let types: Vec<&str> = ArgType::ALL.iter().map(|(name, _)| *name).collect();
     let mut parsed: Vec<RuleArg> = Vec::new();
     for (n, arg) in args.iter().enumerate() {
@@ -493,14 +502,16 @@ fn parse_args(args: &[toml::Value]) -> Result<Vec<RuleArg>, String> {
         let toml::Value::Table(arg) = arg else {
             return Err(format!(
                 "{here}: expected a table such as {{ index = 0, type = \"int\" }}"
-            ));
+            )
+            .into());
         };
         for key in arg.keys() {
             if !ARG_FIELDS.contains(&key.as_str()) {
                 return Err(format!(
                     "{here}: unknown field {key:?}; valid: {}",
                     ARG_FIELDS.join(", ")
-                ));
+                )
+                .into());
             }
         }
         let index = match arg.get("index") {
@@ -509,18 +520,18 @@ fn parse_args(args: &[toml::Value]) -> Result<Vec<RuleArg>, String> {
                 return Err(format!(
                     "{here}.index: {other}; expected 0 to {} (the argument registers)",
                     RULE_ARGS - 1
-                ));
+                )
+                .into());
             }
             None => {
-                return Err(format!(
-                    "{here}.index: missing; expected 0 to {}",
-                    RULE_ARGS - 1
-                ));
+                return Err(
+                    format!("{here}.index: missing; expected 0 to {}", RULE_ARGS - 1).into(),
+                );
             }
         };
         let kind = match string_field(arg, "type").map_err(|e| format!("{here}.{e}"))? {
             None => {
-                return Err(format!("{here}.type: missing; valid: {}", types.join(", ")));
+                return Err(format!("{here}.type: missing; valid: {}", types.join(", ")).into());
             }
             Some(name) => ArgType::ALL
                 .iter()
@@ -538,12 +549,12 @@ fn parse_args(args: &[toml::Value]) -> Result<Vec<RuleArg>, String> {
             None => leak(&format!("{}{index}", semconv::LENS_PROBE_ARG_PREFIX)),
         };
         if kind.is_string() && parsed.iter().any(|a| a.kind.is_string()) {
-            return Err(format!(
-                "{here}: a second string argument; a rule reads at most one"
-            ));
+            return Err(
+                format!("{here}: a second string argument; a rule reads at most one").into(),
+            );
         }
         if parsed.iter().any(|a| a.attribute == attribute) {
-            return Err(format!("{here}.attribute: {attribute:?} given twice"));
+            return Err(format!("{here}.attribute: {attribute:?} given twice").into());
         }
         parsed.push(RuleArg {
             index,
@@ -555,10 +566,10 @@ fn parse_args(args: &[toml::Value]) -> Result<Vec<RuleArg>, String> {
 }
 
 /// `package.module:Class.method` → (module, qualified name).
-fn parse_python(text: &str) -> Result<(String, String), String> {
+fn parse_python(text: &str) -> Result<(String, String), BadValue> {
     const EXPECTED: &str = "expected \"module.path:function\" or \"module.path:Class.method\"";
     let Some((module, qualname)) = text.trim().split_once(':') else {
-        return Err(format!("python: {text:?}; {EXPECTED}"));
+        return Err(format!("python: {text:?}; {EXPECTED}").into());
     };
     let dotted = |part: &str| {
         !part.is_empty()
@@ -569,7 +580,7 @@ fn parse_python(text: &str) -> Result<(String, String), String> {
             })
     };
     if !dotted(module) || !dotted(qualname) {
-        return Err(format!("python: {text:?}; {EXPECTED}"));
+        return Err(format!("python: {text:?}; {EXPECTED}").into());
     }
     Ok((module.to_string(), qualname.to_string()))
 }

@@ -1,4 +1,5 @@
 //! How uprobes go into the kernel (`--uprobe-links`): a setting the attaching reads.
+use super::BadValue;
 
 /// How uprobes go into the kernel (`--uprobe-links`, `LENS_PROBE_UPROBE_LINKS`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -26,16 +27,19 @@ impl UprobeLinks {
 }
 
 impl std::str::FromStr for UprobeLinks {
-    type Err = String;
+    type Err = BadValue;
 
-    fn from_str(text: &str) -> std::result::Result<UprobeLinks, String> {
+    fn from_str(text: &str) -> std::result::Result<UprobeLinks, BadValue> {
         let lower = text.trim().to_ascii_lowercase();
         UprobeLinks::ALL
             .into_iter()
             .find(|links| links.name() == lower)
             .ok_or_else(|| {
                 let names: Vec<&str> = UprobeLinks::ALL.iter().map(|l| l.name()).collect();
-                format!("unknown uprobe link kind; valid: {}", names.join(", "))
+                BadValue::from(format!(
+                    "unknown uprobe link kind; valid: {}",
+                    names.join(", ")
+                ))
             })
     }
 }

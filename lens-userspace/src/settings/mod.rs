@@ -6,3 +6,8 @@ pub mod config;
 pub mod groups;
 pub mod links;
 pub mod profiles;
+
+crate::error::reason_error! {
+    /// A value the user gave that lens-probe cannot take: what is wrong, and what it takes.
+    pub struct BadValue;
+}

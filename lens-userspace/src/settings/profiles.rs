@@ -1,6 +1,7 @@
 //! The built-in rules: the profiles `--profile` selects (Megatron-LM, NeMo-RL) and the
 //! save and load functions of the frameworks people train with, which every run probes.
 //! Both in the config file's own format, parsed by `config`.
+use super::BadValue;
 use std::{fmt, str::FromStr};
 
 /// A built-in set of rules, selected with `--profile`.
@@ -68,16 +69,16 @@ impl fmt::Display for Profile {
 }
 
 impl FromStr for Profile {
-    type Err = String;
+    type Err = BadValue;
 
-    fn from_str(text: &str) -> Result<Profile, String> {
+    fn from_str(text: &str) -> Result<Profile, BadValue> {
         let lower = text.trim().to_ascii_lowercase();
         Profile::ALL
             .into_iter()
             .find(|p| p.name() == lower || p.name().replace('-', "_") == lower)
             .ok_or_else(|| {
                 let names: Vec<&str> = Profile::ALL.iter().map(|p| p.name()).collect();
-                format!("unknown profile; valid: {}", names.join(", "))
+                BadValue::from(format!("unknown profile; valid: {}", names.join(", ")))
             })
     }
 }

@@ -12,6 +12,11 @@ use std::{
 
 use crate::error::LensError;
 
+crate::error::reason_error! {
+    /// Why an output file could not be opened, as its flag's error says it.
+    struct OpenFailed;
+}
+
 /// An output file, open for writing.
 #[derive(Debug)]
 pub struct OutputFile {
@@ -53,7 +58,7 @@ impl OutputFile {
             Some(stream) => stream,
             None => open(path),
         }
-        .map_err(|reason| output_error(flag, path, reason))?;
+        .map_err(|reason| output_error(flag, path, reason.to_string()))?;
         Ok(OutputFile {
             flag,
             path: path.to_path_buf(),
@@ -168,7 +173,7 @@ pub fn is_standard_stream(path: &Path) -> bool {
     path == Path::new("/dev/stdout") || path == Path::new("/dev/stderr")
 }
 
-fn standard_stream(path: &Path) -> Option<Result<File, String>> {
+fn standard_stream(path: &Path) -> Option<Result<File, OpenFailed>> {
     use std::os::fd::AsFd;
     let copy = if path == Path::new("/dev/stdout") {
         io::stdout().as_fd().try_clone_to_owned()
@@ -177,10 +182,10 @@ fn standard_stream(path: &Path) -> Option<Result<File, String>> {
     } else {
         return None;
     };
-    Some(copy.map(File::from).map_err(|e| e.to_string()))
+    Some(copy.map(File::from).map_err(|e| e.to_string().into()))
 }
 
-fn open(path: &Path) -> Result<File, String> {
+fn open(path: &Path) -> Result<File, OpenFailed> {
     let file = OpenOptions::new()
         .write(true)
         .create(true)

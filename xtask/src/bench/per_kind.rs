@@ -73,7 +73,7 @@ impl Kind {
         }
     }
 
-    /// lens-probe's programs on this function (lens-userspace/src/probes/catalog.rs).
+    /// lens-probe's programs on this function (lens-userspace/src/probes/catalog/table.rs).
     fn programs(self) -> &'static str {
         match self {
             Kind::Launch => {

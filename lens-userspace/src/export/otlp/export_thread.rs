@@ -29,33 +29,8 @@ pub(super) fn export_thread(
     counters: Arc<Counters>,
     ready: mpsc::Sender<Result<()>>,
 ) {
-    // One worker thread: the exports it runs go on while this thread waits for spans.
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("lens-export-io")
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            let _ = ready.send(Err(error.into()));
-            return;
-        }
-    };
-    // Built inside the runtime: the gRPC channel spawns its connection task there.
-    let sink = {
-        let _guard = runtime.enter();
-        Sink::build(&destination, spool)
-    };
-    let mut sink = match sink {
-        Ok(sink) => {
-            let _ = ready.send(Ok(()));
-            sink
-        }
-        Err(error) => {
-            let _ = ready.send(Err(error));
-            return;
-        }
+    let Some((runtime, mut sink)) = start_backend(&destination, spool, &ready) else {
+        return;
     };
     let mut batches: HashMap<u32, (Arc<Resource>, Vec<SpanData>, Instant)> = HashMap::new();
     let mut readers: HashMap<u32, SharedReader> = HashMap::new();
@@ -84,16 +59,7 @@ pub(super) fn export_thread(
         sink.export(&runtime, resource, batch, &counters);
     };
     loop {
-        let message = match queue.try_recv() {
-            Ok(message) => Ok(message),
-            Err(TryRecvError::Empty) => {
-                // Woken for a full batch, a control message or the end (see
-                // `OtelPipeline::wake_export_thread`), else on this timer.
-                std::thread::park_timeout(IDLE_WAKE);
-                Err(TryRecvError::Empty)
-            }
-            Err(TryRecvError::Disconnected) => Err(TryRecvError::Disconnected),
-        };
+        let message = next_message(&queue);
         match message {
             Ok(Message::Span(pid, resource, data)) => {
                 counters.queued.fetch_sub(1, Ordering::Relaxed);
@@ -151,5 +117,55 @@ pub(super) fn export_thread(
                 send(batch, &resource, &mut sink);
             }
         }
+    }
+}
+
+/// The tokio runtime and the backend it drives, or `None` once the error went to `ready`.
+fn start_backend(
+    destination: &Destination,
+    spool: Option<Arc<Spool>>,
+    ready: &mpsc::Sender<Result<()>>,
+) -> Option<(tokio::runtime::Runtime, Sink)> {
+    // One worker thread: the exports it runs go on while this thread waits for spans.
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("lens-export-io")
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            let _ = ready.send(Err(error.into()));
+            return None;
+        }
+    };
+    // Built inside the runtime: the gRPC channel spawns its connection task there.
+    let sink = {
+        let _guard = runtime.enter();
+        Sink::build(destination, spool)
+    };
+    match sink {
+        Ok(sink) => {
+            let _ = ready.send(Ok(()));
+            Some((runtime, sink))
+        }
+        Err(error) => {
+            let _ = ready.send(Err(error));
+            None
+        }
+    }
+}
+
+/// The next message, or `Empty` after a wait with none.
+fn next_message(queue: &Receiver<Message>) -> std::result::Result<Message, TryRecvError> {
+    match queue.try_recv() {
+        Ok(message) => Ok(message),
+        Err(TryRecvError::Empty) => {
+            // Woken for a full batch, a control message or the end (see
+            // `OtelPipeline::wake_export_thread`), else on this timer.
+            std::thread::park_timeout(IDLE_WAKE);
+            Err(TryRecvError::Empty)
+        }
+        Err(TryRecvError::Disconnected) => Err(TryRecvError::Disconnected),
     }
 }

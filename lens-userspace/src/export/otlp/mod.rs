@@ -123,7 +123,7 @@ struct Counters {
 
 impl Counters {
     /// Counts what became of a batch of `spans`; the first failure is said once.
-    fn record_export(&self, spans: u64, result: std::result::Result<(), String>) {
+    fn record_export(&self, spans: u64, result: std::result::Result<(), senders::ExportFailed>) {
         match result {
             Ok(()) => {
                 self.exported.fetch_add(spans, Ordering::Relaxed);

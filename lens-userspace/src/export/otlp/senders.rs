@@ -17,6 +17,11 @@ use super::{Counters, Destination, IN_FLIGHT};
 use crate::error::{LensError, Result};
 use crate::export::spool::Spool;
 
+crate::error::reason_error! {
+    /// Why a batch was not exported (nor kept in the spool).
+    pub(super) struct ExportFailed;
+}
+
 /// Keeps a batch whose export failed (`error`) in `spool`, counted; the first time,
 /// says where spans now wait.
 pub(super) fn spool_batch(
@@ -25,8 +30,8 @@ pub(super) fn spool_batch(
     batch: &[SpanData],
     error: &str,
     counters: &Counters,
-) -> std::result::Result<(), String> {
-    let evicted = spool.keep(resource, batch)?;
+) -> std::result::Result<(), ExportFailed> {
+    let evicted = spool.keep(resource, batch).map_err(|e| e.to_string())?;
     counters
         .spooled
         .fetch_add(batch.len() as u64, Ordering::Relaxed);
@@ -92,15 +97,15 @@ async fn export_batch(
     resource: &Resource,
     batch: Vec<SpanData>,
     counters: &Counters,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), ExportFailed> {
     exporter.set_resource(resource);
     let timeout = counters.export_timeout();
     if timeout.is_zero() {
-        return Err("no time left to send at exit".to_string());
+        return Err("no time left to send at exit".into());
     }
     match tokio::time::timeout(timeout, exporter.export(batch)).await {
-        Ok(result) => result.map_err(|e| e.to_string()),
-        Err(_) => Err("timed out".to_string()),
+        Ok(result) => result.map_err(|e| e.to_string().into()),
+        Err(_) => Err("timed out".into()),
     }
 }
 
@@ -169,7 +174,7 @@ impl SpanExporters {
                 Err(error) if let (Some(spool), Some(copy)) = (&spool, copy) => {
                     spool_batch(spool, &resource, &copy, &error, &counters)
                         .map(|()| None)
-                        .map_err(|why| format!("{error}; not spooled: {why}"))
+                        .map_err(|why| format!("{error}; not spooled: {why}").into())
                 }
                 result => result.map(|()| Some(spans)),
             };
@@ -330,7 +335,7 @@ impl Sink {
             Sink::File(out) => {
                 let spans = batch.len() as u64;
                 let result = if counters.export_timeout().is_zero() {
-                    Err("no time left to send at exit".to_string())
+                    Err(ExportFailed::from("no time left to send at exit"))
                 } else {
                     Self::write_spans(out, resource, batch)
                 };
@@ -343,7 +348,7 @@ impl Sink {
         out: &mut crate::sys::output::StreamedFile,
         resource: &Resource,
         batch: Vec<SpanData>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), ExportFailed> {
         use opentelemetry_proto::{
             tonic::collector::trace::v1::ExportTraceServiceRequest,
             transform::{
@@ -365,15 +370,15 @@ impl Sink {
         runtime: &tokio::runtime::Runtime,
         metrics: &opentelemetry_sdk::metrics::data::ResourceMetrics,
         timeout: Duration,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), ExportFailed> {
         use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
         match self {
             Sink::Otlp {
                 metrics: exporter, ..
             } => runtime
                 .block_on(async { tokio::time::timeout(timeout, exporter.export(metrics)).await })
-                .map_err(|_| "timed out".to_string())?
-                .map_err(|e| e.to_string()),
+                .map_err(|_| ExportFailed::from("timed out"))?
+                .map_err(|e| e.to_string().into()),
             Sink::File(out) => {
                 use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
                 write_json_line(out, &ExportMetricsServiceRequest::from(metrics))
@@ -385,9 +390,9 @@ impl Sink {
 pub(super) fn write_json_line(
     out: &mut crate::sys::output::StreamedFile,
     request: &impl serde::Serialize,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), ExportFailed> {
     let line = serde_json::to_string(request).map_err(|e| e.to_string())?;
-    out.write_line(&line).map_err(|e| e.to_string())
+    out.write_line(&line).map_err(|e| e.to_string().into())
 }
 
 #[cfg(test)]

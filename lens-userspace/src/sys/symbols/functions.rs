@@ -1,5 +1,6 @@
 //! Naming code by address: the build-id of a library, and the function symbol that
 //! covers a file offset (kernel host stubs, native hang locations).
+use super::ElfError;
 use std::{collections::HashMap, fs::File, mem, os::unix::fs::FileExt, path::Path};
 
 use object::{
@@ -14,11 +15,11 @@ use crate::error::{LensError, Result};
 /// A library's GNU build-id, if it has one (the key under which what was read of a
 /// library is remembered).
 pub fn build_id(path: &Path) -> Result<Option<Vec<u8>>> {
-    let elf_error = |reason: String| LensError::Elf {
+    let elf_error = |reason: ElfError| LensError::Elf {
         path: path.to_path_buf(),
-        reason,
+        reason: reason.to_string(),
     };
-    let file = File::open(path).map_err(|e| elf_error(e.to_string()))?;
+    let file = File::open(path).map_err(|e| elf_error(e.to_string().into()))?;
     Ok(Layout::read(&file).map_err(elf_error)?.build_id)
 }
 
@@ -28,11 +29,11 @@ pub fn build_id(path: &Path) -> Result<Option<Vec<u8>>> {
 /// holds it. Offsets outside every loadable segment or function are left out. The tables
 /// are streamed as for [`resolve_symbols`]: memory stays bounded whatever their size.
 pub fn functions_at(path: &Path, file_offsets: &[u64]) -> Result<HashMap<u64, String>> {
-    let elf_error = |reason: String| LensError::Elf {
+    let elf_error = |reason: ElfError| LensError::Elf {
         path: path.to_path_buf(),
-        reason,
+        reason: reason.to_string(),
     };
-    let file = File::open(path).map_err(|e| elf_error(e.to_string()))?;
+    let file = File::open(path).map_err(|e| elf_error(e.to_string().into()))?;
     let layout = Layout::read(&file).map_err(elf_error)?;
     // Wanted addresses, sorted, with the file offset each stands for.
     let mut wanted: Vec<(u64, u64)> = file_offsets
@@ -82,7 +83,7 @@ pub(super) fn functions_in<Elf: FileHeader<Endian = Endianness>>(
     wanted: &[(u64, u64)],
     chunk: usize,
     best: &mut HashMap<u64, (bool, u64, (u64, u64))>,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), ElfError> {
     let (offset, size) = table.symbols;
     let entry = mem::size_of::<Elf::Sym>();
     let count = size / entry as u64;

@@ -1,5 +1,6 @@
 //! Where a library's symbol and string tables lie, read from its headers through a
 //! small cache, and the bounded streaming reads of them.
+use super::ElfError;
 use std::{collections::HashMap, fs::File};
 
 use super::matching::name_offsets;
@@ -51,19 +52,19 @@ pub(super) struct Layout {
 
 impl Layout {
     /// Parses the headers, reading only them (the cache is dropped on return).
-    pub(super) fn read(file: &File) -> std::result::Result<Layout, String> {
+    pub(super) fn read(file: &File) -> std::result::Result<Layout, ElfError> {
         let cache = ReadCache::new(file);
         match FileKind::parse(&cache).map_err(|e| e.to_string())? {
             FileKind::Elf32 => Layout::parse::<elf::FileHeader32<Endianness>>(&cache, Class::Elf32),
             FileKind::Elf64 => Layout::parse::<elf::FileHeader64<Endianness>>(&cache, Class::Elf64),
-            kind => Err(format!("not an ELF file ({kind:?})")),
+            kind => Err(format!("not an ELF file ({kind:?})").into()),
         }
     }
 
     fn parse<Elf: FileHeader<Endian = Endianness>>(
         data: &ReadCache<&File>,
         class: Class,
-    ) -> std::result::Result<Layout, String> {
+    ) -> std::result::Result<Layout, ElfError> {
         let header = Elf::parse(data).map_err(|e| e.to_string())?;
         let endian = header.endian().map_err(|e| e.to_string())?;
         let segments = header
@@ -74,7 +75,7 @@ impl Layout {
 
         // As `object::read::elf::SymbolTable::parse`: the first table of the type, its
         // names in the string table its `sh_link` names (none for link 0).
-        let table = |sh_type: u32| -> std::result::Result<Option<SymbolTable>, String> {
+        let table = |sh_type: u32| -> std::result::Result<Option<SymbolTable>, ElfError> {
             let Some((_, section)) = sections
                 .enumerate()
                 .find(|(_, section)| section.sh_type(endian) == sh_type)
@@ -87,7 +88,7 @@ impl Layout {
                 .checked_add(symbols.1)
                 .is_none_or(|end| end > file_size)
             {
-                return Err("Invalid ELF symbol table data".to_string());
+                return Err("Invalid ELF symbol table data".to_string().into());
             }
             let link = SectionIndex(section.sh_link(endian) as usize);
             let strings = if link == SectionIndex(0) {
@@ -95,7 +96,7 @@ impl Layout {
             } else {
                 let strings = sections.section(link).map_err(|e| e.to_string())?;
                 if strings.sh_type(endian) != elf::SHT_STRTAB {
-                    return Err("Invalid ELF string section type".to_string());
+                    return Err("Invalid ELF string section type".to_string().into());
                 }
                 let range = strings.file_range(endian).unwrap_or((0, 0));
                 if range
@@ -103,7 +104,7 @@ impl Layout {
                     .checked_add(range.1)
                     .is_none_or(|end| end > file_size)
                 {
-                    return Err("Invalid ELF string table data".to_string());
+                    return Err("Invalid ELF string table data".to_string().into());
                 }
                 range
             };
@@ -244,7 +245,7 @@ impl Layout {
         names: &[&'a str],
         chunk: usize,
         found: &mut HashMap<&'a str, Candidate>,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), ElfError> {
         let scan = match self.class {
             Class::Elf32 => scan_symbols::<elf::FileHeader32<Endianness>>,
             Class::Elf64 => scan_symbols::<elf::FileHeader64<Endianness>>,
@@ -274,7 +275,7 @@ impl Layout {
         file: &File,
         names: &[&str],
         chunk: usize,
-    ) -> std::result::Result<HashMap<String, Definition>, String> {
+    ) -> std::result::Result<HashMap<String, Definition>, ElfError> {
         let mut found: HashMap<&str, Candidate> = HashMap::with_capacity(names.len());
         // The static table is read only when the dynamic one lacks a wanted name.
         for (table, versym) in self.tables() {
@@ -315,7 +316,7 @@ impl Layout {
     pub(super) fn file_offsets(
         &self,
         definitions: HashMap<String, Definition>,
-    ) -> std::result::Result<HashMap<String, Symbol>, String> {
+    ) -> std::result::Result<HashMap<String, Symbol>, ElfError> {
         let mut offsets = HashMap::with_capacity(definitions.len());
         for (name, definition) in definitions {
             let address = definition.address;

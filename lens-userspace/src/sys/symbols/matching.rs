@@ -1,5 +1,6 @@
 //! Symbols matched by a configured rule's pattern (exact, demangled or glob), found by
 //! streaming the string table once.
+use super::ElfError;
 use std::{collections::HashMap, fs::File, os::unix::fs::FileExt, path::Path};
 
 use super::layout::Layout;
@@ -46,11 +47,11 @@ pub(super) fn resolve_matching_chunked(
     caps: &[usize],
     chunk: usize,
 ) -> Result<Matches> {
-    let elf_error = |reason: String| LensError::Elf {
+    let elf_error = |reason: ElfError| LensError::Elf {
         path: path.to_path_buf(),
-        reason,
+        reason: reason.to_string(),
     };
-    let file = File::open(path).map_err(|e| elf_error(e.to_string()))?;
+    let file = File::open(path).map_err(|e| elf_error(e.to_string().into()))?;
     let layout = Layout::read(&file).map_err(elf_error)?;
     let mut capped = vec![false; patterns.len()];
     // Name → definition, and the patterns each name matched.
@@ -146,7 +147,7 @@ pub(super) fn matching_offsets(
     caps: &[usize],
     chunk: usize,
     capped: &mut [bool],
-) -> std::result::Result<Vec<(u64, usize, String)>, String> {
+) -> std::result::Result<Vec<(u64, usize, String)>, ElfError> {
     let chunk = chunk.max(1);
     let limits: Vec<usize> = caps.iter().map(|cap| cap.saturating_mul(4) + 16).collect();
     let mut counts = vec![0usize; patterns.len()];
@@ -236,7 +237,7 @@ pub(super) fn name_offsets(
     (offset, size): (u64, u64),
     names: &[&str],
     chunk: usize,
-) -> std::result::Result<Vec<(u64, usize)>, String> {
+) -> std::result::Result<Vec<(u64, usize)>, ElfError> {
     let keep = names.iter().map(|name| name.len()).max().unwrap_or(0);
     let chunk = chunk.max(1);
     let mut buffer = Vec::with_capacity(keep + chunk.min(usize::try_from(size).unwrap_or(chunk)));

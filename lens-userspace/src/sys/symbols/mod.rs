@@ -30,6 +30,11 @@ pub use functions::{build_id, functions_at};
 use layout::Layout;
 pub use matching::{Matches, resolve_matching};
 
+crate::error::reason_error! {
+    /// What is wrong with a library's ELF headers or tables, for [`LensError::Elf`].
+    pub(crate) struct ElfError;
+}
+
 /// How much of a symbol or string table is read at a time.
 const CHUNK: usize = 1 << 20;
 
@@ -152,11 +157,11 @@ type Memo = Mutex<Option<HashMap<MemoKey, HashMap<String, Definition>>>>;
 /// [`resolve_symbols`], reading the tables `chunk` bytes at a time, with the memo
 /// or without.
 fn resolve(path: &Path, wanted: &[&str], chunk: usize, memo: Option<&Memo>) -> Result<Symbols> {
-    let elf_error = |reason: String| LensError::Elf {
+    let elf_error = |reason: ElfError| LensError::Elf {
         path: path.to_path_buf(),
-        reason,
+        reason: reason.to_string(),
     };
-    let file = File::open(path).map_err(|e| elf_error(e.to_string()))?;
+    let file = File::open(path).map_err(|e| elf_error(e.to_string().into()))?;
     let layout = Layout::read(&file).map_err(elf_error)?;
     let names = wanted_names(wanted);
 

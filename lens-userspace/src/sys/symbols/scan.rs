@@ -1,5 +1,6 @@
 //! One pass over a symbol table for the names wanted: definitions only, the default
 //! version of a versioned name chosen.
+use super::ElfError;
 use std::{collections::HashMap, fs::File, mem, os::unix::fs::FileExt};
 
 use object::{
@@ -65,7 +66,7 @@ pub(super) fn scan_symbols<'a, Elf: FileHeader<Endian = Endianness>>(
     names: &[&'a str],
     chunk: usize,
     found: &mut HashMap<&'a str, Candidate>,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), ElfError> {
     let entry = mem::size_of::<Elf::Sym>();
     // As `object`: a trailing partial entry is ignored.
     let count = size / entry as u64;
