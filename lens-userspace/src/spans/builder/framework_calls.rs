@@ -3,6 +3,7 @@
 
 use crate::spans::{
     AttrValue, Attributes, SpanExporter, SpanId,
+    pending::ProcessOutput,
     phases::{ProcessContext, ThreadPhases},
 };
 use crate::{
@@ -126,11 +127,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 | SpanGroup::LoadCheckpoint
         );
         if !at_return && taken_over {
-            process.ruled.insert(group);
+            process.ruled.groups.insert(group);
         }
         let iteration = (!at_return && group == SpanGroup::Step).then(|| {
-            process.rule_iteration += 1;
-            process.rule_iteration - 1
+            process.ruled.next_iteration += 1;
+            process.ruled.next_iteration - 1
         });
         let idle =
             process.on_thread(
@@ -185,8 +186,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
         let traced_from_start = process.traced_from_start;
         let job = process.job;
         let mut output = ProcessOutput {
-            exporting: process.exporting,
-            held: &mut process.held,
+            pending: &mut process.pending,
             out: &mut self.exporter,
         };
         let mut ctx = ProcessContext {
@@ -195,7 +195,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             out: &mut output,
             job,
             model_init: &mut process.model_init,
-            ruled: &process.ruled,
+            ruled: &process.ruled.groups,
         };
         let thread = process
             .threads

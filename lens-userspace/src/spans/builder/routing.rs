@@ -207,7 +207,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
         pid: u32,
         calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
     ) {
-        if self.processes.get(&pid).is_some_and(|p| p.exporting) {
+        if self
+            .processes
+            .get(&pid)
+            .is_some_and(|p| p.pending.exporting())
+        {
             self.exporter.process_calls(pid, calls);
         }
         // Read periodically while processes run: collectives held too long go out, and
@@ -317,11 +321,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 attributes,
                 Some(summary.clone()),
             );
-            if process.exporting {
-                self.exporter.export(record);
-            } else {
-                process.held.push(record);
-            }
+            process.pending.route(record, &mut self.exporter);
         }
     }
 
@@ -345,7 +345,11 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
             SinkInput::Event(event) => self.event(event),
             SinkInput::CallCounts { pid, calls } => self.call_counts(pid, calls),
             SinkInput::ProbeCost { pid, cost } => {
-                if self.processes.get(&pid).is_some_and(|p| p.exporting) {
+                if self
+                    .processes
+                    .get(&pid)
+                    .is_some_and(|p| p.pending.exporting())
+                {
                     self.exporter.process_probe_cost(pid, cost);
                 }
             }
