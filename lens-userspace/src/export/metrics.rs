@@ -105,24 +105,35 @@ const DURATION_BOUNDS: [f64; 16] = [
 pub struct ProcessMetrics {
     provider: SdkMeterProvider,
     pub reader: SharedReader,
-    collective_calls: Counter<u64>,
-    collective_bytes: Counter<u64>,
-    collective_duration: Histogram<f64>,
-    collective_arrival_skew: Histogram<f64>,
-    collective_last_seq: Gauge<u64>,
-    /// The highest collective number seen per communicator (spans leave out of order).
-    last_seq: BTreeMap<String, u64>,
+    collectives: CollectiveMetrics,
     hangs: Counter<u64>,
     sync_duration: Histogram<f64>,
-    kernel_launches: Counter<u64>,
+    launches: LaunchMetrics,
     /// lens-probe's estimate of what its probes cost the process: a share of the time.
     overhead: Gauge<f64>,
     step_duration: Histogram<f64>,
     phase_duration: Histogram<f64>,
-    /// Launch totals already added (the kernel's counters are read as totals).
-    launches_recorded: BTreeMap<ProbeId, u64>,
     /// The launch totals are an overhead budget's estimates (`cuda.launch.sampled`).
     pub launches_sampled: bool,
+}
+
+/// A process's collective calls: counts, sizes, durations, skew, and how far each
+/// communicator got.
+struct CollectiveMetrics {
+    calls: Counter<u64>,
+    bytes: Counter<u64>,
+    duration: Histogram<f64>,
+    arrival_skew: Histogram<f64>,
+    last_seq: Gauge<u64>,
+    /// The highest collective number seen per communicator (spans leave out of order).
+    newest_seq: BTreeMap<String, u64>,
+}
+
+/// A process's kernel launches, added from the kernel's totals.
+struct LaunchMetrics {
+    counter: Counter<u64>,
+    /// Launch totals already added (the kernel's counters are read as totals).
+    recorded: BTreeMap<ProbeId, u64>,
 }
 
 fn string_attr(span: &SpanRecord, key: &'static str) -> Option<KeyValue> {
@@ -154,28 +165,29 @@ impl ProcessMetrics {
                 .with_boundaries(DURATION_BOUNDS.to_vec())
                 .build()
         };
-        ProcessMetrics {
-            collective_calls: meter
+        // Instruments are exported in the order they are made: keep it.
+        let collectives = CollectiveMetrics {
+            calls: meter
                 .u64_counter(metric_names::COLLECTIVE_CALLS)
                 .with_unit("{call}")
                 .with_description("Collective and point-to-point calls")
                 .build(),
-            collective_bytes: meter
+            bytes: meter
                 .u64_counter(metric_names::COLLECTIVE_BYTES)
                 .with_unit("By")
                 .with_description("Bytes given to collective calls (count × element size)")
                 .build(),
-            collective_duration: seconds(
+            duration: seconds(
                 metric_names::COLLECTIVE_DURATION,
                 "Collective duration: enqueue to inferred completion (NCCL; by \
                  dl.collective.end.source, call_return: the enqueue only); not for gloo",
             ),
-            collective_arrival_skew: seconds(
+            arrival_skew: seconds(
                 metric_names::COLLECTIVE_ARRIVAL_SKEW,
                 "Last enqueue minus first of one collective across the traced ranks, \
                  recorded by the rank that arrived last",
             ),
-            collective_last_seq: meter
+            last_seq: meter
                 .u64_gauge(metric_names::COLLECTIVE_LAST_SEQ)
                 .with_unit("{collective}")
                 .with_description(
@@ -184,7 +196,10 @@ impl ProcessMetrics {
                      whose numbers stopped moving is the rank it waits for",
                 )
                 .build(),
-            last_seq: BTreeMap::new(),
+            newest_seq: BTreeMap::new(),
+        };
+        ProcessMetrics {
+            collectives,
             hangs: meter
                 .u64_counter(metric_names::HANGS)
                 .with_unit("{hang}")
@@ -194,11 +209,14 @@ impl ProcessMetrics {
                 metric_names::SYNC_DURATION,
                 "Time waiting in CUDA synchronisation calls",
             ),
-            kernel_launches: meter
-                .u64_counter(metric_names::KERNEL_LAUNCHES)
-                .with_unit("{launch}")
-                .with_description("CUDA kernel and graph launches")
-                .build(),
+            launches: LaunchMetrics {
+                counter: meter
+                    .u64_counter(metric_names::KERNEL_LAUNCHES)
+                    .with_unit("{launch}")
+                    .with_description("CUDA kernel and graph launches")
+                    .build(),
+                recorded: BTreeMap::new(),
+            },
             overhead: meter
                 .f64_gauge(metric_names::OVERHEAD)
                 .with_unit("1")
@@ -214,7 +232,6 @@ impl ProcessMetrics {
             ),
             provider,
             reader,
-            launches_recorded: BTreeMap::new(),
             launches_sampled: false,
         }
     }
@@ -244,9 +261,9 @@ impl ProcessMetrics {
             .into_iter()
             .filter_map(|key| string_attr(span, key))
             .collect();
-            self.collective_calls.add(1, &attributes);
+            self.collectives.calls.add(1, &attributes);
             if let Some(bytes) = span.int_attr(semconv::DL_COLLECTIVE_BYTES) {
-                self.collective_bytes.add(bytes.max(0) as u64, &attributes);
+                self.collectives.bytes.add(bytes.max(0) as u64, &attributes);
             }
             // The skew once per collective: by the rank that came last.
             if let (Some(skew), Some(last), Some(rank)) = (
@@ -257,14 +274,15 @@ impl ProcessMetrics {
             {
                 let mut attributes = attributes.clone();
                 attributes.extend(string_attr(span, semconv::DL_COLLECTIVE_STRAGGLER_CAUSE));
-                self.collective_arrival_skew
+                self.collectives
+                    .arrival_skew
                     .record(skew as f64 / 1e9, &attributes);
             }
             // gloo calls are seen at their entry alone: no duration to record.
             if span.attr(semconv::DL_COLLECTIVE_BACKEND) != Some(&"gloo".into()) {
                 let mut attributes = attributes;
                 attributes.extend(string_attr(span, semconv::DL_COLLECTIVE_END_SOURCE));
-                self.collective_duration.record(seconds, &attributes);
+                self.collectives.duration.record(seconds, &attributes);
             }
         } else if let Some(kind) = string_attr(span, semconv::CUDA_SYNC_KIND) {
             self.sync_duration.record(seconds, &[kind]);
@@ -288,7 +306,11 @@ impl ProcessMetrics {
             return;
         };
         let seq = seq.max(0) as u64;
-        let newest = self.last_seq.entry(comm.to_string()).or_default();
+        let newest = self
+            .collectives
+            .newest_seq
+            .entry(comm.to_string())
+            .or_default();
         if seq < *newest {
             return;
         }
@@ -299,7 +321,7 @@ impl ProcessMetrics {
             comm.to_string(),
         )];
         attributes.extend(string_attr(span, semconv::DL_COLLECTIVE_BACKEND));
-        self.collective_last_seq.record(seq, &attributes);
+        self.collectives.last_seq.record(seq, &attributes);
     }
 
     /// Launch counters: totals so far, read from the kernel while the process runs and
@@ -316,11 +338,11 @@ impl ProcessMetrics {
             let Some(&total) = calls.get(&probe) else {
                 continue;
             };
-            let recorded = self.launches_recorded.entry(probe).or_default();
+            let recorded = self.launches.recorded.entry(probe).or_default();
             let new = total.saturating_sub(*recorded);
             *recorded = total.max(*recorded);
             if new > 0 && self.launches_sampled {
-                self.kernel_launches.add(
+                self.launches.counter.add(
                     new,
                     &[
                         KeyValue::new(semconv::CUDA_LAUNCH_KIND, kind),
@@ -328,7 +350,8 @@ impl ProcessMetrics {
                     ],
                 );
             } else if new > 0 {
-                self.kernel_launches
+                self.launches
+                    .counter
                     .add(new, &[KeyValue::new(semconv::CUDA_LAUNCH_KIND, kind)]);
             }
         }

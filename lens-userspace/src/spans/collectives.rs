@@ -13,6 +13,7 @@ use slab::Slab;
 
 use super::{
     SpanRecord,
+    pending::{MAX_HELD_COLLECTIVES, MAX_WAIT_NS},
     straggler_cause::PhaseHistory,
     stragglers::{Arrival, MatchKey, Matched, Matcher, OpStragglers},
 };
@@ -57,11 +58,8 @@ impl EndSource {
 }
 
 /// How long a collective span waits for its completion or for the other ranks before it
-/// goes out with what is known.
-pub const HOLD_LIMIT_NS: u64 = 30_000_000_000;
-
-/// At most this many spans are held; past it the oldest goes out with what is known.
-const MAX_HELD: usize = 16_384;
+/// goes out with what is known: the pending spans' one limit (`spans::pending`).
+pub const HOLD_LIMIT_NS: u64 = MAX_WAIT_NS;
 
 /// The communicator of a collective, as far as lens-probe saw it initialised.
 #[derive(Clone, Copy, Debug)]
@@ -275,7 +273,7 @@ impl Collectives {
         if let Some(matched) = matched {
             self.apply_match(&matched, &mut ready, history);
         }
-        while self.held.len() > MAX_HELD {
+        while self.held.len() > MAX_HELD_COLLECTIVES {
             let Some(oldest) = self.held.oldest() else {
                 break;
             };

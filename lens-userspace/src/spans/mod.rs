@@ -2,11 +2,17 @@
 //! traced process's events into a span tree (`train.job` → `train.step` → phases →
 //! collective calls), following the rules of `docs/spans.md`; finished spans go to a
 //! [`SpanExporter`] such as the [`console`] tree.
+//!
+//! A span not ready to go out waits: a collective for its completion and the other ranks
+//! (`collectives`), any other for its placement or its process's training activity
+//! (`pending`), all under the one rule written in `pending` (bounded in age and number;
+//! what is known goes out when a process exits).
 mod arena;
 pub mod builder;
 mod collectives;
 pub mod console;
 mod launches;
+mod pending;
 mod phases;
 pub mod straggler_cause;
 pub mod stragglers;

@@ -1,7 +1,11 @@
 //! Timed calls (collectives, sync waits, gloo calls) turned into child spans of the
 //! phase they ran in.
 
-use crate::spans::{Attributes, SpanExporter, SpanRecord, phases::ProcessContext};
+use crate::spans::{
+    Attributes, SpanExporter, SpanRecord,
+    pending::{ProcessOutput, UnplacedCall},
+    phases::ProcessContext,
+};
 use crate::{events::CallTiming, semconv};
 
 use super::*;
@@ -40,8 +44,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             .and_then(|thread| thread.claim_for_evaluation(timing.end_ns));
         let thread = owner.and_then(|tid| process.threads.get(&tid));
         let mut output = ProcessOutput {
-            exporting: process.exporting,
-            held: &mut process.held,
+            pending: &mut process.pending,
             out: &mut self.exporter,
         };
         let ctx = ProcessContext {
@@ -50,7 +53,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             out: &mut output,
             job: process.job,
             model_init: &mut process.model_init,
-            ruled: &process.ruled,
+            ruled: &process.ruled.groups,
         };
         let phase = match thread {
             _ if claimed.is_some() => claimed,
@@ -84,14 +87,13 @@ impl<E: SpanExporter> SpanBuilder<E> {
         if phase.is_none()
             && let Some(owner) = owner
         {
-            process.unplaced.insert(
+            process.pending.hold_call(
                 record.id,
-                HeldCall {
+                UnplacedCall {
                     owner,
                     start_ns: timing.start_ns,
                 },
             );
-            process.oldest_held_ns = process.oldest_held_ns.min(timing.start_ns);
         }
         Some(record)
     }

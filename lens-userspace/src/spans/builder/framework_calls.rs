@@ -3,6 +3,7 @@
 
 use crate::spans::{
     AttrValue, Attributes, SpanExporter, SpanId,
+    pending::ProcessOutput,
     phases::{ProcessContext, ThreadPhases},
 };
 use crate::{
@@ -126,11 +127,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 | SpanGroup::LoadCheckpoint
         );
         if !at_return && taken_over {
-            process.ruled.insert(group);
+            process.ruled.groups.insert(group);
         }
         let iteration = (!at_return && group == SpanGroup::Step).then(|| {
-            process.rule_iteration += 1;
-            process.rule_iteration - 1
+            process.ruled.next_iteration += 1;
+            process.ruled.next_iteration - 1
         });
         let idle =
             process.on_thread(
@@ -161,7 +162,6 @@ impl<E: SpanExporter> SpanBuilder<E> {
         function: String,
         kind: FrameworkCall,
     ) {
-        let is_async = kind == FrameworkCall::AsyncSave;
         let ProbeEvent::RuleCall {
             tgid,
             tid,
@@ -185,8 +185,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
         let traced_from_start = process.traced_from_start;
         let job = process.job;
         let mut output = ProcessOutput {
-            exporting: process.exporting,
-            held: &mut process.held,
+            pending: &mut process.pending,
             out: &mut self.exporter,
         };
         let mut ctx = ProcessContext {
@@ -195,130 +194,188 @@ impl<E: SpanExporter> SpanBuilder<E> {
             out: &mut output,
             job,
             model_init: &mut process.model_init,
-            ruled: &process.ruled,
+            ruled: &process.ruled.groups,
         };
         let thread = process
             .threads
             .entry(tid)
             .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
-        let pending = process.async_save;
-        let (mut written_to_caller, mut handed_off, mut closed_for_caller) = (None, None, None);
-        match (at_return, pending) {
-            (false, _) if kind == FrameworkCall::Prelude => thread.save_prelude(at),
-            (true, _) if kind == FrameworkCall::Prelude => {}
-            // The background writer of an `async_save` begins: it carries the span on.
-            (false, Some(save))
-                if group == SpanGroup::Checkpoint
-                    && save.writer.is_none()
-                    && save.caller != tid =>
-            {
-                thread.adopt_file_span(save.span, group);
-                process.async_save = Some(AsyncSave {
-                    writer: Some(tid),
-                    ..save
-                });
-                handed_off = Some((save.caller, save.span));
-            }
-            // The writer's `save` seen again after a sample showed it gone (the frame
-            // caught mid-update as it returns): still the same writing, files and all.
-            (false, Some(save)) if group == SpanGroup::Checkpoint && save.writer == Some(tid) => {
-                thread.adopt_file_span(save.span, group);
-                if let Some((_, files)) = save.written {
-                    thread.add_files(group, files);
-                }
-                process.async_save = Some(AsyncSave {
-                    written: None,
-                    ..save
-                });
-                handed_off = Some((save.caller, save.span));
-            }
-            (false, _) => {
-                let attributes = vec![(semconv::CODE_FUNCTION, function.into())];
-                thread.save_call_enter(&mut ctx, at, group, attributes);
-                if is_async && let Some(span) = thread.file_span(group) {
-                    // One still waiting for a writer never got one: it was what it did.
-                    if let Some(orphan) = process.async_save.take() {
-                        close_unwritten_async_save(&mut ctx, orphan);
-                    }
-                    process.async_save = Some(AsyncSave {
-                        span,
-                        caller: tid,
-                        caller_files: None,
-                        caller_end: at,
-                        writer: None,
-                        written: None,
-                    });
-                }
-            }
-            (true, Some(save)) if save.writer == Some(tid) => {
-                match save.caller_files {
-                    // `async_save` returned first: the span ends with the writer (the
-                    // caller's return is seen late when it waited for it, blocked).
-                    Some(files) => {
-                        if let Some(end) = thread.end_adopted(&mut ctx, at, group, files) {
-                            closed_for_caller = Some((save.caller, save.span, end));
-                        }
-                        process.async_save = None;
-                    }
-                    None => {
-                        let files = thread.take_file_span(group).map_or((0, 0), |f| f.counts());
-                        process.async_save = Some(AsyncSave {
-                            written: Some((at, files)),
-                            ..save
-                        });
-                        // Credited to the caller's span at once: the caller's next phase
-                        // may end it before a sample shows `async_save` returned (its
-                        // thread sat blocked in `future.result()`).
-                        written_to_caller = Some((save.caller, save.span, files));
-                    }
-                }
-            }
-            (true, Some(save)) if save.caller == tid && is_async => {
-                thread.save_call_return(at, group);
-                match (save.writer, save.written) {
-                    // The writer finished first: the span is the caller's again.
-                    (_, Some((end, files))) => {
-                        thread.save_call_return(end, group);
-                        thread.add_files(group, files);
-                        process.async_save = None;
-                    }
-                    // The writer goes on (or has not been sampled yet): it ends the span.
-                    (_, None) => {
-                        let files = thread.take_file_span(group).map_or((0, 0), |f| f.counts());
-                        process.async_save = Some(AsyncSave {
-                            caller_files: Some(files),
-                            caller_end: at,
-                            ..save
-                        });
-                    }
-                }
-            }
-            (true, _) => thread.save_call_return(at, group),
-        }
+        let effects = on_framework_thread(
+            thread,
+            &mut ctx,
+            &mut process.async_save,
+            FrameworkCallAt {
+                tid,
+                at,
+                at_return,
+                group,
+                kind,
+                function,
+            },
+        );
         if process.loop_thread.is_none() && thread.is_active() {
             process.loop_thread = Some(tid);
         }
-        if let Some((caller, span)) = handed_off
-            && let Some(caller) = process.threads.get_mut(&caller)
+        process.apply_to_caller(group, effects);
+        process.export_if_training(&mut self.exporter, &self.groups);
+        self.place_when_known(*tgid, tid);
+    }
+}
+
+/// A framework call's entry or return, as its thread's phases see it.
+struct FrameworkCallAt {
+    tid: u32,
+    at: u64,
+    at_return: bool,
+    group: SpanGroup,
+    kind: FrameworkCall,
+    function: String,
+}
+
+/// What a call on a DCP `async_save`'s writer thread changes on its caller's thread.
+#[derive(Default)]
+struct CallerEffects {
+    /// The writer took the span over: (caller, span).
+    handed_off: Option<(u32, SpanId)>,
+    /// The writer ended the span: (caller, span, end).
+    closed_for_caller: Option<(u32, SpanId, u64)>,
+    /// The writer returned first: (caller, span, its file counts).
+    written_to_caller: Option<(u32, SpanId, (u32, u32))>,
+}
+
+/// The framework call `call` on its own thread; `async_save` is the process's DCP
+/// `async_save` in progress, carried between its caller and its writer.
+fn on_framework_thread(
+    thread: &mut ThreadPhases,
+    ctx: &mut ProcessContext<'_>,
+    async_save: &mut Option<AsyncSave>,
+    call: FrameworkCallAt,
+) -> CallerEffects {
+    let FrameworkCallAt {
+        tid,
+        at,
+        at_return,
+        group,
+        kind,
+        function,
+    } = call;
+    let is_async = kind == FrameworkCall::AsyncSave;
+    let mut effects = CallerEffects::default();
+    match (at_return, *async_save) {
+        (false, _) if kind == FrameworkCall::Prelude => thread.save_prelude(at),
+        (true, _) if kind == FrameworkCall::Prelude => {}
+        // The background writer of an `async_save` begins: it carries the span on.
+        (false, Some(save))
+            if group == SpanGroup::Checkpoint && save.writer.is_none() && save.caller != tid =>
+        {
+            thread.adopt_file_span(save.span, group);
+            *async_save = Some(AsyncSave {
+                writer: Some(tid),
+                ..save
+            });
+            effects.handed_off = Some((save.caller, save.span));
+        }
+        // The writer's `save` seen again after a sample showed it gone (the frame
+        // caught mid-update as it returns): still the same writing, files and all.
+        (false, Some(save)) if group == SpanGroup::Checkpoint && save.writer == Some(tid) => {
+            thread.adopt_file_span(save.span, group);
+            if let Some((_, files)) = save.written {
+                thread.add_files(group, files);
+            }
+            *async_save = Some(AsyncSave {
+                written: None,
+                ..save
+            });
+            effects.handed_off = Some((save.caller, save.span));
+        }
+        (false, _) => {
+            let attributes = vec![(semconv::CODE_FUNCTION, function.into())];
+            thread.save_call_enter(ctx, at, group, attributes);
+            if is_async && let Some(span) = thread.file_span(group) {
+                // One still waiting for a writer never got one: it was what it did.
+                if let Some(orphan) = async_save.take() {
+                    close_unwritten_async_save(ctx, orphan);
+                }
+                *async_save = Some(AsyncSave {
+                    span,
+                    caller: tid,
+                    caller_files: None,
+                    caller_end: at,
+                    writer: None,
+                    written: None,
+                });
+            }
+        }
+        (true, Some(save)) if save.writer == Some(tid) => {
+            match save.caller_files {
+                // `async_save` returned first: the span ends with the writer (the
+                // caller's return is seen late when it waited for it, blocked).
+                Some(files) => {
+                    if let Some(end) = thread.end_adopted(ctx, at, group, files) {
+                        effects.closed_for_caller = Some((save.caller, save.span, end));
+                    }
+                    *async_save = None;
+                }
+                None => {
+                    let files = thread.take_file_span(group).map_or((0, 0), |f| f.counts());
+                    *async_save = Some(AsyncSave {
+                        written: Some((at, files)),
+                        ..save
+                    });
+                    // Credited to the caller's span at once: the caller's next phase
+                    // may end it before a sample shows `async_save` returned (its
+                    // thread sat blocked in `future.result()`).
+                    effects.written_to_caller = Some((save.caller, save.span, files));
+                }
+            }
+        }
+        (true, Some(save)) if save.caller == tid && is_async => {
+            thread.save_call_return(at, group);
+            match (save.writer, save.written) {
+                // The writer finished first: the span is the caller's again.
+                (_, Some((end, files))) => {
+                    thread.save_call_return(end, group);
+                    thread.add_files(group, files);
+                    *async_save = None;
+                }
+                // The writer goes on (or has not been sampled yet): it ends the span.
+                (_, None) => {
+                    let files = thread.take_file_span(group).map_or((0, 0), |f| f.counts());
+                    *async_save = Some(AsyncSave {
+                        caller_files: Some(files),
+                        caller_end: at,
+                        ..save
+                    });
+                }
+            }
+        }
+        (true, _) => thread.save_call_return(at, group),
+    }
+    effects
+}
+
+impl ProcessSpans {
+    /// Applies what the writer thread of an `async_save` changed to its caller's thread.
+    fn apply_to_caller(&mut self, group: SpanGroup, effects: CallerEffects) {
+        if let Some((caller, span)) = effects.handed_off
+            && let Some(caller) = self.threads.get_mut(&caller)
         {
             caller.hand_off(span, group);
         }
-        if let Some((caller, span, end)) = closed_for_caller
-            && let Some(caller) = process.threads.get_mut(&caller)
+        if let Some((caller, span, end)) = effects.closed_for_caller
+            && let Some(caller) = self.threads.get_mut(&caller)
         {
             caller.closed_elsewhere(span, end);
         }
-        if let Some((caller, span, files)) = written_to_caller
-            && process
+        if let Some((caller, span, files)) = effects.written_to_caller
+            && self
                 .threads
                 .get_mut(&caller)
                 .is_some_and(|caller| caller.add_files_to(span, group, files))
-            && let Some(save) = process.async_save.as_mut()
+            && let Some(save) = self.async_save.as_mut()
         {
             save.written = save.written.map(|(end, _)| (end, (0, 0)));
         }
-        process.export_if_training(&mut self.exporter, &self.groups);
-        self.place_when_known(*tgid, tid);
     }
 }
 

@@ -8,9 +8,10 @@ use std::{
 
 use super::{
     SpanEvent, SpanExporter, SpanId, SpanRecord,
-    arena::{IdSource, Placement, SpanArena},
+    arena::{IdSource, SpanArena},
     collectives::Collectives,
     names,
+    pending::{PendingSpans, ProcessOutput},
     phases::{ProcessContext, ThreadPhases},
     straggler_cause::{PhaseCall, PhaseHistory},
 };
@@ -25,11 +26,10 @@ use crate::{
 
 mod calls;
 mod framework_calls;
-mod held;
+mod placement;
 mod routing;
 
 use framework_calls::{AsyncSave, close_unwritten_async_save};
-use held::HeldCall;
 
 /// A communicator as `ncclCommInitRank` described it.
 #[derive(Clone, Copy, Debug)]
@@ -42,10 +42,8 @@ struct Communicator {
 struct ProcessSpans {
     info: ProcessInfo,
     start_ns: u64,
-    /// The process has shown training activity: its spans go to the exporter. Until
-    /// then they are held, and dropped if it exits without any (a launcher, a shell).
-    exporting: bool,
-    held: Vec<SpanRecord>,
+    /// Finished spans and calls waiting before they go out (`spans::pending`).
+    pending: PendingSpans,
     arena: SpanArena,
     job: SpanId,
     model_init: Option<SpanId>,
@@ -55,40 +53,18 @@ struct ProcessSpans {
     /// threads without phases of their own are shown under its phases.
     loop_thread: Option<u32>,
     communicators: HashMap<u64, Communicator>,
-    /// Groups configured probe rules have taken over from torch's signals (from the
-    /// first call of such a rule on).
-    ruled: BTreeSet<SpanGroup>,
-    /// `dl.iteration` of the next step a rule opens.
-    rule_iteration: u64,
-    /// Calls made while their thread's phase was not known yet (see
-    /// `ThreadPhases::current_phase`), by span id; placed by time once it is.
-    unplaced: HashMap<SpanId, HeldCall>,
-    /// Released spans of such calls, waiting for their placement.
-    waiting: Vec<SpanRecord>,
-    /// Placements decided for calls the collective tracker still holds.
-    placed: HashMap<SpanId, Placement>,
-    /// The earliest start among `unplaced` (`u64::MAX` when none): the per-call bound
-    /// check reads this instead of walking every held call.
-    oldest_held_ns: u64,
+    ruled: RuledGroups,
     /// A DCP `async_save` whose writing goes on in a background thread.
     async_save: Option<AsyncSave>,
 }
 
-/// Routes a process's finished spans: to the exporter once it is exporting, else held.
-struct ProcessOutput<'a> {
-    exporting: bool,
-    held: &'a mut Vec<SpanRecord>,
-    out: &'a mut dyn SpanExporter,
-}
-
-impl SpanExporter for ProcessOutput<'_> {
-    fn export(&mut self, span: SpanRecord) {
-        if self.exporting {
-            self.out.export(span);
-        } else {
-            self.held.push(span);
-        }
-    }
+/// Groups configured probe rules have taken over from torch's signals (from the first
+/// call of such a rule on).
+#[derive(Default)]
+struct RuledGroups {
+    groups: BTreeSet<SpanGroup>,
+    /// `dl.iteration` of the next step a rule opens.
+    next_iteration: u64,
 }
 
 impl ProcessSpans {
@@ -109,8 +85,7 @@ impl ProcessSpans {
             .entry(tid)
             .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
         let mut output = ProcessOutput {
-            exporting: self.exporting,
-            held: &mut self.held,
+            pending: &mut self.pending,
             out,
         };
         let mut ctx = ProcessContext {
@@ -119,7 +94,7 @@ impl ProcessSpans {
             out: &mut output,
             job: self.job,
             model_init: &mut self.model_init,
-            ruled: &self.ruled,
+            ruled: &self.ruled.groups,
         };
         f(thread, &mut ctx);
         if self.loop_thread.is_none() && thread.is_active() {
@@ -130,13 +105,13 @@ impl ProcessSpans {
 
     /// Once training shows, announce the job and release what was held, in order.
     fn export_if_training(&mut self, out: &mut dyn SpanExporter, groups: &SpanGroups) {
-        if self.exporting || !self.arena.training_seen() {
+        if self.pending.exporting() || !self.arena.training_seen() {
             return;
         }
-        self.exporting = true;
+        let waited = self.pending.start_exporting();
         let job = groups.contains(SpanGroup::Job).then_some(self.job);
         out.process_started(&self.info, job, self.start_ns);
-        for span in self.held.drain(..) {
+        for span in waited {
             out.export(span);
         }
     }
@@ -271,8 +246,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             ProcessSpans {
                 info: info.clone(),
                 start_ns,
-                exporting: false,
-                held: Vec::new(),
+                pending: PendingSpans::default(),
                 arena,
                 job,
                 model_init,
@@ -280,12 +254,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 threads: HashMap::new(),
                 loop_thread: None,
                 communicators: HashMap::new(),
-                ruled: BTreeSet::new(),
-                rule_iteration: 0,
-                unplaced: HashMap::new(),
-                waiting: Vec::new(),
-                placed: HashMap::new(),
-                oldest_held_ns: u64::MAX,
+                ruled: RuledGroups::default(),
                 async_save: None,
             },
         );
@@ -329,13 +298,12 @@ impl<E: SpanExporter> SpanBuilder<E> {
             job,
             model_init,
             threads,
-            exporting,
-            held,
+            pending,
             ruled,
             async_save,
             ..
         } = &mut process;
-        if !*exporting && !arena.training_seen() {
+        if !pending.exporting() && !arena.training_seen() {
             log::info!(
                 "pid {pid} ({}) ended without training activity: no spans",
                 process.info.name
@@ -343,8 +311,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             return;
         }
         let mut output = ProcessOutput {
-            exporting: *exporting,
-            held,
+            pending,
             out: &mut self.exporter,
         };
         let mut ctx = ProcessContext {
@@ -353,7 +320,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             out: &mut output,
             job: *job,
             model_init,
-            ruled,
+            ruled: &ruled.groups,
         };
         if let Some(save) = async_save.take()
             && save.writer.is_none()
@@ -397,7 +364,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
     /// `info.pid` replaced its program at `at_ns`. The old program's job ends there (what
     /// was open is truncated: it will never close) and the new program's begins.
     pub fn exec_process(&mut self, info: &ProcessInfo, at_ns: u64) {
-        if self.processes.get(&info.pid).is_some_and(|p| p.exporting) {
+        if self
+            .processes
+            .get(&info.pid)
+            .is_some_and(|p| p.pending.exporting())
+        {
             self.end_process(info.pid, None, at_ns);
         }
         self.start_process(info, at_ns);

@@ -24,19 +24,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
     }
 
     fn event(&mut self, event: &ProbeEvent) {
-        // Where each step's time goes, for the stragglers' causes: calls as they return.
-        let call = match event {
-            ProbeEvent::Collective { timing, .. } | ProbeEvent::GlooCall { timing, .. } => {
-                Some((timing, PhaseCall::Collective))
-            }
-            ProbeEvent::SyncWait { timing, .. } => Some((timing, PhaseCall::Sync)),
-            _ => None,
-        };
-        if let Some((timing, call)) = call {
-            self.exporter
-                .history
-                .record_call(timing.tgid, call, timing.start_ns, timing.end_ns);
-        }
+        self.record_call_time(event);
         match event {
             ProbeEvent::Phase {
                 tgid,
@@ -46,87 +34,10 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 epoch,
                 signal,
             } => self.on_phase(*tgid, *tid, *at_ns, *launches, *epoch, signal),
-            ProbeEvent::Collective {
-                timing,
-                op,
-                count,
-                datatype,
-                raw_datatype,
-                redop,
-                peer,
-                comm,
-                stream,
-                result,
-                python_caller,
-            } => {
-                let mut attributes: Attributes = vec![
-                    (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
-                    (semconv::DL_COLLECTIVE_OP, op.name().into()),
-                    (semconv::DL_COLLECTIVE_COUNT, (*count).into()),
-                    (
-                        semconv::DL_COLLECTIVE_DTYPE,
-                        datatype.map_or_else(
-                            || AttrValue::from(format!("dtype({raw_datatype})")),
-                            |d| d.name().into(),
-                        ),
-                    ),
-                ];
-                if let Some(bytes) = event.bytes() {
-                    attributes.push((semconv::DL_COLLECTIVE_BYTES, bytes.into()));
-                }
-                if let Some(redop) = redop {
-                    attributes.push((semconv::DL_COLLECTIVE_REDUCE_OP, redop.name().into()));
-                }
-                if let Some(peer) = peer {
-                    attributes.push((semconv::DL_COLLECTIVE_PEER, (*peer).into()));
-                }
-                let communicator = self
-                    .processes
-                    .get(&timing.tgid)
-                    .and_then(|p| p.communicators.get(comm).copied());
-                if let Some(c) = communicator {
-                    attributes.push((
-                        semconv::DL_COLLECTIVE_COMM_ID,
-                        format!("{:016x}", c.id_hash).into(),
-                    ));
-                    attributes.push((semconv::DL_RANK, c.rank.into()));
-                    attributes.push((semconv::DL_WORLD_SIZE, c.nranks.into()));
-                }
-                attributes.extend(python_caller_attributes(python_caller));
-                let Some(record) = self.call_record(timing, op.span_name(), attributes, *result)
-                else {
-                    return;
-                };
-                let comm = communicator.map(|c| CollectiveComm {
-                    handle: *comm,
-                    id_hash: c.id_hash,
-                    rank: c.rank,
-                });
-                let released =
-                    self.collectives
-                        .add(record, *op, *stream, comm, &self.exporter.history);
-                self.send_released(released);
-                self.bound_held(timing.tgid, timing.end_ns);
-            }
+            ProbeEvent::Collective { .. } => self.on_collective(event),
             ProbeEvent::GlooCall {
                 timing, op, comm, ..
-            } => {
-                let mut attributes = vec![
-                    (semconv::DL_COLLECTIVE_BACKEND, "gloo".into()),
-                    (semconv::DL_COLLECTIVE_OP, op.name().into()),
-                ];
-                if let Some(comm) = comm {
-                    attributes.extend([
-                        (
-                            semconv::DL_COLLECTIVE_COMM_ID,
-                            format!("{:016x}", comm.id).into(),
-                        ),
-                        (semconv::DL_COLLECTIVE_SEQ, comm.seq.into()),
-                        (semconv::DL_RANK, comm.rank.into()),
-                    ]);
-                }
-                self.on_call(timing, op.gloo_span_name(), attributes, 0);
-            }
+            } => self.on_gloo_call(timing, *op, comm.as_ref()),
             ProbeEvent::SyncWait {
                 timing,
                 kind,
@@ -164,42 +75,157 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 );
                 self.send_released(released);
             }
-            ProbeEvent::CommInit {
-                timing,
-                comm,
-                rank,
-                nranks,
-                comm_id_hash,
-                result,
-            } => {
-                if *result == 0 {
-                    self.collectives
-                        .comm_init(timing.tgid, *comm, *comm_id_hash);
-                }
-                if let Some(process) = self.processes.get_mut(&timing.tgid) {
-                    process.communicators.insert(
-                        *comm,
-                        Communicator {
-                            rank: *rank,
-                            nranks: *nranks,
-                            id_hash: *comm_id_hash,
-                        },
-                    );
-                }
-                let attributes = vec![
-                    (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
-                    (
-                        semconv::DL_COLLECTIVE_COMM_ID,
-                        format!("{comm_id_hash:016x}").into(),
-                    ),
-                    (semconv::DL_RANK, (*rank).into()),
-                    (semconv::DL_WORLD_SIZE, (*nranks).into()),
-                ];
-                self.on_call(timing, names::NCCL_COMM_INIT, attributes, *result);
-            }
+            ProbeEvent::CommInit { .. } => self.on_comm_init(event),
             ProbeEvent::Group { .. } | ProbeEvent::PyStack { .. } => {}
             ProbeEvent::RuleCall { .. } => self.on_rule_call(event),
         }
+    }
+
+    /// Where each step's time goes, for the stragglers' causes: calls as they return.
+    fn record_call_time(&mut self, event: &ProbeEvent) {
+        let call = match event {
+            ProbeEvent::Collective { timing, .. } | ProbeEvent::GlooCall { timing, .. } => {
+                Some((timing, PhaseCall::Collective))
+            }
+            ProbeEvent::SyncWait { timing, .. } => Some((timing, PhaseCall::Sync)),
+            _ => None,
+        };
+        if let Some((timing, call)) = call {
+            self.exporter
+                .history
+                .record_call(timing.tgid, call, timing.start_ns, timing.end_ns);
+        }
+    }
+
+    /// An NCCL collective returned: its span goes to the collective tracker, which holds
+    /// it until its completion and the other ranks are known.
+    fn on_collective(&mut self, event: &ProbeEvent) {
+        let ProbeEvent::Collective {
+            timing,
+            op,
+            count,
+            datatype,
+            raw_datatype,
+            redop,
+            peer,
+            comm,
+            stream,
+            result,
+            python_caller,
+        } = event
+        else {
+            return;
+        };
+        let mut attributes: Attributes = vec![
+            (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
+            (semconv::DL_COLLECTIVE_OP, op.name().into()),
+            (semconv::DL_COLLECTIVE_COUNT, (*count).into()),
+            (
+                semconv::DL_COLLECTIVE_DTYPE,
+                datatype.map_or_else(
+                    || AttrValue::from(format!("dtype({raw_datatype})")),
+                    |d| d.name().into(),
+                ),
+            ),
+        ];
+        if let Some(bytes) = event.bytes() {
+            attributes.push((semconv::DL_COLLECTIVE_BYTES, bytes.into()));
+        }
+        if let Some(redop) = redop {
+            attributes.push((semconv::DL_COLLECTIVE_REDUCE_OP, redop.name().into()));
+        }
+        if let Some(peer) = peer {
+            attributes.push((semconv::DL_COLLECTIVE_PEER, (*peer).into()));
+        }
+        let communicator = self
+            .processes
+            .get(&timing.tgid)
+            .and_then(|p| p.communicators.get(comm).copied());
+        if let Some(c) = communicator {
+            attributes.push((
+                semconv::DL_COLLECTIVE_COMM_ID,
+                format!("{:016x}", c.id_hash).into(),
+            ));
+            attributes.push((semconv::DL_RANK, c.rank.into()));
+            attributes.push((semconv::DL_WORLD_SIZE, c.nranks.into()));
+        }
+        attributes.extend(python_caller_attributes(python_caller));
+        let Some(record) = self.call_record(timing, op.span_name(), attributes, *result) else {
+            return;
+        };
+        let comm = communicator.map(|c| CollectiveComm {
+            handle: *comm,
+            id_hash: c.id_hash,
+            rank: c.rank,
+        });
+        let released = self
+            .collectives
+            .add(record, *op, *stream, comm, &self.exporter.history);
+        self.send_released(released);
+        self.bound_held(timing.tgid, timing.end_ns);
+    }
+
+    fn on_gloo_call(
+        &mut self,
+        timing: &crate::events::CallTiming,
+        op: crate::events::CollectiveOp,
+        comm: Option<&crate::events::GlooComm>,
+    ) {
+        let mut attributes = vec![
+            (semconv::DL_COLLECTIVE_BACKEND, "gloo".into()),
+            (semconv::DL_COLLECTIVE_OP, op.name().into()),
+        ];
+        if let Some(comm) = comm {
+            attributes.extend([
+                (
+                    semconv::DL_COLLECTIVE_COMM_ID,
+                    format!("{:016x}", comm.id).into(),
+                ),
+                (semconv::DL_COLLECTIVE_SEQ, comm.seq.into()),
+                (semconv::DL_RANK, comm.rank.into()),
+            ]);
+        }
+        self.on_call(timing, op.gloo_span_name(), attributes, 0);
+    }
+
+    /// `ncclCommInitRank` returned: the communicator is known to the collective tracker
+    /// and to the process's later collectives, and the call is a span of its own.
+    fn on_comm_init(&mut self, event: &ProbeEvent) {
+        let ProbeEvent::CommInit {
+            timing,
+            comm,
+            rank,
+            nranks,
+            comm_id_hash,
+            result,
+        } = event
+        else {
+            return;
+        };
+        if *result == 0 {
+            self.collectives
+                .comm_init(timing.tgid, *comm, *comm_id_hash);
+        }
+        if let Some(process) = self.processes.get_mut(&timing.tgid) {
+            process.communicators.insert(
+                *comm,
+                Communicator {
+                    rank: *rank,
+                    nranks: *nranks,
+                    id_hash: *comm_id_hash,
+                },
+            );
+        }
+        let attributes = vec![
+            (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
+            (
+                semconv::DL_COLLECTIVE_COMM_ID,
+                format!("{comm_id_hash:016x}").into(),
+            ),
+            (semconv::DL_RANK, (*rank).into()),
+            (semconv::DL_WORLD_SIZE, (*nranks).into()),
+        ];
+        self.on_call(timing, names::NCCL_COMM_INIT, attributes, *result);
     }
 
     fn call_counts(
@@ -207,7 +233,11 @@ impl<E: SpanExporter> SpanBuilder<E> {
         pid: u32,
         calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
     ) {
-        if self.processes.get(&pid).is_some_and(|p| p.exporting) {
+        if self
+            .processes
+            .get(&pid)
+            .is_some_and(|p| p.pending.exporting())
+        {
             self.exporter.process_calls(pid, calls);
         }
         // Read periodically while processes run: collectives held too long go out, and
@@ -317,11 +347,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 attributes,
                 Some(summary.clone()),
             );
-            if process.exporting {
-                self.exporter.export(record);
-            } else {
-                process.held.push(record);
-            }
+            process.pending.route(record, &mut self.exporter);
         }
     }
 
@@ -345,7 +371,11 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
             SinkInput::Event(event) => self.event(event),
             SinkInput::CallCounts { pid, calls } => self.call_counts(pid, calls),
             SinkInput::ProbeCost { pid, cost } => {
-                if self.processes.get(&pid).is_some_and(|p| p.exporting) {
+                if self
+                    .processes
+                    .get(&pid)
+                    .is_some_and(|p| p.pending.exporting())
+                {
                     self.exporter.process_probe_cost(pid, cost);
                 }
             }

@@ -47,7 +47,7 @@ impl ThreadPhases {
             ),
             _ => false,
         };
-        optimizer_scope && self.prelude.is_some() && !self.step_running()
+        optimizer_scope && self.files.prelude.is_some() && !self.step_running()
     }
 
     pub(super) fn is_file_signal(signal: &PhaseSignal) -> bool {
@@ -65,9 +65,9 @@ impl ThreadPhases {
     pub fn save_prelude(&mut self, at: u64) {
         let earliest = at.saturating_sub(crate::python::sampler::SAMPLE_INTERVAL.as_nanos() as u64);
         // Not before the last phase ended (a complete step ends where its optimizer did).
-        let step_end = self.step.as_ref().and_then(|s| s.optimizer_end);
-        let floor = self.boundary.max(step_end).unwrap_or(0);
-        self.prelude.get_or_insert(Prelude {
+        let step_end = self.training.step.as_ref().and_then(|s| s.optimizer_end);
+        let floor = self.training.boundary.max(step_end).unwrap_or(0);
+        self.files.prelude.get_or_insert(Prelude {
             start: earliest.max(floor),
             created: 0,
             read: 0,
@@ -99,25 +99,29 @@ impl ThreadPhases {
         group: SpanGroup,
     ) -> SpanId {
         let running_step = self.step_running();
-        let parent = if running_step || !self.rule_spans.is_empty() || self.evaluate.is_some() {
-            self.innermost(ctx)
-        } else {
-            self.finish_step(ctx);
-            ctx.end_model_init(at);
-            ctx.job
-        };
+        let parent =
+            if running_step || !self.rule_spans.is_empty() || self.evaluation.evaluate.is_some() {
+                self.innermost(ctx)
+            } else {
+                self.finish_step(ctx);
+                ctx.end_model_init(at);
+                ctx.job
+            };
         let name = match group {
             SpanGroup::Checkpoint => names::CHECKPOINT,
             _ => names::LOAD_CHECKPOINT,
         };
-        let start = self.prelude.map_or(at, |prelude| prelude.start.min(at));
+        let start = self
+            .files
+            .prelude
+            .map_or(at, |prelude| prelude.start.min(at));
         self.open_phase(ctx, name, group, parent, start)
     }
 
     /// The files the preparation of a checkpoint (load) opening now saw before it: they
     /// are its. The preparation is over.
     pub(super) fn take_prelude_files(&mut self, group: SpanGroup) -> u32 {
-        match (self.prelude.take(), group) {
+        match (self.files.prelude.take(), group) {
             (None, _) => 0,
             (Some(prelude), SpanGroup::Checkpoint) => prelude.created,
             (Some(prelude), _) => prelude.read,
@@ -140,7 +144,7 @@ impl ThreadPhases {
         if let Some(file) = self.file_slot(group).as_mut() {
             file.calls += 1;
             let span = file.span;
-            let start = earliest.max(self.boundary.unwrap_or(0));
+            let start = earliest.max(self.training.boundary.unwrap_or(0));
             if ctx.arena.move_start(span, start)
                 && let Some(interval) = self.recent.iter_mut().rev().find(|i| i.span == span)
             {
@@ -150,7 +154,7 @@ impl ThreadPhases {
         }
         self.end_finished_evaluation(ctx, at);
         self.finish_step(ctx);
-        let start = earliest.max(self.boundary.unwrap_or(0)).min(at);
+        let start = earliest.max(self.training.boundary.unwrap_or(0)).min(at);
         let span = self.open_file_span(ctx, start, group);
         for (key, value) in attributes {
             ctx.arena.set_attr(span, key, value);
@@ -180,8 +184,8 @@ impl ThreadPhases {
     /// The span of this thread's open checkpoint (load), if any.
     pub fn file_span(&self, group: SpanGroup) -> Option<SpanId> {
         match group {
-            SpanGroup::Checkpoint => self.checkpoint.as_ref(),
-            _ => self.load_checkpoint.as_ref(),
+            SpanGroup::Checkpoint => self.files.checkpoint.as_ref(),
+            _ => self.files.load_checkpoint.as_ref(),
         }
         .map(|file| file.span)
     }
@@ -223,8 +227,8 @@ impl ThreadPhases {
     /// The open checkpoint (`Checkpoint`) or load (`LoadCheckpoint`) of this thread.
     pub(super) fn file_slot(&mut self, group: SpanGroup) -> &mut Option<FileSpan> {
         match group {
-            SpanGroup::Checkpoint => &mut self.checkpoint,
-            _ => &mut self.load_checkpoint,
+            SpanGroup::Checkpoint => &mut self.files.checkpoint,
+            _ => &mut self.files.load_checkpoint,
         }
     }
 
@@ -272,8 +276,8 @@ impl ThreadPhases {
             .set_attr(file.span, semconv::NEMO_CHECKPOINT_FILES, file.file_count());
         self.close_phase(ctx, file.span, end);
         // A checkpoint inside a step or an evaluation is not a boundary between phases.
-        if self.step.is_none() && self.evaluate.is_none() {
-            self.boundary = Some(end);
+        if self.training.step.is_none() && self.evaluation.evaluate.is_none() {
+            self.training.boundary = Some(end);
         }
         end
     }

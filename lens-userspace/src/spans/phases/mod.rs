@@ -193,21 +193,23 @@ pub(super) struct ThreadPhases {
     /// Attached mid-run: nothing about steps is reported until one ends.
     syncing: bool,
     scopes: Vec<TorchScope>,
-    grad_enabled: bool,
-    /// When grad mode was last switched on.
-    grad_on_at: u64,
+    /// Recent phase spans with their times, oldest first.
+    recent: std::collections::VecDeque<Interval>,
+    /// Spans of configured probe rules open on this thread, outermost first: (rule, span).
+    rule_spans: Vec<(u32, SpanId)>,
+    training: TrainingState,
+    evaluation: EvaluationState,
+    files: FileState,
+}
+
+/// A thread's training steps: the step open now and what tells where the next begins.
+#[derive(Debug, Default)]
+struct TrainingState {
     /// End of the last top-level phase (step, evaluate, checkpoint); a step starts here
     /// unless a batch fetch came later.
     boundary: Option<u64>,
     /// Start of the first DataLoader fetch since `boundary`, outside evaluation.
     pending_fetch: Option<u64>,
-    /// Start of the first DataLoader fetch since the last training work (a backward
-    /// pass, an optimizer step): a `no_grad` block after it may be an evaluation batch.
-    /// Unlike `pending_fetch` it does not depend on the step probes being in.
-    fetch_since_training: Option<u64>,
-    /// Grad mode was switched off between steps: evaluation if a batch is fetched next.
-    eval_candidate: Option<EvalCandidate>,
-    evaluate: Option<Evaluate>,
     /// An `Optimizer.step` scope entered at this time whose span is not open yet: a
     /// closure (`optimizer.step(closure)`, as Lightning calls it) may first run the last
     /// microbatch's forward and backward inside it.
@@ -218,16 +220,32 @@ pub(super) struct ThreadPhases {
     /// Per `Engine::execute` call running on this thread, outermost first: whether it
     /// is a backward pass (`accumulate_grad`) or `torch.autograd.grad`.
     engine_calls: Vec<bool>,
-    /// Recent phase spans with their times, oldest first.
-    recent: std::collections::VecDeque<Interval>,
     step: Option<Step>,
-    checkpoint: Option<FileSpan>,
-    load_checkpoint: Option<FileSpan>,
     iteration: u64,
     backward_depth: u32,
     backward_start: u64,
-    /// Spans of configured probe rules open on this thread, outermost first: (rule, span).
-    rule_spans: Vec<(u32, SpanId)>,
+}
+
+/// A thread's evaluation: grad mode, and the evaluation loop it may be running.
+#[derive(Debug)]
+struct EvaluationState {
+    grad_enabled: bool,
+    /// When grad mode was last switched on.
+    grad_on_at: u64,
+    /// Start of the first DataLoader fetch since the last training work (a backward
+    /// pass, an optimizer step): a `no_grad` block after it may be an evaluation batch.
+    /// Unlike `pending_fetch` it does not depend on the step probes being in.
+    fetch_since_training: Option<u64>,
+    /// Grad mode was switched off between steps: evaluation if a batch is fetched next.
+    eval_candidate: Option<EvalCandidate>,
+    evaluate: Option<Evaluate>,
+}
+
+/// A thread's checkpoint files: the save and the load open on it, and what prepares them.
+#[derive(Debug, Default)]
+struct FileState {
+    checkpoint: Option<FileSpan>,
+    load_checkpoint: Option<FileSpan>,
     /// A save's or load's preparation (DCP's `get_state_dict`) seen on this thread: the
     /// checkpoint (load) that follows before any other phase starts with it.
     prelude: Option<Prelude>,
@@ -251,35 +269,27 @@ impl ThreadPhases {
             tid,
             syncing: !traced_from_start,
             scopes: Vec::new(),
-            grad_enabled: true,
-            grad_on_at: 0,
-            boundary: None,
-            pending_fetch: None,
-            fetch_since_training: None,
-            eval_candidate: None,
-            evaluate: None,
-            optimizer_pending: None,
-            closure_backward: false,
-            engine_calls: Vec::new(),
             recent: std::collections::VecDeque::new(),
-            step: None,
-            checkpoint: None,
-            load_checkpoint: None,
-            iteration: 0,
-            backward_depth: 0,
-            backward_start: 0,
             rule_spans: Vec::new(),
-            prelude: None,
+            training: TrainingState::default(),
+            evaluation: EvaluationState {
+                grad_enabled: true,
+                grad_on_at: 0,
+                fetch_since_training: None,
+                eval_candidate: None,
+                evaluate: None,
+            },
+            files: FileState::default(),
         }
     }
 
     /// Whether this thread has seen any training-loop activity (its spans exist).
     pub fn is_active(&self) -> bool {
-        self.step.is_some()
+        self.training.step.is_some()
             || !self.rule_spans.is_empty()
-            || self.evaluate.is_some()
-            || self.iteration > 0
-            || self.boundary.is_some()
+            || self.evaluation.evaluate.is_some()
+            || self.training.iteration > 0
+            || self.training.boundary.is_some()
     }
 
     /// Nothing open, nothing pending, nothing counted: the thread's state can go (a
@@ -288,15 +298,15 @@ impl ThreadPhases {
     pub fn is_idle(&self) -> bool {
         !self.is_active()
             && self.scopes.is_empty()
-            && self.grad_enabled
-            && self.pending_fetch.is_none()
-            && self.fetch_since_training.is_none()
-            && self.eval_candidate.is_none()
-            && self.checkpoint.is_none()
-            && self.load_checkpoint.is_none()
-            && self.backward_depth == 0
-            && self.engine_calls.is_empty()
-            && self.optimizer_pending.is_none()
+            && self.evaluation.grad_enabled
+            && self.training.pending_fetch.is_none()
+            && self.evaluation.fetch_since_training.is_none()
+            && self.evaluation.eval_candidate.is_none()
+            && self.files.checkpoint.is_none()
+            && self.files.load_checkpoint.is_none()
+            && self.training.backward_depth == 0
+            && self.training.engine_calls.is_empty()
+            && self.training.optimizer_pending.is_none()
             && self.rule_spans.is_empty()
     }
 
@@ -311,7 +321,8 @@ impl ThreadPhases {
     }
 
     fn step_running(&self) -> bool {
-        self.step
+        self.training
+            .step
             .as_ref()
             .is_some_and(|s| s.optimizer_end.is_none())
     }
@@ -359,9 +370,10 @@ impl ThreadPhases {
     /// (`None`: now): not one whose files and framework calls all ended before (it waits
     /// only to see whether more files follow).
     fn file_holding(&self, at: Option<u64>) -> Option<&FileSpan> {
-        self.checkpoint
+        self.files
+            .checkpoint
             .as_ref()
-            .or(self.load_checkpoint.as_ref())
+            .or(self.files.load_checkpoint.as_ref())
             .filter(|file| !(file.idle() && at.is_some_and(|at| file.last_end < Some(at))))
     }
 
@@ -378,12 +390,22 @@ impl ThreadPhases {
         if let Some((_, span)) = self.rule_spans.last() {
             return *span;
         }
-        if let Some(evaluate) = self.evaluate.as_ref().filter(|e| e.ended_at.is_none()) {
+        if let Some(evaluate) = self
+            .evaluation
+            .evaluate
+            .as_ref()
+            .filter(|e| e.ended_at.is_none())
+        {
             return evaluate.span;
         }
         // A complete step (its optimizer work returned) ends there: a call after it (a
         // logging all-reduce, a barrier) is between steps, not inside the last one.
-        if let Some(step) = self.step.as_ref().filter(|s| s.optimizer_end.is_none()) {
+        if let Some(step) = self
+            .training
+            .step
+            .as_ref()
+            .filter(|s| s.optimizer_end.is_none())
+        {
             return step
                 .optimizer
                 .or(step.forward_backward)
@@ -401,11 +423,16 @@ impl ThreadPhases {
         if self.file_holding(at).is_some() || !self.rule_spans.is_empty() {
             return Some(self.innermost_at(ctx, at));
         }
-        if let Some(evaluate) = &self.evaluate {
+        if let Some(evaluate) = &self.evaluation.evaluate {
             return evaluate.ended_at.is_none().then_some(evaluate.span);
         }
-        if let Some(step) = self.step.as_ref().filter(|s| s.optimizer_end.is_none()) {
-            if self.optimizer_pending.is_some() && step.optimizer.is_none() {
+        if let Some(step) = self
+            .training
+            .step
+            .as_ref()
+            .filter(|s| s.optimizer_end.is_none())
+        {
+            if self.training.optimizer_pending.is_some() && step.optimizer.is_none() {
                 return None;
             }
             return Some(self.innermost_at(ctx, at));
@@ -419,11 +446,11 @@ impl ThreadPhases {
         self.is_active()
             // A background thread writing a checkpoint (DCP's `async_save`): its calls
             // are the checkpoint's, not the loop thread's phase's.
-            || self.checkpoint.is_some()
-            || self.load_checkpoint.is_some()
-            || self.pending_fetch.is_some()
-            || self.eval_candidate.is_some()
-            || self.optimizer_pending.is_some()
+            || self.files.checkpoint.is_some()
+            || self.files.load_checkpoint.is_some()
+            || self.training.pending_fetch.is_some()
+            || self.evaluation.eval_candidate.is_some()
+            || self.training.optimizer_pending.is_some()
     }
 
     /// The innermost phase span of this thread whose time range holds `at` (open ones
@@ -433,16 +460,18 @@ impl ThreadPhases {
         // returned) and an evaluation whose grad mode came back on.
         let ended = |span: SpanId| {
             let step = self
+                .training
                 .step
                 .as_ref()
                 .filter(|s| s.span == span || s.optimizer == Some(span))
                 .and_then(|s| s.optimizer_end);
             let evaluate = self
+                .evaluation
                 .evaluate
                 .as_ref()
                 .filter(|e| e.span == span)
                 .and_then(|e| e.ended_at);
-            let file = [&self.checkpoint, &self.load_checkpoint]
+            let file = [&self.files.checkpoint, &self.files.load_checkpoint]
                 .into_iter()
                 .flatten()
                 .find(|f| f.span == span && f.idle())
@@ -489,7 +518,7 @@ impl ThreadPhases {
         let prelude_own = self.prelude_own(signal);
         if !grad_mode && !Self::is_file_signal(signal) && !prelude_own {
             // Another phase began: what was prepared was not for a checkpoint.
-            self.prelude = None;
+            self.files.prelude = None;
         }
         if !grad_mode
             && !matches!(
@@ -522,29 +551,29 @@ impl ThreadPhases {
                 }
             }
             PhaseSignal::BackwardStart => {
-                self.engine_calls.push(true);
+                self.training.engine_calls.push(true);
                 self.backward_start(ctx, at);
             }
             // `torch.autograd.grad` (AOTAutograd's graph capture, a gradient penalty):
             // not a backward pass of the step.
-            PhaseSignal::GradientStart => self.engine_calls.push(false),
+            PhaseSignal::GradientStart => self.training.engine_calls.push(false),
             PhaseSignal::BackwardEnd => {
                 // An end without its start began before we attached.
-                if self.engine_calls.pop() == Some(true) {
+                if self.training.engine_calls.pop() == Some(true) {
                     self.backward_end(ctx, at);
                 }
             }
             PhaseSignal::GradMode { enabled } => self.grad_mode(at, *enabled),
             PhaseSignal::CheckpointWriteStart => self.file_open(ctx, at, SpanGroup::Checkpoint),
-            PhaseSignal::CheckpointWriteEnd => Self::file_close(&mut self.checkpoint, at),
+            PhaseSignal::CheckpointWriteEnd => Self::file_close(&mut self.files.checkpoint, at),
             PhaseSignal::CheckpointReadStart => self.file_open(ctx, at, SpanGroup::LoadCheckpoint),
-            PhaseSignal::CheckpointReadEnd => Self::file_close(&mut self.load_checkpoint, at),
+            PhaseSignal::CheckpointReadEnd => Self::file_close(&mut self.files.load_checkpoint, at),
             // Counted while the checkpoint writes: a file created after its writers and
             // framework calls all returned (a log, the job's own output at exit) is not
             // the checkpoint's.
             PhaseSignal::FileCreated => {
-                if !Self::file_created(&mut self.checkpoint)
-                    && let Some(prelude) = self.prelude.as_mut()
+                if !Self::file_created(&mut self.files.checkpoint)
+                    && let Some(prelude) = self.files.prelude.as_mut()
                 {
                     prelude.created += 1;
                 }
@@ -554,10 +583,10 @@ impl ThreadPhases {
             // `UntypedStorage.from_file` opens it again. Whether these opens are seen at
             // all depends on when the loader learnt of the load (`PY_SAVING`), so they
             // must not decide the count.
-            PhaseSignal::FileRead if Self::in_reader(&self.load_checkpoint) => {}
+            PhaseSignal::FileRead if Self::in_reader(&self.files.load_checkpoint) => {}
             PhaseSignal::FileRead => {
-                if !Self::file_created(&mut self.load_checkpoint)
-                    && let Some(prelude) = self.prelude.as_mut()
+                if !Self::file_created(&mut self.files.load_checkpoint)
+                    && let Some(prelude) = self.files.prelude.as_mut()
                 {
                     prelude.read += 1;
                 }
@@ -573,7 +602,7 @@ impl ThreadPhases {
         }
         // A framework call whose return no sample showed (the process ended right after
         // it): it returned after its last file; what came after is not its.
-        for file in [&mut self.checkpoint, &mut self.load_checkpoint]
+        for file in [&mut self.files.checkpoint, &mut self.files.load_checkpoint]
             .into_iter()
             .flatten()
             .filter(|f| f.calls > 0 && f.open_files == 0 && f.last_end.is_some())
@@ -584,13 +613,16 @@ impl ThreadPhases {
         }
         self.settle_files(ctx, SpanGroup::Checkpoint, at);
         self.settle_files(ctx, SpanGroup::LoadCheckpoint, at);
-        for file in [self.checkpoint.take(), self.load_checkpoint.take()]
-            .into_iter()
-            .flatten()
+        for file in [
+            self.files.checkpoint.take(),
+            self.files.load_checkpoint.take(),
+        ]
+        .into_iter()
+        .flatten()
         {
             self.truncate_phase(ctx, file.span, at);
         }
-        if let Some(evaluate) = self.evaluate.take() {
+        if let Some(evaluate) = self.evaluation.evaluate.take() {
             match evaluate.ended_at {
                 // Grad mode came back on: the loop was over.
                 Some(end) => self.close_phase(ctx, evaluate.span, end),
@@ -598,7 +630,7 @@ impl ThreadPhases {
             }
         }
         self.finish_step(ctx);
-        if let Some(step) = self.step.take() {
+        if let Some(step) = self.training.step.take() {
             if let Some(forward_backward) = step.forward_backward {
                 ctx.arena.set_attr(
                     forward_backward,

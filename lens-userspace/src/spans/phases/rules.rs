@@ -33,7 +33,7 @@ impl ThreadPhases {
         if group == SpanGroup::Step {
             // Steps come from the rule now: a torch step still open here never completes.
             self.finish_step(ctx);
-            if let Some(step) = self.step.take() {
+            if let Some(step) = self.training.step.take() {
                 for id in [step.forward_backward, step.optimizer]
                     .into_iter()
                     .flatten()

@@ -21,12 +21,12 @@ impl ThreadPhases {
                 // A running step whose backward passes are done reaches `zero_grad` with
                 // no `Optimizer.step` scope seen: the update ran without one
                 // (`torch.compile(opt.step)`), between the last backward and here.
-                if let Some(step) = self.step.as_ref()
+                if let Some(step) = self.training.step.as_ref()
                     && step.optimizer.is_none()
                     && step.optimizer_end.is_none()
                     && step.microbatches > 0
-                    && self.backward_depth == 0
-                    && self.optimizer_pending.is_none()
+                    && self.training.backward_depth == 0
+                    && self.training.optimizer_pending.is_none()
                     && !nested
                 {
                     let since = step.last_backward_end;
@@ -35,8 +35,12 @@ impl ThreadPhases {
                 // zero_grad right after step: still the optimizer's work. Not after a
                 // fetch (the next batch's), nor inside another `Optimizer.step` (the next
                 // step's closure, as Lightning runs it).
-                if let Some(step) = self.step.as_mut().filter(|s| s.optimizer.is_some())
-                    && self.pending_fetch.is_none()
+                if let Some(step) = self
+                    .training
+                    .step
+                    .as_mut()
+                    .filter(|s| s.optimizer.is_some())
+                    && self.training.pending_fetch.is_none()
                     && !nested
                 {
                     step.optimizer_end = None;
@@ -49,22 +53,22 @@ impl ThreadPhases {
     /// A DataLoader fetch: an evaluation batch, the first batch of the next step, or
     /// the next microbatch of the running one.
     pub(super) fn batch_fetched(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
-        self.fetch_since_training.get_or_insert(at);
-        if let Some(evaluate) = self.evaluate.as_mut() {
+        self.evaluation.fetch_since_training.get_or_insert(at);
+        if let Some(evaluate) = self.evaluation.evaluate.as_mut() {
             evaluate.resumed = None;
             // With grad mode on again the loop may be over: this batch may be the next
             // step's (or the evaluation's next, if grad mode goes off again).
-            if evaluate.ended_at.is_some() && self.pending_fetch.is_none() {
-                self.pending_fetch = Some(at);
+            if evaluate.ended_at.is_some() && self.training.pending_fetch.is_none() {
+                self.training.pending_fetch = Some(at);
             }
-        } else if let Some(candidate) = self.eval_candidate {
+        } else if let Some(candidate) = self.evaluation.eval_candidate {
             self.evaluate_begins(ctx, candidate.start);
         } else if !self.step_running() {
             // A complete step is over once the next batch is fetched: optimizer work
             // after this (a zero_grad) belongs to the next.
             self.finish_step(ctx);
-            if self.pending_fetch.is_none() {
-                self.pending_fetch = Some(at);
+            if self.training.pending_fetch.is_none() {
+                self.training.pending_fetch = Some(at);
             }
         }
     }
@@ -72,21 +76,24 @@ impl ThreadPhases {
     /// A wrapped model's forward pass began: between steps, the next step starts here
     /// unless a batch was fetched first.
     pub(super) fn forward_began(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
-        if self.evaluate.is_some() || self.eval_candidate.is_some() || self.step_running() {
+        if self.evaluation.evaluate.is_some()
+            || self.evaluation.eval_candidate.is_some()
+            || self.step_running()
+        {
             return;
         }
         self.finish_step(ctx);
-        self.pending_fetch.get_or_insert(at);
+        self.training.pending_fetch.get_or_insert(at);
     }
 
     /// A call made now, after the last `no_grad` block of an evaluation and before
     /// anything else (reducing its metrics across ranks): the evaluation's, which lasts
     /// until the call's end. `None` otherwise.
     pub fn claim_for_evaluation(&mut self, end_ns: u64) -> Option<SpanId> {
-        if self.pending_fetch.is_some() {
+        if self.training.pending_fetch.is_some() {
             return None;
         }
-        let evaluate = self.evaluate.as_mut()?;
+        let evaluate = self.evaluation.evaluate.as_mut()?;
         let ended = evaluate.ended_at?;
         evaluate.ended_at = Some(ended.max(end_ns));
         Some(evaluate.span)
@@ -95,23 +102,23 @@ impl ThreadPhases {
     /// `Optimizer.step` entered. Its span opens when it is known where the update
     /// begins: at the end of a closure's backward pass if one runs first, else here.
     pub(super) fn optimizer_scope_enter(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
-        self.fetch_since_training = None;
+        self.evaluation.fetch_since_training = None;
         if self.syncing {
             return;
         }
         // Training again (without backward probes, the first sign of it).
         self.end_finished_evaluation(ctx, at);
-        match self.step.as_mut() {
+        match self.training.step.as_mut() {
             // More optimizer work of the same step (a second optimizer).
-            Some(step) if step.optimizer.is_some() && self.pending_fetch.is_none() => {
+            Some(step) if step.optimizer.is_some() && self.training.pending_fetch.is_none() => {
                 step.optimizer_end = None;
             }
             Some(step) if step.optimizer.is_some() => {
                 self.finish_step(ctx);
-                self.optimizer_pending.get_or_insert(at);
+                self.training.optimizer_pending.get_or_insert(at);
             }
             _ => {
-                self.optimizer_pending.get_or_insert(at);
+                self.training.optimizer_pending.get_or_insert(at);
             }
         }
     }
@@ -130,24 +137,24 @@ impl ThreadPhases {
         if self.syncing {
             // The first step boundary after attaching: steps are whole from here on.
             self.syncing = false;
-            self.boundary = Some(at);
-            self.pending_fetch = None;
-            self.optimizer_pending = None;
+            self.training.boundary = Some(at);
+            self.training.pending_fetch = None;
+            self.training.optimizer_pending = None;
             return;
         }
         if scope == TorchScope::OptimizerStep
             && !self.in_optimizer_step_scope()
-            && let Some(start) = self.optimizer_pending.take()
+            && let Some(start) = self.training.optimizer_pending.take()
         {
             // No closure ran a backward pass: the update began at the scope's entry.
             self.optimizer_begins(ctx, start);
         }
         let nested = self.in_optimizer_step_scope();
-        match self.step.as_mut() {
+        match self.training.step.as_mut() {
             Some(step) if step.optimizer.is_some() && !nested => step.optimizer_end = Some(at),
-            None if self.pending_fetch.is_none() && !nested => {
+            None if self.training.pending_fetch.is_none() && !nested => {
                 // zero_grad between steps (top of the loop): the next step starts after it.
-                self.boundary = Some(self.boundary.map_or(at, |b| b.max(at)));
+                self.training.boundary = Some(self.training.boundary.map_or(at, |b| b.max(at)));
             }
             _ => {}
         }
@@ -156,26 +163,30 @@ impl ThreadPhases {
     /// A step begins with its first backward pass; it started at the first batch fetch
     /// before it (or at the previous phase's end, when batches come from elsewhere).
     pub(super) fn backward_start(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
-        self.backward_depth += 1;
-        self.fetch_since_training = None;
-        if self.backward_depth > 1 || self.syncing {
+        self.training.backward_depth += 1;
+        self.evaluation.fetch_since_training = None;
+        if self.training.backward_depth > 1 || self.syncing {
             return;
         }
         // The step takes over from an evaluation that was over, or a candidate.
-        self.eval_candidate = None;
+        self.evaluation.eval_candidate = None;
         self.end_evaluation(ctx, at);
-        self.backward_start = at;
+        self.training.backward_start = at;
         // A closure's backward inside `Optimizer.step`, before its update: the last
         // microbatch of the step.
-        self.closure_backward = self.optimizer_pending.is_some()
-            && self.step.as_ref().is_none_or(|s| s.optimizer.is_none());
+        self.training.closure_backward = self.training.optimizer_pending.is_some()
+            && self
+                .training
+                .step
+                .as_ref()
+                .is_none_or(|s| s.optimizer.is_none());
         if self.step_running() {
             // Another microbatch of the same step, or a closure optimizer (LBFGS) running
             // backward inside its step.
             return;
         }
         self.finish_step(ctx);
-        let start = match (self.pending_fetch.take(), self.boundary) {
+        let start = match (self.training.pending_fetch.take(), self.training.boundary) {
             (Some(fetch), Some(boundary)) => fetch.max(boundary),
             (Some(fetch), None) => fetch,
             (None, Some(boundary)) => boundary,
@@ -184,8 +195,8 @@ impl ThreadPhases {
         ctx.end_model_init(start);
         let span = self.open_phase(ctx, names::STEP, SpanGroup::Step, ctx.job, start);
         ctx.arena
-            .set_attr(span, semconv::DL_ITERATION, self.iteration);
-        self.iteration += 1;
+            .set_attr(span, semconv::DL_ITERATION, self.training.iteration);
+        self.training.iteration += 1;
         let forward_backward = self.open_phase(
             ctx,
             names::FORWARD_BACKWARD,
@@ -193,7 +204,7 @@ impl ThreadPhases {
             span,
             start,
         );
-        self.step = Some(Step {
+        self.training.step = Some(Step {
             span,
             forward_backward: Some(forward_backward),
             last_backward_end: at,
@@ -204,15 +215,15 @@ impl ThreadPhases {
     }
 
     pub(super) fn backward_end(&mut self, ctx: &mut ProcessContext<'_>, at: u64) {
-        if self.backward_depth == 0 {
+        if self.training.backward_depth == 0 {
             // Started before we attached.
             return;
         }
-        self.backward_depth -= 1;
-        if self.backward_depth > 0 {
+        self.training.backward_depth -= 1;
+        if self.training.backward_depth > 0 {
             return;
         }
-        let Some(step) = self.step.as_mut() else {
+        let Some(step) = self.training.step.as_mut() else {
             return;
         };
         let Some(forward_backward) = step.forward_backward else {
@@ -222,21 +233,21 @@ impl ThreadPhases {
             forward_backward,
             SpanEvent {
                 name: names::BACKWARD_EVENT,
-                at_ns: self.backward_start,
+                at_ns: self.training.backward_start,
                 attributes: vec![
                     (semconv::DL_MICROBATCH_ID, step.microbatches.into()),
                     (
                         semconv::DL_BACKWARD_DURATION_NS,
-                        at.saturating_sub(self.backward_start).into(),
+                        at.saturating_sub(self.training.backward_start).into(),
                     ),
                 ],
             },
         );
         step.microbatches += 1;
         step.last_backward_end = at;
-        if std::mem::take(&mut self.closure_backward) {
+        if std::mem::take(&mut self.training.closure_backward) {
             // The closure's backward is done: what follows in `Optimizer.step` is the update.
-            self.optimizer_pending = None;
+            self.training.optimizer_pending = None;
             self.optimizer_begins(ctx, at);
         }
     }
@@ -247,7 +258,7 @@ impl ThreadPhases {
         if self.syncing {
             return;
         }
-        let Some(step) = self.step.as_mut() else {
+        let Some(step) = self.training.step.as_mut() else {
             return;
         };
         step.optimizer_end = None;
@@ -265,7 +276,7 @@ impl ThreadPhases {
         }
         if open {
             let optimizer = self.open_phase(ctx, names::OPTIMIZER, SpanGroup::Optimizer, span, at);
-            if let Some(step) = self.step.as_mut() {
+            if let Some(step) = self.training.step.as_mut() {
                 step.optimizer = Some(optimizer);
             }
         }
@@ -273,7 +284,7 @@ impl ThreadPhases {
 
     /// Ends a complete step (its optimizer work returned) where that work ended.
     pub(super) fn finish_step(&mut self, ctx: &mut ProcessContext<'_>) {
-        let Some(step) = self.step.take_if(|s| s.optimizer_end.is_some()) else {
+        let Some(step) = self.training.step.take_if(|s| s.optimizer_end.is_some()) else {
             return;
         };
         let end = step.optimizer_end.unwrap_or(step.last_backward_end);
@@ -281,6 +292,6 @@ impl ThreadPhases {
             self.close_phase(ctx, optimizer, end);
         }
         self.close_phase(ctx, step.span, end);
-        self.boundary = Some(end);
+        self.training.boundary = Some(end);
     }
 }
