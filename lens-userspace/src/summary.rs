@@ -7,7 +7,7 @@ use lens_common::ProbeId;
 use serde::Serialize;
 
 use crate::{
-    events::{CollectiveOp, PhaseSignal, ProbeEvent, SyncKind},
+    events::{CollectiveOp, Communicator, PhaseSignal, ProbeEvent, SyncKind},
     sink::{EventSink, ProbeCost, ProcessEnd, SinkInput},
     sys::target::{ExitStatus, ProcessInfo},
 };
@@ -31,12 +31,11 @@ pub struct SyncStats {
     pub max_ns: u64,
 }
 
+/// A communicator a process initialised, and how its `ncclCommInitRank` returned.
 #[derive(Clone, Debug, Serialize)]
-pub struct Communicator {
-    pub comm: u64,
-    pub rank: i32,
-    pub nranks: i32,
-    pub id_hash: u64,
+pub struct CommunicatorInit {
+    #[serde(flatten)]
+    pub communicator: Communicator,
     pub result: i32,
 }
 
@@ -59,7 +58,7 @@ pub struct ProcessSummary {
     pub gloo_collectives: BTreeMap<CollectiveOp, CollectiveStats>,
     sync_waits: BTreeMap<SyncKind, SyncWaits>,
     sync_total_ns: BTreeMap<SyncKind, u64>,
-    pub communicators: Vec<Communicator>,
+    pub communicators: Vec<CommunicatorInit>,
     pub calls: BTreeMap<ProbeId, u64>,
     pub exit: Option<ExitStatus>,
     pub ended: bool,
@@ -230,20 +229,14 @@ impl Summary {
                 hist.saturating_record(duration);
                 *process.sync_total_ns.entry(*kind).or_default() += duration;
             }
-            ProbeEvent::CommInit {
-                comm,
-                rank,
-                nranks,
-                comm_id_hash,
-                result,
-                ..
-            } => process.communicators.push(Communicator {
-                comm: *comm,
-                rank: *rank,
-                nranks: *nranks,
-                id_hash: *comm_id_hash,
-                result: *result,
-            }),
+            ProbeEvent::CommInit { result, .. } => {
+                if let Some(communicator) = event.communicator() {
+                    process.communicators.push(CommunicatorInit {
+                        communicator,
+                        result: *result,
+                    });
+                }
+            }
             // Seen at their entry only (docs/probes.md): calls, no time.
             ProbeEvent::GlooCall { op, .. } => {
                 process.gloo_collectives.entry(*op).or_default().calls += 1;
@@ -375,16 +368,20 @@ impl Summary {
             (true, _) => "exited".to_string(),
         };
         let _ = writeln!(out, "lens-probe summary: pid {pid} ({name}), {state}");
-        for comm in &process.communicators {
+        for CommunicatorInit {
+            communicator: comm,
+            result,
+        } in &process.communicators
+        {
             let _ = writeln!(
                 out,
                 "  communicator {:#x}: rank {}/{}  id {:016x}{}",
-                comm.comm,
+                comm.handle,
                 comm.rank,
                 comm.nranks,
                 comm.id_hash,
-                if comm.result != 0 {
-                    format!("  (init failed: ncclResult {})", comm.result)
+                if *result != 0 {
+                    format!("  (init failed: ncclResult {result})")
                 } else {
                     String::new()
                 }
@@ -602,6 +599,31 @@ mod tests {
         let text = summary.render(&Losses::default());
         assert!(text.contains("all_reduce"), "{text}");
         assert!(text.contains("no events lost"), "{text}");
+    }
+
+    #[test]
+    fn a_communicator_is_reported_as_its_init_described_it() {
+        let mut summary = Summary::default();
+        summary.on_event(&ProbeEvent::CommInit {
+            timing: timing(0, 1_000),
+            comm: 0xc0,
+            rank: 1,
+            nranks: 4,
+            comm_id_hash: 0xfeed,
+            result: 0,
+        });
+        let json = summary.to_json(&Losses::default());
+        assert_eq!(
+            json["processes"][0]["communicators"],
+            serde_json::json!([
+                {"comm": 0xc0, "rank": 1, "nranks": 4, "id_hash": 0xfeed, "result": 0}
+            ])
+        );
+        let text = summary.render(&Losses::default());
+        assert!(
+            text.contains("communicator 0xc0: rank 1/4  id 000000000000feed"),
+            "{text}"
+        );
     }
 
     #[test]

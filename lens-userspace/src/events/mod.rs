@@ -11,6 +11,19 @@ use crate::nccl::{DataType, RedOp};
 
 pub use crate::calls::{CollectiveOp, SyncKind};
 
+/// An NCCL communicator as its `ncclCommInitRank` described it: the one description the
+/// span builder's registry, the collective tracker and the summary share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Communicator {
+    /// The `ncclComm_t` handle, as the process's later calls pass it.
+    #[serde(rename = "comm")]
+    pub handle: u64,
+    pub rank: i32,
+    pub nranks: i32,
+    /// A hash of the `ncclUniqueId`: the same on every rank of the communicator.
+    pub id_hash: u64,
+}
+
 /// The communicator identity of a gloo call, for its span and for hang detection:
 /// numbered by the hang watcher (`hangs::HangWatcher::observe`), which sees every rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -293,6 +306,25 @@ pub enum ProbeEvent {
 }
 
 impl ProbeEvent {
+    /// The communicator a `ncclCommInitRank` made (`CommInit` only).
+    pub fn communicator(&self) -> Option<Communicator> {
+        match self {
+            ProbeEvent::CommInit {
+                comm,
+                rank,
+                nranks,
+                comm_id_hash,
+                ..
+            } => Some(Communicator {
+                handle: *comm,
+                rank: *rank,
+                nranks: *nranks,
+                id_hash: *comm_id_hash,
+            }),
+            _ => None,
+        }
+    }
+
     pub fn tgid(&self) -> u32 {
         match self {
             ProbeEvent::Collective { timing, .. }

@@ -18,7 +18,7 @@ use super::{
     stragglers::{Arrival, MatchKey, Matched, Matcher, OpStragglers},
 };
 use crate::{
-    events::{CollectiveOp, SyncKind},
+    events::{CollectiveOp, Communicator, SyncKind},
     semconv,
 };
 
@@ -60,14 +60,6 @@ impl EndSource {
 /// How long a collective span waits for its completion or for the other ranks before it
 /// goes out with what is known: the pending spans' one limit (`spans::pending`).
 pub const HOLD_LIMIT_NS: u64 = MAX_WAIT_NS;
-
-/// The communicator of a collective, as far as lens-probe saw it initialised.
-#[derive(Clone, Copy, Debug)]
-pub struct CollectiveComm {
-    pub handle: u64,
-    pub id_hash: u64,
-    pub rank: i32,
-}
 
 struct Held {
     record: SpanRecord,
@@ -220,7 +212,7 @@ impl Collectives {
         mut record: SpanRecord,
         op: CollectiveOp,
         stream: u64,
-        comm: Option<CollectiveComm>,
+        comm: Option<Communicator>,
         history: &PhaseHistory,
     ) -> Vec<SpanRecord> {
         let serial = self.next_serial;
@@ -628,10 +620,11 @@ mod tests {
     fn two_ranks_are_compared_and_held_until_both_called() {
         let mut collectives = Collectives::default();
         let op = CollectiveOp::AllReduce;
-        let comm = |rank: i32| CollectiveComm {
+        let comm = |rank: i32| Communicator {
             handle: 0xc0 + rank as u64,
             id_hash: 0xfeed,
             rank,
+            nranks: 2,
         };
         collectives.comm_init(100, 0xc0, 0xfeed);
         collectives.comm_init(101, 0xc1, 0xfeed);

@@ -31,14 +31,6 @@ mod routing;
 
 use framework_calls::{AsyncSave, close_unwritten_async_save};
 
-/// A communicator as `ncclCommInitRank` described it.
-#[derive(Clone, Copy, Debug)]
-struct Communicator {
-    rank: i32,
-    nranks: i32,
-    id_hash: u64,
-}
-
 struct ProcessSpans {
     info: ProcessInfo,
     start_ns: u64,
@@ -52,7 +44,8 @@ struct ProcessSpans {
     /// The thread running the training loop (first with phase activity): calls from
     /// threads without phases of their own are shown under its phases.
     loop_thread: Option<u32>,
-    communicators: HashMap<u64, Communicator>,
+    /// The communicators it initialised, by handle: what its collectives name.
+    communicators: HashMap<u64, crate::events::Communicator>,
     ruled: RuledGroups,
     /// A DCP `async_save` whose writing goes on in a background thread.
     async_save: Option<AsyncSave>,

@@ -1,8 +1,8 @@
 //! The builder as an [`EventSink`](crate::sink::EventSink): each event routed to what it changes.
 
 use crate::spans::{
-    AttrValue, Attributes, SpanEvent, SpanExporter, collectives::CollectiveComm, monotonic_now_ns,
-    names, straggler_cause::PhaseCall,
+    AttrValue, Attributes, SpanEvent, SpanExporter, monotonic_now_ns, names,
+    straggler_cause::PhaseCall,
 };
 use crate::{
     events::{ProbeEvent, PythonCaller},
@@ -153,14 +153,9 @@ impl<E: SpanExporter> SpanBuilder<E> {
         let Some(record) = self.call_record(timing, op.span_name(), attributes, *result) else {
             return;
         };
-        let comm = communicator.map(|c| CollectiveComm {
-            handle: *comm,
-            id_hash: c.id_hash,
-            rank: c.rank,
-        });
-        let released = self
-            .collectives
-            .add(record, *op, *stream, comm, &self.exporter.history);
+        let released =
+            self.collectives
+                .add(record, *op, *stream, communicator, &self.exporter.history);
         self.send_released(released);
         self.bound_held(timing.tgid, timing.end_ns);
     }
@@ -206,15 +201,10 @@ impl<E: SpanExporter> SpanBuilder<E> {
             self.collectives
                 .comm_init(timing.tgid, *comm, *comm_id_hash);
         }
-        if let Some(process) = self.processes.get_mut(&timing.tgid) {
-            process.communicators.insert(
-                *comm,
-                Communicator {
-                    rank: *rank,
-                    nranks: *nranks,
-                    id_hash: *comm_id_hash,
-                },
-            );
+        if let (Some(process), Some(communicator)) =
+            (self.processes.get_mut(&timing.tgid), event.communicator())
+        {
+            process.communicators.insert(*comm, communicator);
         }
         let attributes = vec![
             (semconv::DL_COLLECTIVE_BACKEND, "nccl".into()),
