@@ -41,6 +41,7 @@ mod budget;
 mod counters;
 mod drain;
 mod event_loop;
+mod framework_saves;
 mod hang_checks;
 mod node;
 mod python_samples;
@@ -50,6 +51,7 @@ mod targets;
 use budget::LaunchEstimate;
 use counters::KernelCounters;
 use event_loop::EventLoopPriority;
+use framework_saves::FrameworkSaves;
 
 pub use crate::bpf::KernelState;
 
@@ -209,12 +211,8 @@ struct LoadStops {
 struct PythonState {
     /// Python rules: their sampled stacks become rule calls (`python`).
     tracker: Option<PythonTracker>,
-    /// Framework save and load calls open per process (what `PY_SAVING` says to the
-    /// kernel).
-    saving_depth: HashMap<u32, [u32; 2]>,
-    /// Processes whose load preparation returned and whose next framework call is not
-    /// seen yet: the load part of `saving_depth` is kept for it (`deliver_rule_calls`).
-    armed_loads: HashMap<u32, std::time::Instant>,
+    /// Which processes are inside a framework save or load (what `PY_SAVING` says).
+    saves: FrameworkSaves,
 }
 
 impl Session {

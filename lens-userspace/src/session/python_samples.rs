@@ -1,9 +1,6 @@
 //! Python rules on the session's side: stack samples turned into rule calls, the
 //! synthesized caller of a probed call, and the framework save/load bits the kernel
 //! reads (`PY_SAVING`).
-use std::time::Duration;
-
-use lens_common::saving;
 use log::{info, warn};
 
 use crate::{
@@ -12,7 +9,7 @@ use crate::{
     sink::EventSink,
 };
 
-use super::Session;
+use super::{Session, framework_saves::FrameworkRole};
 
 impl Session {
     /// Names the Python function that made a collective or sync call, in the event
@@ -123,78 +120,36 @@ impl Session {
                     .as_ref()
                     .and_then(|t| t.framework_role(*rule))
             {
-                let was = self.saving_bits(*tgid);
-                let prelude_return = *at_return && role == (true, true);
-                let depths = self.python.saving_depth.entry(*tgid).or_default();
-                // A load's preparation (DCP's `get_state_dict`) keeps its load part past
-                // its return, until the process's next framework call is seen: the load
-                // after it reads its first file (`.metadata`) at once, often before a
-                // sample shows the load itself (the sample between may show neither).
-                if !prelude_return && self.python.armed_loads.remove(tgid).is_some() {
-                    depths[1] = depths[1].saturating_sub(1);
-                }
-                for (index, (depth, part)) in depths.iter_mut().zip([role.0, role.1]).enumerate() {
-                    if !part || (prelude_return && index == 1) {
-                        continue;
-                    }
-                    *depth = if *at_return {
-                        depth.saturating_sub(1)
-                    } else {
-                        *depth + 1
-                    };
-                }
-                if prelude_return {
+                let role = FrameworkRole {
+                    save: role.0,
+                    load: role.1,
+                };
+                if let Some(bits) =
                     self.python
-                        .armed_loads
-                        .insert(*tgid, std::time::Instant::now());
+                        .saves
+                        .call(*tgid, role, *at_return, std::time::Instant::now())
+                {
+                    self.write_saving_bits(*tgid, bits);
                 }
-                self.write_saving_bits(*tgid, was);
             }
             sink.on_event(call);
         }
     }
 
-    /// What `PY_SAVING` says of `pid` now.
-    pub(super) fn saving_bits(&self, pid: u32) -> u8 {
-        self.python.saving_depth.get(&pid).map_or(0, |d| {
-            (if d[0] > 0 { saving::SAVE } else { 0 }) | (if d[1] > 0 { saving::LOAD } else { 0 })
-        })
-    }
-
-    /// Tells the kernel what `pid`'s framework calls make of it, if that changed from
-    /// `was`.
-    pub(super) fn write_saving_bits(&mut self, pid: u32, was: u8) {
-        let now = self.saving_bits(pid);
-        if now == 0 {
-            self.python.saving_depth.remove(&pid);
-        }
-        if was != now {
-            let saving = &mut self.bpf.maps.python.saving;
-            if now != 0 {
-                let _ = saving.insert(&pid, &now);
-            } else {
-                saving.remove(&pid);
-            }
+    /// Tells the kernel what `pid`'s framework calls make of it now.
+    fn write_saving_bits(&mut self, pid: u32, bits: u8) {
+        let saving = &mut self.bpf.maps.python.saving;
+        if bits != 0 {
+            let _ = saving.insert(&pid, &bits);
+        } else {
+            saving.remove(&pid);
         }
     }
 
-    /// A preparation no load followed within a second was for something else (a save,
-    /// or the job's own use of the state dict): its files are no load's.
+    /// Load preparations no load followed: their processes load no more.
     pub(super) fn expire_armed_loads(&mut self) {
-        let expired: Vec<u32> = self
-            .python
-            .armed_loads
-            .iter()
-            .filter(|(_, since)| since.elapsed() >= Duration::from_secs(1))
-            .map(|(pid, _)| *pid)
-            .collect();
-        for pid in expired {
-            self.python.armed_loads.remove(&pid);
-            let was = self.saving_bits(pid);
-            if let Some(depths) = self.python.saving_depth.get_mut(&pid) {
-                depths[1] = depths[1].saturating_sub(1);
-            }
-            self.write_saving_bits(pid, was);
+        for (pid, bits) in self.python.saves.expire(std::time::Instant::now()) {
+            self.write_saving_bits(pid, bits);
         }
     }
 }

@@ -63,8 +63,7 @@ impl Session {
     /// Drops what the kernel keeps for `pid` besides its `TARGETS` entry and call counters
     /// (taken by the caller).
     pub(super) fn forget_kernel_state(&mut self, pid: u32) {
-        self.python.armed_loads.remove(&pid);
-        self.python.saving_depth.remove(&pid);
+        self.python.saves.forget(pid);
         self.bpf.maps.forget_process(pid);
     }
 
