@@ -65,8 +65,6 @@ impl NodeFilter {
     }
 }
 
-pub use crate::sys::process::all_pids;
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;

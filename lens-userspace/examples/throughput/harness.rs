@@ -349,16 +349,10 @@ async fn consume(
     })
 }
 
-/// `Session::drain`: decode in batches of up to 4096 records, then hand them on.
+/// `Session::drain`: decode in batches (`events::decode_batch`), then hand them on.
 fn drain(ring: &mut RingBuf<MapData>, sink: &mut dyn EventSink, report: &mut Report) {
     loop {
-        let mut batch: Vec<std::result::Result<Decoded, events::DecodeError>> = Vec::new();
-        while let Some(item) = ring.next() {
-            batch.push(events::decode(&item));
-            if batch.len() == 4096 {
-                break;
-            }
-        }
+        let batch = events::decode_batch(ring);
         if batch.is_empty() {
             return;
         }

@@ -13,6 +13,24 @@ use super::{
 };
 use crate::nccl::{DataType, RedOp};
 
+/// Records a reader takes from the ring buffer at a time: decoded together, then handed
+/// on (the items borrow the ring, handling them needs the reader's state).
+const BATCH: usize = 4096;
+
+/// Takes up to [`BATCH`] records from `ring`, decoded; empty when none is waiting.
+pub fn decode_batch(
+    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+) -> Vec<Result<Decoded, DecodeError>> {
+    let mut batch = Vec::new();
+    while let Some(item) = ring.next() {
+        batch.push(decode(&item));
+        if batch.len() == BATCH {
+            break;
+        }
+    }
+    batch
+}
+
 /// Decodes one ring buffer record.
 pub fn decode(bytes: &[u8]) -> Result<Decoded, DecodeError> {
     let header = read::<RecordHeader>(bytes)?;

@@ -5,7 +5,7 @@ use lens_common::RULE_ARGS;
 use serde::Serialize;
 
 mod decode;
-pub use decode::{decode, record_as_bytes};
+pub use decode::{decode, decode_batch, record_as_bytes};
 
 use crate::nccl::{DataType, RedOp};
 

@@ -14,15 +14,8 @@ use super::Session;
 
 impl Session {
     pub(super) fn drain(&mut self, ring: &mut RingBuf<MapData>, sink: &mut dyn EventSink) {
-        // Decode in batches: the ring's items borrow it, handling needs `self`.
         loop {
-            let mut batch: Vec<std::result::Result<Decoded, events::DecodeError>> = Vec::new();
-            while let Some(item) = ring.next() {
-                batch.push(events::decode(&item));
-                if batch.len() == 4096 {
-                    break;
-                }
-            }
+            let batch = events::decode_batch(ring);
             if batch.is_empty() {
                 return;
             }

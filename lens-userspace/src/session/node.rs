@@ -32,7 +32,7 @@ impl Session {
                 .attach_loader(&mut self.bpf.programs, &loader, &self.groups);
         }
         let mut found = 0;
-        for pid in discovery::all_pids() {
+        for pid in crate::sys::process::all_pids() {
             if pid == std::process::id() {
                 continue;
             }
