@@ -164,6 +164,9 @@ impl Session {
             _ = log_ready => {}
             Some(pid) = inputs.exits.recv() => {
                 self.drain(ring.get_mut(), sink);
+                // What was traced is said before it ends: a job shorter than the drain
+                // tick (or one whose tick lost the race to its exit) still gets its line.
+                self.print_attach_status();
                 let exit = match self.targets.get(&pid) {
                     Some(t) if t.own_child => wait_child(pid).await,
                     Some(t) => Some(t.exit.unwrap_or(ExitStatus::Unknown)),
