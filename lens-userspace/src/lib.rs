@@ -44,5 +44,6 @@ pub mod sink;
 pub mod spans;
 pub mod summary;
 pub mod sys;
+pub mod timeline;
 
 pub use error::{LensError, Result};

@@ -20,6 +20,7 @@ use lens_probe::{
     spans::{SpanBuilder, SpanExporter, console::ConsoleTree, stragglers::OpStragglers},
     summary::Summary,
     sys::{output::OutputFile, privileges, target, teardown, usage::OwnCpu},
+    timeline::{DEFAULT_MAX_BYTES, Timeline, TimelineReport, TimelineSettings},
 };
 
 fn main() -> ExitCode {
@@ -89,8 +90,9 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     let mut pipeline = start_export(&export)?;
     let session = new_session(&cli, &export, rules.clone(), guardian)?;
     let summary_file = open_outputs(&cli)?;
+    let timeline = open_timeline(&cli, &rules)?;
     let child = start_targets(session, &cli)?;
-    let traced = trace(session, &cli, rules, pipeline.as_mut())?;
+    let traced = trace(session, &cli, rules, pipeline.as_mut(), timeline)?;
     // Its own cost beside the probe hits: the reader and the exporter, on the node's CPUs
     // (read before the export's last flush, which the metric carries).
     let own_cpu = lens_probe::sys::usage::OwnCpu::now(started.elapsed());
@@ -197,6 +199,22 @@ fn open_outputs(cli: &Cli) -> Result<Option<OutputFile>, LensError> {
         .transpose()
 }
 
+/// The timeline file (`--perfetto`, or `[timeline] perfetto` in the config file),
+/// created now, while lens-probe may still write where root may.
+fn open_timeline(cli: &Cli, rules: &ProbeRules) -> Result<Option<Timeline>, LensError> {
+    let Some(path) = cli.perfetto.clone().or(rules.timeline.perfetto.clone()) else {
+        return Ok(None);
+    };
+    let settings = TimelineSettings {
+        path,
+        max_bytes: cli
+            .perfetto_max_size
+            .or(rules.timeline.max_size)
+            .unwrap_or(DEFAULT_MAX_BYTES),
+    };
+    Ok(Some(Timeline::create(&settings)?))
+}
+
 /// Attaches to the node's training processes, the --exec command (its pid returned) or
 /// the --pid ones, then gives up what tracing no longer needs.
 fn start_targets(session: &mut Session, cli: &Cli) -> Result<Option<u32>, LensError> {
@@ -238,6 +256,7 @@ struct Traced {
     summary: Summary,
     report: RunReport,
     stragglers: BTreeMap<CollectiveOp, OpStragglers>,
+    timeline: Option<TimelineReport>,
 }
 
 /// Runs the event loop until the run ends, feeding the summary, the -v printer and the
@@ -247,6 +266,7 @@ fn trace(
     cli: &Cli,
     rules: Arc<ProbeRules>,
     pipeline: Option<&mut OtelPipeline>,
+    timeline: Option<Timeline>,
 ) -> Result<Traced, LensError> {
     // Node mode runs for days over many processes: summaries of ended ones are dropped.
     let mut summary = if cli.node {
@@ -259,10 +279,16 @@ fn trace(
         Some(pipeline) => Box::new(pipeline),
         None => Box::new(ConsoleTree::new(std::io::stderr()).with_all_attributes(cli.verbose >= 1)),
     };
+    let timeline_report = timeline.as_ref().map(Timeline::report);
+    let exporter: Box<dyn SpanExporter + '_> = match timeline {
+        Some(timeline) => Box::new((exporter, timeline)),
+        None => exporter,
+    };
     let mut spans = SpanBuilder::new(cli.span_groups.clone(), exporter).with_rules(rules);
     let mut sinks = (&mut summary, (printer, &mut spans));
     let report = session.run_blocking(&mut sinks, cli.duration)?;
     let stragglers = spans.stragglers().clone();
+    // Closes the timeline: its file is whole after this.
     drop(spans);
     for warning in session
         .attacher()
@@ -276,6 +302,8 @@ fn trace(
         summary,
         report,
         stragglers,
+        timeline: timeline_report
+            .map(|report| report.lock().unwrap_or_else(|e| e.into_inner()).clone()),
     })
 }
 
@@ -313,6 +341,9 @@ impl AtExit {
             "{}",
             lens_probe::spans::stragglers::render(&self.traced.stragglers)
         );
+        if let Some(timeline) = &self.traced.timeline {
+            lens_probe::say_raw!("{}", timeline.render());
+        }
         let late_attaches = self.late_attaches;
         if late_attaches > 0 {
             lens_probe::say!(
@@ -360,6 +391,12 @@ impl AtExit {
                 serde_json::to_value(stragglers).expect("straggler stats serialise"),
             );
             object.insert("late_attaches".into(), self.late_attaches.into());
+            if let Some(timeline) = &self.traced.timeline {
+                object.insert(
+                    "timeline".into(),
+                    serde_json::to_value(timeline).expect("timeline report serialises"),
+                );
+            }
             // Every loss stderr reports is here too: spans the export lost, by cause.
             if let Some(stats) = self.export_stats {
                 object.insert(

@@ -28,6 +28,8 @@ pub const PYTHON_ENV: &str = "LENS_PYTHON313";
 /// `transformers` (its `Trainer` needs `accelerate`), `lightning` and `safetensors` are the
 /// training frameworks of the framework tests (`tests/fixtures/frameworks/`): tiny models
 /// built from configs with random weights, nothing downloaded.
+/// `perfetto` ships Perfetto's trace protos compiled for Python: the timeline tests
+/// decode what `--perfetto` wrote with them.
 pub const REQUIREMENTS: &[&str] = &[
     "torch==2.15.0",
     "numpy==2.5.5",
@@ -38,6 +40,7 @@ pub const REQUIREMENTS: &[&str] = &[
     "accelerate==1.15.0",
     "lightning==2.6.6",
     "safetensors==0.8.0",
+    "perfetto==0.59.1",
 ];
 
 /// The stamp file, relative to the venv: the requirement list of the last successful
@@ -45,8 +48,8 @@ pub const REQUIREMENTS: &[&str] = &[
 pub const STAMP: &str = ".lens-requirements";
 
 /// What must import for the venv to count as ready.
-pub const IMPORT_CHECK: &str =
-    "import torch, nemo.lens, transformers, accelerate, lightning, safetensors";
+pub const IMPORT_CHECK: &str = "import torch, nemo.lens, transformers, accelerate, lightning, safetensors, \
+     perfetto.protos.perfetto.trace.perfetto_trace_pb2";
 
 /// The Python the venv is made with (major, minor).
 pub const PYTHON_VERSION: (u32, u32) = (3, 13);
@@ -321,7 +324,13 @@ mod tests {
         assert!(stamp_matches(
             "\n torch==2.15.0\nnumpy==2.5.5 \n\nnemo-lens[sdk]==0.1.0\nrotel==0.0.1a15\n\
              kubernetes-validate==1.37.0\ntransformers==5.24.0\n accelerate==1.15.0\n\n\
-             lightning==2.6.6\nsafetensors==0.8.0 "
+             lightning==2.6.6\nsafetensors==0.8.0\nperfetto==0.59.1 "
+        ));
+        // The list before the timeline's decoder was added: updated too.
+        assert!(!stamp_matches(
+            "torch==2.15.0\nnumpy==2.5.5\nnemo-lens[sdk]==0.1.0\nrotel==0.0.1a15\n\
+             kubernetes-validate==1.37.0\ntransformers==5.24.0\naccelerate==1.15.0\n\
+             lightning==2.6.6\nsafetensors==0.8.0\n"
         ));
         // The list before kubernetes-validate was added: a venv that must be updated.
         assert!(!stamp_matches(
@@ -372,7 +381,7 @@ mod tests {
             "/c/torch-venv/bin/python -m pip install --disable-pip-version-check \
              torch==2.15.0 numpy==2.5.5 'nemo-lens[sdk]==0.1.0' rotel==0.0.1a15 \
              kubernetes-validate==1.37.0 transformers==5.24.0 accelerate==1.15.0 \
-             lightning==2.6.6 safetensors==0.8.0"
+             lightning==2.6.6 safetensors==0.8.0 perfetto==0.59.1"
         );
         assert_eq!(venv_python(dir), Path::new("/c/torch-venv/bin/python"));
         assert_eq!(

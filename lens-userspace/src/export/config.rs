@@ -32,10 +32,10 @@ use std::{fmt, path::PathBuf};
 use opentelemetry_otlp::Protocol;
 
 use super::{
-    spool::{DEFAULT_MAX_BYTES, SpoolConfig, parse_size},
+    spool::{DEFAULT_MAX_BYTES, SpoolConfig},
     strategy::ExportStrategy,
 };
-use crate::settings::BadValue;
+use crate::settings::{BadValue, parse_size};
 use crate::{
     error::{LensError, Result},
     settings::cli::{self, Cli},

@@ -30,8 +30,6 @@ use opentelemetry_sdk::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::settings::BadValue;
-
 crate::error::reason_error! {
     /// Why the spool could not be opened, or a batch kept in or read from it.
     pub struct SpoolError;
@@ -45,36 +43,6 @@ pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
 pub struct SpoolConfig {
     pub dir: PathBuf,
     pub max_bytes: u64,
-}
-
-/// A size as people write it: `1GiB`, `500MiB`, `64M`, `4096` (bytes); K/M/G/T are
-/// binary multiples with or without `iB`/`B`.
-pub fn parse_size(text: &str) -> Result<u64, BadValue> {
-    let text = text.trim();
-    let digits = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(digits);
-    let number: u64 = number
-        .parse()
-        .map_err(|_| "expected a size such as 1GiB, 500MiB or 4096 (bytes)".to_string())?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => {
-            return Err(format!("unknown unit {unit:?}; expected KiB, MiB, GiB or TiB").into());
-        }
-    };
-    let bytes = number
-        .checked_mul(1 << shift)
-        .ok_or_else(|| "too large".to_string())?;
-    if bytes < 1 << 20 {
-        return Err("at least 1MiB (one batch of spans can take several hundred KiB)".into());
-    }
-    Ok(bytes)
 }
 
 /// One spooled file, as the directory listing names it.
@@ -819,6 +787,7 @@ mod tests {
 
     #[test]
     fn sizes_read_as_people_write_them() {
+        use crate::settings::parse_size;
         assert_eq!(parse_size("1GiB"), Ok(1 << 30));
         assert_eq!(parse_size("500MiB"), Ok(500 << 20));
         assert_eq!(parse_size("64M"), Ok(64 << 20));

@@ -30,15 +30,6 @@ fn seconds(ns: u64) -> String {
     format!("{:.1} s", ns as f64 / 1e9)
 }
 
-fn bytes(n: u64) -> String {
-    match n {
-        n if n >= 1 << 30 => format!("{:.1} GiB", n as f64 / f64::from(1u32 << 30)),
-        n if n >= 1 << 20 => format!("{:.1} MiB", n as f64 / f64::from(1u32 << 20)),
-        n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
-        n => format!("{n} B"),
-    }
-}
-
 fn rank_list(ranks: &[RankState]) -> String {
     if ranks.is_empty() {
         return "none".into();
@@ -61,7 +52,7 @@ impl Hang {
             self.seq
         );
         if let Some(n) = self.bytes {
-            text.push_str(&format!(", {}", bytes(n)));
+            text.push_str(&format!(", {}", crate::settings::format_size(n)));
         }
         text
     }

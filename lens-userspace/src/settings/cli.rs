@@ -4,7 +4,7 @@
 //! one line naming the flag, or the variable when the value came from there, and the
 //! values it takes: exit status 2, before anything is loaded. As in NeMo Lens, a variable
 //! that is empty or blank counts as unset.
-use super::BadValue;
+use super::{BadValue, parse_size};
 use std::{
     ffi::OsString,
     io,
@@ -199,6 +199,18 @@ pub struct Cli {
     /// Also write the exit summary as JSON to this file.
     #[arg(long, value_name = "FILE", value_parser = output_file())]
     pub summary_json: Option<PathBuf>,
+
+    /// Write the run as a Perfetto timeline to this file while it goes (open it at
+    /// ui.perfetto.dev): every traced rank side by side, a collective joined across its
+    /// ranks. Also `[timeline] perfetto` in the config file.
+    #[arg(long, value_name = "FILE", env = "LENS_PROBE_PERFETTO", value_parser = output_file())]
+    pub perfetto: Option<PathBuf>,
+
+    /// The timeline's size cap (default 1GiB): past it nothing more is written, said once
+    /// and in the summary. Also `[timeline] max_size` in the config file.
+    #[arg(long, value_name = "SIZE", env = "LENS_PROBE_PERFETTO_MAX_SIZE",
+          value_parser = parse_size)]
+    pub perfetto_max_size: Option<u64>,
 
     /// -v: print events as they come and each attached probe; -vv: debug logs and the
     /// kernel-side diagnostics.

@@ -134,6 +134,52 @@ pub struct PythonRule {
 pub struct ProbeRules {
     pub native: Vec<NativeRule>,
     pub python: Vec<PythonRule>,
+    /// The config file's `[timeline]` table: not rules, but set in the same file.
+    pub timeline: TimelineConfig,
+}
+
+/// `[timeline]` in a config file: `perfetto = "FILE"`, `max_size = "1GiB"`, as
+/// `--perfetto` and `--perfetto-max-size` (which win over them).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TimelineConfig {
+    pub perfetto: Option<PathBuf>,
+    pub max_size: Option<u64>,
+}
+
+impl TimelineConfig {
+    const KEYS: &str = "perfetto, max_size";
+
+    fn parse(table: &toml::Table) -> Result<TimelineConfig, BadValue> {
+        let mut config = TimelineConfig::default();
+        for (key, value) in table {
+            match (key.as_str(), value) {
+                ("perfetto", toml::Value::String(path)) => {
+                    let path = PathBuf::from(path);
+                    super::cli::check_output_file(&path)
+                        .map_err(|reason| format!("[timeline] perfetto: {reason}"))?;
+                    config.perfetto = Some(path);
+                }
+                ("max_size", toml::Value::String(size)) => {
+                    config.max_size = Some(
+                        super::parse_size(size)
+                            .map_err(|reason| format!("[timeline] max_size: {reason}"))?,
+                    );
+                }
+                ("perfetto" | "max_size", _) => {
+                    return Err(format!(
+                        "[timeline] {key} must be a string (a path; a size such as \"1GiB\")"
+                    )
+                    .into());
+                }
+                _ => {
+                    return Err(
+                        format!("[timeline]: unknown key {key:?}; valid: {}", Self::KEYS).into(),
+                    );
+                }
+            }
+        }
+        Ok(config)
+    }
 }
 
 /// The largest config file read: thousands of rules fit in far less, and a bound keeps a
@@ -268,9 +314,18 @@ impl ProbeRules {
             invalid(format!("not valid TOML: {at}{}", one_line(error.message())))
         })?;
         for key in document.keys() {
-            if key != "probe" {
-                return Err(invalid(format!("unknown key {key:?}; valid: probe")));
+            if key != "probe" && key != "timeline" {
+                return Err(invalid(format!(
+                    "unknown key {key:?}; valid: probe, timeline"
+                )));
             }
+        }
+        match document.get("timeline") {
+            Some(toml::Value::Table(table)) => {
+                self.timeline = TimelineConfig::parse(table).map_err(|e| invalid(e.to_string()))?;
+            }
+            Some(_) => return Err(invalid("timeline must be a table ([timeline])".into())),
+            None => {}
         }
         let Some(probes) = document.get("probe") else {
             return Ok(());

@@ -212,6 +212,34 @@ impl<E: SpanExporter + ?Sized> SpanExporter for Box<E> {
     }
 }
 
+/// Two exporters fed the same spans: the OTLP pipeline (or the console) and the timeline.
+impl<A: SpanExporter, B: SpanExporter> SpanExporter for (A, B) {
+    fn process_started(&mut self, info: &ProcessInfo, job: Option<SpanId>, start_ns: u64) {
+        self.0.process_started(info, job, start_ns);
+        self.1.process_started(info, job, start_ns);
+    }
+    fn export(&mut self, span: SpanRecord) {
+        self.0.export(span.clone());
+        self.1.export(span);
+    }
+    fn process_calls(&mut self, pid: u32, calls: &BTreeMap<ProbeId, u64>) {
+        self.0.process_calls(pid, calls);
+        self.1.process_calls(pid, calls);
+    }
+    fn process_probe_cost(&mut self, pid: u32, cost: crate::sink::ProbeCost) {
+        self.0.process_probe_cost(pid, cost);
+        self.1.process_probe_cost(pid, cost);
+    }
+    fn launches_sampled(&mut self, pid: u32) {
+        self.0.launches_sampled(pid);
+        self.1.launches_sampled(pid);
+    }
+    fn process_ended(&mut self, pid: u32) {
+        self.0.process_ended(pid);
+        self.1.process_ended(pid);
+    }
+}
+
 /// Keeps every span (tests, and tools built on the library).
 #[derive(Debug, Default)]
 pub struct SpanLog {
@@ -277,6 +305,30 @@ impl SpanLog {
         for child in self.children(span) {
             self.outline_into(child, depth + 1, keys, out);
         }
+    }
+}
+
+/// Kernel timestamps (`CLOCK_MONOTONIC`) as wall-clock time (`CLOCK_REALTIME`), the clock
+/// that nodes share: the offset between the two, read once, when made.
+#[derive(Clone, Copy, Debug)]
+pub struct WallClock {
+    realtime_minus_monotonic_ns: i128,
+}
+
+impl WallClock {
+    pub fn now() -> WallClock {
+        let realtime_ns = std::time::SystemTime::now()
+            .duration_since(std::time::SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as i128)
+            .unwrap_or_default();
+        WallClock {
+            realtime_minus_monotonic_ns: realtime_ns - monotonic_now_ns() as i128,
+        }
+    }
+
+    /// `monotonic_ns` in ns since the Unix epoch.
+    pub fn unix_ns(&self, monotonic_ns: u64) -> u64 {
+        (monotonic_ns as i128 + self.realtime_minus_monotonic_ns).max(0) as u64
     }
 }
 

@@ -1,5 +1,5 @@
 //! Files lens-probe creates, as root, where a user said (`--pid-file`, `--summary-json`,
-//! `--export-file`). Opened before the capabilities are dropped (a directory only
+//! `--export-file`, `--perfetto`). Opened before the capabilities are dropped (a directory only
 //! `CAP_DAC_OVERRIDE` may write fails at start, not after the whole trace), never through
 //! a symbolic link (a link in a shared directory would otherwise let anyone aim root's
 //! write at `/etc/...`), and every failure names the flag and the path.
@@ -150,6 +150,13 @@ impl StreamedFile {
     /// Writes `line` and a newline and flushes them; the first puts the file in place.
     pub fn write_line(&mut self, line: &str) -> io::Result<()> {
         writeln!(self.out, "{line}")?;
+        self.write_chunk(&[])
+    }
+
+    /// Writes `bytes` (a whole record of the file's format) and flushes them; the first
+    /// puts the file in place.
+    pub fn write_chunk(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.out.write_all(bytes)?;
         self.out.flush()?;
         match self.partial.take() {
             Some(partial) => partial.rename_over(&self.path),

@@ -46,6 +46,13 @@ impl Process {
         std::fs::read_to_string(self.path(&format!("task/{tid}/syscall")))
     }
 
+    /// Thread `tid`'s name (`/proc/PID/task/TID/comm`: what `pthread_setname_np` or
+    /// `prctl(PR_SET_NAME)` set, else the program's name).
+    pub fn thread_name(self, tid: u32) -> io::Result<String> {
+        let name = std::fs::read_to_string(self.path(&format!("task/{tid}/comm")))?;
+        Ok(name.trim_end_matches('\n').to_string())
+    }
+
     /// Whether thread `tid` still exists.
     pub fn has_thread(self, tid: u32) -> bool {
         self.path(&format!("task/{tid}")).exists()

@@ -18,7 +18,7 @@ use std::{
         mpsc::{self, Sender},
     },
     thread::JoinHandle,
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, Instant},
 };
 
 use log::warn;
@@ -33,7 +33,7 @@ use super::{
 };
 use crate::{
     error::{LensError, Result},
-    spans::{SpanExporter, SpanId, SpanRecord, monotonic_now_ns},
+    spans::{SpanExporter, SpanId, SpanRecord, WallClock},
     sys::{target::ProcessInfo, usage::OwnCpu},
 };
 
@@ -179,8 +179,8 @@ pub struct OtelPipeline {
     /// Where failed span batches wait (`--spool-dir`, OTLP only).
     spool: Option<Arc<Spool>>,
     processes: HashMap<u32, ProcessExport>,
-    /// `CLOCK_REALTIME - CLOCK_MONOTONIC`: kernel timestamps to wall-clock time.
-    realtime_offset_ns: i128,
+    /// Kernel timestamps to wall-clock time.
+    clock: WallClock,
     /// The run id of processes whose environment names none: one per lens-probe run, so
     /// everything it traces shares a trace.
     fallback_run_id: String,
@@ -219,17 +219,13 @@ impl OtelPipeline {
         ready_rx
             .recv()
             .unwrap_or_else(|_| Err(LensError::Export("export thread failed to start".into())))?;
-        let realtime_ns = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as i128)
-            .unwrap_or_default();
         Ok(OtelPipeline {
             queue: Some(queue),
             worker: Some(worker),
             counters,
             spool,
             processes: HashMap::new(),
-            realtime_offset_ns: realtime_ns - monotonic_now_ns() as i128,
+            clock: WallClock::now(),
             fallback_run_id: resource::random_run_id(),
             service_name,
             scope: InstrumentationScope::builder("lens-probe")

@@ -20,8 +20,7 @@ use crate::spans::{AttrValue, SpanId, SpanRecord, SpanStatus};
 
 impl OtelPipeline {
     pub(super) fn time(&self, monotonic_ns: u64) -> SystemTime {
-        let ns = (monotonic_ns as i128 + self.realtime_offset_ns).max(0) as u64;
-        SystemTime::UNIX_EPOCH + Duration::from_nanos(ns)
+        SystemTime::UNIX_EPOCH + Duration::from_nanos(self.clock.unix_ns(monotonic_ns))
     }
 
     pub(super) fn span_data(&self, span: SpanRecord, trace_id: TraceId) -> SpanData {
