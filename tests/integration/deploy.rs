@@ -263,13 +263,25 @@ fn the_daemonset_has_the_documented_security_posture() {
 
     // Only the kernel's BTF is mounted, read-only; nothing else from the host.
     let mounts = container["volumeMounts"].as_array().unwrap();
-    assert_eq!(mounts.len(), 1, "{mounts:?}");
+    assert_eq!(mounts.len(), 2, "{mounts:?}");
     assert_eq!(mounts[0]["mountPath"], "/sys/kernel/btf");
     assert_eq!(mounts[0]["readOnly"], true);
     let volumes = pod["volumes"].as_array().unwrap();
-    assert_eq!(volumes.len(), 1, "{volumes:?}");
+    assert_eq!(volumes.len(), 2, "{volumes:?}");
     assert_eq!(volumes[0]["hostPath"]["path"], "/sys/kernel/btf");
     assert_eq!(volumes[0]["name"], mounts[0]["name"]);
+    // The timeline (commented out in the ConfigMap) goes to a writable host directory:
+    // the root filesystem is read-only.
+    assert_eq!(mounts[1]["mountPath"], "/var/log/lens-probe");
+    assert_ne!(mounts[1]["readOnly"], true);
+    assert_eq!(volumes[1]["name"], mounts[1]["name"]);
+    assert_eq!(volumes[1]["hostPath"]["path"], "/var/log/lens-probe");
+    let configmap_text = fs::read_to_string(k8s_dir().join("configmap.yaml")).unwrap();
+    assert!(
+        configmap_text
+            .contains("# LENS_PROBE_PERFETTO: /var/log/lens-probe/timeline.perfetto-trace"),
+        "the ConfigMap shows where the timeline goes"
+    );
     let limits = &container["resources"]["limits"];
     assert!(
         limits["memory"].is_string() && limits["cpu"].is_string(),
