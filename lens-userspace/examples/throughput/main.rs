@@ -18,6 +18,7 @@ use lens_probe::{
     settings::groups::SpanGroups,
     spans::{SpanBuilder, SpanExporter, SpanRecord},
     summary::Summary,
+    timeline::{Timeline, TimelineSettings},
 };
 
 mod harness;
@@ -52,6 +53,10 @@ struct Args {
     exporter: Exporter,
     #[arg(long, default_value = "/dev/null")]
     export_file: PathBuf,
+    /// With `--exporter file`: also write the spans to this Perfetto timeline, as
+    /// lens-probe's `--perfetto` does (its size cap lifted).
+    #[arg(long)]
+    perfetto: Option<PathBuf>,
     #[arg(long, default_value = "per_step")]
     span_groups: SpanGroups,
     /// Run the generator on the last CPU and drain on CPU 0 (unpinned, the kernel's
@@ -113,6 +118,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             .map(|cpus| (cpus - 1, 0)),
     };
     let mut summary = Summary::default();
+    let mut timeline_json = serde_json::Value::Null;
     let (report, spans, spans_dropped, export_cpu_s) = match args.exporter {
         Exporter::Null => {
             let mut spans = SpanBuilder::new(args.span_groups.clone(), NullExporter::default());
@@ -122,10 +128,31 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         Exporter::File => {
             let mut pipeline =
                 OtelPipeline::start(Destination::File(args.export_file.clone()), None, None)?;
-            let mut spans = SpanBuilder::new(args.span_groups.clone(), &mut pipeline);
+            let timeline = match &args.perfetto {
+                Some(path) => Some(Timeline::create(&TimelineSettings {
+                    path: path.clone(),
+                    max_bytes: 64 << 30,
+                })?),
+                None => None,
+            };
+            let timeline_report = timeline.as_ref().map(Timeline::report);
+            let exporter: Box<dyn SpanExporter + '_> = match timeline {
+                Some(timeline) => Box::new((&mut pipeline, timeline)),
+                None => Box::new(&mut pipeline),
+            };
+            let mut spans = SpanBuilder::new(args.span_groups.clone(), exporter);
             let report = throughput::run(options, &mut (&mut summary, &mut spans))?;
+            // Before the writers are joined: what their threads used during the run.
+            let timeline_cpu_s = threads_cpu_s("lens-timeline");
             drop(spans);
-            // Before `finish` joins it: what the export thread used during the run.
+            if let Some(timeline) = timeline_report {
+                let timeline = timeline.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                timeline_json = serde_json::json!({
+                    "slices": timeline.slices,
+                    "bytes": timeline.bytes,
+                    "writer_cpu_s": timeline_cpu_s,
+                });
+            }
             let export_cpu_s = threads_cpu_s("lens-export");
             let stats = pipeline.finish(&[], None);
             (
@@ -153,6 +180,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     object.insert("spans_dropped".into(), spans_dropped.into());
     object.insert("export_cpu_s".into(), export_cpu_s.into());
     object.insert("pinned".into(), options.pin.is_some().into());
+    object.insert("timeline".into(), timeline_json);
     println!("{json}");
     Ok(())
 }

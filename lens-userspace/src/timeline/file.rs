@@ -1,125 +1,116 @@
-//! The timeline's file, written by a thread of its own: the event loop only appends
-//! encoded packets to a buffer; the thread writes what is there at least every
-//! [`FLUSH_EVERY`], so a lens-probe killed with SIGKILL leaves a trace that opens up to
-//! its last flush, and a slow disk never holds up the event loop.
+//! The writer thread: takes the span builder's messages, has the encoder place and
+//! encode them, and writes whole spans to the file at least every [`FLUSH_EVERY`], so a
+//! lens-probe killed with SIGKILL leaves a trace that opens up to its last flush. The
+//! event loop never waits for it: it only queues (`Timeline::send`).
 use std::{
     sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        Mutex,
+        mpsc::{Receiver, RecvTimeoutError},
     },
-    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
 use log::warn;
 
-use crate::sys::output::StreamedFile;
+use super::{Message, TimelineReport, encoder::Encoder};
+use crate::{settings::format_size, sys::output::StreamedFile};
 
-/// How long written packets may wait in memory before they are in the file.
+/// How long written spans may wait in memory before they are in the file.
 pub const FLUSH_EVERY: Duration = Duration::from_millis(500);
 
-/// What the writer thread and the event loop share.
-#[derive(Default)]
-struct Shared {
-    /// Encoded packets not yet written.
-    pending: Mutex<Vec<u8>>,
-    closing: AtomicBool,
-    /// At close, put the file in place even when nothing was written (an empty trace).
-    keep_empty: AtomicBool,
-    /// Bytes in the file.
-    written: AtomicU64,
-    /// The first write error, said once; nothing more is written after it.
-    failed: AtomicBool,
-}
-
-/// The streamed trace file.
-pub struct TimelineFile {
-    shared: Arc<Shared>,
-    writer: Option<JoinHandle<()>>,
-}
-
-impl TimelineFile {
-    /// Starts the writer thread on `file` (already created, so that a path lens-probe
-    /// may not write fails at start); `shown` names it in messages.
-    pub fn start(file: StreamedFile, shown: String) -> std::io::Result<TimelineFile> {
-        let shared = Arc::new(Shared::default());
-        let thread_shared = Arc::clone(&shared);
-        let writer = std::thread::Builder::new()
-            .name("lens-timeline".into())
-            .spawn(move || write_until_closed(file, &thread_shared, &shown))?;
-        Ok(TimelineFile {
-            shared,
-            writer: Some(writer),
-        })
-    }
-
-    /// Queues `bytes` (whole packets) for the file.
-    pub fn append(&self, bytes: &[u8]) {
-        if self.shared.failed.load(Ordering::Relaxed) {
-            return;
-        }
-        let mut pending = self
-            .shared
-            .pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        pending.extend_from_slice(bytes);
-    }
-
-    /// Bytes in the file so far.
-    pub fn written(&self) -> u64 {
-        self.shared.written.load(Ordering::Relaxed)
-    }
-
-    /// Writes what is queued and stops the thread; the file is whole after it. With
-    /// nothing written, `keep_empty` puts an empty trace in place; without it an earlier
-    /// file at the path stays as it was (a run that failed at start).
-    pub fn close(&mut self, keep_empty: bool) {
-        self.shared.keep_empty.store(keep_empty, Ordering::Relaxed);
-        self.shared.closing.store(true, Ordering::Relaxed);
-        if let Some(writer) = self.writer.take() {
-            writer.thread().unpark();
-            let _ = writer.join();
-        }
-    }
-}
-
-impl Drop for TimelineFile {
-    fn drop(&mut self) {
-        self.close(false);
-    }
-}
-
-fn write_until_closed(mut file: StreamedFile, shared: &Shared, shown: &str) {
-    let mut in_place = false;
+/// Runs until the queue closes (the [`super::Timeline`] is closed), then writes what is
+/// left. The report is kept up to date as spans are written.
+pub(super) fn write(
+    messages: Receiver<Message>,
+    mut encoder: Encoder,
+    mut file: StreamedFile,
+    report: &Mutex<TimelineReport>,
+) {
+    let (shown, max_bytes) = {
+        let report = report.lock().unwrap_or_else(|e| e.into_inner());
+        (report.path.display().to_string(), report.max_bytes)
+    };
+    let mut output = Output {
+        file: &mut file,
+        shown: &shown,
+        pending: Vec::new(),
+        in_place: false,
+        failed: false,
+    };
+    let mut queued: u64 = 0;
+    let mut capped = false;
+    let mut next_flush = Instant::now() + FLUSH_EVERY;
     loop {
-        let deadline = Instant::now() + FLUSH_EVERY;
-        while !shared.closing.load(Ordering::Relaxed) {
-            let now = Instant::now();
-            if now >= deadline {
-                break;
-            }
-            std::thread::park_timeout(deadline - now);
-        }
-        let closing = shared.closing.load(Ordering::Relaxed);
-        let chunk = std::mem::take(&mut *shared.pending.lock().unwrap_or_else(|e| e.into_inner()));
-        let put_empty_in_place = closing && !in_place && shared.keep_empty.load(Ordering::Relaxed);
-        if (!chunk.is_empty() || put_empty_in_place) && !shared.failed.load(Ordering::Relaxed) {
-            match file.write_chunk(&chunk) {
-                Ok(()) => {
-                    in_place = true;
-                    shared
-                        .written
-                        .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        let wait = next_flush.saturating_duration_since(Instant::now());
+        match messages.recv_timeout(wait) {
+            Ok(Message::ProcessStarted(info)) => encoder.process_started(&info),
+            Ok(Message::ProcessEnded(pid)) => encoder.process_ended(pid),
+            Ok(Message::Span(span)) => {
+                encoder.span(&span);
+                let bytes = encoder.take_bytes();
+                let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
+                if capped || queued + bytes.len() as u64 > max_bytes {
+                    if !capped {
+                        warn!(
+                            "timeline {shown} reached its size cap ({}, --perfetto-max-size): \
+                             nothing more is written to it",
+                            format_size(max_bytes)
+                        );
+                    }
+                    capped = true;
+                    encoder.discard();
+                    report.spans_past_cap += 1;
+                } else {
+                    queued += bytes.len() as u64;
+                    report.slices += 1;
+                    report.bytes = queued;
+                    output.pending.extend_from_slice(&bytes);
                 }
-                Err(error) => {
-                    shared.failed.store(true, Ordering::Relaxed);
-                    warn!("timeline {shown}: cannot write ({error}); it ends here");
-                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                // A run that traced a process leaves a trace, empty or not; one that failed
+                // before leaves an earlier file at the path as it was.
+                output.flush(encoder.has_processes());
+                return;
             }
         }
-        if closing {
+        if Instant::now() >= next_flush {
+            output.flush(false);
+            next_flush = Instant::now() + FLUSH_EVERY;
+        }
+    }
+}
+
+/// The file and what waits to go into it.
+struct Output<'a> {
+    file: &'a mut StreamedFile,
+    shown: &'a str,
+    pending: Vec<u8>,
+    /// The file has replaced whatever was at its path.
+    in_place: bool,
+    /// A write failed (said once): nothing more is written.
+    failed: bool,
+}
+
+impl Output<'_> {
+    /// Writes what is pending; `empty_too`: puts the file in place even with nothing.
+    fn flush(&mut self, empty_too: bool) {
+        if self.failed || (self.pending.is_empty() && (self.in_place || !empty_too)) {
             return;
+        }
+        match self.file.write_chunk(&self.pending) {
+            Ok(()) => {
+                self.in_place = true;
+                self.pending.clear();
+            }
+            Err(error) => {
+                self.failed = true;
+                warn!(
+                    "timeline {}: cannot write ({error}); it ends here",
+                    self.shown
+                );
+            }
         }
     }
 }

@@ -17,6 +17,7 @@
 //! files from several nodes, concatenated, open as one trace (ids unique per writer, see
 //! `tracks::Ids`), and two nodes' processes that share a pid stay apart. Timestamps are
 //! wall-clock (`CLOCK_REALTIME`) ns, the clock nodes share.
+mod encoder;
 mod file;
 #[allow(clippy::all, clippy::pedantic)]
 mod proto {
@@ -26,33 +27,25 @@ pub mod replay;
 mod tracks;
 
 use std::{
-    collections::HashMap,
     path::PathBuf,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        mpsc::{self, SyncSender, TrySendError},
+    },
+    thread::JoinHandle,
 };
 
 use log::warn;
-use prost::Message;
 use serde::Serialize;
 
 use crate::{
     error::LensError,
     export::resource::own_host_name,
-    names, semconv,
     settings::format_size,
-    spans::{AttrValue, SpanExporter, SpanId, SpanRecord, SpanStatus, WallClock},
-    sys::{
-        output::OutputFile,
-        process::Process,
-        target::{ProcessInfo, RankInfo},
-    },
+    spans::{SpanExporter, SpanId, SpanRecord, WallClock},
+    sys::{output::OutputFile, target::ProcessInfo},
 };
-use file::TimelineFile;
-use proto::{
-    CounterDescriptor, DebugAnnotation, Trace, TracePacket, TrackDescriptor, TrackEvent,
-    counter_descriptor::Unit, debug_annotation, trace_packet, track_descriptor, track_event,
-};
-use tracks::{Ids, Lane, Level};
+use encoder::Encoder;
 
 /// The default size cap (`--perfetto-max-size`).
 pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
@@ -74,6 +67,8 @@ pub struct TimelineReport {
     pub max_bytes: u64,
     /// Spans not written because the file reached its cap.
     pub spans_past_cap: u64,
+    /// Spans not written because the writer thread was behind (its queue full).
+    pub spans_dropped: u64,
 }
 
 impl TimelineReport {
@@ -94,498 +89,129 @@ impl TimelineReport {
                 self.spans_past_cap
             ));
         }
+        if self.spans_dropped > 0 {
+            text.push_str(&format!(
+                "lens-probe: timeline {}: {} spans not in it (its writer was behind)\n",
+                self.path.display(),
+                self.spans_dropped
+            ));
+        }
         text
     }
 }
 
-/// The tracks of one traced process.
-struct ProcessTracks {
-    uuid: u64,
-    /// Job lanes: the first is the process's own track.
-    jobs: Vec<Lane>,
-    threads: HashMap<u32, ThreadTracks>,
-    reports: Option<u64>,
-    launches_per_step: Option<u64>,
-    bytes_per_step: Option<u64>,
-    /// Collective bytes under spans not yet written (children arrive before parents),
-    /// summed up to their step.
-    bytes_under: HashMap<SpanId, u64>,
+/// What the writer thread is told, in the order the span builder said it.
+enum Message {
+    ProcessStarted(Box<ProcessInfo>),
+    Span(Box<SpanRecord>),
+    ProcessEnded(u32),
 }
 
-struct ThreadTracks {
-    uuid: u64,
-    lanes: HashMap<Level, Vec<Lane>>,
-}
+/// Spans waiting for the writer thread; past this they are not written, and counted
+/// (`TimelineReport::spans_dropped`): the event loop never waits for the timeline.
+const QUEUE_SPANS: usize = 65_536;
 
-/// The timeline writer, as one of the span builder's exporters.
+/// The timeline, as one of the span builder's exporters: it hands each span to the
+/// writer thread (`file.rs`), which places, encodes and writes it.
 pub struct Timeline {
-    file: TimelineFile,
+    queue: Option<SyncSender<Message>>,
+    writer: Option<JoinHandle<()>>,
     report: Arc<Mutex<TimelineReport>>,
-    ids: Ids,
-    sequence: u32,
-    first_packet: bool,
-    clock: WallClock,
-    host: String,
-    processes: HashMap<u32, ProcessTracks>,
-    /// Bytes handed to the file.
-    queued: u64,
-    capped: bool,
-    /// The packets of the span being written.
-    packets: Vec<TracePacket>,
 }
 
 impl Timeline {
-    /// What the timeline holds so far, filled as the run goes (whole once it is closed).
-    pub fn report(&self) -> Arc<Mutex<TimelineReport>> {
-        Arc::clone(&self.report)
-    }
-
-    /// Creates the file (failing at start where lens-probe may not write) and starts its
-    /// writer.
+    /// Creates the file (failing at start where lens-probe may not write) and starts the
+    /// writer thread.
     pub fn create(settings: &TimelineSettings) -> Result<Timeline, LensError> {
         let output = OutputFile::create_streamed("--perfetto", &settings.path)?;
-        let shown = settings.path.display().to_string();
-        let file = TimelineFile::start(output, shown).map_err(|error| LensError::Output {
-            flag: "--perfetto",
-            path: settings.path.clone(),
-            reason: error.to_string(),
-        })?;
         let host = own_host_name();
+        let clock = WallClock::now();
         let writer_key = format!(
             "{host} {} {} {}",
             crate::sys::kernel::boot_id().unwrap_or_default(),
             std::process::id(),
-            WallClock::now().unix_ns(crate::spans::monotonic_now_ns())
+            clock.unix_ns(crate::spans::monotonic_now_ns())
         );
+        let encoder = Encoder::new(&writer_key, clock, host);
         let report = Arc::new(Mutex::new(TimelineReport {
             path: settings.path.clone(),
             max_bytes: settings.max_bytes,
             ..TimelineReport::default()
         }));
-        let ids = Ids::new(&writer_key);
+        let (queue, messages) = mpsc::sync_channel(QUEUE_SPANS);
+        let writer_report = Arc::clone(&report);
+        let writer = std::thread::Builder::new()
+            .name("lens-timeline".into())
+            .spawn(move || file::write(messages, encoder, output, &writer_report))
+            .map_err(|error| LensError::Output {
+                flag: "--perfetto",
+                path: settings.path.clone(),
+                reason: error.to_string(),
+            })?;
         Ok(Timeline {
-            file,
+            queue: Some(queue),
+            writer: Some(writer),
             report,
-            sequence: ids.sequence(),
-            ids,
-            first_packet: true,
-            clock: WallClock::now(),
-            host,
-            processes: HashMap::new(),
-            queued: 0,
-            capped: false,
-            packets: Vec::new(),
         })
     }
 
-    fn packet(&mut self, timestamp: Option<u64>, data: trace_packet::Data) {
-        let sequence_flags = std::mem::take(&mut self.first_packet)
-            .then_some(trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32);
-        self.packets.push(TracePacket {
-            timestamp,
-            data: Some(data),
-            optional_trusted_packet_sequence_id: Some(
-                trace_packet::OptionalTrustedPacketSequenceId::TrustedPacketSequenceId(
-                    self.sequence,
-                ),
-            ),
-            sequence_flags,
-        });
+    /// What the timeline holds so far, filled as the run goes (whole once it is closed).
+    pub fn report(&self) -> Arc<Mutex<TimelineReport>> {
+        Arc::clone(&self.report)
     }
 
-    fn describe(&mut self, track: TrackDescriptor) {
-        self.packet(None, trace_packet::Data::TrackDescriptor(track));
-    }
-
-    fn event(&mut self, at_ns: u64, event: TrackEvent) {
-        let at = self.clock.unix_ns(at_ns);
-        self.packet(Some(at), trace_packet::Data::TrackEvent(event));
-    }
-
-    /// The tracks of `pid`, described when first used.
-    fn process(&mut self, pid: u32, info: Option<&ProcessInfo>) -> &mut ProcessTracks {
-        if !self.processes.contains_key(&pid) {
-            let uuid = self.ids.track(&[u64::from(pid)]);
-            let rank = info
-                .and_then(|info| RankInfo::from_environment(&info.view.environment).or(info.rank))
-                .map_or(0, |rank| rank.rank);
-            let command_line = info.map(|info| info.command_line.join(" "));
-            self.describe(TrackDescriptor {
-                uuid: Some(uuid),
-                static_or_dynamic_name: Some(track_descriptor::StaticOrDynamicName::Name(format!(
-                    "rank {rank} · {} · pid {pid}",
-                    self.host
-                ))),
-                description: command_line,
-                child_ordering: Some(track_descriptor::ChildTracksOrdering::Explicit as i32),
-                ..TrackDescriptor::default()
-            });
-            self.processes.insert(
-                pid,
-                ProcessTracks {
-                    uuid,
-                    jobs: vec![Lane::new(uuid)],
-                    threads: HashMap::new(),
-                    reports: None,
-                    launches_per_step: None,
-                    bytes_per_step: None,
-                    bytes_under: HashMap::new(),
-                },
-            );
-        }
-        self.processes.get_mut(&pid).expect("just made")
-    }
-
-    /// A track of its own under `parent`, described now.
-    fn child_track(&mut self, parent: u64, parts: &[u64], name: String, order: i32) -> u64 {
-        let uuid = self.ids.track(parts);
-        self.describe(TrackDescriptor {
-            uuid: Some(uuid),
-            parent_uuid: Some(parent),
-            static_or_dynamic_name: Some(track_descriptor::StaticOrDynamicName::Name(name)),
-            child_ordering: Some(track_descriptor::ChildTracksOrdering::Explicit as i32),
-            sibling_order_rank: Some(order),
-            ..TrackDescriptor::default()
-        });
-        uuid
-    }
-
-    /// The track `span` is drawn on: a lane of its level on its thread (or process).
-    fn track_for(&mut self, span: &SpanRecord) -> u64 {
-        let (pid, tid) = (span.pid, span.tid);
-        let level = Level::of(span);
-        let process = self.process(pid, None);
-        let process_uuid = process.uuid;
-        if level == Level::Job {
-            if let Some(lane) = process
-                .jobs
-                .iter_mut()
-                .find(|l| l.fits(span.start_ns, span.end_ns))
-            {
-                lane.take(span.start_ns, span.end_ns);
-                return lane.uuid;
-            }
-            let index = process.jobs.len() as u64;
-            let uuid = self.child_track(
-                process_uuid,
-                &[u64::from(pid), u64::MAX, index],
-                format!("{} {}", names::JOB, index + 1),
-                -1,
-            );
-            let mut lane = Lane::new(uuid);
-            lane.take(span.start_ns, span.end_ns);
-            self.process(pid, None).jobs.push(lane);
-            return uuid;
-        }
-        if !self.processes[&pid].threads.contains_key(&tid) {
-            let name = if tid == pid {
-                format!("main thread {tid}")
-            } else {
-                let thread = Process::new(pid).thread_name(tid).unwrap_or_default();
-                format!("{thread} {tid}").trim_start().to_string()
-            };
-            let order = i32::try_from(tid).unwrap_or(i32::MAX);
-            let uuid =
-                self.child_track(process_uuid, &[u64::from(pid), u64::from(tid)], name, order);
-            self.process(pid, None).threads.insert(
-                tid,
-                ThreadTracks {
-                    uuid,
-                    lanes: HashMap::new(),
-                },
-            );
-        }
-        let thread = &self.processes[&pid].threads[&tid];
-        let thread_uuid = thread.uuid;
-        let lanes = thread.lanes.get(&level).map_or(&[][..], Vec::as_slice);
-        if let Some(index) = lanes
-            .iter()
-            .position(|l| l.fits(span.start_ns, span.end_ns))
-        {
-            let lanes = self.thread_lanes(pid, tid, level);
-            lanes[index].take(span.start_ns, span.end_ns);
-            return lanes[index].uuid;
-        }
-        let index = lanes.len();
-        // The phases' first lane is the thread's own track.
-        let uuid = if level == Level::Phase && index == 0 {
-            thread_uuid
-        } else {
-            let name = match index {
-                0 => level.track_name().to_string(),
-                _ => format!("{} {}", level.track_name(), index + 1),
-            };
-            self.child_track(
-                thread_uuid,
-                &[u64::from(pid), u64::from(tid), level as u64, index as u64],
-                name,
-                (level as i32) * 1000 + index as i32,
-            )
-        };
-        let mut lane = Lane::new(uuid);
-        lane.take(span.start_ns, span.end_ns);
-        self.thread_lanes(pid, tid, level).push(lane);
-        uuid
-    }
-
-    fn thread_lanes(&mut self, pid: u32, tid: u32, level: Level) -> &mut Vec<Lane> {
-        let thread = self
-            .processes
-            .get_mut(&pid)
-            .and_then(|p| p.threads.get_mut(&tid))
-            .expect("made by track_for");
-        thread.lanes.entry(level).or_default()
-    }
-
-    /// A track of `pid`'s made on first use (`slot`: which one), under the process.
-    fn process_child(
-        &mut self,
-        pid: u32,
-        slot: fn(&mut ProcessTracks) -> &mut Option<u64>,
-        name: &str,
-        order: i32,
-        counter: Option<Unit>,
-    ) -> u64 {
-        let process = self.process(pid, None);
-        if let Some(uuid) = *slot(process) {
-            return uuid;
-        }
-        let parent = process.uuid;
-        let uuid = self
-            .ids
-            .track(&[u64::from(pid), u64::MAX - 1, order as u64]);
-        self.describe(TrackDescriptor {
-            uuid: Some(uuid),
-            parent_uuid: Some(parent),
-            static_or_dynamic_name: Some(track_descriptor::StaticOrDynamicName::Name(
-                name.to_string(),
-            )),
-            counter: counter.map(|unit| CounterDescriptor {
-                unit: Some(unit as i32),
-                unit_name: None,
-            }),
-            sibling_order_rank: Some(order),
-            ..TrackDescriptor::default()
-        });
-        *slot(self.process(pid, None)) = Some(uuid);
-        uuid
-    }
-
-    fn instant(&mut self, pid: u32, at_ns: u64, name: String, annotations: Vec<DebugAnnotation>) {
-        let track = self.process_child(pid, |p| &mut p.reports, "reports", -3, None);
-        self.event(
-            at_ns,
-            TrackEvent {
-                name_field: Some(track_event::NameField::Name(name)),
-                r#type: Some(track_event::Type::Instant as i32),
-                track_uuid: Some(track),
-                debug_annotations: annotations,
-                ..TrackEvent::default()
-            },
-        );
-    }
-
-    fn counter(&mut self, pid: u32, bytes: bool, at_ns: u64, value: i64) {
-        let track = if bytes {
-            self.process_child(
-                pid,
-                |p| &mut p.bytes_per_step,
-                "collective bytes per step",
-                -4,
-                Some(Unit::SizeBytes),
-            )
-        } else {
-            self.process_child(
-                pid,
-                |p| &mut p.launches_per_step,
-                "kernel launches per step",
-                -5,
-                Some(Unit::Count),
-            )
-        };
-        self.event(
-            at_ns,
-            TrackEvent {
-                r#type: Some(track_event::Type::Counter as i32),
-                track_uuid: Some(track),
-                counter_value_field: Some(track_event::CounterValueField::CounterValue(value)),
-                ..TrackEvent::default()
-            },
-        );
-    }
-
-    /// The straggler verdict and the hang report a span carries, as instants.
-    fn reports(&mut self, span: &SpanRecord) {
-        if span.name == names::HANG {
-            let mut annotations = annotations(span);
-            if let SpanStatus::Error(summary) = &span.status {
-                annotations.insert(0, text_annotation("report", summary));
-            }
-            let name = match &span.status {
-                SpanStatus::Error(summary) => format!("hang: {summary}"),
-                SpanStatus::Unset => "hang".to_string(),
-            };
-            self.instant(span.pid, span.end_ns, name, annotations);
-            return;
-        }
-        let Some(AttrValue::Str(cause)) = span.attr(semconv::DL_COLLECTIVE_STRAGGLER_CAUSE) else {
+    fn send(&mut self, message: Message) {
+        let Some(queue) = &self.queue else {
             return;
         };
-        let last = span.int_attr(semconv::DL_COLLECTIVE_LAST_RANK);
-        if last.is_none() || last != span.int_attr(semconv::DL_RANK) {
-            return;
-        }
-        let skew_ms = span
-            .int_attr(semconv::DL_COLLECTIVE_ARRIVAL_SKEW_NS)
-            .unwrap_or(0) as f64
-            / 1e6;
-        let name = format!(
-            "straggler: rank {} arrived last at {} by {skew_ms:.2} ms ({cause})",
-            last.unwrap_or_default(),
-            span.name
-        );
-        self.instant(span.pid, span.start_ns, name, annotations(span));
-    }
-
-    /// Collective bytes summed up the tree to their step; a step's launches and bytes
-    /// become its counters.
-    fn step_counters(&mut self, span: &SpanRecord) {
-        let Some(process) = self.processes.get_mut(&span.pid) else {
-            return;
-        };
-        let mut bytes = process.bytes_under.remove(&span.id).unwrap_or(0);
-        if let Some(own) = span.int_attr(semconv::DL_COLLECTIVE_BYTES) {
-            bytes += own.max(0) as u64;
-        }
-        if span.name == names::STEP {
-            self.counter(span.pid, true, span.start_ns, bytes as i64);
-            if let Some(launches) = span.int_attr(semconv::CUDA_LAUNCH_COUNT) {
-                self.counter(span.pid, false, span.start_ns, launches);
+        let is_span = matches!(message, Message::Span(_));
+        match queue.try_send(message) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) if is_span => {
+                let mut report = self.report.lock().unwrap_or_else(|e| e.into_inner());
+                if report.spans_dropped == 0 {
+                    warn!(
+                        "timeline {}: its writer is behind; spans it cannot take are not in it \
+                         (counted)",
+                        report.path.display()
+                    );
+                }
+                report.spans_dropped += 1;
             }
-        } else if let Some(parent) = span.parent
-            && bytes > 0
-        {
-            *process.bytes_under.entry(parent).or_default() += bytes;
-        }
-    }
-
-    /// Hands the packets made for one span to the file, unless that passes the cap.
-    fn flush_packets(&mut self) {
-        let bytes = Trace {
-            packet: std::mem::take(&mut self.packets),
-        }
-        .encode_to_vec();
-        let mut report = self.report.lock().unwrap_or_else(|e| e.into_inner());
-        if self.capped || self.queued + bytes.len() as u64 > report.max_bytes {
-            if !self.capped {
-                warn!(
-                    "timeline {} reached its size cap ({}, --perfetto-max-size): nothing more \
-                     is written to it",
-                    report.path.display(),
-                    format_size(report.max_bytes)
-                );
+            // A process start or end: these are few, wait for room.
+            Err(TrySendError::Full(message)) => {
+                let _ = queue.send(message);
             }
-            self.capped = true;
-            report.spans_past_cap += 1;
-            return;
+            Err(TrySendError::Disconnected(_)) => {}
         }
-        self.queued += bytes.len() as u64;
-        report.slices += 1;
-        report.bytes = self.queued;
-        self.file.append(&bytes);
     }
 
-    /// Writes what is queued and closes the file. A run that traced a process leaves a
-    /// trace, empty or not; one that failed before leaves an earlier file as it was.
+    /// Writes what is queued and closes the file: whole after this.
     pub fn close(&mut self) {
-        self.file.close(!self.processes.is_empty());
-        let written = self.file.written();
-        self.report.lock().unwrap_or_else(|e| e.into_inner()).bytes = written;
+        drop(self.queue.take());
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
     }
 }
 
 impl SpanExporter for Timeline {
     fn process_started(&mut self, info: &ProcessInfo, _job: Option<SpanId>, _start_ns: u64) {
-        if !self.capped {
-            self.process(info.pid, Some(info));
-        }
+        self.send(Message::ProcessStarted(Box::new(info.clone())));
     }
 
     fn export(&mut self, span: SpanRecord) {
-        if self.capped {
-            self.report
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .spans_past_cap += 1;
-            return;
-        }
-        let track = self.track_for(&span);
-        let flow_ids = match (
-            span.attr(semconv::DL_COLLECTIVE_COMM_ID),
-            span.int_attr(semconv::DL_COLLECTIVE_SEQ),
-        ) {
-            (Some(AttrValue::Str(comm)), Some(seq)) => vec![tracks::collective_flow(comm, seq)],
-            _ => Vec::new(),
-        };
-        let mut annotations = annotations(&span);
-        if let SpanStatus::Error(message) = &span.status {
-            annotations.push(text_annotation("status.error", message));
-        }
-        self.event(
-            span.start_ns,
-            TrackEvent {
-                name_field: Some(track_event::NameField::Name(span.name.to_string())),
-                r#type: Some(track_event::Type::SliceBegin as i32),
-                track_uuid: Some(track),
-                flow_ids,
-                debug_annotations: annotations,
-                ..TrackEvent::default()
-            },
-        );
-        self.event(
-            span.end_ns,
-            TrackEvent {
-                r#type: Some(track_event::Type::SliceEnd as i32),
-                track_uuid: Some(track),
-                ..TrackEvent::default()
-            },
-        );
-        self.reports(&span);
-        self.step_counters(&span);
-        self.flush_packets();
+        self.send(Message::Span(Box::new(span)));
     }
 
     fn process_ended(&mut self, pid: u32) {
-        if let Some(process) = self.processes.get_mut(&pid) {
-            process.bytes_under.clear();
-        }
+        self.send(Message::ProcessEnded(pid));
     }
 }
 
 impl Drop for Timeline {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-fn annotations(span: &SpanRecord) -> Vec<DebugAnnotation> {
-    span.attributes
-        .iter()
-        .map(|(key, value)| DebugAnnotation {
-            name_field: Some(debug_annotation::NameField::Name((*key).to_string())),
-            value: Some(match value {
-                AttrValue::Bool(v) => debug_annotation::Value::BoolValue(*v),
-                AttrValue::Int(v) => debug_annotation::Value::IntValue(*v),
-                AttrValue::Str(v) => debug_annotation::Value::StringValue(v.clone()),
-            }),
-        })
-        .collect()
-}
-
-fn text_annotation(name: &str, text: &str) -> DebugAnnotation {
-    DebugAnnotation {
-        name_field: Some(debug_annotation::NameField::Name(name.to_string())),
-        value: Some(debug_annotation::Value::StringValue(text.to_string())),
     }
 }
 

@@ -1,7 +1,11 @@
 use std::path::PathBuf;
 
+use super::tracks::{self, Level};
 use super::{replay::Replayed, *};
-use crate::{settings::groups::SpanGroup, sys::target::RankInfo};
+use crate::{
+    export::resource::own_host_name, names, semconv, settings::groups::SpanGroup,
+    spans::SpanStatus, sys::target::RankInfo,
+};
 
 const PID: u32 = 4242;
 const WORKER: u32 = 4243;
