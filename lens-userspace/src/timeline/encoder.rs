@@ -6,8 +6,9 @@ use prost::Message;
 
 use super::{
     proto::{
-        CounterDescriptor, DebugAnnotation, Trace, TracePacket, TrackDescriptor, TrackEvent,
-        counter_descriptor::Unit, debug_annotation, trace_packet, track_descriptor, track_event,
+        CounterDescriptor, DebugAnnotation, DebugAnnotationName, EventName, InternedData, Trace,
+        TracePacket, TrackDescriptor, TrackEvent, counter_descriptor::Unit, debug_annotation,
+        trace_packet, track_descriptor, track_event,
     },
     tracks::{self, Ids, Lane, Level},
 };
@@ -48,6 +49,7 @@ pub struct Encoder {
     clock: WallClock,
     host: String,
     processes: HashMap<u32, ProcessTracks>,
+    interned: Interned,
     /// Packets not yet taken ([`Encoder::take_bytes`]).
     packets: Vec<TracePacket>,
 }
@@ -63,6 +65,7 @@ impl Encoder {
             clock,
             host,
             processes: HashMap::new(),
+            interned: Interned::default(),
             packets: Vec::new(),
         }
     }
@@ -100,17 +103,25 @@ impl Encoder {
     }
 
     fn packet(&mut self, timestamp: Option<u64>, data: trace_packet::Data) {
-        let sequence_flags = std::mem::take(&mut self.first_packet)
-            .then_some(trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32);
+        let mut flags = 0;
+        if std::mem::take(&mut self.first_packet) {
+            flags |= trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32;
+        }
+        let interned = self.interned.take_new();
+        if matches!(data, trace_packet::Data::TrackEvent(_)) {
+            // Its names may be iids of this sequence's interned data.
+            flags |= trace_packet::SequenceFlags::SeqNeedsIncrementalState as u32;
+        }
         self.packets.push(TracePacket {
             timestamp,
             data: Some(data),
+            interned_data: interned,
             optional_trusted_packet_sequence_id: Some(
                 trace_packet::OptionalTrustedPacketSequenceId::TrustedPacketSequenceId(
                     self.sequence,
                 ),
             ),
-            sequence_flags,
+            sequence_flags: (flags != 0).then_some(flags),
         });
     }
 
@@ -338,9 +349,9 @@ impl Encoder {
     /// The straggler verdict and the hang report a span carries, as instants.
     fn reports(&mut self, span: &SpanRecord) {
         if span.name == names::HANG {
-            let mut annotations = annotations(span);
+            let mut annotations = self.annotations(span);
             if let SpanStatus::Error(summary) = &span.status {
-                annotations.insert(0, text_annotation("report", summary));
+                annotations.insert(0, self.text_annotation("report", summary));
             }
             let name = match &span.status {
                 SpanStatus::Error(summary) => format!("hang: {summary}"),
@@ -365,7 +376,8 @@ impl Encoder {
             last.unwrap_or_default(),
             span.name
         );
-        self.instant(span.pid, span.start_ns, name, annotations(span));
+        let annotations = self.annotations(span);
+        self.instant(span.pid, span.start_ns, name, annotations);
     }
 
     /// Collective bytes summed up the tree to their step; a step's launches and bytes
@@ -401,14 +413,15 @@ impl Encoder {
             (Some(AttrValue::Str(comm)), Some(seq)) => vec![tracks::collective_flow(comm, seq)],
             _ => Vec::new(),
         };
-        let mut annotations = annotations(span);
+        let mut annotations = self.annotations(span);
         if let SpanStatus::Error(message) = &span.status {
-            annotations.push(text_annotation("status.error", message));
+            annotations.push(self.text_annotation("status.error", message));
         }
+        let name = self.interned.event_name(span.name);
         self.event(
             span.start_ns,
             TrackEvent {
-                name_field: Some(track_event::NameField::Name(span.name.to_string())),
+                name_field: Some(track_event::NameField::NameIid(name)),
                 r#type: Some(track_event::Type::SliceBegin as i32),
                 track_uuid: Some(track),
                 flow_ids,
@@ -427,25 +440,68 @@ impl Encoder {
         self.reports(span);
         self.step_counters(span);
     }
+
+    fn annotations(&mut self, span: &SpanRecord) -> Vec<DebugAnnotation> {
+        span.attributes
+            .iter()
+            .map(|(key, value)| DebugAnnotation {
+                name_field: Some(debug_annotation::NameField::NameIid(
+                    self.interned.annotation_name(key),
+                )),
+                value: Some(match value {
+                    AttrValue::Bool(v) => debug_annotation::Value::BoolValue(*v),
+                    AttrValue::Int(v) => debug_annotation::Value::IntValue(*v),
+                    AttrValue::Str(v) => debug_annotation::Value::StringValue(v.clone()),
+                }),
+            })
+            .collect()
+    }
+
+    fn text_annotation(&mut self, name: &'static str, text: &str) -> DebugAnnotation {
+        DebugAnnotation {
+            name_field: Some(debug_annotation::NameField::NameIid(
+                self.interned.annotation_name(name),
+            )),
+            value: Some(debug_annotation::Value::StringValue(text.to_string())),
+        }
+    }
 }
 
-fn annotations(span: &SpanRecord) -> Vec<DebugAnnotation> {
-    span.attributes
-        .iter()
-        .map(|(key, value)| DebugAnnotation {
-            name_field: Some(debug_annotation::NameField::Name((*key).to_string())),
-            value: Some(match value {
-                AttrValue::Bool(v) => debug_annotation::Value::BoolValue(*v),
-                AttrValue::Int(v) => debug_annotation::Value::IntValue(*v),
-                AttrValue::Str(v) => debug_annotation::Value::StringValue(v.clone()),
-            }),
+/// Span and annotation names, sent once per sequence and referred to by number after:
+/// they are most of a span's bytes otherwise (a collective's ~20 attribute keys).
+#[derive(Default)]
+struct Interned {
+    event_names: HashMap<&'static str, u64>,
+    annotation_names: HashMap<&'static str, u64>,
+    /// Names made since the last packet: they go out with the next one.
+    new: InternedData,
+}
+
+impl Interned {
+    fn event_name(&mut self, name: &'static str) -> u64 {
+        let next = self.event_names.len() as u64 + 1;
+        *self.event_names.entry(name).or_insert_with(|| {
+            self.new.event_names.push(EventName {
+                iid: Some(next),
+                name: Some(name.to_string()),
+            });
+            next
         })
-        .collect()
-}
+    }
 
-fn text_annotation(name: &str, text: &str) -> DebugAnnotation {
-    DebugAnnotation {
-        name_field: Some(debug_annotation::NameField::Name(name.to_string())),
-        value: Some(debug_annotation::Value::StringValue(text.to_string())),
+    fn annotation_name(&mut self, name: &'static str) -> u64 {
+        let next = self.annotation_names.len() as u64 + 1;
+        *self.annotation_names.entry(name).or_insert_with(|| {
+            self.new.debug_annotation_names.push(DebugAnnotationName {
+                iid: Some(next),
+                name: Some(name.to_string()),
+            });
+            next
+        })
+    }
+
+    fn take_new(&mut self) -> Option<InternedData> {
+        let new = std::mem::take(&mut self.new);
+        (!new.event_names.is_empty() || !new.debug_annotation_names.is_empty()).then_some(new)
     }
 }

@@ -10,7 +10,9 @@ use prost::{
     encoding::{WireType, decode_key, decode_varint},
 };
 
-use super::proto::{TracePacket, debug_annotation, trace_packet, track_descriptor, track_event};
+use super::proto::{
+    TracePacket, TrackEvent, debug_annotation, trace_packet, track_descriptor, track_event,
+};
 
 /// A track as described.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,7 +91,8 @@ impl Replayed {
 /// Reads `bytes`, a trace (one file, or several concatenated).
 pub fn replay(bytes: &[u8]) -> Replayed {
     let mut out = Replayed::default();
-    let mut events: Vec<(u64, usize, u64, track_event::Type, TracePacket)> = Vec::new();
+    let mut events: Vec<Event> = Vec::new();
+    let mut interned: BTreeMap<u32, Names> = BTreeMap::new();
     let mut rest = bytes;
     let mut index = 0;
     while !rest.is_empty() {
@@ -98,11 +101,30 @@ pub fn replay(bytes: &[u8]) -> Replayed {
             break;
         };
         index += 1;
-        if let Some(trace_packet::OptionalTrustedPacketSequenceId::TrustedPacketSequenceId(id)) =
-            packet.optional_trusted_packet_sequence_id
-            && !out.sequences.contains(&id)
+        let sequence = match packet.optional_trusted_packet_sequence_id {
+            Some(trace_packet::OptionalTrustedPacketSequenceId::TrustedPacketSequenceId(id)) => id,
+            None => 0,
+        };
+        if !out.sequences.contains(&sequence) {
+            out.sequences.push(sequence);
+        }
+        // Interned names are per sequence, in file order, until the sequence clears them.
+        let names = interned.entry(sequence).or_default();
+        if packet.sequence_flags.unwrap_or(0)
+            & trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32
+            != 0
         {
-            out.sequences.push(id);
+            *names = Names::default();
+        }
+        if let Some(data) = &packet.interned_data {
+            for name in &data.event_names {
+                names.events.insert(name.iid(), name.name().to_string());
+            }
+            for name in &data.debug_annotation_names {
+                names
+                    .annotations
+                    .insert(name.iid(), name.name().to_string());
+            }
         }
         match &packet.data {
             Some(trace_packet::Data::TrackDescriptor(track)) => {
@@ -125,52 +147,43 @@ pub fn replay(bytes: &[u8]) -> Replayed {
                 }
             }
             Some(trace_packet::Data::TrackEvent(event)) => {
-                let kind = event.r#type();
-                let track = event.track_uuid.unwrap_or_default();
-                events.push((
-                    packet.timestamp.unwrap_or_default(),
+                let at = packet.timestamp.unwrap_or_default();
+                let (name, annotations) = names.resolve(event, &mut out.problems, at);
+                events.push(Event {
+                    at,
                     index,
-                    track,
-                    kind,
-                    packet,
-                ));
+                    track: event.track_uuid.unwrap_or_default(),
+                    kind: event.r#type(),
+                    name,
+                    annotations,
+                    flow_ids: event.flow_ids.clone(),
+                    counter: match event.counter_value_field {
+                        Some(track_event::CounterValueField::CounterValue(v)) => v,
+                        Some(track_event::CounterValueField::DoubleCounterValue(v)) => v as i64,
+                        None => 0,
+                    },
+                });
             }
             None => {}
         }
     }
-    events.sort_by_key(|(at, index, ..)| (*at, *index));
+    events.sort_by_key(|event| (event.at, event.index));
     let mut open: BTreeMap<u64, Vec<Slice>> = BTreeMap::new();
-    for (at, _, track, kind, packet) in events {
-        let Some(trace_packet::Data::TrackEvent(event)) = packet.data else {
-            continue;
-        };
+    for event in events {
+        let Event {
+            at,
+            track,
+            kind,
+            name,
+            annotations,
+            flow_ids,
+            counter,
+            ..
+        } = event;
         if !out.tracks.contains_key(&track) {
             out.problems
                 .push(format!("event at {at} on track {track:x}, never described"));
         }
-        let name = match &event.name_field {
-            Some(track_event::NameField::Name(name)) => name.clone(),
-            None => String::new(),
-        };
-        let annotations = event
-            .debug_annotations
-            .iter()
-            .map(|a| {
-                let key = match &a.name_field {
-                    Some(debug_annotation::NameField::Name(name)) => name.clone(),
-                    None => String::new(),
-                };
-                let value = match &a.value {
-                    Some(debug_annotation::Value::BoolValue(v)) => v.to_string(),
-                    Some(debug_annotation::Value::UintValue(v)) => v.to_string(),
-                    Some(debug_annotation::Value::IntValue(v)) => v.to_string(),
-                    Some(debug_annotation::Value::DoubleValue(v)) => v.to_string(),
-                    Some(debug_annotation::Value::StringValue(v)) => v.clone(),
-                    None => String::new(),
-                };
-                (key, value)
-            })
-            .collect();
         match kind {
             track_event::Type::SliceBegin => {
                 let stack = open.entry(track).or_default();
@@ -181,7 +194,7 @@ pub fn replay(bytes: &[u8]) -> Replayed {
                     end_ns: at,
                     depth: stack.len(),
                     annotations,
-                    flow_ids: event.flow_ids.clone(),
+                    flow_ids,
                 });
             }
             track_event::Type::SliceEnd => match open.entry(track).or_default().pop() {
@@ -202,11 +215,7 @@ pub fn replay(bytes: &[u8]) -> Replayed {
             track_event::Type::Counter => out.counters.push(CounterPoint {
                 track,
                 at_ns: at,
-                value: match event.counter_value_field {
-                    Some(track_event::CounterValueField::CounterValue(v)) => v,
-                    Some(track_event::CounterValueField::DoubleCounterValue(v)) => v as i64,
-                    None => 0,
-                },
+                value: counter,
             }),
             track_event::Type::Unspecified => {}
         }
@@ -220,6 +229,71 @@ pub fn replay(bytes: &[u8]) -> Replayed {
         }
     }
     out
+}
+
+/// A track event with its names resolved.
+struct Event {
+    at: u64,
+    /// Its packet's place in the file.
+    index: usize,
+    track: u64,
+    kind: track_event::Type,
+    name: String,
+    annotations: BTreeMap<String, String>,
+    flow_ids: Vec<u64>,
+    counter: i64,
+}
+
+/// One sequence's interned names.
+#[derive(Default)]
+struct Names {
+    events: BTreeMap<u64, String>,
+    annotations: BTreeMap<u64, String>,
+}
+
+impl Names {
+    /// `event`'s name and annotations, names looked up where interned.
+    fn resolve(
+        &self,
+        event: &TrackEvent,
+        problems: &mut Vec<String>,
+        at: u64,
+    ) -> (String, BTreeMap<String, String>) {
+        let mut lookup = |table: &BTreeMap<u64, String>, iid: u64, what: &str| {
+            table.get(&iid).cloned().unwrap_or_else(|| {
+                problems.push(format!("{what} iid {iid} at {at} was never interned"));
+                String::new()
+            })
+        };
+        let name = match &event.name_field {
+            Some(track_event::NameField::Name(name)) => name.clone(),
+            Some(track_event::NameField::NameIid(iid)) => lookup(&self.events, *iid, "event name"),
+            None => String::new(),
+        };
+        let annotations = event
+            .debug_annotations
+            .iter()
+            .map(|a| {
+                let key = match &a.name_field {
+                    Some(debug_annotation::NameField::Name(name)) => name.clone(),
+                    Some(debug_annotation::NameField::NameIid(iid)) => {
+                        lookup(&self.annotations, *iid, "annotation name")
+                    }
+                    None => String::new(),
+                };
+                let value = match &a.value {
+                    Some(debug_annotation::Value::BoolValue(v)) => v.to_string(),
+                    Some(debug_annotation::Value::UintValue(v)) => v.to_string(),
+                    Some(debug_annotation::Value::IntValue(v)) => v.to_string(),
+                    Some(debug_annotation::Value::DoubleValue(v)) => v.to_string(),
+                    Some(debug_annotation::Value::StringValue(v)) => v.clone(),
+                    None => String::new(),
+                };
+                (key, value)
+            })
+            .collect();
+        (name, annotations)
+    }
 }
 
 /// The next `Trace.packet` (field 1) of `rest`; `None` when the bytes end inside one.
