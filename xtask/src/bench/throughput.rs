@@ -39,17 +39,44 @@ enum Exporter {
     /// Summary + span builder + lens-probe's OTLP file exporter to /dev/null (as the
     /// bench's lens-probe runs).
     File,
+    /// The same, and the Perfetto timeline (`--perfetto`) written to a file beside the
+    /// logs: its cost against `File`.
+    Timeline,
 }
 
 impl Exporter {
-    const ALL: [Exporter; 2] = [Exporter::Null, Exporter::File];
+    const ALL: [Exporter; 3] = [Exporter::Null, Exporter::File, Exporter::Timeline];
 
     fn arg(self) -> &'static str {
         match self {
             Exporter::Null => "null",
-            Exporter::File => "file",
+            Exporter::File | Exporter::Timeline => "file",
         }
     }
+
+    fn name(self) -> &'static str {
+        match self {
+            Exporter::Timeline => "file+timeline",
+            other => other.arg(),
+        }
+    }
+
+    /// The target rates it runs at: the timeline at the target and unpaced only, where
+    /// its cost shows against the file exporter.
+    fn rates(self) -> Vec<Option<u64>> {
+        match self {
+            Exporter::Timeline => vec![Some(TARGET as u64), None],
+            _ => RATES.to_vec(),
+        }
+    }
+}
+
+/// What the timeline wrote in one run (the throughput example's `timeline`).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+struct TimelineRun {
+    slices: u64,
+    bytes: u64,
+    writer_cpu_s: f64,
 }
 
 /// One run's report, the JSON line `examples/throughput` prints (other fields ignored).
@@ -65,6 +92,8 @@ struct GenRun {
     spans: u64,
     spans_dropped: u64,
     export_cpu_s: f64,
+    #[serde(default)]
+    timeline: Option<TimelineRun>,
 }
 
 impl GenRun {
@@ -92,11 +121,11 @@ pub(super) struct ThroughputBlock {
 
 pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<ThroughputBlock> {
     let duration_s = if quick { 1.0 } else { 2.0 };
-    // 12 runs a round: three rounds at most keep the block near a minute and a half.
+    // 14 runs a round: three rounds at most keep the block under two minutes.
     let rounds = ctx.rounds.min(3);
     let cases = Exporter::ALL
         .into_iter()
-        .flat_map(|e| RATES.map(move |r| (e, r)));
+        .flat_map(|e| e.rates().into_iter().map(move |r| (e, r)));
     let runs = Rounds::measure(
         rounds,
         cases,
@@ -107,7 +136,7 @@ pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<Through
                 "generator at {} /s, {} exporter: {} /s received, {} lost, consumer {:.0} % of \
                  a core, {} spans dropped",
                 rate.map_or("unpaced".into(), |r| fmt_count(r as f64)),
-                exporter.arg(),
+                exporter.name(),
                 fmt_count(run.received_rate),
                 run.lost,
                 run.consumer_share() * 100.0,
@@ -131,10 +160,11 @@ fn run(
 ) -> Result<GenRun> {
     let name = format!(
         "throughput-{}-{}-r{round}",
-        exporter.arg(),
+        exporter.name(),
         rate.map_or("unpaced".into(), |r| r.to_string())
     );
     let log = ctx.logs.join(format!("{name}.log"));
+    let timeline = ctx.logs.join(format!("{name}.perfetto-trace"));
     let mut cmd = Command::new(ctx.root.join("target/release/examples/throughput"));
     scrub_lens_env(&mut cmd);
     cmd.current_dir(&ctx.root)
@@ -142,6 +172,9 @@ fn run(
         .args(["--duration", &duration_s.to_string()])
         .args(["--exporter", exporter.arg()])
         .arg("--pin");
+    if exporter == Exporter::Timeline {
+        cmd.arg("--perfetto").arg(&timeline);
+    }
     let mut report = None;
     Proc::spawn(&name, &mut cmd, &log)?.finish_ok(Instant::now() + RUN_TIMEOUT, |l| {
         if l.stream == Stream::Out
@@ -150,6 +183,8 @@ fn run(
             report = Some(run);
         }
     })?;
+    // Its size is in the report; the file itself is not kept (hundreds of MB).
+    let _ = std::fs::remove_file(&timeline);
     report.ok_or_else(|| Error::Msg(format!("{name}: no report (output in {})", log.display())))
 }
 
@@ -181,7 +216,7 @@ impl ThroughputBlock {
     pub(super) fn section(&self) -> Section {
         let mut rows = Vec::new();
         for exporter in Exporter::ALL {
-            for rate in RATES {
+            for rate in exporter.rates() {
                 let runs = self.runs(exporter, rate);
                 let values: Vec<f64> = runs.iter().map(|r| r.received_rate).collect();
                 let lost: u64 = runs.iter().map(|r| r.lost).sum();
@@ -194,6 +229,9 @@ impl ThroughputBlock {
                 let chain = match exporter {
                     Exporter::Null => "span builder, spans counted",
                     Exporter::File => "span builder → OTLP file exporter (/dev/null)",
+                    Exporter::Timeline => {
+                        "span builder → OTLP file exporter (/dev/null) and the timeline (a file)"
+                    }
                 };
                 let mut what = format!(
                     "{}, {chain}: events/s received; lost {}; consumer thread {:.0} % of a core",
@@ -201,7 +239,7 @@ impl ThroughputBlock {
                     fmt_count(lost as f64),
                     median(&share).unwrap_or(f64::NAN) * 100.0,
                 );
-                if exporter == Exporter::File {
+                if exporter != Exporter::Null {
                     what.push_str(&format!(
                         ", export thread {:.0} %; spans dropped (export queue full) {}",
                         median(&export_share).unwrap_or(f64::NAN) * 100.0,
@@ -252,6 +290,7 @@ impl ThroughputBlock {
             "",
             Met::NoTarget,
         ));
+        rows.extend(self.timeline_rows());
         let highest_file = self.highest_held(Exporter::File, true);
         rows.push(Row {
             what: "… the same with the OTLP file exporter, no span dropped either".into(),
@@ -269,6 +308,70 @@ impl ThroughputBlock {
         }
     }
 
+    /// The timeline's cost: events/s with it against the file exporter alone, run for
+    /// run, and what it writes per span.
+    fn timeline_rows(&self) -> Vec<Row> {
+        let mut rows = Vec::new();
+        for rate in Exporter::Timeline.rates() {
+            let with = self.runs(Exporter::Timeline, rate);
+            let without = self.runs(Exporter::File, rate);
+            let ratios: Vec<f64> = with
+                .iter()
+                .zip(without)
+                .filter(|(_, w)| w.received_rate > 0.0)
+                .map(|(t, w)| t.received_rate / w.received_rate)
+                .collect();
+            rows.push(super::report::row(
+                format!(
+                    "timeline on / off, {}: events/s received with the timeline over without \
+                     (same round)",
+                    rate.map_or("unpaced".into(), |r| format!("at {}", per_second(r as f64)))
+                ),
+                &ratios,
+                |v| format!("{v:.2}"),
+                median(&ratios),
+                "",
+                Met::NoTarget,
+            ));
+        }
+        let timelines: Vec<&TimelineRun> = Exporter::Timeline
+            .rates()
+            .into_iter()
+            .flat_map(|rate| self.runs(Exporter::Timeline, rate))
+            .filter_map(|run| run.timeline.as_ref())
+            .filter(|t| t.slices > 0)
+            .collect();
+        let per_span: Vec<f64> = timelines
+            .iter()
+            .map(|t| t.bytes as f64 / t.slices as f64)
+            .collect();
+        rows.push(super::report::row(
+            "timeline bytes per span (an all-reduce with its attributes, names interned)",
+            &per_span,
+            |v| format!("{v:.0} B"),
+            None,
+            "",
+            Met::NoTarget,
+        ));
+        let writer: Vec<f64> = self
+            .runs(Exporter::Timeline, None)
+            .iter()
+            .filter_map(|run| {
+                let t = run.timeline.as_ref()?;
+                (t.slices > 0).then(|| t.writer_cpu_s / t.slices as f64)
+            })
+            .collect();
+        rows.push(super::report::row(
+            "timeline writer thread CPU per span, unpaced (placing, encoding, writing)",
+            &writer,
+            super::report::fmt_duration,
+            None,
+            "",
+            Met::NoTarget,
+        ));
+        rows
+    }
+
     pub(super) fn notes(&self) -> String {
         let producer: Vec<f64> = self
             .runs(Exporter::Null, None)
@@ -283,7 +386,7 @@ impl ThroughputBlock {
         };
         format!(
             "- Event throughput (5b): `target/release/examples/throughput --rate R --duration {} \
-             --exporter null|file --pin` ({} round{}). A producer thread (pinned to the last \
+             --exporter null|file [--perfetto FILE] --pin` ({} round{}). A producer thread (pinned to the last \
              CPU) runs the BPF program \
              `bench_emit` (lens-ebpf/src/bench_gen.rs, in an object of its own that \
              lens-probe's does not contain) with `BPF_PROG_TEST_RUN`, 64 events a run, paced \
@@ -298,7 +401,11 @@ impl ThroughputBlock {
              arrived: producer, consumer and export thread share the two cores. The probes \
              never wait for the reader: a reader slower than the producer loses events (counted), \
              it does not slow the traced job down (unpaced the producer spent {} ns of CPU per \
-             event{}, median).\n",
+             event{}, median). `file+timeline` adds `--perfetto` (the timeline lens-probe \
+             writes, to a file beside the bench's logs, removed after its size is read): its \
+             on/off ratio compares each run with the file exporter's run of the same round \
+             and rate; on two cores its writer thread takes CPU from the producer and the \
+             reader.\n",
             self.duration_s,
             self.rounds,
             if self.rounds == 1 { "" } else { "s" },
@@ -341,5 +448,33 @@ mod tests {
         };
         assert_eq!(block.highest_held(Exporter::Null, false), Some(1_000_000));
         assert_eq!(block.highest_held(Exporter::File, true), None);
+    }
+
+    #[test]
+    fn the_timeline_is_compared_with_the_file_exporter_run_for_run() {
+        let line = r#"{"consumer_cpu_s":0.5,"elapsed_s":1.0,"export_cpu_s":0.1,"lost":0,"producer_cpu_s":0.1,"received":1000,"received_rate":800000.0,"sent":1000,"spans":1000,"spans_dropped":0,"timeline":{"slices":1000,"bytes":150000,"writer_cpu_s":0.002}}"#;
+        let with = GenRun::parse(line).unwrap();
+        assert_eq!(with.timeline.as_ref().unwrap().bytes, 150_000);
+        let without = GenRun {
+            received_rate: 1_000_000.0,
+            timeline: None,
+            ..with.clone()
+        };
+        let block = ThroughputBlock {
+            duration_s: 1.0,
+            rounds: 1,
+            runs: Rounds::from(vec![
+                ((Exporter::File, None), vec![without]),
+                ((Exporter::Timeline, None), vec![with]),
+            ]),
+        };
+        let rows = block.timeline_rows();
+        let unpaced = rows.iter().find(|r| r.what.contains("unpaced")).unwrap();
+        assert_eq!(unpaced.median, "0.80");
+        let bytes = rows
+            .iter()
+            .find(|r| r.what.contains("bytes per span"))
+            .unwrap();
+        assert_eq!(bytes.median, "150 B");
     }
 }
