@@ -35,7 +35,14 @@ pub enum Command {
     },
     /// Setup, then build, test, clippy -D warnings and fmt --check the workspace
     Test,
-    /// Setup, build lens-probe and the fixtures, trace the fake trainer
+    /// Setup, build lens-probe, trace a 2-rank PyTorch DDP run into a Perfetto timeline
+    ///
+    /// Real PyTorch on CPU from the setup's venv: `torchrun --nproc-per-node 2` over gloo
+    /// runs tests/fixtures/frameworks/ddp_train.py (6 steps, 2 evaluations, a few
+    /// seconds) under `lens-probe --span-groups per_step --export-strategy all_ranks
+    /// --perfetto target/demo/timeline.perfetto-trace --exec`: each rank's span tree on
+    /// the console, then where the timeline is and how to open it (ui.perfetto.dev or
+    /// trace_processor). Needs root and BPF.
     Demo,
     /// Measure lens-probe's overhead into docs/performance.md (needs root)
     ///
@@ -149,6 +156,24 @@ mod tests {
                 }
             );
         }
+    }
+
+    /// `demo --help` says what the demo traces and what it leaves behind.
+    #[test]
+    fn demo_help() {
+        let help = parse(["demo", "--help"]).unwrap_err();
+        assert_eq!(help.kind(), ErrorKind::DisplayHelp);
+        let text = help.to_string();
+        for said in [
+            "2-rank PyTorch DDP",
+            "ddp_train.py",
+            "--export-strategy all_ranks",
+            "target/demo/timeline.perfetto-trace",
+            "ui.perfetto.dev",
+        ] {
+            assert!(text.contains(said), "{said:?} not in:\n{text}");
+        }
+        assert!(!text.contains("fake trainer"), "{text}");
     }
 
     /// `--only` takes the names the bench's notes print.

@@ -2,6 +2,7 @@
 
 mod bench;
 mod cli;
+mod demo;
 mod setup;
 
 use std::path::{Path, PathBuf};
@@ -30,7 +31,7 @@ fn main() -> ExitCode {
             build_ebpf(cli::Command::release(debug, release))
         }
         cli::Command::Test => test(),
-        cli::Command::Demo => demo(),
+        cli::Command::Demo => demo::run(),
         cli::Command::Bench {
             quick,
             rounds,
@@ -200,58 +201,6 @@ fn test() -> ExitCode {
     );
     println!("{totals}");
     ExitCode::SUCCESS
-}
-
-fn demo() -> ExitCode {
-    if let Err(e) = setup::run(false) {
-        return fail(format!("xtask demo: step `cargo xtask setup` failed: {e}"));
-    }
-    let root = workspace_root();
-    let mut fixtures = Command::new("bash");
-    toolchain::scrub_run_env(&mut fixtures);
-    fixtures
-        .current_dir(&root)
-        .args(["tests/fixtures/build.sh", "target/fixtures"])
-        .stdin(Stdio::null());
-    for cmd in [
-        &mut cargo(&["build", "--release", "-p", "lens-userspace"]),
-        &mut fixtures,
-    ] {
-        if let Err(line) = run_step("demo", cmd) {
-            return fail(line);
-        }
-    }
-
-    let mut probe = Command::new(root.join("target/release/lens-probe"));
-    toolchain::scrub_run_env(&mut probe);
-    probe
-        .current_dir(&root)
-        .args([
-            "--span-groups",
-            "per_step",
-            "--exec",
-            "--",
-            "target/fixtures/trainer",
-            "5",
-        ])
-        .env("LENS_FAKE_SYNC_MS", "20");
-    println!(
-        "==> [xtask demo] LENS_FAKE_SYNC_MS=20 target/release/lens-probe --span-groups per_step --exec -- target/fixtures/trainer 5"
-    );
-    match probe.status() {
-        Ok(status) => match status.code() {
-            Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
-            None => {
-                use std::os::unix::process::ExitStatusExt;
-                let signal = status.signal().unwrap_or(0);
-                eprintln!("xtask demo: lens-probe was killed by signal {signal}");
-                ExitCode::from(u8::try_from(128 + signal).unwrap_or(1))
-            }
-        },
-        Err(e) => fail(format!(
-            "xtask demo: cannot run target/release/lens-probe: {e}"
-        )),
-    }
 }
 
 #[cfg(test)]
