@@ -402,39 +402,39 @@ impl Summary {
     }
 
     fn render_collectives(&self, out: &mut String, process: &ProcessSummary) {
-        if process.collectives.is_empty() {
+        if process.collectives.is_empty() && process.gloo_collectives.is_empty() {
             out.push_str(&self.nothing("collectives"));
-        } else {
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "  {:<16} {:>8} {:>12} {:>12} {:>7}",
+            "collective", "calls", "bytes", "call time", "errors"
+        );
+        for (op, stats) in &process.collectives {
+            // The kernel counts every call; events lost on the way are said, not
+            // hidden: bytes and call time are of the calls received.
+            let counted = process
+                .calls
+                .iter()
+                .filter(|(probe, _)| CollectiveOp::from_probe(**probe) == Some(*op))
+                .map(|(_, count)| *count)
+                .sum::<u64>();
+            let lost = counted.saturating_sub(stats.calls);
             let _ = writeln!(
                 out,
-                "  {:<16} {:>8} {:>12} {:>12} {:>7}",
-                "collective", "calls", "bytes", "call time", "errors"
+                "  {:<16} {:>8} {:>12} {:>12} {:>7}{}",
+                op.name(),
+                stats.calls.max(counted),
+                bytes(stats.bytes),
+                format_duration(stats.call_time_ns),
+                stats.errors,
+                if lost > 0 {
+                    format!("  ({lost} calls' events lost: bytes and time of the rest)")
+                } else {
+                    String::new()
+                }
             );
-            for (op, stats) in &process.collectives {
-                // The kernel counts every call; events lost on the way are said, not
-                // hidden: bytes and call time are of the calls received.
-                let counted = process
-                    .calls
-                    .iter()
-                    .filter(|(probe, _)| CollectiveOp::from_probe(**probe) == Some(*op))
-                    .map(|(_, count)| *count)
-                    .sum::<u64>();
-                let lost = counted.saturating_sub(stats.calls);
-                let _ = writeln!(
-                    out,
-                    "  {:<16} {:>8} {:>12} {:>12} {:>7}{}",
-                    op.name(),
-                    stats.calls.max(counted),
-                    bytes(stats.bytes),
-                    format_duration(stats.call_time_ns),
-                    stats.errors,
-                    if lost > 0 {
-                        format!("  ({lost} calls' events lost: bytes and time of the rest)")
-                    } else {
-                        String::new()
-                    }
-                );
-            }
         }
         for (op, stats) in &process.gloo_collectives {
             let _ = writeln!(
@@ -599,6 +599,22 @@ mod tests {
         let text = summary.render(&Losses::default());
         assert!(text.contains("all_reduce"), "{text}");
         assert!(text.contains("no events lost"), "{text}");
+    }
+
+    #[test]
+    fn gloo_collectives_alone_have_their_header_and_no_none_seen() {
+        let mut summary = Summary::default();
+        summary.on_event(&ProbeEvent::GlooCall {
+            timing: timing(0, 1_000),
+            op: CollectiveOp::AllReduce,
+            group: 0x10,
+            comm: None,
+        });
+        let text = summary.render(&Losses::default());
+        assert!(!text.contains("collectives: none seen"), "{text}");
+        let header = text.find("collective ").expect("the table's header");
+        let row = text.find("gloo.all_reduce").expect("the gloo row");
+        assert!(header < row, "{text}");
     }
 
     #[test]
