@@ -24,6 +24,9 @@ use crate::{
 /// The tracks of one traced process.
 struct ProcessTracks {
     uuid: u64,
+    /// What its track ids are made from: its pid and which process of this writer it
+    /// is, so that a later process with the same pid gets tracks of its own.
+    key: u64,
     /// Job lanes: the first is the process's own track.
     jobs: Vec<Lane>,
     threads: HashMap<u32, ThreadTracks>,
@@ -48,7 +51,10 @@ pub struct Encoder {
     first_packet: bool,
     clock: WallClock,
     host: String,
+    /// The live processes' tracks, by pid (forgotten when the process ends).
     processes: HashMap<u32, ProcessTracks>,
+    /// Processes given tracks so far.
+    processes_made: u64,
     interned: Interned,
     /// Packets not yet taken ([`Encoder::take_bytes`]).
     packets: Vec<TracePacket>,
@@ -65,14 +71,15 @@ impl Encoder {
             clock,
             host,
             processes: HashMap::new(),
+            processes_made: 0,
             interned: Interned::default(),
             packets: Vec::new(),
         }
     }
 
-    /// Whether any process has tracks.
+    /// Whether any process has had tracks.
     pub fn has_processes(&self) -> bool {
-        !self.processes.is_empty()
+        self.processes_made > 0
     }
 
     /// The packets made since the last call, encoded as a trace (`Trace.packet`s: files
@@ -96,10 +103,11 @@ impl Encoder {
         self.process(info.pid, Some(info));
     }
 
+    /// Its tracks are done: a later process with its pid (the pid reused, or a program
+    /// it execs) gets tracks of its own, and a run over many processes (`--node`, for
+    /// days) keeps only the live ones'.
     pub fn process_ended(&mut self, pid: u32) {
-        if let Some(process) = self.processes.get_mut(&pid) {
-            process.bytes_under.clear();
-        }
+        self.processes.remove(&pid);
     }
 
     fn packet(&mut self, timestamp: Option<u64>, data: trace_packet::Data) {
@@ -137,7 +145,9 @@ impl Encoder {
     /// The tracks of `pid`, described when first used.
     fn process(&mut self, pid: u32, info: Option<&ProcessInfo>) -> &mut ProcessTracks {
         if !self.processes.contains_key(&pid) {
-            let uuid = self.ids.track(&[u64::from(pid)]);
+            let key = (self.processes_made << 32) | u64::from(pid);
+            self.processes_made += 1;
+            let uuid = self.ids.track(&[key]);
             let rank = info
                 .and_then(|info| RankInfo::from_environment(&info.view.environment).or(info.rank))
                 .map_or(0, |rank| rank.rank);
@@ -156,6 +166,7 @@ impl Encoder {
                 pid,
                 ProcessTracks {
                     uuid,
+                    key,
                     jobs: vec![Lane::new(uuid)],
                     threads: HashMap::new(),
                     reports: None,
@@ -187,7 +198,7 @@ impl Encoder {
         let (pid, tid) = (span.pid, span.tid);
         let level = Level::of(span);
         let process = self.process(pid, None);
-        let process_uuid = process.uuid;
+        let (process_uuid, key) = (process.uuid, process.key);
         if level == Level::Job {
             if let Some(lane) = process
                 .jobs
@@ -200,7 +211,7 @@ impl Encoder {
             let index = process.jobs.len() as u64;
             let uuid = self.child_track(
                 process_uuid,
-                &[u64::from(pid), u64::MAX, index],
+                &[key, u64::MAX, index],
                 format!("{} {}", names::JOB, index + 1),
                 -1,
             );
@@ -217,8 +228,7 @@ impl Encoder {
                 format!("{thread} {tid}").trim_start().to_string()
             };
             let order = i32::try_from(tid).unwrap_or(i32::MAX);
-            let uuid =
-                self.child_track(process_uuid, &[u64::from(pid), u64::from(tid)], name, order);
+            let uuid = self.child_track(process_uuid, &[key, u64::from(tid)], name, order);
             self.process(pid, None).threads.insert(
                 tid,
                 ThreadTracks {
@@ -249,7 +259,7 @@ impl Encoder {
             };
             self.child_track(
                 thread_uuid,
-                &[u64::from(pid), u64::from(tid), level as u64, index as u64],
+                &[key, u64::from(tid), level as u64, index as u64],
                 name,
                 (level as i32) * 1000 + index as i32,
             )
@@ -282,10 +292,8 @@ impl Encoder {
         if let Some(uuid) = *slot(process) {
             return uuid;
         }
-        let parent = process.uuid;
-        let uuid = self
-            .ids
-            .track(&[u64::from(pid), u64::MAX - 1, order as u64]);
+        let (parent, key) = (process.uuid, process.key);
+        let uuid = self.ids.track(&[key, u64::MAX - 1, order as u64]);
         self.describe(TrackDescriptor {
             uuid: Some(uuid),
             parent_uuid: Some(parent),

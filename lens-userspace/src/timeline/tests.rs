@@ -325,3 +325,49 @@ fn an_empty_run_leaves_an_empty_trace_in_place() {
     assert_eq!(report.slices, 0);
     assert!(report.path.exists());
 }
+
+#[test]
+fn a_later_process_with_an_ended_ones_pid_gets_tracks_of_its_own() {
+    // The pid reused (a node traced for days), or a traced process that execs another
+    // trainer: each process is drawn under its own name, its rank and command line.
+    let path = temp_path("pid-reused");
+    let settings = TimelineSettings {
+        path: path.clone(),
+        max_bytes: DEFAULT_MAX_BYTES,
+    };
+    let mut timeline = Timeline::create(&settings).unwrap();
+    timeline.process_started(&info(PID, 1), None, 0);
+    timeline.export(span(1, None, names::JOB, PID, (0, 1_000)));
+    timeline.process_ended(PID);
+    timeline.process_started(&info(PID, 3), None, 0);
+    timeline.export(span(2, Some(3), names::STEP, PID, (2_000, 2_500)));
+    timeline.export(span(3, None, names::JOB, PID, (2_000, 3_000)));
+    timeline.process_ended(PID);
+    drop(timeline);
+    let replayed = replay::replay(&std::fs::read(&path).unwrap());
+    assert_eq!(replayed.problems, Vec::<String>::new());
+    let host = own_host_name();
+    for (rank, jobs) in [(1, 1), (3, 1)] {
+        let tracks: Vec<u64> = replayed
+            .tracks_named(&format!("rank {rank} · {host} · pid {PID}"))
+            .collect();
+        assert_eq!(tracks.len(), 1, "rank {rank}: {:#?}", replayed.tracks);
+        let on_it = replayed
+            .slices
+            .iter()
+            .filter(|s| s.name == names::JOB && s.track == tracks[0])
+            .count();
+        assert_eq!(on_it, jobs, "rank {rank}");
+    }
+    let step = replayed
+        .slices
+        .iter()
+        .find(|s| s.name == names::STEP)
+        .unwrap();
+    let rank_3 = replayed
+        .tracks_named(&format!("rank 3 · {host} · pid {PID}"))
+        .next()
+        .unwrap();
+    assert_eq!(replayed.root_of(step.track), rank_3);
+    let _ = std::fs::remove_dir_all(path.parent().unwrap());
+}
