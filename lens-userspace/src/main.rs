@@ -85,6 +85,17 @@ fn run(cli: Cli) -> Result<i32, LensError> {
     for warning in rules.warnings(&cli.span_groups) {
         log::warn!("{warning}");
     }
+    let timeline_path = cli.perfetto.clone().or(rules.timeline.perfetto.clone());
+    let outputs: Vec<(&'static str, &std::path::Path)> = [
+        ("--pid-file", cli.pid_file.as_deref()),
+        ("--export-file", export.export_file.as_deref()),
+        ("--summary-json", cli.summary_json.as_deref()),
+        ("--perfetto", timeline_path.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(flag, path)| Some((flag, path?)))
+    .collect();
+    lens_probe::sys::output::check_distinct(&outputs)?;
     // Forked while lens-probe is single-threaded (the exporter starts threads).
     let guardian = start_guardian();
     let mut pipeline = start_export(&export)?;

@@ -929,6 +929,7 @@ fn bad_timeline_settings_are_one_line_each() {
         (&["--pid", "1", "--config", &bad_size], &[], &[&bad_size, "[timeline] max_size:", "expected a size"]),
         (&["--pid", "1", "--config", &missing_dir], &[], &[&missing_dir, "[timeline] perfetto:", "does not exist"]),
         (&["--pid", "1", "--config", &not_a_table], &[], &[&not_a_table, "timeline must be a table"]),
+        (&["--pid", "1", "--exporter", "file", "--export-file", "/tmp/lens-shared.out", "--perfetto", "/tmp/lens-shared.out"], &[], &["--perfetto /tmp/lens-shared.out: is also --export-file's file"]),
     ];
     for (args, env, needles) in rows {
         let output = lens_probe(args, env);

@@ -165,6 +165,29 @@ impl StreamedFile {
     }
 }
 
+/// Refuses two outputs at one path (`--perfetto run.json --export-file run.json`): each
+/// would replace the other. Devices (`/dev/null`, `/dev/stdout`) may be shared.
+pub fn check_distinct(outputs: &[(&'static str, &Path)]) -> Result<(), LensError> {
+    use std::os::unix::fs::FileTypeExt;
+    let shareable = |path: &Path| {
+        is_standard_stream(path)
+            || std::fs::metadata(path).is_ok_and(|meta| meta.file_type().is_char_device())
+    };
+    for (index, (flag, path)) in outputs.iter().enumerate() {
+        let same = |(_, other): &&(&'static str, &Path)| other.components().eq(path.components());
+        if let Some((earlier, _)) = outputs[..index].iter().find(same)
+            && !shareable(path)
+        {
+            return Err(output_error(
+                flag,
+                path,
+                format!("is also {earlier}'s file; give each output a file of its own"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn output_error(flag: &'static str, path: &Path, reason: String) -> LensError {
     LensError::Output {
         flag,
@@ -243,6 +266,26 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    #[test]
+    fn two_outputs_may_not_share_a_file_but_may_share_a_device() {
+        let a = Path::new("/tmp/run.out");
+        let error = check_distinct(&[
+            ("--export-file", a),
+            ("--perfetto", Path::new("/tmp/./run.out")),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.starts_with("--perfetto /tmp/./run.out: is also --export-file's file"),
+            "{error}"
+        );
+        assert!(
+            check_distinct(&[("--export-file", a), ("--perfetto", Path::new("/tmp/b"))]).is_ok()
+        );
+        let null = Path::new("/dev/null");
+        assert!(check_distinct(&[("--export-file", null), ("--perfetto", null)]).is_ok());
     }
 
     #[test]

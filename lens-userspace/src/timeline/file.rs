@@ -45,18 +45,23 @@ pub(super) fn write(
         match messages.recv_timeout(wait) {
             Ok(Message::ProcessStarted(info)) => encoder.process_started(&info),
             Ok(Message::ProcessEnded(pid)) => encoder.process_ended(pid),
+            Ok(Message::Span(_)) if capped => {
+                // Past the cap nothing is written: nothing to place or encode either.
+                report
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .spans_past_cap += 1;
+            }
             Ok(Message::Span(span)) => {
                 encoder.span(&span);
                 let bytes = encoder.take_bytes();
                 let mut report = report.lock().unwrap_or_else(|e| e.into_inner());
-                if capped || queued + bytes.len() as u64 > max_bytes {
-                    if !capped {
-                        warn!(
-                            "timeline {shown} reached its size cap ({}, --perfetto-max-size): \
-                             nothing more is written to it",
-                            format_size(max_bytes)
-                        );
-                    }
+                if queued + bytes.len() as u64 > max_bytes {
+                    warn!(
+                        "timeline {shown} reached its size cap ({}, --perfetto-max-size): \
+                         nothing more is written to it",
+                        format_size(max_bytes)
+                    );
                     capped = true;
                     encoder.discard();
                     report.spans_past_cap += 1;
