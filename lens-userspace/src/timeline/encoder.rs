@@ -1,6 +1,6 @@
 //! Spans into Perfetto's TrackEvent packets, on the writer thread: the tracks, slices,
 //! flows, instants and counters `docs/timeline.md` describes.
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 
 use prost::Message;
 
