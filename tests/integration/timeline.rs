@@ -410,6 +410,50 @@ fn assert_perfetto_reads_the_same(test: &str, path: &Path, timeline: &Replayed) 
     );
 }
 
+/// Where a traced run of the fake trainer left its outputs.
+struct Outputs {
+    spans_file: PathBuf,
+    timeline_file: PathBuf,
+    summary_file: PathBuf,
+}
+
+/// lens-probe (`--span-groups all`, spans to an OTLP file, the timeline, the summary
+/// JSON, and `extra`) running `prefix… trainer STEPS` in `dir`; the trainer's stdout is
+/// kept for the caller.
+fn traced_trainer(
+    dir: &Path,
+    extra: &[&str],
+    prefix: &[&str],
+    steps: &str,
+) -> (std::process::Output, Outputs) {
+    let outputs = Outputs {
+        spans_file: dir.join("spans.jsonl"),
+        timeline_file: dir.join("run.perfetto-trace"),
+        summary_file: dir.join("summary.json"),
+    };
+    let output = lens_tests::lens_probe_command(LENS_PROBE)
+        .args([
+            "--span-groups",
+            "all",
+            "--exporter",
+            "file",
+            "--export-file",
+        ])
+        .arg(&outputs.spans_file)
+        .arg("--perfetto")
+        .arg(&outputs.timeline_file)
+        .arg("--summary-json")
+        .arg(&outputs.summary_file)
+        .args(extra)
+        .args(["--exec", "--"])
+        .args(prefix)
+        .arg(lens_tests::trainer())
+        .arg(steps)
+        .output()
+        .unwrap();
+    (output, outputs)
+}
+
 // ---- One rank: the timeline holds what the OTLP file holds ---------------------------
 
 #[test]
@@ -420,29 +464,14 @@ fn every_span_of_a_run_is_a_slice_under_its_process_track() {
     }
     let _serial = serial();
     let dir = scratch("one-rank");
-    let (spans_file, timeline_file, summary_file) = (
-        dir.join("spans.jsonl"),
-        dir.join("run.perfetto-trace"),
-        dir.join("summary.json"),
-    );
-    let output = lens_tests::lens_probe_command(LENS_PROBE)
-        .args([
-            "--span-groups",
-            "all",
-            "--exporter",
-            "file",
-            "--export-file",
-        ])
-        .arg(&spans_file)
-        .arg("--perfetto")
-        .arg(&timeline_file)
-        .arg("--summary-json")
-        .arg(&summary_file)
-        .args(["--exec", "--"])
-        .arg(lens_tests::trainer())
-        .arg("3")
-        .output()
-        .unwrap();
+    let (
+        output,
+        Outputs {
+            spans_file,
+            timeline_file,
+            summary_file,
+        },
+    ) = traced_trainer(&dir, &[], &[], "3");
     let stderr = stderr_text(&output);
     assert_eq!(output.status.code(), Some(0), "{stderr}");
     assert_eq!(
@@ -802,31 +831,20 @@ fn a_timeline_stops_at_its_size_cap_and_says_how_much_is_missing() {
     }
     let _serial = serial();
     let dir = scratch("cap");
-    let (spans_file, timeline_file, summary_file) = (
-        dir.join("spans.jsonl"),
-        dir.join("capped.perfetto-trace"),
-        dir.join("summary.json"),
-    );
     // 10 slices a step at ~200 bytes each (names interned): 1500 steps make ~3 MiB.
-    let output = lens_tests::lens_probe_command(LENS_PROBE)
-        .args([
-            "--span-groups",
-            "all",
-            "--exporter",
-            "file",
-            "--export-file",
-        ])
-        .arg(&spans_file)
-        .arg("--perfetto")
-        .arg(&timeline_file)
-        .args(["--perfetto-max-size", "1MiB", "--summary-json"])
-        .arg(&summary_file)
-        .args(["--exec", "--", "env", "LENS_FAKE_SYNC_MS=0"])
-        .arg(lens_tests::trainer())
-        .arg("1500")
-        .stdout(Stdio::null())
-        .output()
-        .unwrap();
+    let (
+        output,
+        Outputs {
+            spans_file,
+            timeline_file,
+            summary_file,
+        },
+    ) = traced_trainer(
+        &dir,
+        &["--perfetto-max-size", "1MiB"],
+        &["env", "LENS_FAKE_SYNC_MS=0"],
+        "1500",
+    );
     let stderr = stderr_text(&output);
     assert_eq!(output.status.code(), Some(0), "{stderr}");
 
