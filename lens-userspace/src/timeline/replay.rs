@@ -91,6 +91,15 @@ impl Replayed {
 /// Reads `bytes`, a trace (one file, or several concatenated).
 pub fn replay(bytes: &[u8]) -> Replayed {
     let mut out = Replayed::default();
+    let mut events = read_packets(bytes, &mut out);
+    events.sort_by_key(|event| (event.at, event.index));
+    draw(events, &mut out);
+    out
+}
+
+/// The packets of `bytes` in file order: tracks described into `out`, track events with
+/// their interned names resolved (interning follows file order, not time).
+fn read_packets(bytes: &[u8], out: &mut Replayed) -> Vec<Event> {
     let mut events: Vec<Event> = Vec::new();
     let mut interned: BTreeMap<u32, Names> = BTreeMap::new();
     let mut rest = bytes;
@@ -167,7 +176,12 @@ pub fn replay(bytes: &[u8]) -> Replayed {
             None => {}
         }
     }
-    events.sort_by_key(|event| (event.at, event.index));
+    events
+}
+
+/// The events in trace-processor order onto their tracks: slices opened and closed as a
+/// stack per track, instants and counter points.
+fn draw(events: Vec<Event>, out: &mut Replayed) {
     let mut open: BTreeMap<u64, Vec<Slice>> = BTreeMap::new();
     for event in events {
         let Event {
@@ -228,7 +242,6 @@ pub fn replay(bytes: &[u8]) -> Replayed {
             ));
         }
     }
-    out
 }
 
 /// A track event with its names resolved.
