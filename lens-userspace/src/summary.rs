@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::{
     events::{CollectiveOp, Communicator, PhaseSignal, ProbeEvent, SyncKind},
+    settings::format_size,
     sink::{EventSink, ProbeCost, ProcessEnd, SinkInput},
     sys::target::{ExitStatus, ProcessInfo},
 };
@@ -313,21 +314,6 @@ fn render_losses(out: &mut String, losses: &Losses) {
     }
 }
 
-pub(crate) fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
-}
-
 impl Summary {
     /// The summary as a person reads it.
     pub fn render(&self, losses: &Losses) -> String {
@@ -426,7 +412,7 @@ impl Summary {
                 "  {:<16} {:>8} {:>12} {:>12} {:>7}{}",
                 op.name(),
                 stats.calls.max(counted),
-                bytes(stats.bytes),
+                format_size(stats.bytes),
                 format_duration(stats.call_time_ns),
                 stats.errors,
                 if lost > 0 {
@@ -768,8 +754,8 @@ mod tests {
 
     #[test]
     fn sizes_and_durations_read_naturally() {
-        assert_eq!(bytes(512), "512 B");
-        assert_eq!(bytes(60 * 1024), "60.0 KiB");
+        assert_eq!(format_size(512), "512 B");
+        assert_eq!(format_size(60 * 1024), "60.0 KiB");
         assert_eq!(format_duration(20_100_000), "20.10 ms");
         assert_eq!(format_duration(1_500), "1.5 µs");
     }

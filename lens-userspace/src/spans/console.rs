@@ -7,11 +7,7 @@ use std::{
 };
 
 use super::{AttrValue, SpanExporter, SpanId, SpanRecord, SpanStatus};
-use crate::{
-    semconv,
-    summary::{bytes, format_duration},
-    sys::target::ProcessInfo,
-};
+use crate::{semconv, settings::format_size, summary::format_duration, sys::target::ProcessInfo};
 
 /// The widest line printed without `-v`: a terminal's.
 pub const LINE_WIDTH: usize = 120;
@@ -125,7 +121,7 @@ fn line(style: LineStyle<'_>, span: &SpanRecord, depth: usize) -> String {
                 continue;
             }
             let value = match (*key, value) {
-                (semconv::DL_COLLECTIVE_BYTES, AttrValue::Int(n)) => bytes(*n as u64),
+                (semconv::DL_COLLECTIVE_BYTES, AttrValue::Int(n)) => format_size(*n as u64),
                 _ => value.to_string(),
             };
             match short {
