@@ -203,7 +203,12 @@ impl Summary {
     fn event(&mut self, event: &ProbeEvent) {
         let process = self.processes.entry(event.tgid()).or_default();
         process.active |= match event {
-            ProbeEvent::Phase { signal, .. } => !matches!(signal, PhaseSignal::GradMode { .. }),
+            // Grad mode switched and files opened are what any torch importer does (a
+            // launcher creating its rendezvous files): no training activity of their own.
+            ProbeEvent::Phase { signal, .. } => !matches!(
+                signal,
+                PhaseSignal::GradMode { .. } | PhaseSignal::FileCreated | PhaseSignal::FileRead
+            ),
             ProbeEvent::Collective { .. }
             | ProbeEvent::SyncWait { .. }
             | ProbeEvent::CommInit { .. }
@@ -585,6 +590,25 @@ mod tests {
         let text = summary.render(&Losses::default());
         assert!(text.contains("all_reduce"), "{text}");
         assert!(text.contains("no events lost"), "{text}");
+    }
+
+    #[test]
+    fn a_launcher_that_only_creates_files_gets_no_summary_block() {
+        let mut summary = Summary::default();
+        summary.on_event(&ProbeEvent::Phase {
+            tgid: 7,
+            tid: 7,
+            at_ns: 10,
+            launches: 0,
+            epoch: 0,
+            signal: PhaseSignal::FileCreated,
+        });
+        let text = summary.render(&Losses::default());
+        assert!(!text.contains("summary: pid 7"), "{text}");
+        assert!(
+            text.contains("1 traced process without training activity"),
+            "{text}"
+        );
     }
 
     #[test]
