@@ -253,14 +253,12 @@ numbered! {
         RingBufferFull = 0 => "ring_buffer_full",
         /// The entry-state map was full: that call's event was not produced.
         InflightMapFull = 1 => "inflight_map_full",
-        /// The call-counter map was full: that call was not counted.
-        CounterMapFull = 2 => "counter_map_full",
         /// A return without its entry (attached mid-call): nothing to pair it with.
-        UnmatchedReturn = 3 => "unmatched_return",
+        UnmatchedReturn = 2 => "unmatched_return",
         /// The target map was full: a forked child of a traced process is not traced.
-        TargetMapFull = 4 => "target_map_full",
+        TargetMapFull = 3 => "target_map_full",
         /// The per-kernel launch counters were full: a launch was counted but its kernel not.
-        KernelMapFull = 5 => "kernel_map_full",
+        KernelMapFull = 4 => "kernel_map_full",
     }
 }
 

@@ -55,15 +55,6 @@ pub const fn rule_index(probe: u32) -> Option<u32> {
     }
 }
 
-/// Key of the in-kernel call counters: how often process `tgid` called probe `probe`.
-/// Launches are counted here rather than sent one by one.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct CallKey {
-    pub tgid: u32,
-    pub probe: u32,
-}
-
 /// Key of the per-kernel launch counters (`KERNEL_COUNTS`): launches of one kernel by
 /// process `tgid` in one phase epoch.
 #[repr(C)]
@@ -171,7 +162,7 @@ pub struct HandleKey {
 /// own, because a launch is the commonest probed call: finding its process is the one
 /// lookup it needs before the per-kernel count.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TargetState {
     /// Bit set of `TARGET_*` flags, set when the entry is made and never after.
     pub flags: u32,
@@ -184,6 +175,22 @@ pub struct TargetState {
     /// launch already): not calls of their own, but each is a probe hit the process pays
     /// for (the overhead estimate counts them).
     pub runtime_driver_hits: u64,
+    /// Calls counted so far of every other catalog probe, by [`ProbeId`] (a launch probe's
+    /// slot stays 0). Here, an atomic add beside the launch counters, rather than in a map
+    /// keyed by (process, probe): the target lookup every hit makes already found them.
+    /// [`CALL_SLOTS`] long, a power of two: the index the programs mask is in bounds for
+    /// the verifier.
+    pub calls: [u64; CALL_SLOTS],
+}
+
+/// Slots of [`TargetState::calls`]: every [`ProbeId`] has one.
+pub const CALL_SLOTS: usize = 64;
+const _: () = assert!(ProbeId::COUNT <= CALL_SLOTS && CALL_SLOTS.is_power_of_two());
+
+impl Default for TargetState {
+    fn default() -> Self {
+        Self::new(0)
+    }
 }
 
 impl TargetState {
@@ -195,6 +202,7 @@ impl TargetState {
             epoch: 0,
             launches: [0; LAUNCH_PROBES.len()],
             runtime_driver_hits: 0,
+            calls: [0; CALL_SLOTS],
         }
     }
 
@@ -290,7 +298,6 @@ pub mod settings {
 pub mod maps {
     pub const EVENTS: &str = "EVENTS";
     pub const TARGETS: &str = "TARGETS";
-    pub const CALL_COUNTS: &str = "CALL_COUNTS";
     /// Calls in flight, one map per record body: the entry's record, kept until the
     /// return pairs it (keyed by [`super::InflightKey`]).
     pub const INFLIGHT_COLLECTIVES: &str = "INFLIGHT_COLLECTIVES";
@@ -313,6 +320,8 @@ pub mod maps {
     /// background thread is seen at that thread's first collective, not a sampling
     /// interval of CPU later. During a load, files opened for reading are marks too.
     pub const PY_SAVING: &str = "PY_SAVING";
+    /// Whether `PY_TARGETS` and `PY_SAVING` may hold anything ([`super::python_gates`]).
+    pub const PY_GATES: &str = "PY_GATES";
 }
 
 /// libc `open` flags (x86-64/arm64 Linux) the file-open probe reads.
@@ -323,6 +332,20 @@ pub mod open_flags {
     pub const ACCMODE: u64 = 0o3;
     /// Only a directory is opened.
     pub const DIRECTORY: u64 = 0o200000;
+}
+
+/// Indexes of `PY_GATES`: whether `PY_TARGETS` and `PY_SAVING` may hold anything. A
+/// collective or sync entry reads a gate (an array slot: a few instructions) before it
+/// looks its process up in either (a hashed key), so a run with no Python process, or no
+/// save running, pays for neither lookup.
+pub mod python_gates {
+    /// Non-zero while `PY_TARGETS` holds a process.
+    pub const TARGETS: u32 = 0;
+    /// Non-zero while `PY_SAVING` may hold a process: set before an entry goes in (and
+    /// by the probe again after its own insert), cleared only after a removal that left
+    /// the map empty, then set again if an entry appeared meanwhile.
+    pub const SAVING: u32 = 1;
+    pub const COUNT: u32 = 2;
 }
 
 /// What a `PY_SAVING` entry says is running in the process.
@@ -343,7 +366,6 @@ pub mod limits {
     /// drains on a short timer, so a quiet process's events still arrive.
     pub const WAKEUP_THRESHOLD_BYTES: u64 = 256 * 1024;
     pub const MAX_TARGETS: u32 = 4096;
-    pub const MAX_CALL_COUNTERS: u32 = 16384;
     pub const MAX_INFLIGHT: u32 = 16384;
     /// Streams holding a collective no event was recorded after yet, and the events
     /// recorded after collectives not known complete (LRU: old ones fall out).
@@ -357,6 +379,8 @@ pub mod limits {
     pub const MAX_PY_THREAD_WALK: u32 = 64;
     /// (process, epoch, kernel) launch counters not yet read by the loader.
     pub const MAX_KERNEL_COUNTS: u32 = 16384;
+    /// Slots of the per-thread launch notes, indexed by tid modulo this (a power of two).
+    pub const LAUNCH_NOTES: u32 = 65_536;
 }
 
 #[cfg(feature = "user")]
@@ -364,7 +388,6 @@ mod user {
     // SAFETY: all of these are #[repr(C)] plain integers, valid for any bit pattern.
     // SAFETY: a record is a header and a `Body`, both plain integers without padding.
     unsafe impl<B: super::Body> aya::Pod for super::Record<B> {}
-    unsafe impl aya::Pod for super::CallKey {}
     unsafe impl aya::Pod for super::InflightKey {}
     unsafe impl aya::Pod for super::HandleKey {}
     unsafe impl aya::Pod for super::PyOffsets {}

@@ -10,9 +10,9 @@ use aya_ebpf::maps::LruHashMap;
 use aya_ebpf::programs::ProbeContext;
 use aya_log_ebpf::warn;
 use lens_common::record::{CallTimes, RETURNED_KIND};
-use lens_common::{Body, CallKey, InflightKey, LossCause, Record, TargetState};
+use lens_common::{Body, CALL_SLOTS, InflightKey, LossCause, ProbeId, Record, TargetState};
 
-use crate::maps::{CALL_COUNTS, LOSSES, TARGETS};
+use crate::maps::{LOSSES, TARGETS};
 use crate::ring::{EVENTS, submit_flags};
 
 #[inline(always)]
@@ -46,20 +46,18 @@ pub(crate) fn probe_id<C: EbpfContext>(ctx: &C) -> u32 {
     attach_cookie(ctx) as u32
 }
 
+/// Counts one call of catalog probe `probe` in the process's `TARGETS` entry (a
+/// configured rule's calls are not counted: each is sent).
 #[inline(always)]
-pub(crate) fn count_call(pid_tgid: u64, probe: u32) {
-    let key = CallKey {
-        tgid: (pid_tgid >> 32) as u32,
-        probe,
-    };
-    match CALL_COUNTS.get_ptr_mut(&key) {
-        // SAFETY: per-CPU value, only this CPU writes it.
-        Some(count) => unsafe { *count += 1 },
-        None => {
-            if CALL_COUNTS.insert(&key, &1, 0).is_err() {
-                count_loss(LossCause::CounterMapFull);
-            }
-        }
+pub(crate) fn count_call(target: *mut TargetState, probe: u32) {
+    if probe as usize >= ProbeId::COUNT {
+        return;
+    }
+    // SAFETY: a live map value; other threads of the process add to it too (atomic). The
+    // mask keeps the index below the array's length where the verifier can see it.
+    unsafe {
+        let count = &raw mut (*target).calls[probe as usize & (CALL_SLOTS - 1)];
+        crate::launches::atomic_add(count, 1);
     }
 }
 
@@ -191,7 +189,7 @@ pub(crate) fn begin_call<B: Body>(
     let (pid_tgid, target) = traced()?;
     let cookie = attach_cookie(ctx);
     let probe = cookie as u32;
-    count_call(pid_tgid, probe);
+    count_call(target, probe);
     Some((pid_tgid, target, new_record(probe, pid_tgid), cookie))
 }
 

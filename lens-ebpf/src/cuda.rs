@@ -20,11 +20,11 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn cuda_event_record_body(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, _)) = traced() else {
+    let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
     let probe = probe_id(&ctx);
-    count_call(pid_tgid, probe);
+    count_call(target, probe);
     let tgid = (pid_tgid >> 32) as u32;
     let stream = HandleKey {
         tgid,
@@ -63,11 +63,11 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn cuda_event_query_entry_body(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, _)) = traced() else {
+    let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
     let probe = probe_id(&ctx);
-    count_call(pid_tgid, probe);
+    count_call(target, probe);
     let key = HandleKey {
         tgid: (pid_tgid >> 32) as u32,
         _pad: 0,

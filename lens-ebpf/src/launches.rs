@@ -7,12 +7,12 @@ use aya_ebpf::programs::ProbeContext;
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use lens_common::record::LaunchMark;
 use lens_common::{
-    CODE_RANGES, HandleKey, KernelKey, LossCause, ProbeId, TargetState, launch_slot,
+    CODE_RANGES, HandleKey, KernelKey, LossCause, ProbeId, TargetState, launch_slot, limits,
 };
 
 use crate::ctx::{arg_u64, count_call, count_loss, now_ns, probe_id, traced};
 use crate::maps::{
-    KERNEL_COUNTS, KERNEL_REGISTRY, RUNTIME_LAUNCH, RUNTIME_RANGES, RuntimeLaunch, kernel_names,
+    KERNEL_COUNTS, KERNEL_REGISTRY, LAUNCH_NOTES, LaunchNote, RUNTIME_RANGES, kernel_names,
 };
 
 /// Adds `value` to `*counter`, shared with other CPUs. (The old value is not used: BPF's
@@ -37,7 +37,7 @@ pub(crate) fn count_launch(
 ) {
     let Some(slot) = launch_slot(probe) else {
         // Not a launch probe: counted as any other call.
-        count_call(pid_tgid, probe);
+        count_call(target, probe);
         return;
     };
     // SAFETY: a live map value (see `atomic_add`); the epoch is read as it is now. The
@@ -102,7 +102,7 @@ fn count_only_body(ctx: ProbeContext) -> u32 {
         let probe = probe_id(&ctx);
         count_launch(&ctx, pid_tgid, target, probe, false);
         if launch_slot(probe).is_some() {
-            runtime_launch_entered(&ctx, pid_tgid, target);
+            runtime_launch_entered(&ctx, pid_tgid);
         }
     }
     0
@@ -122,7 +122,7 @@ fn driver_launch_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
-    if made_by_runtime(&ctx, pid_tgid, target) {
+    if made_by_runtime(&ctx, pid_tgid) {
         // SAFETY: a live map value (see `atomic_add`).
         atomic_add(unsafe { &raw mut (*target).runtime_driver_hits }, 1);
         return 0;
@@ -135,70 +135,72 @@ fn driver_launch_body(ctx: ProbeContext) -> u32 {
 /// frames between the two (a few hundred bytes in libcudart; a generous bound).
 const RUNTIME_FRAMES_BYTES: u64 = 64 * 1024;
 
-/// The process's runtime launches so far (every launch probe that is not the driver's).
+/// The current thread's slot in `LAUNCH_NOTES`.
 #[inline(always)]
-fn runtime_launches(target: *mut TargetState) -> u64 {
-    const RUNTIME: [ProbeId; 3] = [
-        ProbeId::CudaLaunchKernel,
-        ProbeId::CudaLaunchKernelExC,
-        ProbeId::CudaGraphLaunch,
-    ];
-    let mut total = 0;
-    let mut i = 0;
-    while i < RUNTIME.len() {
-        if let Some(slot) = launch_slot(RUNTIME[i] as u32) {
-            // SAFETY: a live map value, read as it is now (other threads add to it).
-            total += unsafe { core::ptr::read_volatile(&raw const (*target).launches[slot]) };
-        }
-        i += 1;
-    }
-    total
+fn launch_note(pid_tgid: u64) -> Option<*mut LaunchNote> {
+    LAUNCH_NOTES.get_ptr_mut(pid_tgid as u32 & (limits::LAUNCH_NOTES - 1))
 }
 
-/// Notes on this CPU that thread `pid_tgid` entered a runtime launch: its driver launch
-/// comes next, on the same thread and, unless the thread moves meanwhile, the same CPU.
+/// Notes in the thread's slot that it entered a runtime launch: its driver launch comes
+/// next, deeper in the same stack.
 #[inline(always)]
-fn runtime_launch_entered(ctx: &ProbeContext, pid_tgid: u64, target: *mut TargetState) {
-    if let Some(launch) = RUNTIME_LAUNCH.get_ptr_mut(0) {
-        // SAFETY: the per-CPU slot; nothing else runs on this CPU while we do. The probe's
-        // saved registers are readable.
+fn runtime_launch_entered(ctx: &ProbeContext, pid_tgid: u64) {
+    if let Some(note) = launch_note(pid_tgid) {
+        // SAFETY: a live map value; only this thread writes its slot (a thread whose tid
+        // shares it overwrites it whole, see `LaunchNote`). The probe's saved registers
+        // are readable.
         unsafe {
-            *launch = RuntimeLaunch {
+            *note = LaunchNote {
                 pid_tgid,
                 stack: (*ctx.regs).rsp,
-                runtime_launches: runtime_launches(target),
             };
         }
     }
 }
 
-/// Whether this driver launch is one the runtime made. Cheap and most often: the note this
-/// thread left on this CPU at the runtime launch it entered last, with no runtime launch
-/// in the process since, and this call deeper in the same stack (the note is then taken).
-/// Otherwise (the thread moved to another CPU, another thread launched meanwhile, or no
-/// note): whether the caller's return address (`[rsp]`) lies in the process's libcudart,
-/// exact but a `bpf_probe_read_user` (~140 ns a hit here, more than the rest).
+/// Whether this driver launch is one the runtime made, from the thread's note, most often
+/// without reading memory: its note says it runs a runtime launch and this call is deeper
+/// in the same stack (yes: the note is then marked done), or says it runs none (no).
+/// Otherwise (no note of this thread's: its first driver launch, or a thread sharing the
+/// slot wrote since) whether the caller's return address (`[rsp]`) lies in the process's
+/// libcudart: exact, but a `bpf_probe_read_user` (~140 ns a hit here, more than all the
+/// rest); the thread's note then says what it found, so its next direct launch is cheap.
 /// (One case the note gets wrong: a runtime launch that failed before reaching the driver,
-/// then a driver launch of the same thread, on the same CPU, with no runtime launch in the
-/// process between them: the latter is taken for the runtime's.)
+/// then a driver launch of the same thread from deeper in the stack, before any other
+/// runtime launch of the thread: the latter is taken for the runtime's.)
 #[inline(always)]
-fn made_by_runtime(ctx: &ProbeContext, pid_tgid: u64, target: *mut TargetState) -> bool {
+fn made_by_runtime(ctx: &ProbeContext, pid_tgid: u64) -> bool {
     // SAFETY: reads of the probe's saved registers.
     let stack = unsafe { (*ctx.regs).rsp };
-    if let Some(launch) = RUNTIME_LAUNCH.get_ptr_mut(0) {
-        // SAFETY: the per-CPU slot, as in `runtime_launch_entered`.
+    let note = launch_note(pid_tgid);
+    if let Some(note) = note {
+        // SAFETY: the thread's slot, as in `runtime_launch_entered`.
         unsafe {
-            let entered = *launch;
-            if entered.pid_tgid == pid_tgid
-                && stack < entered.stack
-                && entered.stack - stack <= RUNTIME_FRAMES_BYTES
-                && entered.runtime_launches == runtime_launches(target)
-            {
-                (*launch).pid_tgid = 0;
-                return true;
+            let seen = *note;
+            if seen.pid_tgid == pid_tgid {
+                if seen.stack == 0 {
+                    return false;
+                }
+                if stack < seen.stack && seen.stack - stack <= RUNTIME_FRAMES_BYTES {
+                    (*note).stack = 0;
+                    return true;
+                }
             }
         }
     }
+    let from_runtime = called_from_runtime(stack, pid_tgid);
+    if let Some(note) = note {
+        // SAFETY: as above.
+        unsafe {
+            *note = LaunchNote { pid_tgid, stack: 0 };
+        }
+    }
+    from_runtime
+}
+
+/// Whether the return address on top of `stack` lies in the process's libcudart.
+#[inline(always)]
+fn called_from_runtime(stack: u64, pid_tgid: u64) -> bool {
     let tgid = (pid_tgid >> 32) as u32;
     let Some(runtime) = RUNTIME_RANGES.get_ptr(&tgid) else {
         return false;
@@ -244,10 +246,10 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn cuda_register_function_body(ctx: ProbeContext) -> u32 {
-    let Some((pid_tgid, _)) = traced() else {
+    let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
-    count_call(pid_tgid, probe_id(&ctx));
+    count_call(target, probe_id(&ctx));
     if !kernel_names() {
         return 0;
     }

@@ -1,11 +1,11 @@
 //! The maps every program shares: the ring buffer, the target filter, the counters, the
 //! calls in flight, the Python sampler's state and the run-wide switches.
 use aya_ebpf::macros::map;
-use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap};
+use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray};
 use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall};
 use lens_common::{
-    CallKey, CodeRanges, HandleKey, InflightKey, KernelKey, LossCause, PyOffsets, Record,
-    TargetState, limits, settings,
+    CodeRanges, HandleKey, InflightKey, KernelKey, LossCause, PyOffsets, Record, TargetState,
+    limits, python_gates, settings,
 };
 
 /// Processes being traced (tgid → settings, launch counters, phase epoch). Probes are
@@ -15,14 +15,15 @@ use lens_common::{
 pub(crate) static TARGETS: HashMap<u32, TargetState> =
     HashMap::with_max_entries(limits::MAX_TARGETS, 0);
 
+/// Where the fork tracepoint builds a child's `TARGETS` entry (one per CPU, all zero but
+/// the flags): an entry is larger than a BPF program's stack.
+#[map(name = "NEW_TARGET")]
+pub(crate) static NEW_TARGET: PerCpuArray<TargetState> = PerCpuArray::with_max_entries(1, 0);
+
 /// Targets this program stopped at a library load (tgid → when), until lens-probe (or,
 /// past a bound, its guardian) continues them.
 #[map(name = "STOPPED")]
 pub(crate) static STOPPED: HashMap<u32, u64> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
-
-#[map(name = "CALL_COUNTS")]
-pub(crate) static CALL_COUNTS: PerCpuHashMap<CallKey, u64> =
-    PerCpuHashMap::with_max_entries(limits::MAX_CALL_COUNTERS, 0);
 
 /// Launches per (process, phase epoch, kernel), read and cleared by the loader: the top
 /// kernels of each step.
@@ -36,24 +37,25 @@ pub(crate) static KERNEL_COUNTS: HashMap<KernelKey, u64> =
 pub(crate) static RUNTIME_RANGES: HashMap<u32, CodeRanges> =
     HashMap::with_max_entries(limits::MAX_TARGETS, 0);
 
-/// The runtime launch each CPU runs now (`RuntimeLaunch`): the driver launch it makes
-/// next is its own, counted at the runtime already.
-#[map(name = "RUNTIME_LAUNCH")]
-pub(crate) static RUNTIME_LAUNCH: PerCpuArray<RuntimeLaunch> = PerCpuArray::with_max_entries(1, 0);
+/// Per thread (`tid` modulo [`limits::LAUNCH_NOTES`]), the runtime launch it runs now, if
+/// any (`LaunchNote`): the driver launch it makes next is its own, counted at the runtime
+/// already. An array, not a hash: its lookup is a few instructions, not a hashed key.
+#[map(name = "LAUNCH_NOTES")]
+pub(crate) static LAUNCH_NOTES: Array<LaunchNote> =
+    Array::with_max_entries(limits::LAUNCH_NOTES, 0);
 
-/// A runtime launch (`cudaLaunchKernel`, `cudaLaunchKernelExC`, `cudaGraphLaunch`) entered
-/// on this CPU and not yet seen at the driver.
+/// What a thread's slot in `LAUNCH_NOTES` says. Two live threads whose tids share a slot
+/// overwrite each other's note: the one that finds another thread's note falls back to the
+/// exact (and costly) check of its caller.
 #[repr(C)]
 #[derive(Clone, Copy)]
-pub(crate) struct RuntimeLaunch {
-    /// The thread (`bpf_get_current_pid_tgid()`); 0 once its driver launch was seen.
+pub(crate) struct LaunchNote {
+    /// The thread (`bpf_get_current_pid_tgid()`) that wrote it.
     pub(crate) pid_tgid: u64,
-    /// Its stack pointer at the runtime function's entry: the driver call it makes comes
-    /// from deeper in the same stack.
+    /// Its stack pointer at the entry of the runtime launch it runs now; 0 when it runs
+    /// none (its last one reached the driver, or the exact check found its driver launch
+    /// made elsewhere).
     pub(crate) stack: u64,
-    /// The process's runtime launches counted then, this one included: another since
-    /// (this thread's on another CPU, or another thread's) makes the note uncertain.
-    pub(crate) runtime_launches: u64,
 }
 
 /// Streams (per process) holding a collective that no event was recorded after yet:
@@ -83,6 +85,16 @@ pub(crate) static PY_TARGETS: HashMap<u32, PyOffsets> =
 /// Python processes inside a framework save (`maps::PY_SAVING`).
 #[map(name = "PY_SAVING")]
 pub(crate) static PY_SAVING: HashMap<u32, u8> = HashMap::with_max_entries(limits::MAX_TARGETS, 0);
+
+/// Whether `PY_TARGETS` and `PY_SAVING` may hold anything (`lens_common::python_gates`).
+#[map(name = "PY_GATES")]
+pub(crate) static PY_GATES: Array<u32> = Array::with_max_entries(python_gates::COUNT, 0);
+
+/// Whether gate `gate` of `PY_GATES` is open.
+#[inline(always)]
+pub(crate) fn python_gate(gate: u32) -> bool {
+    PY_GATES.get(gate).is_some_and(|value| *value != 0)
+}
 
 /// Per Python thread, a hash of the stack last sent (low bit: sent once, to be sent again
 /// at the next sample): an unchanged stack is not sent a third time.

@@ -8,12 +8,12 @@ use aya_ebpf::programs::{PerfEventContext, ProbeContext};
 use lens_common::record::{LaunchMark, NO_PROBE, PyStack};
 use lens_common::{
     DCP_LOAD_API_EVENT, EventKind, LossCause, PY_MAX_DEPTH, PY_MAX_WALK, PY_NO_FIELD, PyOffsets,
-    Record, RecordHeader, limits, saving,
+    Record, RecordHeader, limits, python_gates, saving,
 };
 
 use crate::ctx::{count_loss, now_ns, read_user_u64};
 use crate::launches::mark_now;
-use crate::maps::{PY_LAST_STACK, PY_SAVING, PY_TARGETS, TARGETS};
+use crate::maps::{PY_GATES, PY_LAST_STACK, PY_SAVING, PY_TARGETS, TARGETS, python_gate};
 use crate::ring::EVENTS;
 use crate::task::thread_pointer;
 
@@ -21,6 +21,9 @@ use crate::task::thread_pointer;
 /// has its process inside a framework save: whether the call is the save's is then read.
 #[inline(always)]
 pub(crate) fn sample_if_saving() {
+    if !python_gate(python_gates::SAVING) {
+        return;
+    }
     let pid_tgid = bpf_get_current_pid_tgid();
     // SAFETY: only presence is read.
     if unsafe { PY_SAVING.get(&((pid_tgid >> 32) as u32)) }.is_some() {
@@ -75,7 +78,19 @@ pub(crate) fn mark_if_dcp_load(ctx: &ProbeContext, pid_tgid: u64) {
     }
     // SAFETY: copied out.
     let bits = unsafe { PY_SAVING.get(&tgid) }.copied().unwrap_or(0);
+    // The gate open before the entry goes in and again after: the loader, clearing it
+    // after a removal, checks the map again after it did (`lens_common::python_gates`).
+    open_saving_gate();
     let _ = PY_SAVING.insert(&tgid, &(bits | saving::LOAD), 0);
+    open_saving_gate();
+}
+
+#[inline(always)]
+fn open_saving_gate() {
+    if let Some(gate) = PY_GATES.get_ptr_mut(python_gates::SAVING) {
+        // SAFETY: a live map value; a plain store of a flag.
+        unsafe { core::ptr::write_volatile(gate, 1) };
+    }
 }
 
 /// The sampled thread's `PyThreadState`, 0 if it has none (not a Python thread): the
@@ -125,6 +140,9 @@ pub(crate) fn innermost_frame(offsets: &PyOffsets, tid: u32) -> Option<u64> {
 /// CPython process (0 otherwise, or when the thread runs no Python).
 #[inline(always)]
 pub(crate) fn python_caller(pid_tgid: u64) -> u64 {
+    if !python_gate(python_gates::TARGETS) {
+        return 0;
+    }
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: copied out before the map can change under us.
     let Some(offsets) = (unsafe { PY_TARGETS.get(&tgid) }).copied() else {

@@ -4,10 +4,10 @@ use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use aya_ebpf::macros::raw_tracepoint;
 use aya_ebpf::programs::RawTracePointContext;
 use lens_common::record::{Exec, Exit, Fork, NO_PROBE};
-use lens_common::{LossCause, Record, TARGET_CALIBRATION, TargetState};
+use lens_common::{LossCause, Record, TARGET_CALIBRATION};
 
 use crate::ctx::{count_loss, new_record, send, send_now, traced};
-use crate::maps::{TARGETS, node_mode};
+use crate::maps::{NEW_TARGET, TARGETS, node_mode};
 use crate::task::{EXIT_HAS_GROUP_DEAD, TASK_EXIT_CODE_OFFSET, TASK_TGID_OFFSET};
 
 /// `sched_process_fork(parent, child)`: a traced process created another. A new process
@@ -34,10 +34,17 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
         // A new thread of the same process: already traced.
         return 0;
     }
-    if TARGETS
-        .insert(&child_tgid, &TargetState::new(flags), 0)
-        .is_err()
-    {
+    // A new entry is built in a per-CPU slot, not on the stack: it is larger than the
+    // stack BPF allows. Only its flags are ever written there; its counters stay 0.
+    let Some(new_entry) = NEW_TARGET.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: this CPU's slot; nothing else runs on this CPU while we do.
+    let inserted = unsafe {
+        (*new_entry).flags = flags;
+        TARGETS.insert(&child_tgid, &*new_entry, 0)
+    };
+    if inserted.is_err() {
         count_loss(LossCause::TargetMapFull);
         return 0;
     }

@@ -43,7 +43,6 @@ fn session(spec: &str) -> Session {
 const NOTHING_LEFT: KernelState = KernelState {
     targets: 0,
     inflight: 0,
-    call_counters: 0,
     kernel_counters: 0,
     runtime_ranges: 0,
 };

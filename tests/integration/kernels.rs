@@ -143,7 +143,6 @@ fn each_launch_counts_once_with_runtime_and_driver_probes_attached() {
         KernelState {
             targets: 0,
             inflight: 0,
-            call_counters: 0,
             kernel_counters: 0,
             runtime_ranges: 0,
         }
@@ -239,4 +238,50 @@ fn kernels_of_a_library_without_symbols_are_named_as_registered() {
             step.int_attr(semconv::DL_ITERATION)
         );
     }
+}
+
+#[test]
+fn runtime_and_direct_driver_launches_interleaved_on_two_threads_count_once_each() {
+    if !lens_tests::require_bpf("runtime_and_direct_driver_launches_interleaved_on_two_threads") {
+        return;
+    }
+    // Each of `hammer mixed`'s two threads alternates a runtime launch (whose driver call
+    // comes from libcudart: not counted again) and a launch straight to the driver (counted
+    // there), at once: a thread's note of its runtime launch must neither be taken by the
+    // other thread's direct launch nor outlive its own driver call.
+    const PER_THREAD: u64 = 20_000;
+    let mut session = Session::new(TraceOptions {
+        span_groups: "per_step".parse::<SpanGroups>().unwrap(),
+        kernel_logs: false,
+        overhead_budget: None,
+        uprobe_links: Default::default(),
+    })
+    .unwrap();
+    let argv: Vec<OsString> = vec![
+        lens_tests::hammer().into_os_string(),
+        "mixed".into(),
+        PER_THREAD.to_string().into(),
+    ];
+    session.exec(&argv).unwrap();
+    let mut summary = Summary::default();
+    session
+        .run_blocking(&mut summary, Some(Duration::from_secs(120)))
+        .unwrap();
+    let process = summary
+        .processes
+        .values()
+        .find(|p| p.ended && p.calls.contains_key(&ProbeId::CudaLaunchKernel))
+        .expect("the hammer's summary");
+    assert_eq!(
+        process.launches(),
+        [(ProbeId::CudaLaunchKernel, 2 * PER_THREAD)]
+            .into_iter()
+            .collect()
+    );
+    assert_eq!(
+        process.driver_launches(),
+        [(ProbeId::CuLaunchKernel, 2 * PER_THREAD)]
+            .into_iter()
+            .collect()
+    );
 }

@@ -7,14 +7,11 @@
 //! [`KernelMaps::forget_process`].
 use aya::{
     Ebpf, Pod,
-    maps::{
-        Array, HashMap as BpfHashMap, IterableMap, MapData, PerCpuArray, PerCpuHashMap,
-        PerCpuValues,
-    },
+    maps::{Array, HashMap as BpfHashMap, IterableMap, MapData, PerCpuArray, PerCpuValues},
 };
 use lens_common::{
-    Body, CallKey, CodeRanges, HandleKey, InflightKey, KernelKey, LossCause, PyOffsets, Record,
-    TargetState, maps,
+    Body, CodeRanges, HandleKey, InflightKey, KernelKey, LossCause, PyOffsets, Record, TargetState,
+    maps, python_gates,
     record::{CollectiveCall, CommInitCall, EventQuery, RETURNED_KIND, SyncCall},
 };
 
@@ -32,12 +29,6 @@ impl ProcessKey for u32 {
 }
 
 impl ProcessKey for KernelKey {
-    fn pid(&self) -> u32 {
-        self.tgid
-    }
-}
-
-impl ProcessKey for CallKey {
     fn pid(&self) -> u32 {
         self.tgid
     }
@@ -131,7 +122,7 @@ impl<K: ProcessKey, V: Pod> ProcessMap<K, V> {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.map.keys().next().is_none()
     }
 
     /// The map's descriptor, for a process of our own that shares it (the guardian).
@@ -174,46 +165,6 @@ impl InflightMaps {
 
     fn len(&self) -> usize {
         self.collectives.len() + self.syncs.len() + self.comm_inits.len() + self.queries.len()
-    }
-}
-
-/// `CALL_COUNTS`: calls per (process, probe) of the probes that only count, one counter
-/// per CPU. Written by the probes; read and taken by lens-probe.
-pub struct CallCounts(PerCpuHashMap<MapData, CallKey, u64>);
-
-impl CallCounts {
-    /// Every counter, summed over the CPUs.
-    pub fn totals(&self) -> Vec<(CallKey, u64)> {
-        self.0
-            .keys()
-            .filter_map(|key| key.ok())
-            .filter_map(|key| Some((key, self.0.get(&key, 0).ok()?.iter().sum())))
-            .collect()
-    }
-
-    /// `pid`'s counters, summed over the CPUs and removed from the kernel.
-    pub fn take_process(&mut self, pid: u32) -> Vec<(CallKey, u64)> {
-        let keys: Vec<CallKey> = self
-            .0
-            .keys()
-            .filter_map(|key| key.ok())
-            .filter(|key| key.tgid == pid)
-            .collect();
-        keys.into_iter()
-            .filter_map(|key| {
-                let total = self.0.get(&key, 0).ok().map(|values| values.iter().sum());
-                let _ = self.0.remove(&key);
-                Some((key, total?))
-            })
-            .collect()
-    }
-
-    pub fn len(&self) -> usize {
-        self.0.keys().count()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -264,13 +215,65 @@ pub struct LaunchMaps {
     pub runtime_ranges: ProcessMap<u32, CodeRanges>,
 }
 
-/// The Python sampler's maps.
+/// The Python sampler's maps, and the gates that say whether each may hold anything
+/// (`lens_common::python_gates`): every write goes through here so that they agree.
 pub struct PythonMaps {
     /// `PY_TARGETS`: the processes the sampler reads, and how (written by lens-probe).
-    pub targets: ProcessMap<u32, PyOffsets>,
+    targets: ProcessMap<u32, PyOffsets>,
     /// `PY_SAVING`: processes with a framework save or load running
-    /// (`lens_common::saving` bits, written by lens-probe).
-    pub saving: ProcessMap<u32, u8>,
+    /// (`lens_common::saving` bits, written by lens-probe, and by the DCP load probe).
+    saving: ProcessMap<u32, u8>,
+    /// `PY_GATES`.
+    gates: Array<MapData, u32>,
+}
+
+impl PythonMaps {
+    /// Starts sampling `pid` with `offsets`.
+    pub fn add_target(&mut self, pid: u32, offsets: &PyOffsets) -> Result<()> {
+        self.targets.insert(&pid, offsets)?;
+        self.set_gate(python_gates::TARGETS, true);
+        Ok(())
+    }
+
+    /// Stops sampling `pid` (only lens-probe writes `PY_TARGETS`).
+    pub fn remove_target(&mut self, pid: u32) {
+        self.targets.remove(&pid);
+        if self.targets.is_empty() {
+            self.set_gate(python_gates::TARGETS, false);
+        }
+    }
+
+    /// What `pid`'s framework calls make of it now (`lens_common::saving` bits; 0:
+    /// nothing runs).
+    pub fn set_saving(&mut self, pid: u32, bits: u8) {
+        if bits == 0 {
+            self.forget_saving(pid);
+            return;
+        }
+        // Open before the entry goes in: a probe that finds the entry found the gate open.
+        self.set_gate(python_gates::SAVING, true);
+        let _ = self.saving.insert(&pid, &bits);
+    }
+
+    /// `pid` saves and loads nothing any more.
+    pub fn forget_saving(&mut self, pid: u32) {
+        self.saving.remove(&pid);
+        if !self.saving.is_empty() {
+            return;
+        }
+        self.set_gate(python_gates::SAVING, false);
+        // The DCP load probe may have put an entry in since the map was found empty; it
+        // opens the gate after its insert too, but its first opening may have come before
+        // the closing above.
+        if !self.saving.is_empty() {
+            self.set_gate(python_gates::SAVING, true);
+        }
+    }
+
+    fn set_gate(&mut self, gate: u32, open: bool) {
+        // An array slot inside the map's bounds: it cannot fail.
+        let _ = self.gates.set(gate, &u32::from(open), 0);
+    }
 }
 
 /// Every map lens-probe reads or writes, typed.
@@ -281,7 +284,6 @@ pub struct KernelMaps {
     /// `STOPPED`: targets stopped at a library load (the probe writes the stop time;
     /// lens-probe or its guardian removes it when it lets the target go).
     pub stopped: ProcessMap<u32, u64>,
-    pub call_counts: CallCounts,
     pub inflight: InflightMaps,
     pub launches: LaunchMaps,
     pub python: PythonMaps,
@@ -296,7 +298,6 @@ pub struct KernelState {
     /// Slots of the `INFLIGHT_*` maps: calls in flight, and one per thread and function
     /// called (kept for its next call) until the process ends.
     pub inflight: usize,
-    pub call_counters: usize,
     /// Per-kernel launch counters not yet read.
     pub kernel_counters: usize,
     /// Processes whose libcudart mappings the driver probes know.
@@ -309,7 +310,6 @@ impl KernelMaps {
         Ok(KernelMaps {
             targets: ProcessMap::from_object(ebpf, maps::TARGETS)?,
             stopped: ProcessMap::from_object(ebpf, maps::STOPPED)?,
-            call_counts: CallCounts(take(ebpf, maps::CALL_COUNTS)?),
             inflight: InflightMaps {
                 collectives: ProcessMap::from_object(ebpf, maps::INFLIGHT_COLLECTIVES)?,
                 syncs: ProcessMap::from_object(ebpf, maps::INFLIGHT_SYNCS)?,
@@ -324,6 +324,7 @@ impl KernelMaps {
             python: PythonMaps {
                 targets: ProcessMap::from_object(ebpf, maps::PY_TARGETS)?,
                 saving: ProcessMap::from_object(ebpf, maps::PY_SAVING)?,
+                gates: take(ebpf, maps::PY_GATES)?,
             },
             losses: LossCounts(take(ebpf, maps::LOSSES)?),
             settings: Settings(take(ebpf, maps::SETTINGS)?),
@@ -336,7 +337,7 @@ impl KernelMaps {
     /// from (a thread killed in a sync wait).
     pub fn forget_process(&mut self, pid: u32) {
         self.stopped.remove(&pid);
-        self.python.saving.remove(&pid);
+        self.python.forget_saving(pid);
         self.launches.runtime_ranges.remove(&pid);
         self.inflight.forget(pid);
     }
@@ -347,7 +348,6 @@ impl KernelMaps {
         KernelState {
             targets: self.targets.len(),
             inflight: self.inflight.len(),
-            call_counters: self.call_counts.len(),
             kernel_counters: self.launches.kernel_counts.len(),
             runtime_ranges: self.launches.runtime_ranges.len(),
         }

@@ -113,22 +113,13 @@ impl Session {
         }
     }
 
-    /// Every target's call counters so far (kept in the kernel): launches in its
-    /// `TARGETS` entry, other calls in `CALL_COUNTS`.
+    /// Every target's call counters so far, kept in the kernel in its `TARGETS` entry.
     pub(super) fn call_counts(&mut self) -> BTreeMap<u32, BTreeMap<ProbeId, u64>> {
         let mut by_pid: BTreeMap<u32, BTreeMap<ProbeId, u64>> = BTreeMap::new();
         for (pid, entry) in self.bpf.maps.targets.entries() {
-            add_launch_counts(by_pid.entry(pid).or_default(), Some(&entry));
+            add_call_counts(by_pid.entry(pid).or_default(), Some(&entry));
         }
         by_pid.retain(|pid, _| self.targets.contains_key(pid));
-        for (key, total) in self.bpf.maps.call_counts.totals() {
-            if !self.targets.contains_key(&key.tgid) {
-                continue;
-            }
-            if let Some(probe) = ProbeId::from_u32(key.probe) {
-                by_pid.entry(key.tgid).or_default().insert(probe, total);
-            }
-        }
         by_pid
     }
 
@@ -136,17 +127,6 @@ impl Session {
     /// it was, launch counters included.
     pub(super) fn take_target_entry(&mut self, pid: u32) -> Option<TargetState> {
         self.bpf.maps.targets.take(&pid)
-    }
-
-    /// `pid`'s `CALL_COUNTS` counters, removed from the kernel.
-    pub(super) fn take_call_counts(&mut self, pid: u32) -> BTreeMap<ProbeId, u64> {
-        self.bpf
-            .maps
-            .call_counts
-            .take_process(pid)
-            .into_iter()
-            .filter_map(|(key, total)| Some((ProbeId::from_u32(key.probe)?, total)))
-            .collect()
     }
 
     /// Tells the sink about targets whose launches began or stopped being counted (their
@@ -172,15 +152,20 @@ impl Session {
     }
 }
 
-/// Adds the launches a `TARGETS` entry counted, per launch probe, to `calls` (launch
-/// probes that counted nothing are left out, as probes that never fired are).
-pub(super) fn add_launch_counts(calls: &mut BTreeMap<ProbeId, u64>, entry: Option<&TargetState>) {
+/// Adds the calls a `TARGETS` entry counted, per probe, to `calls` (probes that counted
+/// nothing are left out, as probes that never fired are).
+pub(super) fn add_call_counts(calls: &mut BTreeMap<ProbeId, u64>, entry: Option<&TargetState>) {
     let Some(entry) = entry else {
         return;
     };
     for (probe, &launches) in LAUNCH_PROBES.iter().zip(&entry.launches) {
         if launches > 0 {
             *calls.entry(*probe).or_default() += launches;
+        }
+    }
+    for (probe, &count) in ProbeId::ALL.iter().zip(&entry.calls) {
+        if count > 0 {
+            *calls.entry(*probe).or_default() += count;
         }
     }
 }

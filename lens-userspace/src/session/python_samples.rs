@@ -59,24 +59,22 @@ impl Session {
             return true;
         }
         match python::find_runtime(pid) {
-            Ok(Some(runtime)) => {
-                match self.bpf.maps.python.targets.insert(&pid, &runtime.offsets) {
-                    Ok(()) => {
-                        info!(
-                            "pid {pid} runs CPython {}.{} ({}): sampling its Python stacks",
-                            runtime.version.0,
-                            runtime.version.1,
-                            runtime.path.display()
-                        );
-                        tracker.add_process(pid, runtime.code);
-                        true
-                    }
-                    Err(error) => {
-                        warn!("pid {pid}: cannot sample its Python threads: {error}");
-                        false
-                    }
+            Ok(Some(runtime)) => match self.bpf.maps.python.add_target(pid, &runtime.offsets) {
+                Ok(()) => {
+                    info!(
+                        "pid {pid} runs CPython {}.{} ({}): sampling its Python stacks",
+                        runtime.version.0,
+                        runtime.version.1,
+                        runtime.path.display()
+                    );
+                    tracker.add_process(pid, runtime.code);
+                    true
                 }
-            }
+                Err(error) => {
+                    warn!("pid {pid}: cannot sample its Python threads: {error}");
+                    false
+                }
+            },
             Ok(None) => false,
             Err(error) => {
                 if tracker.refused(pid) {
@@ -95,7 +93,7 @@ impl Session {
         if !tracker.knows(pid) {
             return;
         }
-        self.bpf.maps.python.targets.remove(&pid);
+        self.bpf.maps.python.remove_target(pid);
         let calls = tracker.confirm(0, Some(pid));
         self.deliver_rule_calls(calls, sink);
         if let Some(tracker) = self.python.tracker.as_mut() {
@@ -138,12 +136,7 @@ impl Session {
 
     /// Tells the kernel what `pid`'s framework calls make of it now.
     fn write_saving_bits(&mut self, pid: u32, bits: u8) {
-        let saving = &mut self.bpf.maps.python.saving;
-        if bits != 0 {
-            let _ = saving.insert(&pid, &bits);
-        } else {
-            saving.remove(&pid);
-        }
+        self.bpf.maps.python.set_saving(pid, bits);
     }
 
     /// Load preparations no load followed: their processes load no more.

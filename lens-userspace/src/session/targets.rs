@@ -19,7 +19,7 @@ use crate::{
 };
 
 use super::budget::{launch_total, scale_launches};
-use super::counters::add_launch_counts;
+use super::counters::add_call_counts;
 use super::event_loop::register;
 use super::{Session, Target};
 
@@ -414,16 +414,14 @@ impl Session {
         let Some(target) = self.targets.remove(&pid) else {
             return;
         };
-        // Its launch counters go with its entry: read before it is removed.
-        let launches = self.take_target_entry(pid);
+        // Its call counters go with its entry: read before it is removed.
+        let entry = self.take_target_entry(pid);
         self.forget_python(pid, sink);
         self.read_kernel_counts(&[pid], true, sink);
         self.forget_kernel_counts(pid);
-        let mut calls = self.take_call_counts(pid);
-        add_launch_counts(&mut calls, launches.as_ref());
-        let runtime_driver_hits = launches
-            .as_ref()
-            .map_or(0, |entry| entry.runtime_driver_hits);
+        let mut calls = std::collections::BTreeMap::new();
+        add_call_counts(&mut calls, entry.as_ref());
+        let runtime_driver_hits = entry.as_ref().map_or(0, |entry| entry.runtime_driver_hits);
         let cost = self.probe_cost(&target, &calls, runtime_driver_hits);
         self.forget_kernel_state(pid);
         if let Some(estimate) = self.costs.launch_estimates.remove(&pid) {
