@@ -64,11 +64,26 @@ pub struct KernelKey {
     /// The epoch (low 32 bits of [`TargetState::epoch`]) the launches ran in.
     pub epoch: u32,
     /// The launch's function argument: a host stub address (runtime launches) or a
-    /// `CUfunction` handle (driver launches).
+    /// `CUfunction` handle (driver launches), with [`KernelKey::DRIVER`] set for the
+    /// latter. (16 bytes in all, not 24 with a flag of its own: the key is hashed on every
+    /// launch under `per_step`.)
     pub function: u64,
-    /// 1: `function` is a driver `CUfunction` handle.
-    pub driver: u32,
-    pub _pad: u32,
+}
+
+impl KernelKey {
+    /// The bit of `function` that marks a driver handle: user-space addresses, stubs and
+    /// the driver's heap alike, stay below 2^47.
+    pub const DRIVER: u64 = 1 << 63;
+
+    /// The function argument, without the driver bit.
+    pub const fn function(&self) -> u64 {
+        self.function & !Self::DRIVER
+    }
+
+    /// Whether the function is a driver `CUfunction` handle.
+    pub const fn driver(&self) -> bool {
+        self.function & Self::DRIVER != 0
+    }
 }
 
 /// Where one process maps libcudart: a driver launch whose return address falls in one of

@@ -73,9 +73,11 @@ pub(crate) fn count_launch(
     let key = KernelKey {
         tgid: (pid_tgid >> 32) as u32,
         epoch: epoch as u32,
-        function,
-        driver: driver as u32,
-        _pad: 0,
+        function: if driver {
+            function | KernelKey::DRIVER
+        } else {
+            function
+        },
     };
     if let Some(count) = KERNEL_COUNTS.get_ptr_mut(&key) {
         atomic_add(count, 1);

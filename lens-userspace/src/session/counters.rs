@@ -42,7 +42,7 @@ impl Session {
         for (pid, entries) in new {
             let functions: Vec<(u64, bool)> = entries
                 .iter()
-                .map(|(key, _)| (key.function, key.driver != 0))
+                .map(|(key, _)| (key.function(), key.driver()))
                 .collect();
             let registered = |function: u64| {
                 let key = HandleKey {
