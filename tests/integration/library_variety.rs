@@ -878,3 +878,159 @@ fn node_mode_patches_only_the_processes_its_filter_matches() {
         );
     }
 }
+
+/// A lens-probe that is killed if the test fails before it stops it (in node mode it
+/// would otherwise go on tracing the machine for the rest of the suite).
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// lens-probe's standard error, line by line, from a thread: [`StderrLines::until`]
+/// waits for a line with a deadline instead of blocking on the pipe.
+struct StderrLines {
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: String,
+}
+
+impl StderrLines {
+    fn of(child: &mut Child) -> StderrLines {
+        let stderr = BufReader::new(child.stderr.take().unwrap());
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        StderrLines {
+            lines,
+            seen: String::new(),
+        }
+    }
+
+    /// Waits (2 minutes at most: a loaded machine) for a line containing `needle`.
+    fn until(&mut self, needle: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push_str(&line);
+                    self.seen.push('\n');
+                    if line.contains(needle) {
+                        return;
+                    }
+                }
+                Err(e) => panic!(
+                    "no line with {needle:?} ({e}); lens-probe said:\n{}",
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    /// Everything up to lens-probe's exit (its stderr closed).
+    fn rest(mut self) -> String {
+        self.seen.extend(self.lines.iter().map(|line| line + "\n"));
+        self.seen
+    }
+}
+
+#[test]
+fn node_mode_with_match_plants_breakpoints_in_the_matching_process_only() {
+    if !lens_tests::require_bpf(
+        "node_mode_with_match_plants_breakpoints_in_the_matching_process_only",
+    ) {
+        return;
+    }
+    // Two processes map the same libcudart file; only one's command line has the text
+    // `--match` asks for (its argv[0], as a launcher's script name would).
+    let library = variant("twice").join("libcudart.so.12");
+    let marker = format!("lens-match-{}", std::process::id());
+    let mut matched = waiting_caller_command(&library)
+        .arg0(&marker)
+        .spawn()
+        .unwrap();
+    let mut other = waiting_caller(&library, None);
+    let mut outputs = [wait_ready(&mut matched), wait_ready(&mut other)];
+    let (matched_pid, other_pid) = (matched.id(), other.id());
+    let byte = |pid| entry_byte(pid, &library, "cudaLaunchKernel");
+    assert_eq!((byte(matched_pid), byte(other_pid)), (PUSH_RBP, PUSH_RBP));
+
+    // lens-probe node-wide, as a DaemonSet runs it, with the default console exporter:
+    // each traced process's spans on stderr when it ends.
+    let mut probe = Running(
+        lens_tests::lens_probe_command(LENS_PROBE)
+            .args(["--node", "--match", &marker])
+            .args(["--span-groups", "per_step"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut said = StderrLines::of(&mut probe.0);
+    said.until("watching for new ones");
+    assert!(
+        said.seen
+            .contains("1 training processes running now are traced"),
+        "{}",
+        said.seen
+    );
+    // During: the breakpoint in the matching process alone.
+    assert_eq!(
+        byte(matched_pid),
+        BREAKPOINT,
+        "the matching process is probed: {}",
+        said.seen
+    );
+    assert_eq!(
+        byte(other_pid),
+        PUSH_RBP,
+        "a process --match leaves out, mapping the same file, is not"
+    );
+    // The matching process's calls are seen: its job ends with its three stream syncs.
+    writeln!(matched.stdin.take().unwrap(), "go").unwrap();
+    assert!(matched.wait().unwrap().success());
+    said.until(&format!("[pid {matched_pid}] train.job"));
+    assert_eq!(
+        byte(other_pid),
+        PUSH_RBP,
+        "still not, while lens-probe runs"
+    );
+    // SAFETY: our own child.
+    unsafe { libc::kill(probe.0.id() as i32, libc::SIGINT) };
+    assert!(probe.0.wait().unwrap().success());
+    let said = said.rest();
+    let syncs = said
+        .lines()
+        .filter(|l| l.contains(&format!("[pid {matched_pid}]")))
+        .filter(|l| l.contains("cuda.stream_synchronize"))
+        .count();
+    assert_eq!(syncs, 3, "{said}");
+    assert!(
+        !said.contains(&format!("[pid {other_pid}]")),
+        "the other process was traced: {said}"
+    );
+    assert!(said.contains("no events lost"), "{said}");
+
+    // After lens-probe has exited: the other process never had the breakpoint, and runs
+    // its calls as it would untraced.
+    assert_eq!(byte(other_pid), PUSH_RBP);
+    writeln!(other.stdin.take().unwrap(), "go").unwrap();
+    assert!(other.wait().unwrap().success());
+    for output in &mut outputs {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(output, &mut rest).unwrap();
+        assert!(
+            rest.contains(&format!("cudaLaunchKernel {CALLS}")),
+            "{rest}"
+        );
+    }
+}

@@ -515,6 +515,48 @@ mod tests {
     }
 
     #[test]
+    fn hammer_fork_runs_the_loop_in_a_child_that_never_execs() {
+        let out = Command::new(hammer())
+            .args(["launch", "3"])
+            .env("HAMMER_FORK", "1")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).split(" in ").next(),
+            Some("hammer: launch 3 calls"),
+            "{out:?}"
+        );
+        // `wait`: each step waits for a line; all three given at once, the parent must
+        // leave the child's two in the pipe.
+        let mut child = Command::new(hammer())
+            .args(["launch", "3"])
+            .env("HAMMER_FORK", "wait")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(child.stdin.as_mut().unwrap(), b"\n\n\n").unwrap();
+        let parent = child.id();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(lines.len(), 3, "{stdout}");
+        let pid = |line: &str, what: &str| -> u32 {
+            line.strip_prefix(what)
+                .and_then(|p| p.parse().ok())
+                .unwrap_or_else(|| panic!("{stdout}"))
+        };
+        assert_eq!(pid(lines[0], "hammer: parent pid "), parent);
+        assert_ne!(pid(lines[1], "hammer: child pid "), parent);
+        assert!(
+            lines[2].starts_with("hammer: launch 3 calls in "),
+            "{stdout}"
+        );
+    }
+
+    #[test]
     fn trainer_uses_fake_libs_next_to_it() {
         let dyn_section = run_tool("readelf", &["-d", trainer().to_str().unwrap()]);
         for needed in ["[libcudart.so.12]", "[libnccl.so.2]", "[$ORIGIN]"] {
