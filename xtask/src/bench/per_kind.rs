@@ -585,20 +585,7 @@ impl PerKindBlock {
                 met(r),
             ));
         }
-        let tracer_cpu: Vec<f64> = k
-            .runs(Variant::Lens)
-            .iter()
-            .filter_map(|r| r.tracer_cpu_s)
-            .collect();
-        rows.push(super::report::row(
-            "  lens-probe's own CPU over its whole run (every thread, start-up included; \
-             on the other CPU)",
-            &tracer_cpu,
-            ns,
-            None,
-            "",
-            Met::NoTarget,
-        ));
+        rows.push(tracer_cpu_row(k));
         rows
     }
 
@@ -640,6 +627,24 @@ impl PerKindBlock {
         }
         n
     }
+}
+
+/// lens-probe's own CPU over a kind's traced runs.
+fn tracer_cpu_row(k: &KindRuns) -> Row {
+    let tracer_cpu: Vec<f64> = k
+        .runs(Variant::Lens)
+        .iter()
+        .filter_map(|r| r.tracer_cpu_s)
+        .collect();
+    super::report::row(
+        "  lens-probe's own CPU over its whole run (every thread, start-up included; on the \
+         other CPU)",
+        &tracer_cpu,
+        ns,
+        None,
+        "",
+        Met::NoTarget,
+    )
 }
 
 #[cfg(test)]
