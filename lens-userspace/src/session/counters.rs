@@ -1,83 +1,14 @@
-//! The probes' call counters and per-GPU-kernel launch counters, read into the sink
-//! periodically and when a process ends.
-use std::collections::{BTreeMap, HashMap};
+//! The probes' call counters, read into the sink periodically and when a process ends,
+//! and what they cost the targets.
+use std::collections::BTreeMap;
 
-use lens_common::{HandleKey, KernelKey, LAUNCH_PROBES, ProbeId, TargetState};
+use lens_common::{LAUNCH_PROBES, ProbeId, TargetState};
 
-use crate::{
-    gpu_kernels::{KernelLaunches, KernelNames},
-    sink::EventSink,
-};
+use crate::sink::EventSink;
 
 use super::{Session, Target};
 
 impl Session {
-    /// Reads the per-kernel launch counters of `pids` (all of them with `all`, for a
-    /// process that ended) and hands what is new to the sink, named. Counters of epochs
-    /// older than the newest mark seen are complete: they are removed once read.
-    pub(super) fn read_kernel_counts(&mut self, pids: &[u32], all: bool, sink: &mut dyn EventSink) {
-        let Some(kernels) = self.kernels.as_mut() else {
-            return;
-        };
-        let counts = &mut self.bpf.maps.launches.kernel_counts;
-        let mut new: HashMap<u32, Vec<(KernelKey, u64)>> = HashMap::new();
-        for key in counts.keys_of(|pid| pids.contains(&pid)) {
-            let Some(value) = counts.get(&key) else {
-                continue;
-            };
-            let seen = kernels.seen.entry(key).or_default();
-            let delta = value.saturating_sub(*seen);
-            *seen = value;
-            let newest = kernels.epochs.get(&key.tgid).copied().unwrap_or(0);
-            if all || u64::from(key.epoch) < newest {
-                counts.remove(&key);
-                kernels.seen.remove(&key);
-            }
-            if delta > 0 {
-                new.entry(key.tgid).or_default().push((key, delta));
-            }
-        }
-        // Stubs without a symbol are named as their module registered them.
-        let registry = &self.bpf.maps.launches.kernel_registry;
-        for (pid, entries) in new {
-            let functions: Vec<(u64, bool)> = entries
-                .iter()
-                .map(|(key, _)| (key.function(), key.driver()))
-                .collect();
-            let registered = |function: u64| {
-                let key = HandleKey {
-                    tgid: pid,
-                    _pad: 0,
-                    handle: function,
-                };
-                registry.get(&key)
-            };
-            let names = kernels.names.resolve(pid, &functions, &registered);
-            let launches: Vec<KernelLaunches> = entries
-                .iter()
-                .zip(names)
-                .map(|((key, launches), name)| KernelLaunches {
-                    epoch: key.epoch.into(),
-                    name,
-                    launches: *launches,
-                })
-                .collect();
-            sink.on_kernel_launches(pid, &launches);
-        }
-    }
-
-    /// Forgets `pid`'s per-kernel counters (it ended, or runs a new program whose
-    /// epochs start over), in the kernel and here.
-    pub(super) fn forget_kernel_counts(&mut self, pid: u32) {
-        if let Some(kernels) = self.kernels.as_mut() {
-            kernels.seen.retain(|key, _| key.tgid != pid);
-            kernels.epochs.remove(&pid);
-            kernels.launches_read.remove(&pid);
-            kernels.names.forget(pid);
-        }
-        self.bpf.maps.launches.kernel_counts.forget(pid);
-    }
-
     /// What `calls` cost a target, and each of its `runtime_driver_hits` (driver launches
     /// left out as the runtime's own: an entry hit, not a call), as estimated from the hit
     /// costs measured at start-up.
@@ -168,20 +99,4 @@ pub(super) fn add_call_counts(calls: &mut BTreeMap<ProbeId, u64>, entry: Option<
             *calls.entry(*probe).or_default() += count;
         }
     }
-}
-
-/// The per-kernel launch counters as read so far.
-#[derive(Default)]
-pub(super) struct KernelCounters {
-    pub(super) names: KernelNames,
-    /// Each counter's value at the last read.
-    pub(super) seen: HashMap<KernelKey, u64>,
-    /// The newest epoch each process's phase marks opened: counters of older epochs are
-    /// complete and are removed once read.
-    pub(super) epochs: HashMap<u32, u64>,
-    /// Each process's launch total as the newest mark read carried it: a batch of marks
-    /// that carry no more launches has nothing new to read, and the read is skipped
-    /// (walking even an empty hash map visits every bucket: it was a tenth of
-    /// lens-probe's CPU on a CPU-only loop).
-    pub(super) launches_read: HashMap<u32, u64>,
 }

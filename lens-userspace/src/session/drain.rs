@@ -19,46 +19,9 @@ impl Session {
             if batch.is_empty() {
                 return;
             }
-            // Phase marks may close steps: their kernels are read first (every launch
-            // before the marks has been counted by now).
+            // Phase marks may close steps: their kernels are read first.
             if let Some(kernels) = self.kernels.as_mut() {
-                let mut marked = Vec::new();
-                for event in probe_events(&batch) {
-                    if let ProbeEvent::Phase {
-                        tgid,
-                        epoch,
-                        launches,
-                        ..
-                    }
-                    | ProbeEvent::RuleCall {
-                        tgid,
-                        epoch,
-                        launches,
-                        ..
-                    }
-                    | ProbeEvent::PyStack {
-                        tgid,
-                        epoch,
-                        launches,
-                        ..
-                    } = event
-                    {
-                        let newest = kernels.epochs.entry(*tgid).or_default();
-                        *newest = (*newest).max(*epoch);
-                        // Marks carry the launch total: none since the last read, nothing
-                        // new to read.
-                        let read = kernels.launches_read.entry(*tgid).or_default();
-                        if *launches > *read {
-                            *read = *launches;
-                            if !marked.contains(tgid) {
-                                marked.push(*tgid);
-                            }
-                        }
-                    }
-                }
-                if !marked.is_empty() {
-                    self.read_kernel_counts(&marked, false, sink);
-                }
+                kernels.on_batch(probe_events(&batch), &mut self.bpf.maps.launches, sink);
             }
             self.hold_candidates(&batch);
             for decoded in batch {

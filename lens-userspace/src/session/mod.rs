@@ -43,15 +43,16 @@ mod drain;
 mod event_loop;
 mod framework_saves;
 mod hang_checks;
+mod kernel_counters;
 mod node;
 mod python_samples;
 mod target_maps;
 mod targets;
 
 use budget::LaunchEstimate;
-use counters::KernelCounters;
 use event_loop::EventLoopPriority;
 use framework_saves::FrameworkSaves;
+use kernel_counters::KernelCounters;
 
 pub use crate::bpf::KernelState;
 

@@ -417,7 +417,9 @@ impl Session {
         // Its call counters go with its entry: read before it is removed.
         let entry = self.take_target_entry(pid);
         self.forget_python(pid, sink);
-        self.read_kernel_counts(&[pid], true, sink);
+        if let Some(kernels) = self.kernels.as_mut() {
+            kernels.read(&[pid], true, &mut self.bpf.maps.launches, sink);
+        }
         self.forget_kernel_counts(pid);
         let mut calls = std::collections::BTreeMap::new();
         add_call_counts(&mut calls, entry.as_ref());
@@ -444,5 +446,16 @@ impl Session {
         self.report_hangs(ended, sink);
         sink.on_probe_cost(pid, cost);
         sink.on_process_end(&ProcessEnd { pid, calls, exit });
+    }
+}
+
+impl Session {
+    /// Forgets `pid`'s per-kernel counters (it ended, or runs a new program whose
+    /// kernels are new), in the kernel and in the component that reads them. (Without the
+    /// `step` group the probes count none.)
+    fn forget_kernel_counts(&mut self, pid: u32) {
+        if let Some(kernels) = self.kernels.as_mut() {
+            kernels.forget(pid, &mut self.bpf.maps.launches);
+        }
     }
 }
