@@ -41,16 +41,21 @@ fn top_kernels(step: &lens_probe::spans::SpanRecord) -> Vec<(String, i64)> {
         .collect()
 }
 
-/// `trainer_torch 3 2 0 0` with `kernels` (its env switch), traced with `per_step` from
-/// its start.
-fn trace_trainer(kernels: &str) -> (SpanLog, Summary, KernelState) {
-    let mut session = Session::new(TraceOptions {
+/// A session tracing with `per_step`.
+fn per_step_session() -> Session {
+    Session::new(TraceOptions {
         span_groups: "per_step".parse::<SpanGroups>().unwrap(),
         kernel_logs: false,
         overhead_budget: None,
         uprobe_links: Default::default(),
     })
-    .unwrap();
+    .unwrap()
+}
+
+/// `trainer_torch 3 2 0 0` with `kernels` (its env switch), traced with `per_step` from
+/// its start.
+fn trace_trainer(kernels: &str) -> (SpanLog, Summary, KernelState) {
+    let mut session = per_step_session();
     let argv: Vec<OsString> = vec![
         "env".into(),
         kernels.into(),
@@ -250,13 +255,7 @@ fn runtime_and_direct_driver_launches_interleaved_on_two_threads_count_once_each
     // there), at once: a thread's note of its runtime launch must neither be taken by the
     // other thread's direct launch nor outlive its own driver call.
     const PER_THREAD: u64 = 20_000;
-    let mut session = Session::new(TraceOptions {
-        span_groups: "per_step".parse::<SpanGroups>().unwrap(),
-        kernel_logs: false,
-        overhead_budget: None,
-        uprobe_links: Default::default(),
-    })
-    .unwrap();
+    let mut session = per_step_session();
     let argv: Vec<OsString> = vec![
         lens_tests::hammer().into_os_string(),
         "mixed".into(),

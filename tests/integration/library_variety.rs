@@ -567,6 +567,20 @@ fn waiting_caller_command(library: &Path) -> Command {
     command
 }
 
+/// Two waiting callers of `library`: `matched` (a filter's match) and one without it,
+/// ready, their entry bytes checked unpatched.
+fn matched_and_other(
+    library: &Path,
+    matched: &mut Command,
+) -> (Child, Child, [BufReader<std::process::ChildStdout>; 2]) {
+    let mut matched = matched.spawn().unwrap();
+    let mut other = waiting_caller(library, None);
+    let outputs = [wait_ready(&mut matched), wait_ready(&mut other)];
+    let byte = |pid| entry_byte(pid, library, "cudaLaunchKernel");
+    assert_eq!((byte(matched.id()), byte(other.id())), (PUSH_RBP, PUSH_RBP));
+    (matched, other, outputs)
+}
+
 /// Reads the caller's "ready" (its library is open).
 fn wait_ready(child: &mut Child) -> BufReader<std::process::ChildStdout> {
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
@@ -837,15 +851,12 @@ fn node_mode_patches_only_the_processes_its_filter_matches() {
     // Two processes map the same libcudart file; one has the variable the filter asks for.
     let library = variant("twice").join("libcudart.so.12");
     let marker = format!("match-{}", std::process::id());
-    let mut matched = waiting_caller_command(&library)
-        .env("LENS_MATCH_TEST", &marker)
-        .spawn()
-        .unwrap();
-    let mut other = waiting_caller(&library, None);
-    let mut outputs = [wait_ready(&mut matched), wait_ready(&mut other)];
+    let (mut matched, mut other, mut outputs) = matched_and_other(
+        &library,
+        waiting_caller_command(&library).env("LENS_MATCH_TEST", &marker),
+    );
     let (matched_pid, other_pid) = (matched.id(), other.id());
     let byte = |pid| entry_byte(pid, &library, "cudaLaunchKernel");
-    assert_eq!((byte(matched_pid), byte(other_pid)), (PUSH_RBP, PUSH_RBP));
 
     let mut session = Session::new(options()).unwrap();
     let running = session
@@ -955,15 +966,10 @@ fn node_mode_with_match_plants_breakpoints_in_the_matching_process_only() {
     // `--match` asks for (its argv[0], as a launcher's script name would).
     let library = variant("twice").join("libcudart.so.12");
     let marker = format!("lens-match-{}", std::process::id());
-    let mut matched = waiting_caller_command(&library)
-        .arg0(&marker)
-        .spawn()
-        .unwrap();
-    let mut other = waiting_caller(&library, None);
-    let mut outputs = [wait_ready(&mut matched), wait_ready(&mut other)];
+    let (mut matched, mut other, mut outputs) =
+        matched_and_other(&library, waiting_caller_command(&library).arg0(&marker));
     let (matched_pid, other_pid) = (matched.id(), other.id());
     let byte = |pid| entry_byte(pid, &library, "cudaLaunchKernel");
-    assert_eq!((byte(matched_pid), byte(other_pid)), (PUSH_RBP, PUSH_RBP));
 
     // lens-probe node-wide, as a DaemonSet runs it, with the default console exporter:
     // each traced process's spans on stderr when it ends.
