@@ -190,63 +190,6 @@ impl ProbeId {
 }
 
 numbered! {
-    /// What a ring buffer record describes: each kind has a body of its own
-    /// ([`record`](crate::record)), named beside it.
-    pub enum EventKind {
-        /// An NCCL collective or point-to-point call, entry to return
-        /// ([`CollectiveCall`](crate::record::CollectiveCall)).
-        Collective = 1,
-        /// A call seen at its entry, arguments not decoded: gloo's collectives
-        /// ([`TimedCall`](crate::record::TimedCall)).
-        TimedCall = 2,
-        /// A CUDA synchronisation call, entry to return
-        /// ([`SyncCall`](crate::record::SyncCall)).
-        SyncWait = 3,
-        /// `ncclCommInitRank`, entry to return: communicator handle, rank, size, id hash
-        /// ([`CommInitCall`](crate::record::CommInitCall)).
-        CommInit = 4,
-        /// The first successful `cudaEventQuery` of an event recorded after a collective,
-        /// entry to return ([`EventQuery`](crate::record::EventQuery)). Every other event
-        /// call is only counted.
-        EventQueried = 5,
-        /// `ncclGroupStart` / `ncclGroupEnd`, entry only
-        /// ([`GroupCall`](crate::record::GroupCall)).
-        Group = 6,
-        /// `cudaEventRecord` binding an event to the collectives on a stream, or
-        /// unbinding a re-recorded one ([`EventRecord`](crate::record::EventRecord)).
-        EventRecorded = 7,
-        /// Entry of a function that marks a training phase boundary: torch scope exit,
-        /// backward, grad mode, checkpoint files ([`PhaseEntry`](crate::record::PhaseEntry)).
-        /// Sent at once, like every mark, so the phases a later event falls in are
-        /// already known when it arrives.
-        PhaseEntry = 8,
-        /// Return of a phase-marking function ([`PhaseReturn`](crate::record::PhaseReturn)).
-        PhaseReturn = 9,
-        /// A torch `record_function` scope entered, with its name
-        /// ([`ScopeEnter`](crate::record::ScopeEnter)).
-        ScopeEnter = 10,
-        /// Entry of a function a configured probe rule names, with the first six integer
-        /// arguments and the string the rule reads ([`RuleEntry`](crate::record::RuleEntry)).
-        RuleEntry = 11,
-        /// Return of such a function ([`RuleReturn`](crate::record::RuleReturn)).
-        RuleReturn = 12,
-        /// A Python thread's frame stack changed between two samples
-        /// ([`PyStack`](crate::record::PyStack)).
-        PyStack = 13,
-        /// The target's set of loaded objects changed: rescan its mappings
-        /// ([`LinkMapChange`](crate::record::LinkMapChange)).
-        LinkMapChanged = 14,
-        /// A traced process forked a new process, already traced
-        /// ([`Fork`](crate::record::Fork)).
-        ProcessForked = 15,
-        /// A process replaced its program (`execve`) ([`Exec`](crate::record::Exec)).
-        ProcessExec = 16,
-        /// A traced process exited, with its wait status ([`Exit`](crate::record::Exit)).
-        ProcessExit = 17,
-    }
-}
-
-numbered! {
     /// Why the kernel side could not do its job; indexes of the `LOSSES` per-CPU array.
     pub enum LossCause {
         /// The ring buffer had no room: an event was dropped.

@@ -4,10 +4,11 @@
 //! ring buffer, the user side reads the same bytes back. One definition, two worlds.
 #![no_std]
 
+#[macro_use]
 mod ids;
 pub mod record;
-pub use ids::{EventKind, LossCause, NcclArgs, ProbeId};
-pub use record::{Body, NONE_I32, Record, RecordHeader};
+pub use ids::{LossCause, NcclArgs, ProbeId};
+pub use record::{Body, EventKind, NONE_I32, Record, RecordHeader};
 
 /// Room for a torch scope name (or a rule's string argument) in a record: enough for torch's own scope names
 /// (`enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__` is 61 bytes).

@@ -6,7 +6,64 @@
 //! The kind is fixed by the body's type ([`Body::KIND`]): [`Record::new`] writes it, and
 //! the decoder reads the header first and then the body the kind names.
 
-use crate::{EventKind, PY_MAX_DEPTH, RULE_ARGS, SCOPE_NAME_BYTES};
+use crate::{PY_MAX_DEPTH, RULE_ARGS, SCOPE_NAME_BYTES};
+
+numbered! {
+    /// What a ring buffer record describes: each kind has a body of its own, defined
+    /// below, beside it.
+    pub enum EventKind {
+        /// An NCCL collective or point-to-point call, entry to return
+        /// ([`CollectiveCall`]).
+        Collective = 1,
+        /// A call seen at its entry, arguments not decoded: gloo's collectives
+        /// ([`TimedCall`]).
+        TimedCall = 2,
+        /// A CUDA synchronisation call, entry to return
+        /// ([`SyncCall`]).
+        SyncWait = 3,
+        /// `ncclCommInitRank`, entry to return: communicator handle, rank, size, id hash
+        /// ([`CommInitCall`]).
+        CommInit = 4,
+        /// The first successful `cudaEventQuery` of an event recorded after a collective,
+        /// entry to return ([`EventQuery`]). Every other event
+        /// call is only counted.
+        EventQueried = 5,
+        /// `ncclGroupStart` / `ncclGroupEnd`, entry only
+        /// ([`GroupCall`]).
+        Group = 6,
+        /// `cudaEventRecord` binding an event to the collectives on a stream, or
+        /// unbinding a re-recorded one ([`EventRecord`]).
+        EventRecorded = 7,
+        /// Entry of a function that marks a training phase boundary: torch scope exit,
+        /// backward, grad mode, checkpoint files ([`PhaseEntry`]).
+        /// Sent at once, like every mark, so the phases a later event falls in are
+        /// already known when it arrives.
+        PhaseEntry = 8,
+        /// Return of a phase-marking function ([`PhaseReturn`]).
+        PhaseReturn = 9,
+        /// A torch `record_function` scope entered, with its name
+        /// ([`ScopeEnter`]).
+        ScopeEnter = 10,
+        /// Entry of a function a configured probe rule names, with the first six integer
+        /// arguments and the string the rule reads ([`RuleEntry`]).
+        RuleEntry = 11,
+        /// Return of such a function ([`RuleReturn`]).
+        RuleReturn = 12,
+        /// A Python thread's frame stack changed between two samples
+        /// ([`PyStack`]).
+        PyStack = 13,
+        /// The target's set of loaded objects changed: rescan its mappings
+        /// ([`LinkMapChange`]).
+        LinkMapChanged = 14,
+        /// A traced process forked a new process, already traced
+        /// ([`Fork`]).
+        ProcessForked = 15,
+        /// A process replaced its program (`execve`) ([`Exec`]).
+        ProcessExec = 16,
+        /// A traced process exited, with its wait status ([`Exit`]).
+        ProcessExit = 17,
+    }
+}
 
 /// What every record starts with.
 #[repr(C)]
