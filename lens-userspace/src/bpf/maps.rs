@@ -166,6 +166,46 @@ impl InflightMaps {
     fn len(&self) -> usize {
         self.collectives.len() + self.syncs.len() + self.comm_inits.len() + self.queries.len()
     }
+
+    /// Every call in flight now, of every kind: its thread and probe, when it began, and a
+    /// collective's entry record (its communicator and payload).
+    pub fn calls(&self) -> Vec<CallInFlight> {
+        let other = |key, start_ns| CallInFlight {
+            key,
+            start_ns,
+            collective: None,
+        };
+        let mut calls: Vec<CallInFlight> = (self.collectives.calls().into_iter())
+            .map(|(key, entry)| CallInFlight {
+                key,
+                start_ns: entry.body.times.start_ns,
+                collective: Some(entry.body),
+            })
+            .collect();
+        calls.extend(
+            (self.syncs.calls().into_iter())
+                .map(|(key, entry)| other(key, entry.body.times.start_ns)),
+        );
+        calls.extend(
+            (self.comm_inits.calls().into_iter())
+                .map(|(key, entry)| other(key, entry.body.times.start_ns)),
+        );
+        calls.extend(
+            (self.queries.calls().into_iter())
+                .map(|(key, entry)| other(key, entry.body.times.start_ns)),
+        );
+        calls
+    }
+}
+
+/// A call a thread is in (its entry seen, its return not yet).
+#[derive(Clone, Copy, Debug)]
+pub struct CallInFlight {
+    pub key: InflightKey,
+    /// `CLOCK_MONOTONIC` ns at entry.
+    pub start_ns: u64,
+    /// A collective's entry record; `None` for the other kinds.
+    pub collective: Option<CollectiveCall>,
 }
 
 /// `LOSSES`: events the probes could not produce, per cause and CPU. Written by the
