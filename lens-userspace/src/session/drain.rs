@@ -28,20 +28,13 @@ impl Session {
                 match decoded {
                     Ok(Decoded::Control(control)) => self.on_control(control, sink),
                     Ok(Decoded::Probe(sample @ ProbeEvent::PyStack { .. })) => {
-                        if let Some(tracker) = self.python.tracker.as_mut() {
-                            let calls = tracker.on_sample(&sample);
-                            self.deliver_rule_calls(calls, sink);
-                        }
+                        self.python
+                            .on_sample(&sample, &mut self.bpf.maps.python, sink);
                     }
                     Ok(Decoded::Probe(mut event)) => {
                         self.hangs.observe(&mut event);
-                        if let (Some(tracker), Some((tgid, tid, at))) =
-                            (self.python.tracker.as_mut(), event.thread_start())
-                        {
-                            let calls = tracker.settle_framework_calls(tgid, tid, at);
-                            self.deliver_rule_calls(calls, sink);
-                        }
-                        self.name_python_caller(&mut event);
+                        self.python
+                            .on_event(&mut event, &mut self.bpf.maps.python, sink);
                         sink.on_event(&event);
                     }
                     Err(error) => {
@@ -54,10 +47,8 @@ impl Session {
             for pid in self.stops.held_candidates.drain() {
                 target::resume(pid);
             }
-            if let Some(tracker) = self.python.tracker.as_mut() {
-                let calls = tracker.confirm(crate::spans::monotonic_now_ns(), None);
-                self.deliver_rule_calls(calls, sink);
-            }
+            let now = crate::spans::monotonic_now_ns();
+            self.python.confirm(now, &mut self.bpf.maps.python, sink);
         }
     }
 

@@ -148,7 +148,7 @@ impl Session {
             _ = ticks.drain.tick() => {
                 self.drain(ring.get_mut(), sink);
                 self.print_attach_status();
-                self.expire_armed_loads();
+                self.python.expire_armed_loads(&mut self.bpf.maps.python);
             }
             // Under a budget its tick reads the counters (and scales the launches).
             _ = ticks.counts.tick(), if self.costs.budget.is_none() => {

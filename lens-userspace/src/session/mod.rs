@@ -45,14 +45,14 @@ mod framework_saves;
 mod hang_checks;
 mod kernel_counters;
 mod node;
-mod python_samples;
+mod python_frames;
 mod target_maps;
 mod targets;
 
 use budget::LaunchEstimate;
 use event_loop::EventLoopPriority;
-use framework_saves::FrameworkSaves;
 use kernel_counters::KernelCounters;
+use python_frames::PythonFrames;
 
 pub use crate::bpf::KernelState;
 
@@ -135,7 +135,7 @@ pub struct Session {
     /// Targets stopped at a library load, and who lets them go.
     stops: LoadStops,
     /// Python stacks and the framework calls read from them.
-    python: PythonState,
+    python: PythonFrames,
     /// Launches are counted per kernel (the `step` group is on): the names, and what
     /// was read of each counter so far.
     kernels: Option<KernelCounters>,
@@ -205,15 +205,6 @@ struct LoadStops {
     late_warned: HashSet<u32>,
     /// Node mode: candidates paused until they are attached (`hold_candidates`).
     held_candidates: HashSet<u32>,
-}
-
-/// Python stacks and what the session makes of framework calls.
-#[derive(Default)]
-struct PythonState {
-    /// Python rules: their sampled stacks become rule calls (`python`).
-    tracker: Option<PythonTracker>,
-    /// Which processes are inside a framework save or load (what `PY_SAVING` says).
-    saves: FrameworkSaves,
 }
 
 impl Session {
@@ -297,7 +288,7 @@ impl Session {
                 late_warned: HashSet::new(),
                 held_candidates: HashSet::new(),
             },
-            python: PythonState::default(),
+            python: PythonFrames::default(),
             // Launches per kernel, for the steps' top kernels: only when steps are on
             // (off, the launch probes skip that map update).
             kernels: kernel_names.then(KernelCounters::default),
@@ -337,6 +328,11 @@ impl Session {
         }
     }
 
+    /// Python rules that no traced process called, one line each (after a run).
+    pub fn unmatched_python_rules(&self) -> Vec<String> {
+        self.python.unmatched_rules()
+    }
+
     pub fn attacher(&self) -> &Attacher {
         &self.probes.attacher
     }
@@ -356,7 +352,7 @@ impl Session {
         }
         let tracker_rules_configured = python.iter().any(|rule| !rule.framework);
         match python::sampler::start(&mut self.bpf.programs) {
-            Ok(()) => self.python.tracker = Some(PythonTracker::new(python)),
+            Ok(()) => self.python.start(PythonTracker::new(python)),
             Err(error) if tracker_rules_configured => {
                 warn!("Python rules: cannot start the sampler: {error}")
             }

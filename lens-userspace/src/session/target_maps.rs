@@ -63,7 +63,7 @@ impl Session {
     /// Drops what the kernel keeps for `pid` besides its `TARGETS` entry and call counters
     /// (taken by the caller).
     pub(super) fn forget_kernel_state(&mut self, pid: u32) {
-        self.python.saves.forget(pid);
+        self.python.forget_saves(pid);
         self.bpf.maps.forget_process(pid);
     }
 

@@ -10,7 +10,7 @@ use crate::{
     discovery::{self},
     error::{LensError, Result},
     probes::attach::{self},
-    python::{self, PythonTracker},
+    python,
     sink::{EventSink, ProcessEnd},
     sys::{
         library::{self, LibraryKind, MappedLibrary},
@@ -118,11 +118,7 @@ impl Session {
     pub(super) fn traceable(&self, pid: u32, libraries: &[MappedLibrary]) -> bool {
         discovery::maps_training_library(libraries)
             || libraries.iter().any(|l| l.kind == LibraryKind::Configured)
-            || (self
-                .python
-                .tracker
-                .as_ref()
-                .is_some_and(PythonTracker::has_configured)
+            || (self.python.has_configured_rules()
                 && matches!(python::find_runtime(pid), Ok(Some(_))))
     }
 
@@ -143,7 +139,7 @@ impl Session {
                 .attach_library(&mut self.bpf.programs, pid, library, &self.groups);
         }
         self.set_runtime_ranges(pid, libraries);
-        self.sample_python(pid);
+        self.python.sample(pid, &mut self.bpf.maps.python);
         self.probe_file_creation(pid, libraries);
         self.set_target(pid, 0)?;
         // Before `run` the exit watch starts there; during it, here.
@@ -278,7 +274,7 @@ impl Session {
         // A fork handled before its exec (torchrun's python starting a worker) was given
         // its parent's interpreter: the new program's is elsewhere (another load
         // address), found again at its library loads.
-        self.forget_python(pid, sink);
+        self.python.forget(pid, &mut self.bpf.maps.python, sink);
         // Its libraries are new, its kernels too. (Its launch total and epochs run on from
         // the old program's: spans take differences between marks, and the kernel keeps
         // counting without a moment in which a launch could be missed.)
@@ -301,7 +297,7 @@ impl Session {
             } else {
                 // A program with the interpreter inside (a static python) maps it now;
                 // a libpython is found at the library loads that follow.
-                self.sample_python(pid);
+                self.python.sample(pid, &mut self.bpf.maps.python);
             }
         }
     }
@@ -397,7 +393,7 @@ impl Session {
                     }
                 }
                 self.set_runtime_ranges(pid, &libraries);
-                self.sample_python(pid);
+                self.python.sample(pid, &mut self.bpf.maps.python);
                 self.probe_file_creation(pid, &libraries);
             }
             Err(error) => info!("pid {pid}: {error}"),
@@ -416,7 +412,7 @@ impl Session {
         };
         // Its call counters go with its entry: read before it is removed.
         let entry = self.take_target_entry(pid);
-        self.forget_python(pid, sink);
+        self.python.forget(pid, &mut self.bpf.maps.python, sink);
         if let Some(kernels) = self.kernels.as_mut() {
             kernels.read(&[pid], true, &mut self.bpf.maps.launches, sink);
         }

@@ -1,0 +1,203 @@
+//! Python frames, as a component: the stack tracker (Python rules: sampled stacks become
+//! rule calls, and the Python caller of a probed call is named) and which processes are
+//! inside a framework save or load. It owns both; the kernel's side (`PY_TARGETS`,
+//! `PY_SAVING`) comes in through [`PythonMaps`], which it keeps in step with them.
+use log::{info, warn};
+
+use crate::{
+    bpf::maps::PythonMaps,
+    events::{ProbeEvent, PythonCaller},
+    python::{self, PythonTracker},
+    sink::EventSink,
+};
+
+use super::framework_saves::{FrameworkRole, FrameworkSaves};
+
+/// Python stacks and what the session makes of framework calls.
+#[derive(Default)]
+pub(super) struct PythonFrames {
+    /// Python rules: their sampled stacks become rule calls (`python`); none while no
+    /// rule is configured or the sampler could not start.
+    tracker: Option<PythonTracker>,
+    /// Which processes are inside a framework save or load (what `PY_SAVING` says).
+    saves: FrameworkSaves,
+}
+
+impl PythonFrames {
+    /// Python stacks are sampled from now on, for `tracker`'s rules.
+    pub(super) fn start(&mut self, tracker: PythonTracker) {
+        self.tracker = Some(tracker);
+    }
+
+    /// Whether rules of the user's own (not only the built-in framework ones) are
+    /// sampled for: a process running CPython is then worth tracing by itself.
+    pub(super) fn has_configured_rules(&self) -> bool {
+        self.tracker
+            .as_ref()
+            .is_some_and(PythonTracker::has_configured)
+    }
+
+    /// Python rules that no traced process called, one line each (after a run).
+    pub(super) fn unmatched_rules(&self) -> Vec<String> {
+        self.tracker
+            .as_ref()
+            .map_or_else(Vec::new, PythonTracker::unmatched)
+    }
+
+    /// Samples `pid`'s Python threads if it runs a CPython and Python rules exist.
+    /// Returns whether it does.
+    pub(super) fn sample(&mut self, pid: u32, maps: &mut PythonMaps) -> bool {
+        let Some(tracker) = self.tracker.as_mut() else {
+            return false;
+        };
+        if tracker.knows(pid) {
+            return true;
+        }
+        match python::find_runtime(pid) {
+            Ok(Some(runtime)) => match maps.add_target(pid, &runtime.offsets) {
+                Ok(()) => {
+                    info!(
+                        "pid {pid} runs CPython {}.{} ({}): sampling its Python stacks",
+                        runtime.version.0,
+                        runtime.version.1,
+                        runtime.path.display()
+                    );
+                    tracker.add_process(pid, runtime.code);
+                    true
+                }
+                Err(error) => {
+                    warn!("pid {pid}: cannot sample its Python threads: {error}");
+                    false
+                }
+            },
+            Ok(None) => false,
+            Err(error) => {
+                if tracker.refused(pid) {
+                    warn!("pid {pid}: Python rules not traced there: {error}");
+                }
+                false
+            }
+        }
+    }
+
+    /// Stops sampling `pid`'s Python threads; the calls they were in end now.
+    pub(super) fn forget(&mut self, pid: u32, maps: &mut PythonMaps, sink: &mut dyn EventSink) {
+        let Some(tracker) = self.tracker.as_mut() else {
+            return;
+        };
+        if !tracker.knows(pid) {
+            return;
+        }
+        maps.remove_target(pid);
+        let calls = tracker.confirm(0, Some(pid));
+        self.deliver(calls, maps, sink);
+        if let Some(tracker) = self.tracker.as_mut() {
+            tracker.forget(pid);
+        }
+    }
+
+    /// `pid` saves and loads nothing any more (it ended, or its entries in the kernel go).
+    pub(super) fn forget_saves(&mut self, pid: u32) {
+        self.saves.forget(pid);
+    }
+
+    /// A stack sample: the rule calls it opens or closes go to `sink`.
+    pub(super) fn on_sample(
+        &mut self,
+        sample: &ProbeEvent,
+        maps: &mut PythonMaps,
+        sink: &mut dyn EventSink,
+    ) {
+        if let Some(tracker) = self.tracker.as_mut() {
+            let calls = tracker.on_sample(sample);
+            self.deliver(calls, maps, sink);
+        }
+    }
+
+    /// Any other event: a call that begins on a thread settles the framework calls the
+    /// thread's samples left open, and a collective or sync has its Python caller named,
+    /// in the event itself, before any sink sees it.
+    pub(super) fn on_event(
+        &mut self,
+        event: &mut ProbeEvent,
+        maps: &mut PythonMaps,
+        sink: &mut dyn EventSink,
+    ) {
+        if let (Some(tracker), Some((tgid, tid, at))) =
+            (self.tracker.as_mut(), event.thread_start())
+        {
+            let calls = tracker.settle_framework_calls(tgid, tid, at);
+            self.deliver(calls, maps, sink);
+        }
+        self.name_caller(event);
+    }
+
+    /// After a batch: rule calls whose end is now certain go to `sink`.
+    pub(super) fn confirm(&mut self, now_ns: u64, maps: &mut PythonMaps, sink: &mut dyn EventSink) {
+        if let Some(tracker) = self.tracker.as_mut() {
+            let calls = tracker.confirm(now_ns, None);
+            self.deliver(calls, maps, sink);
+        }
+    }
+
+    /// Load preparations no load followed: their processes load no more.
+    pub(super) fn expire_armed_loads(&mut self, maps: &mut PythonMaps) {
+        for (pid, bits) in self.saves.expire(std::time::Instant::now()) {
+            maps.set_saving(pid, bits);
+        }
+    }
+
+    fn name_caller(&mut self, event: &mut ProbeEvent) {
+        let (ProbeEvent::Collective {
+            timing,
+            python_caller,
+            ..
+        }
+        | ProbeEvent::SyncWait {
+            timing,
+            python_caller,
+            ..
+        }) = event
+        else {
+            return;
+        };
+        let PythonCaller::Code(code) = *python_caller else {
+            return;
+        };
+        if let Some((function, file)) = self
+            .tracker
+            .as_mut()
+            .and_then(|python| python.name_code(timing.tgid, code))
+        {
+            *python_caller = PythonCaller::Named { function, file };
+        }
+    }
+
+    /// Hands Python rule calls to `sink`, keeping the kernel's `PY_SAVING` (processes
+    /// inside a framework save or load, whose collective and sync entries take a stack
+    /// sample, and whose files opened during a load are counted) in step.
+    fn deliver(&mut self, calls: Vec<ProbeEvent>, maps: &mut PythonMaps, sink: &mut dyn EventSink) {
+        for call in &calls {
+            if let ProbeEvent::RuleCall {
+                tgid,
+                rule,
+                at_return,
+                ..
+            } = call
+                && let Some(role) = self.tracker.as_ref().and_then(|t| t.framework_role(*rule))
+            {
+                let role = FrameworkRole {
+                    save: role.0,
+                    load: role.1,
+                };
+                if let Some(bits) =
+                    self.saves
+                        .call(*tgid, role, *at_return, std::time::Instant::now())
+                {
+                    maps.set_saving(*tgid, bits);
+                }
+            }
+            sink.on_event(call);
+        }
+    }
+}
