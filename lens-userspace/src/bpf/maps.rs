@@ -170,11 +170,6 @@ impl InflightMaps {
     /// Every call in flight now, of every kind: its thread and probe, when it began, and a
     /// collective's entry record (its communicator and payload).
     pub fn calls(&self) -> Vec<CallInFlight> {
-        let other = |key, start_ns| CallInFlight {
-            key,
-            start_ns,
-            collective: None,
-        };
         let mut calls: Vec<CallInFlight> = (self.collectives.calls().into_iter())
             .map(|(key, entry)| CallInFlight {
                 key,
@@ -182,20 +177,25 @@ impl InflightMaps {
                 collective: Some(entry.body),
             })
             .collect();
-        calls.extend(
-            (self.syncs.calls().into_iter())
-                .map(|(key, entry)| other(key, entry.body.times.start_ns)),
-        );
-        calls.extend(
-            (self.comm_inits.calls().into_iter())
-                .map(|(key, entry)| other(key, entry.body.times.start_ns)),
-        );
-        calls.extend(
-            (self.queries.calls().into_iter())
-                .map(|(key, entry)| other(key, entry.body.times.start_ns)),
-        );
+        calls.extend(started(&self.syncs, |call| call.times.start_ns));
+        calls.extend(started(&self.comm_inits, |call| call.times.start_ns));
+        calls.extend(started(&self.queries, |call| call.times.start_ns));
         calls
     }
+}
+
+/// The calls in flight in `map`, a kind other than the collectives: their start alone.
+fn started<B: Body>(
+    map: &InflightMap<B>,
+    start_ns: impl Fn(&B) -> u64,
+) -> impl Iterator<Item = CallInFlight> {
+    map.calls()
+        .into_iter()
+        .map(move |(key, entry)| CallInFlight {
+            key,
+            start_ns: start_ns(&entry.body),
+            collective: None,
+        })
 }
 
 /// A call a thread is in (its entry seen, its return not yet).
