@@ -21,6 +21,7 @@ const FIXTURE_FILES: &[&str] = &[
     "fixtures/hammer.c",
     "fixtures/collective_rank.c",
     "fixtures/threads_dlopen.c",
+    "fixtures/memory_user.c",
     "fixtures/fake_nccl.map",
     "fixtures/configured_lib.c",
     "fixtures/configured_trainer.c",

@@ -151,6 +151,35 @@ numbered! {
         /// can leave aborts the process; this one catches every C++ exception
         /// (`HANDLE_TH_ERRORS`) and returns NULL instead.
         TorchBackwardReturn = 48,
+        /// `cudaMalloc(void **devPtr, size_t size)`: device memory (the GPU memory calls
+        /// below go through the generic call programs, `api_call_entry` / `_return`;
+        /// docs/memory.md).
+        CudaMalloc = 49,
+        /// `cudaMallocAsync(void **devPtr, size_t size, cudaStream_t stream)`.
+        CudaMallocAsync = 50,
+        /// `cudaMallocManaged(void **devPtr, size_t size, unsigned flags)`.
+        CudaMallocManaged = 51,
+        /// `cudaFree(void *devPtr)`.
+        CudaFree = 52,
+        /// `cudaFreeAsync(void *devPtr, cudaStream_t stream)`.
+        CudaFreeAsync = 53,
+        /// The driver's `cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)`.
+        CuMemAlloc = 54,
+        /// `cuMemFree_v2(CUdeviceptr dptr)`.
+        CuMemFree = 55,
+        /// `cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream stream)`.
+        CuMemAllocAsync = 56,
+        /// `cuMemFreeAsync(CUdeviceptr dptr, CUstream stream)`.
+        CuMemFreeAsync = 57,
+        /// `cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, prop, flags)`:
+        /// physical memory behind PyTorch's expandable segments (and NCCL's buffers).
+        CuMemCreate = 58,
+        /// `cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, handle, flags)`.
+        CuMemMap = 59,
+        /// `cuMemUnmap(CUdeviceptr ptr, size_t size)`.
+        CuMemUnmap = 60,
+        /// `cuMemRelease(CUmemGenericAllocationHandle handle)`.
+        CuMemRelease = 61,
     }
 }
 

@@ -47,6 +47,22 @@ pub const fn cookie_shape(cookie: u64) -> u32 {
     ((cookie >> 32) & 0xff) as u32
 }
 
+/// The shape bits ([`cookie_shape`]) of a catalog probe on the generic call programs
+/// (`api_call_entry` / `api_call_return`, [`record::ApiCall`]): what to read besides the
+/// arguments, and whether the call may be the runtime's own.
+pub mod api_shape {
+    /// Bits 0..3: the argument that is an out-pointer, read at return (its index + 1;
+    /// 0: none).
+    pub const fn out_arg(index: u32) -> u32 {
+        (index + 1) & OUT_ARG_MASK
+    }
+    pub const OUT_ARG_MASK: u32 = 0x7;
+    /// A driver call that libcudart makes inside its own call of the same meaning
+    /// (`cudaMalloc` calls `cuMemAlloc_v2`): left out when its return address is in the
+    /// process's libcudart (`RUNTIME_RANGES`), so that one allocation is seen once.
+    pub const DRIVER: u32 = 1 << 3;
+}
+
 /// The rule index of a `probe` value, if it is a configured rule's.
 pub const fn rule_index(probe: u32) -> Option<u32> {
     if probe >= RULE_COOKIE_BASE && probe - RULE_COOKIE_BASE < MAX_RULES {
@@ -320,6 +336,7 @@ pub mod maps {
     pub const INFLIGHT_SYNCS: &str = "INFLIGHT_SYNCS";
     pub const INFLIGHT_COMM_INITS: &str = "INFLIGHT_COMM_INITS";
     pub const INFLIGHT_QUERIES: &str = "INFLIGHT_QUERIES";
+    pub const INFLIGHT_API_CALLS: &str = "INFLIGHT_API_CALLS";
     pub const LOSSES: &str = "LOSSES";
     pub const SETTINGS: &str = "SETTINGS";
     pub const KERNEL_COUNTS: &str = "KERNEL_COUNTS";

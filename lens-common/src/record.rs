@@ -62,6 +62,10 @@ numbered! {
         ProcessExec = 16,
         /// A traced process exited, with its wait status ([`Exit`]).
         ProcessExit = 17,
+        /// A library call whose arguments and result say what it did (the GPU memory
+        /// calls), entry to return ([`ApiCall`]). One body for every such call: a new
+        /// one is a catalog row and a component's handling, no new program or decoder.
+        ApiCall = 18,
     }
 }
 
@@ -180,6 +184,14 @@ macro_rules! bodies {
                 const EMPTY: Self = $body { $($field: $empty),* };
             }
         )+
+
+        /// The size of the record each kind sends: what the decoder checks a record's
+        /// length against before reading its body.
+        pub const fn record_bytes(kind: EventKind) -> usize {
+            match kind {
+                $( EventKind::$kind => core::mem::size_of::<Record<$body>>(), )+
+            }
+        }
     };
 }
 
@@ -381,6 +393,25 @@ pub struct Fork {
     pub _pad: u32,
 }
 
+/// Integer arguments an [`ApiCall`] keeps: the first four registers.
+pub const API_ARGS: usize = 4;
+
+/// A library call whose arguments and result say what it did, entry to return. Which
+/// argument is an out-pointer to read at return is in the probe's attach cookie
+/// ([`api_shape`](crate::api_shape)).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ApiCall {
+    pub times: CallTimes,
+    /// The first [`API_ARGS`] integer arguments, as the registers held them at entry.
+    pub args: [u64; API_ARGS],
+    /// The 8 bytes behind the out-pointer argument, read at return (0: none, or not
+    /// readable): the address or handle an allocation made.
+    pub out: u64,
+    /// The return value register (`cudaError_t`, `CUresult`).
+    pub result: i64,
+}
+
 /// A process replaced its program (`execve`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -433,31 +464,7 @@ bodies! {
     Fork => ProcessForked { parent: 0, _pad: 0 }
     Exec => ProcessExec { traced: 0, _pad: 0 }
     Exit => ProcessExit { wait_status: 0, _pad: 0 }
-}
-
-/// The size of the record each kind sends: what the decoder checks a record's length
-/// against before reading its body.
-pub const fn record_bytes(kind: EventKind) -> usize {
-    use core::mem::size_of;
-    match kind {
-        EventKind::Collective => size_of::<Record<CollectiveCall>>(),
-        EventKind::TimedCall => size_of::<Record<TimedCall>>(),
-        EventKind::SyncWait => size_of::<Record<SyncCall>>(),
-        EventKind::CommInit => size_of::<Record<CommInitCall>>(),
-        EventKind::EventQueried => size_of::<Record<EventQuery>>(),
-        EventKind::Group => size_of::<Record<GroupCall>>(),
-        EventKind::EventRecorded => size_of::<Record<EventRecord>>(),
-        EventKind::PhaseEntry => size_of::<Record<PhaseEntry>>(),
-        EventKind::PhaseReturn => size_of::<Record<PhaseReturn>>(),
-        EventKind::ScopeEnter => size_of::<Record<ScopeEnter>>(),
-        EventKind::RuleEntry => size_of::<Record<RuleEntry>>(),
-        EventKind::RuleReturn => size_of::<Record<RuleReturn>>(),
-        EventKind::PyStack => size_of::<Record<PyStack>>(),
-        EventKind::LinkMapChanged => size_of::<Record<LinkMapChange>>(),
-        EventKind::ProcessForked => size_of::<Record<Fork>>(),
-        EventKind::ProcessExec => size_of::<Record<Exec>>(),
-        EventKind::ProcessExit => size_of::<Record<Exit>>(),
-    }
+    ApiCall => ApiCall { times: CallTimes::ZERO, args: [0; API_ARGS], out: 0, result: 0 }
 }
 
 /// The sizes, held: a field added to a body shows here, and a padding hole (which would
@@ -482,4 +489,5 @@ const _: () = {
     assert!(size_of::<Record<Fork>>() == 16 + 8);
     assert!(size_of::<Record<Exec>>() == 16 + 8);
     assert!(size_of::<Record<Exit>>() == 16 + 8);
+    assert!(size_of::<Record<ApiCall>>() == 16 + 16 + 8 * API_ARGS + 16);
 };

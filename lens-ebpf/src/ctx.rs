@@ -143,20 +143,46 @@ pub(crate) fn take_entry<C: EbpfContext, B: Body>(
     inflight: &LruHashMap<InflightKey, Record<B>>,
     pid_tgid: u64,
 ) -> Option<Record<B>> {
+    match entry_of(ctx, inflight, pid_tgid) {
+        Entry::Taken(record) => Some(record),
+        Entry::NotInFlight | Entry::Missing => None,
+    }
+}
+
+/// What a return finds in its thread's slot.
+pub(crate) enum Entry<B> {
+    /// The call's entry record (the slot is now marked returned).
+    Taken(Record<B>),
+    /// A slot that holds no call: its entry chose not to record this one.
+    NotInFlight,
+    /// No slot: the entry was never seen (attached mid-call) or its slot was lost.
+    Missing,
+}
+
+/// The entry of the call returning on this thread, told apart from a slot that holds
+/// none and from no slot at all.
+#[inline(always)]
+pub(crate) fn entry_of<C: EbpfContext, B: Body>(
+    ctx: &C,
+    inflight: &LruHashMap<InflightKey, Record<B>>,
+    pid_tgid: u64,
+) -> Entry<B> {
     let key = InflightKey {
         pid_tgid,
         probe: probe_id(ctx),
         _pad: 0,
     };
-    let slot = inflight.get_ptr_mut(&key)?;
+    let Some(slot) = inflight.get_ptr_mut(&key) else {
+        return Entry::Missing;
+    };
     // SAFETY: a live map value, written only by this thread.
     unsafe {
         if (*slot).header.kind == RETURNED_KIND {
-            return None;
+            return Entry::NotInFlight;
         }
         let record = *slot;
         core::ptr::write_volatile(&raw mut (*slot).header.kind, RETURNED_KIND);
-        Some(record)
+        Entry::Taken(record)
     }
 }
 

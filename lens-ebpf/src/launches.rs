@@ -202,7 +202,7 @@ fn made_by_runtime(ctx: &ProbeContext, pid_tgid: u64) -> bool {
 
 /// Whether the return address on top of `stack` lies in the process's libcudart.
 #[inline(always)]
-fn called_from_runtime(stack: u64, pid_tgid: u64) -> bool {
+pub(crate) fn called_from_runtime(stack: u64, pid_tgid: u64) -> bool {
     let tgid = (pid_tgid >> 32) as u32;
     let Some(runtime) = RUNTIME_RANGES.get_ptr(&tgid) else {
         return false;

@@ -21,6 +21,8 @@ mod twins;
 // One module per concern; the programs are the `pub fn`s with a program attribute (or
 // declared by `uprobe_and_multi!`).
 #[cfg(target_arch = "bpf")]
+mod api_calls;
+#[cfg(target_arch = "bpf")]
 mod ctx;
 #[cfg(target_arch = "bpf")]
 mod cuda;

@@ -2,7 +2,7 @@
 //! calls in flight, the Python sampler's state and the run-wide switches.
 use aya_ebpf::macros::map;
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray};
-use lens_common::record::{CollectiveCall, CommInitCall, EventQuery, SyncCall};
+use lens_common::record::{ApiCall, CollectiveCall, CommInitCall, EventQuery, SyncCall};
 use lens_common::{
     CodeRanges, HandleKey, InflightKey, KernelKey, LossCause, PyOffsets, Record, TargetState,
     limits, python_gates, settings,
@@ -121,6 +121,10 @@ pub(crate) static INFLIGHT_COMM_INITS: LruHashMap<InflightKey, Record<CommInitCa
 
 #[map(name = "INFLIGHT_QUERIES")]
 pub(crate) static INFLIGHT_QUERIES: LruHashMap<InflightKey, Record<EventQuery>> =
+    LruHashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
+
+#[map(name = "INFLIGHT_API_CALLS")]
+pub(crate) static INFLIGHT_API_CALLS: LruHashMap<InflightKey, Record<ApiCall>> =
     LruHashMap::with_max_entries(limits::MAX_INFLIGHT, 0);
 
 /// Run-wide switches set by the loader (`lens_common::settings`).

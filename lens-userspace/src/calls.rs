@@ -1,5 +1,5 @@
 //! What a probed call is, as users name it: the collective an NCCL or gloo call
-//! performs, the wait a CUDA sync call makes. The catalog gives each probe its meaning
+//! performs, the wait a CUDA sync call makes, what a GPU memory call does. The catalog gives each probe its meaning
 //! (`catalog::Role`); span and metric names come from here.
 use serde::Serialize;
 
@@ -89,5 +89,55 @@ impl SyncKind {
             SyncKind::Event => "event",
             SyncKind::Device => "device",
         }
+    }
+}
+
+/// What a GPU memory call does to the device memory its process holds. Every such call
+/// keeps its first four arguments (`lens_common::record::ApiCall`); these say which is
+/// which.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryOp {
+    /// Device memory allocated (`cudaMalloc*`, `cuMemAlloc*`): `args[1]` bytes, at the
+    /// address written to `*args[0]`.
+    Alloc,
+    /// The allocation at `args[0]` freed (`cudaFree*`, `cuMemFree*`).
+    Free,
+    /// Physical memory created (`cuMemCreate`, the virtual-memory API behind PyTorch's
+    /// expandable segments): `args[1]` bytes, its handle written to `*args[0]`.
+    Create,
+    /// That physical memory released (`cuMemRelease`): the handle `args[0]`.
+    Release,
+    /// Physical memory mapped at an address (`cuMemMap`): `args[1]` bytes at `args[0]`.
+    Map,
+    /// Unmapped (`cuMemUnmap`): `args[1]` bytes at `args[0]`.
+    Unmap,
+}
+
+impl MemoryOp {
+    /// The argument the call writes its result through (read at return).
+    pub const fn out_arg(self) -> Option<u32> {
+        match self {
+            MemoryOp::Alloc | MemoryOp::Create => Some(0),
+            _ => None,
+        }
+    }
+
+    /// As metrics name it (`dl.gpu.memory.op`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            MemoryOp::Alloc => "alloc",
+            MemoryOp::Free => "free",
+            MemoryOp::Create => "create",
+            MemoryOp::Release => "release",
+            MemoryOp::Map => "map",
+            MemoryOp::Unmap => "unmap",
+        }
+    }
+
+    /// Whether the call takes memory (an allocation or a creation): its failure is an
+    /// out-of-memory.
+    pub const fn takes_memory(self) -> bool {
+        matches!(self, MemoryOp::Alloc | MemoryOp::Create)
     }
 }

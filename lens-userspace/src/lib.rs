@@ -31,6 +31,7 @@ pub mod error;
 pub mod events;
 pub mod export;
 pub mod gpu_kernels;
+pub mod gpu_memory;
 pub mod hangs;
 pub mod names;
 pub mod nccl;

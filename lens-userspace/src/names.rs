@@ -1,6 +1,7 @@
 //! Every span and span-event name lens-probe gives, as NeMo Lens' docs name them
 //! (`train.*`) and for what only a probe sees. Calls are named after the call: the
-//! collectives' and syncs' names are in `calls` (`nccl.all_reduce`, …).
+//! collectives' and syncs' names are in `calls` (`nccl.all_reduce`, …), the GPU memory
+//! calls' in `gpu_memory` (`cuda.malloc`, …).
 pub const JOB: &str = "train.job";
 pub const MODEL_INIT: &str = "train.model_init";
 pub const LOAD_CHECKPOINT: &str = "train.load_checkpoint";
@@ -17,3 +18,6 @@ pub const HANG: &str = "lens_probe.hang";
 pub const BACKWARD_EVENT: &str = "backward";
 /// Span event on `train.step`: one of its most launched kernels.
 pub const KERNEL_TOP_EVENT: &str = "cuda.kernel.top";
+/// Span event: an allocation failed for want of GPU memory, on the allocation's span
+/// and on the span it ran in.
+pub const OUT_OF_MEMORY_EVENT: &str = "gpu.out_of_memory";

@@ -113,6 +113,20 @@ pub const CODE_FUNCTION: &str = "code.function";
 pub const CODE_FILEPATH: &str = "code.filepath";
 /// The call's return code (`ncclResult_t`, `cudaError_t`).
 pub const DL_CALL_RESULT: &str = "dl.call.result";
+/// Bytes a GPU memory call asked for (an allocation, creation or mapping) or gave back
+/// (a free or release of memory seen allocated).
+pub const DL_GPU_MEMORY_BYTES: &str = "dl.gpu.memory.bytes";
+/// Device memory the process held after the call, bytes (docs/memory.md).
+pub const DL_GPU_MEMORY_HELD: &str = "dl.gpu.memory.held";
+/// The most device memory the process held during the span, bytes: on `train.step`
+/// (that step) and `train.job` (the run).
+pub const DL_GPU_MEMORY_PEAK: &str = "dl.gpu.memory.peak";
+/// What a GPU memory call did (`alloc`, `free`, `create`, `release`, `map`, `unmap`):
+/// a metric attribute.
+pub const DL_GPU_MEMORY_OP: &str = "dl.gpu.memory.op";
+/// OpenTelemetry's stack trace attribute: the Python stack of the thread whose
+/// allocation failed, innermost first, one frame a line.
+pub const CODE_STACKTRACE: &str = "code.stacktrace";
 /// `stream`, `event` or `device`.
 pub const CUDA_SYNC_KIND: &str = "cuda.sync.kind";
 /// `kernel`, `kernel_ex` or `graph` (launch counters).

@@ -337,7 +337,32 @@ fn describe(event: &ProbeEvent) -> String {
             "[{tgid}:{tid}] Python stack changed: {} frames",
             frames.len()
         ),
+        ProbeEvent::ApiCall { .. } => describe_api_call(event),
     }
+}
+
+fn describe_api_call(event: &ProbeEvent) -> String {
+    let ProbeEvent::ApiCall {
+        timing,
+        probe,
+        args,
+        out,
+        result,
+        memory,
+    } = event
+    else {
+        return String::new();
+    };
+    let effect = memory.as_ref().map_or_else(String::new, |change| {
+        format!(" bytes={} held={}", change.bytes, change.held)
+    });
+    format!(
+        "[{}:{}] {} args={args:x?} out={out:#x} ret={result}{effect} call={:.1}us",
+        timing.tgid,
+        timing.tid,
+        crate::probes::catalog::symbol(*probe),
+        us(timing.duration_ns()),
+    )
 }
 
 impl<W: Write> EventPrinter<W> {

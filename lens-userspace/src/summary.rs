@@ -7,7 +7,9 @@ use lens_common::ProbeId;
 use serde::Serialize;
 
 use crate::{
-    events::{CollectiveOp, Communicator, PhaseSignal, ProbeEvent, SyncKind},
+    events::{
+        CallTiming, CollectiveOp, Communicator, MemoryChange, PhaseSignal, ProbeEvent, SyncKind,
+    },
     settings::format_size,
     sink::{EventSink, ProbeCost, ProcessEnd, SinkInput},
     sys::target::{ExitStatus, ProcessInfo},
@@ -68,6 +70,8 @@ pub struct ProcessSummary {
     /// A training signal or call was seen (not only library loads and the grad-mode
     /// toggles of `import torch`).
     active: bool,
+    /// Its GPU memory, where it made memory calls.
+    pub memory: Option<MemorySummary>,
 }
 
 impl ProcessSummary {
@@ -146,6 +150,44 @@ pub struct Losses {
 impl Losses {
     pub fn total(&self) -> u64 {
         self.kernel.values().sum::<u64>() + self.undecodable
+    }
+}
+
+/// A process's GPU memory over its run, for the summary (text and JSON).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemorySummary {
+    /// The most it held, and what it held when it ended (or tracing stopped), bytes.
+    pub peak_bytes: u64,
+    pub held_bytes: u64,
+    /// Memory calls seen, the time spent in them, and the allocations that failed for
+    /// want of memory.
+    pub calls: u64,
+    pub call_time_ns: u64,
+    pub out_of_memory: u64,
+}
+
+impl MemorySummary {
+    pub fn add(&mut self, timing: &CallTiming, change: &MemoryChange) {
+        self.peak_bytes = self.peak_bytes.max(change.peak);
+        self.held_bytes = change.held;
+        self.calls += 1;
+        self.call_time_ns += timing.duration_ns();
+        self.out_of_memory += u64::from(change.out_of_memory.is_some());
+    }
+
+    /// The summary's line.
+    pub fn render(&self) -> String {
+        let failed = match self.out_of_memory {
+            0 => String::new(),
+            n => format!(", {n} out of memory"),
+        };
+        format!(
+            "  GPU memory: peak {} held, {} at the end; {} memory calls ({}){failed}\n",
+            format_size(self.peak_bytes),
+            format_size(self.held_bytes),
+            self.calls,
+            format_duration(self.call_time_ns),
+        )
     }
 }
 
@@ -247,12 +289,18 @@ impl Summary {
             ProbeEvent::GlooCall { op, .. } => {
                 process.gloo_collectives.entry(*op).or_default().calls += 1;
             }
+            ProbeEvent::ApiCall {
+                timing,
+                memory: Some(change),
+                ..
+            } => process.memory.get_or_insert_default().add(timing, change),
             ProbeEvent::Group { .. }
             | ProbeEvent::EventRecorded { .. }
             | ProbeEvent::EventQueryComplete { .. }
             | ProbeEvent::PyStack { .. }
             | ProbeEvent::Phase { .. }
-            | ProbeEvent::RuleCall { .. } => {}
+            | ProbeEvent::RuleCall { .. }
+            | ProbeEvent::ApiCall { .. } => {}
         }
     }
 
@@ -381,6 +429,9 @@ impl Summary {
         self.render_collectives(out, process);
         self.render_launches(out, process);
         self.render_sync_waits(out, process);
+        if let Some(memory) = &process.memory {
+            out.push_str(&memory.render());
+        }
         if let Some(cost) = &process.probe_cost {
             let _ = writeln!(
                 out,
@@ -523,6 +574,7 @@ impl Summary {
                     "sync_waits": syncs,
                     "calls": calls,
                     "probe_cost": process.probe_cost,
+                    "gpu_memory": process.memory,
                 })
             })
             .collect();

@@ -333,6 +333,21 @@ fn probes_of(kind: EventKind) -> Option<Vec<u32>> {
             SafetensorsClose,
         ]),
         EventKind::ScopeEnter => ids(&[TorchScopeEnter]),
+        EventKind::ApiCall => ids(&[
+            CudaMalloc,
+            CudaMallocAsync,
+            CudaMallocManaged,
+            CudaFree,
+            CudaFreeAsync,
+            CuMemAlloc,
+            CuMemFree,
+            CuMemAllocAsync,
+            CuMemFreeAsync,
+            CuMemCreate,
+            CuMemMap,
+            CuMemUnmap,
+            CuMemRelease,
+        ]),
         EventKind::RuleEntry | EventKind::RuleReturn => Some(
             (lens_common::RULE_COOKIE_BASE..lens_common::RULE_COOKIE_BASE + lens_common::MAX_RULES)
                 .collect(),
@@ -581,6 +596,22 @@ fn assert_fields(bytes: &[u8], decoded: &Decoded) -> Result<(), TestCaseError> {
                 }
                 other => prop_assert!(false, "a rule call from a {:?} record", other),
             }
+        }
+        ProbeEvent::ApiCall {
+            timing,
+            probe,
+            args,
+            out,
+            result,
+            memory,
+        } => {
+            prop_assert_eq!(kind, Some(EventKind::ApiCall));
+            let raw = record_from::<raw::ApiCall>(bytes).body;
+            prop_assert!(timing_is(timing, raw.times));
+            prop_assert_eq!(*probe as u32, header.probe);
+            prop_assert_eq!((*args, *out, *result), (raw.args, raw.out, raw.result));
+            // The session fills it in; the decoder never guesses it.
+            prop_assert!(memory.is_none());
         }
     }
     Ok(())

@@ -292,9 +292,15 @@ fn default_groups_leave_per_call_probes_unattached() {
     let (log, report) = run(&mut session);
     assert_eq!(report.child_exit, Some(ExitStatus::Exited(0)));
 
-    // Only the infrastructure probes went in: the loader hook and communicator init.
-    let attached: Vec<ProbeId> = session.attacher().attached_by_probe().into_keys().collect();
+    // Only the infrastructure probes went in (the loader hook and communicator init),
+    // and the GPU memory calls' (the job span's peak; the trainer makes none).
+    let (memory, attached): (Vec<ProbeId>, Vec<ProbeId>) = session
+        .attacher()
+        .attached_by_probe()
+        .into_keys()
+        .partition(|&probe| lens_probe::calls::MemoryOp::from_probe(probe).is_some());
     assert_eq!(attached, [ProbeId::NcclCommInitRank, ProbeId::DlDebugState]);
+    assert!(memory.contains(&ProbeId::CudaMalloc), "{memory:?}");
     // ...and nothing else fired.
     assert!(
         log.events

@@ -157,8 +157,10 @@ const CUDART_PROBES: [ProbeId; 6] = [
 ];
 
 /// Functions of the fake libcudart that `per_step` probes: the six the caller calls,
-/// `cudaEventRecord[WithFlags]`, `cudaEventQuery` and `__cudaRegisterFunction`.
-const CUDART_SYMBOLS_PROBED: usize = 10;
+/// `cudaEventRecord[WithFlags]`, `cudaEventQuery`, `__cudaRegisterFunction` and the five
+/// memory calls (`cudaMalloc`, `cudaMallocAsync`, `cudaMallocManaged`, `cudaFree`,
+/// `cudaFreeAsync`).
+const CUDART_SYMBOLS_PROBED: usize = 15;
 
 /// The address of each definition named `name` in `library`'s dynamic symbols.
 fn dynamic_definitions(library: &Path, name: &str) -> Vec<u64> {
@@ -250,8 +252,8 @@ fn a_missing_symbol_fails_alone_and_the_other_probes_count_exactly() {
             "libcudart defines no such symbol".to_string()
         )])
     );
-    // The others: launches, event records and kernel registration at entry, syncs
-    // and event queries at entry and return.
+    // The others: launches, event records and kernel registration at entry, syncs,
+    // event queries and memory calls at entry and return.
     assert_eq!(
         attached(&outcomes),
         BTreeMap::from([
@@ -264,6 +266,11 @@ fn a_missing_symbol_fails_alone_and_the_other_probes_count_exactly() {
             ("cudaEventRecordWithFlags".to_string(), 1),
             ("cudaEventQuery".to_string(), 2),
             ("__cudaRegisterFunction".to_string(), 1),
+            ("cudaMalloc".to_string(), 2),
+            ("cudaMallocAsync".to_string(), 2),
+            ("cudaMallocManaged".to_string(), 2),
+            ("cudaFree".to_string(), 2),
+            ("cudaFreeAsync".to_string(), 2),
         ])
     );
     let expected: BTreeMap<ProbeId, u64> = CUDART_PROBES

@@ -20,9 +20,27 @@ fn real_cudart_and_nccl_every_symbol_attaches_and_calls_are_seen() {
     let Some(libs) = lens_tests::nvidia_libs("real_cudart_and_nccl") else {
         return;
     };
+    // CUDA 13's runtime and the NCCL beside it, from the PyTorch venv's wheels.
+    let Some(venv) = lens_tests::torch_venv("real_cudart_13_and_nccl") else {
+        return;
+    };
+    let site = std::fs::read_dir(venv.dir.join("lib"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path().join("site-packages/nvidia"))
+        .find(|path| path.is_dir())
+        .expect("the venv's nvidia wheels");
     // SAFETY: this test binary has this one test, so no other thread reads the environment.
     // NCCL must not look for network interfaces other than loopback here.
     unsafe { std::env::set_var("NCCL_SOCKET_IFNAME", "lo") };
+    check(&libs.cudart, &libs.nccl);
+    check(
+        &site.join("cu13/lib/libcudart.so.13"),
+        &site.join("nccl/lib/libnccl.so.2"),
+    );
+}
+
+/// Every probe of `cudart` and `nccl` attached, each call seen once with its arguments.
+fn check(cudart: &std::path::Path, nccl: &std::path::Path) {
     let mut session = Session::new(TraceOptions {
         span_groups: "all".parse().unwrap(),
         kernel_logs: false,
@@ -33,8 +51,8 @@ fn real_cudart_and_nccl_every_symbol_attaches_and_calls_are_seen() {
     session
         .exec(&[
             lens_tests::real_libs_caller().into_os_string(),
-            libs.cudart.clone().into_os_string(),
-            libs.nccl.clone().into_os_string(),
+            cudart.as_os_str().to_owned(),
+            nccl.as_os_str().to_owned(),
         ])
         .unwrap();
     let mut log = EventLog::default();
@@ -86,6 +104,7 @@ fn real_cudart_and_nccl_every_symbol_attaches_and_calls_are_seen() {
 
     let mut collectives = Vec::new();
     let mut syncs = Vec::new();
+    let mut memory = Vec::new();
     for event in &log.events {
         match event {
             ProbeEvent::Collective {
@@ -121,6 +140,25 @@ fn real_cudart_and_nccl_every_symbol_attaches_and_calls_are_seen() {
             } => {
                 assert_eq!((*rank, *nranks), (0, 2));
                 assert_ne!(*result, 0);
+            }
+            ProbeEvent::ApiCall {
+                probe,
+                args,
+                result,
+                memory: change,
+                ..
+            } => {
+                // cudaErrorInsufficientDriver, and nothing taken.
+                assert_eq!(*result, 35, "{probe:?}");
+                assert_eq!(change.as_ref().map(|c| c.held), Some(0));
+                // An allocation: (out-pointer set, size); a free: its pointer, and the
+                // stream of the async one.
+                let (first, second) = match probe {
+                    ProbeId::CudaFree => (args[0], 0),
+                    ProbeId::CudaFreeAsync => (args[0], args[1]),
+                    _ => (u64::from(args[0] != 0), args[1]),
+                };
+                memory.push((*probe, first, second));
             }
             _ => {}
         }
@@ -167,6 +205,21 @@ fn real_cudart_and_nccl_every_symbol_attaches_and_calls_are_seen() {
                 None
             ),
         ]
+    );
+    // Each memory call's arguments where `calls::MemoryOp` reads them: an allocation's
+    // out-pointer (an address on the caller's stack) first and size second; a free's
+    // pointer first (and the async one's stream second).
+    assert_eq!(
+        memory,
+        [
+            (ProbeId::CudaMalloc, 1, 4096),
+            (ProbeId::CudaMallocAsync, 1, 8192),
+            (ProbeId::CudaMallocManaged, 1, 16384),
+            (ProbeId::CudaFree, 0x7000, 0),
+            (ProbeId::CudaFreeAsync, 0x7000, 0x42),
+        ],
+        "{}",
+        cudart.display()
     );
     syncs.sort();
     assert_eq!(

@@ -30,6 +30,13 @@ pub fn hammer() -> PathBuf {
     fixtures_dir().join("hammer")
 }
 
+/// `memory_user [oom]`: GPU memory allocated and freed in an exact pattern, through the
+/// fake runtime and the fake driver directly (its header says which; `oom`: a 1 TiB
+/// allocation fails). Linked like [`trainer`].
+pub fn memory_user() -> PathBuf {
+    fixtures_dir().join("memory_user")
+}
+
 /// `collective_rank RANK NRANKS STEPS`: one rank of a multi-rank job, each step an
 /// `ncclAllReduce` on stream `0x5100`, a `cudaEventRecord` after it and a wait for it
 /// (`COLLECTIVE_WAIT`: `query`, `watchdog`, `event_sync`, `stream_sync`); with

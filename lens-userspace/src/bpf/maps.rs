@@ -12,7 +12,7 @@ use aya::{
 use lens_common::{
     Body, CodeRanges, HandleKey, InflightKey, KernelKey, LossCause, PyOffsets, Record, TargetState,
     maps, python_gates,
-    record::{CollectiveCall, CommInitCall, EventQuery, RETURNED_KIND, SyncCall},
+    record::{ApiCall, CollectiveCall, CommInitCall, EventQuery, RETURNED_KIND, SyncCall},
 };
 
 use crate::error::{LensError, Result};
@@ -153,6 +153,7 @@ pub struct InflightMaps {
     pub syncs: InflightMap<SyncCall>,
     pub comm_inits: InflightMap<CommInitCall>,
     pub queries: InflightMap<EventQuery>,
+    pub api_calls: InflightMap<ApiCall>,
 }
 
 impl InflightMaps {
@@ -161,10 +162,15 @@ impl InflightMaps {
         self.syncs.forget(pid);
         self.comm_inits.forget(pid);
         self.queries.forget(pid);
+        self.api_calls.forget(pid);
     }
 
     fn len(&self) -> usize {
-        self.collectives.len() + self.syncs.len() + self.comm_inits.len() + self.queries.len()
+        self.collectives.len()
+            + self.syncs.len()
+            + self.comm_inits.len()
+            + self.queries.len()
+            + self.api_calls.len()
     }
 
     /// Every call in flight now, of every kind: its thread and probe, when it began, and a
@@ -180,6 +186,7 @@ impl InflightMaps {
         calls.extend(started(&self.syncs, |call| call.times.start_ns));
         calls.extend(started(&self.comm_inits, |call| call.times.start_ns));
         calls.extend(started(&self.queries, |call| call.times.start_ns));
+        calls.extend(started(&self.api_calls, |call| call.times.start_ns));
         calls
     }
 }
@@ -355,6 +362,7 @@ impl KernelMaps {
                 syncs: ProcessMap::from_object(ebpf, maps::INFLIGHT_SYNCS)?,
                 comm_inits: ProcessMap::from_object(ebpf, maps::INFLIGHT_COMM_INITS)?,
                 queries: ProcessMap::from_object(ebpf, maps::INFLIGHT_QUERIES)?,
+                api_calls: ProcessMap::from_object(ebpf, maps::INFLIGHT_API_CALLS)?,
             },
             launches: LaunchMaps {
                 kernel_counts: ProcessMap::from_object(ebpf, maps::KERNEL_COUNTS)?,

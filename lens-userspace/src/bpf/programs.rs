@@ -69,6 +69,9 @@ programs! {
     CudaRegisterFunction => "cuda_register_function",
     FileOpenEntry => "file_open_entry",
     PythonStackEntry => "python_stack_entry",
+    /// Library calls whose arguments and result say what they did (GPU memory).
+    ApiCallEntry => "api_call_entry",
+    ApiCallReturn => "api_call_return",
 }
 
 /// The name `program` is found under in `ebpf`: its `_m` twin where that is the one

@@ -126,6 +126,7 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded, DecodeError> {
             Decoded::Probe(rule_call(h, &exit.mark, true, no_args, None, exit.ret)?)
         }
         EventKind::PyStack => Decoded::Probe(py_stack(h, &body(bytes)?)),
+        EventKind::ApiCall => Decoded::Probe(api_call(h, probe()?, body(bytes)?)?),
     })
 }
 
@@ -228,6 +229,26 @@ fn sync_wait(
         handle: call.handle,
         result: call.result,
         python_caller: PythonCaller::from_code(call.python_caller),
+    })
+}
+
+/// A call of the generic kind: only from a probe the catalog puts on its programs.
+fn api_call(
+    h: &RecordHeader,
+    probe: ProbeId,
+    call: raw::ApiCall,
+) -> Result<ProbeEvent, DecodeError> {
+    let spec = crate::probes::catalog::spec_of(probe);
+    if spec.entry != Some(crate::bpf::Program::ApiCallEntry) {
+        return Err(DecodeError::UnknownProbe(h.probe));
+    }
+    Ok(ProbeEvent::ApiCall {
+        timing: timing(h, &call.times),
+        probe,
+        args: call.args,
+        out: call.out,
+        result: call.result,
+        memory: None,
     })
 }
 

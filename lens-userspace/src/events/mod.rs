@@ -1,12 +1,13 @@
 //! What the kernel saw, as every consumer (summary, span builder, exporters) reads it:
 //! process-lifecycle notices for the session ([`ControlEvent`]) and what traced code did
 //! ([`ProbeEvent`]), decoded from the ring buffer's records by [`decode`].
-use lens_common::RULE_ARGS;
+use lens_common::{ProbeId, RULE_ARGS, record::API_ARGS};
 use serde::Serialize;
 
 mod decode;
 pub use decode::{decode, decode_batch, record_as_bytes};
 
+use crate::calls::MemoryOp;
 use crate::nccl::{DataType, RedOp};
 
 pub use crate::calls::{CollectiveOp, SyncKind};
@@ -303,6 +304,22 @@ pub enum ProbeEvent {
         /// The return value register (return only).
         ret: i64,
     },
+    /// A library call of the generic kind, entry to return (the GPU memory calls): its
+    /// probe says what it is (`probes::catalog::Role`), its arguments and result what it
+    /// did.
+    ApiCall {
+        #[serde(flatten)]
+        timing: CallTiming,
+        #[serde(serialize_with = "probe_symbol")]
+        probe: ProbeId,
+        args: [u64; API_ARGS],
+        /// What the call wrote through its out-pointer argument (an address, a handle).
+        out: u64,
+        result: i64,
+        /// What a memory call did to its process's memory, filled in by the session
+        /// (`gpu_memory::GpuMemory`) before any sink sees the call.
+        memory: Option<MemoryChange>,
+    },
 }
 
 impl ProbeEvent {
@@ -333,7 +350,8 @@ impl ProbeEvent {
             | ProbeEvent::Group { timing, .. }
             | ProbeEvent::GlooCall { timing, .. }
             | ProbeEvent::EventRecorded { timing, .. }
-            | ProbeEvent::EventQueryComplete { timing, .. } => timing.tgid,
+            | ProbeEvent::EventQueryComplete { timing, .. }
+            | ProbeEvent::ApiCall { timing, .. } => timing.tgid,
             ProbeEvent::Phase { tgid, .. }
             | ProbeEvent::RuleCall { tgid, .. }
             | ProbeEvent::PyStack { tgid, .. } => *tgid,
@@ -387,4 +405,31 @@ pub struct PyFrame {
     /// The frame (where this call lives) and its first local slot (which call it is).
     pub frame: u64,
     pub first_local: u64,
+}
+
+/// What one memory call did to its process's device memory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MemoryChange {
+    pub op: MemoryOp,
+    /// Bytes the call asked for (an allocation, a creation, a mapping) or gave back (a
+    /// free or release of memory seen allocated; 0 for one that was not).
+    pub bytes: u64,
+    /// Bytes the process holds after the call (allocated and created, not freed or
+    /// released), and the most it held so far.
+    pub held: u64,
+    pub peak: u64,
+    /// The call failed for want of memory: what the thread was running.
+    pub out_of_memory: Option<OutOfMemory>,
+}
+
+/// A failed allocation: the Python stack of the thread that asked, read when lens-probe
+/// got the failure (the stack reader of the hang reports), innermost first.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct OutOfMemory {
+    pub python: Vec<String>,
+}
+
+/// A probe, as JSON shows it: the symbol it is on.
+fn probe_symbol<S: serde::Serializer>(probe: &ProbeId, out: S) -> Result<S::Ok, S::Error> {
+    out.serialize_str(crate::probes::catalog::symbol(*probe))
 }

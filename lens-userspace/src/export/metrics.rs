@@ -46,6 +46,12 @@ pub mod metric_names {
     pub const SPANS_LOST: &str = "lens_probe.spans.lost";
     pub const OVERHEAD: &str = "lens_probe.overhead";
     pub const CPU_TIME: &str = "lens_probe.cpu.time";
+    /// OpenTelemetry's GPU memory name, on the process's resource: what this process
+    /// holds, not the device's total.
+    pub const GPU_MEMORY_USAGE: &str = "hw.gpu.memory.usage";
+    pub const GPU_MEMORY_PEAK: &str = "dl.gpu.memory.peak";
+    pub const GPU_MEMORY_CALLS: &str = "dl.gpu.memory.calls";
+    pub const GPU_OUT_OF_MEMORY: &str = "dl.gpu.memory.out_of_memory";
 }
 
 /// `OTEL_METRIC_EXPORT_INTERVAL` (ms) of lens-probe's environment, default 60 s as the
@@ -113,8 +119,47 @@ pub struct ProcessMetrics {
     overhead: Gauge<f64>,
     step_duration: Histogram<f64>,
     phase_duration: Histogram<f64>,
+    memory: MemoryMetrics,
     /// The launch totals are an overhead budget's estimates (`cuda.launch.sampled`).
     pub launches_sampled: bool,
+}
+
+/// The process's GPU memory, from its memory calls (`gpu_memory`).
+struct MemoryMetrics {
+    usage: Gauge<u64>,
+    peak: Gauge<u64>,
+    calls: Counter<u64>,
+    out_of_memory: Counter<u64>,
+}
+
+impl MemoryMetrics {
+    fn new(meter: &Meter) -> MemoryMetrics {
+        MemoryMetrics {
+            usage: meter
+                .u64_gauge(metric_names::GPU_MEMORY_USAGE)
+                .with_unit("By")
+                .with_description(
+                    "Device memory this process holds: its allocations and created physical \
+                     memory not yet freed, as its CUDA memory calls say",
+                )
+                .build(),
+            peak: meter
+                .u64_gauge(metric_names::GPU_MEMORY_PEAK)
+                .with_unit("By")
+                .with_description("The most device memory this process held so far")
+                .build(),
+            calls: meter
+                .u64_counter(metric_names::GPU_MEMORY_CALLS)
+                .with_unit("{call}")
+                .with_description("CUDA memory calls, by what they did (dl.gpu.memory.op)")
+                .build(),
+            out_of_memory: meter
+                .u64_counter(metric_names::GPU_OUT_OF_MEMORY)
+                .with_unit("{call}")
+                .with_description("Allocations that failed for want of device memory")
+                .build(),
+        }
+    }
 }
 
 /// A process's collective calls: counts, sizes, durations, skew, and how far each
@@ -230,6 +275,7 @@ impl ProcessMetrics {
                 metric_names::PHASE_DURATION,
                 "Duration of training-loop phases, by span group",
             ),
+            memory: MemoryMetrics::new(&meter),
             provider,
             reader,
             launches_sampled: false,
@@ -359,6 +405,17 @@ impl ProcessMetrics {
 }
 
 impl ProcessMetrics {
+    /// A memory call returned: what the process holds now.
+    pub fn record_memory(&mut self, change: &crate::gpu_memory::MemoryChange) {
+        self.memory.usage.record(change.held, &[]);
+        self.memory.peak.record(change.peak, &[]);
+        let op = KeyValue::new(semconv::DL_GPU_MEMORY_OP, change.op.name());
+        self.memory.calls.add(1, &[op]);
+        if change.out_of_memory.is_some() {
+            self.memory.out_of_memory.add(1, &[]);
+        }
+    }
+
     /// What the probes have cost the process so far (a share of the time traced).
     pub fn record_probe_cost(&mut self, cost: crate::sink::ProbeCost) {
         self.overhead.record(cost.share(), &[]);

@@ -97,9 +97,15 @@ pub struct RankPlace {
 /// `tid`'s native place.
 pub fn read(pid: u32, tid: u32) -> RankPlace {
     RankPlace {
-        python: python_stack_retried(pid, tid).unwrap_or_default(),
+        python: python(pid, tid),
         native: native_place(pid, tid),
     }
+}
+
+/// The Python stack of `pid`'s thread `tid` now, innermost first (empty when the
+/// process runs no CPython lens-probe can read).
+pub fn python(pid: u32, tid: u32) -> Vec<PyFrame> {
+    python_stack_retried(pid, tid).unwrap_or_default()
 }
 
 /// Reads of a stack that changed under the reader (the rank runs on while it is read).

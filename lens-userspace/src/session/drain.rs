@@ -20,7 +20,7 @@ impl Session {
                 return;
             }
             // Phase marks may close steps: their kernels are read first.
-            if let Some(kernels) = self.kernels.as_mut() {
+            if let Some(kernels) = self.gpu.kernels.as_mut() {
                 kernels.on_batch(probe_events(&batch), &mut self.bpf.maps.launches, sink);
             }
             self.hold_candidates(&batch);
@@ -33,6 +33,8 @@ impl Session {
                     }
                     Ok(Decoded::Probe(mut event)) => {
                         self.hangs.observe(&mut event);
+                        let rank = self.rank_of(event.tgid());
+                        self.gpu.memory.on_event(&mut event, rank);
                         self.python
                             .on_event(&mut event, &mut self.bpf.maps.python, sink);
                         sink.on_event(&event);

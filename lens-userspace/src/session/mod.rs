@@ -22,6 +22,7 @@ use crate::{
     discovery::NodeFilter,
     error::Result,
     export::strategy::ExportStrategy,
+    gpu_memory::GpuMemory,
     hangs::HangWatcher,
     probes::{attach::Attacher, calibrate, files::FileProbes},
     python::{self, PythonTracker},
@@ -136,12 +137,20 @@ pub struct Session {
     stops: LoadStops,
     /// Python stacks and the framework calls read from them.
     python: PythonFrames,
-    /// Launches are counted per kernel (the `step` group is on): the names, and what
-    /// was read of each counter so far.
-    kernels: Option<KernelCounters>,
+    /// What the GPU did for each process: its kernels and its memory.
+    gpu: GpuComponents,
     /// Collectives counted per communicator, for hang reports (`--hang-timeout`) and the
     /// gloo collectives' communicator and number.
     hangs: HangWatcher,
+}
+
+/// The components that follow each process's GPU work.
+struct GpuComponents {
+    /// Launches are counted per kernel (the `step` group is on): the names, and what
+    /// was read of each counter so far.
+    kernels: Option<KernelCounters>,
+    /// The device memory each process holds, from its memory calls.
+    memory: GpuMemory,
 }
 
 /// The event loop's inputs besides the clock, and its thread.
@@ -291,7 +300,10 @@ impl Session {
             python: PythonFrames::default(),
             // Launches per kernel, for the steps' top kernels: only when steps are on
             // (off, the launch probes skip that map update).
-            kernels: kernel_names.then(KernelCounters::default),
+            gpu: GpuComponents {
+                kernels: kernel_names.then(KernelCounters::default),
+                memory: GpuMemory::default(),
+            },
             hangs: HangWatcher::new(None),
         })
     }

@@ -413,10 +413,11 @@ impl Session {
         // Its call counters go with its entry: read before it is removed.
         let entry = self.take_target_entry(pid);
         self.python.forget(pid, &mut self.bpf.maps.python, sink);
-        if let Some(kernels) = self.kernels.as_mut() {
+        if let Some(kernels) = self.gpu.kernels.as_mut() {
             kernels.read(&[pid], true, &mut self.bpf.maps.launches, sink);
         }
         self.forget_kernel_counts(pid);
+        self.gpu.memory.forget(pid);
         let mut calls = std::collections::BTreeMap::new();
         add_call_counts(&mut calls, entry.as_ref());
         let runtime_driver_hits = entry.as_ref().map_or(0, |entry| entry.runtime_driver_hits);
@@ -446,11 +447,17 @@ impl Session {
 }
 
 impl Session {
+    /// The rank of traced process `pid`, as its environment says.
+    pub(super) fn rank_of(&self, pid: u32) -> Option<i64> {
+        let target = self.targets.get(&pid)?;
+        target.info.rank.as_ref().map(|rank| rank.rank)
+    }
+
     /// Forgets `pid`'s per-kernel counters (it ended, or runs a new program whose
     /// kernels are new), in the kernel and in the component that reads them. (Without the
     /// `step` group the probes count none.)
     fn forget_kernel_counts(&mut self, pid: u32) {
-        if let Some(kernels) = self.kernels.as_mut() {
+        if let Some(kernels) = self.gpu.kernels.as_mut() {
             kernels.forget(pid, &mut self.bpf.maps.launches);
         }
     }

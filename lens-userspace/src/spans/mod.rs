@@ -12,6 +12,7 @@ pub mod builder;
 mod collectives;
 pub mod console;
 mod launches;
+mod memory_peaks;
 mod pending;
 mod phases;
 pub mod straggler_cause;
@@ -166,6 +167,14 @@ pub trait SpanExporter {
     fn process_probe_cost(&mut self, _pid: u32, _cost: crate::sink::ProbeCost) {}
     /// `pid`'s launch counters are an overhead budget's estimates from sampled windows.
     fn launches_sampled(&mut self, _pid: u32) {}
+    /// A GPU memory call of `pid` returned: what it did, at `at_ns`.
+    fn process_memory(
+        &mut self,
+        _pid: u32,
+        _at_ns: u64,
+        _change: &crate::gpu_memory::MemoryChange,
+    ) {
+    }
     /// Every span of `pid` has been exported.
     fn process_ended(&mut self, _pid: u32) {}
 }
@@ -185,6 +194,9 @@ impl<E: SpanExporter + ?Sized> SpanExporter for &mut E {
     }
     fn launches_sampled(&mut self, pid: u32) {
         (**self).launches_sampled(pid);
+    }
+    fn process_memory(&mut self, pid: u32, at_ns: u64, change: &crate::gpu_memory::MemoryChange) {
+        (**self).process_memory(pid, at_ns, change);
     }
     fn process_ended(&mut self, pid: u32) {
         (**self).process_ended(pid);
@@ -206,6 +218,9 @@ impl<E: SpanExporter + ?Sized> SpanExporter for Box<E> {
     }
     fn launches_sampled(&mut self, pid: u32) {
         (**self).launches_sampled(pid);
+    }
+    fn process_memory(&mut self, pid: u32, at_ns: u64, change: &crate::gpu_memory::MemoryChange) {
+        (**self).process_memory(pid, at_ns, change);
     }
     fn process_ended(&mut self, pid: u32) {
         (**self).process_ended(pid);
@@ -233,6 +248,10 @@ impl<A: SpanExporter, B: SpanExporter> SpanExporter for (A, B) {
     fn launches_sampled(&mut self, pid: u32) {
         self.0.launches_sampled(pid);
         self.1.launches_sampled(pid);
+    }
+    fn process_memory(&mut self, pid: u32, at_ns: u64, change: &crate::gpu_memory::MemoryChange) {
+        self.0.process_memory(pid, at_ns, change);
+        self.1.process_memory(pid, at_ns, change);
     }
     fn process_ended(&mut self, pid: u32) {
         self.0.process_ended(pid);

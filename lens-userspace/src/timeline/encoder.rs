@@ -354,8 +354,29 @@ impl Encoder {
         );
     }
 
-    /// The straggler verdict and the hang report a span carries, as instants.
+    /// The straggler verdict, the hang report and the out-of-memory failure a span
+    /// carries, as instants.
     fn reports(&mut self, span: &SpanRecord) {
+        // The allocation's own span (the span it ran in carries the event too).
+        let allocation = span.attr(semconv::DL_GPU_MEMORY_HELD).is_some();
+        let failures = span
+            .events
+            .iter()
+            .filter(|e| e.name == names::OUT_OF_MEMORY_EVENT);
+        for event in failures.filter(|_| allocation) {
+            let annotations = self.attribute_annotations(&event.attributes);
+            let asked = event
+                .attributes
+                .iter()
+                .find(|(key, _)| *key == semconv::DL_GPU_MEMORY_BYTES)
+                .map_or_else(String::new, |(_, value)| format!(": {value} bytes asked"));
+            self.instant(
+                span.pid,
+                event.at_ns,
+                format!("out of GPU memory{asked}"),
+                annotations,
+            );
+        }
         if span.name == names::HANG {
             let mut annotations = self.annotations(span);
             if let SpanStatus::Error(summary) = &span.status {
@@ -450,7 +471,14 @@ impl Encoder {
     }
 
     fn annotations(&mut self, span: &SpanRecord) -> Vec<DebugAnnotation> {
-        span.attributes
+        self.attribute_annotations(&span.attributes)
+    }
+
+    fn attribute_annotations(
+        &mut self,
+        attributes: &crate::spans::Attributes,
+    ) -> Vec<DebugAnnotation> {
+        attributes
             .iter()
             .map(|(key, value)| DebugAnnotation {
                 name_field: Some(debug_annotation::NameField::NameIid(

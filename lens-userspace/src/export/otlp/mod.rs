@@ -385,6 +385,12 @@ impl SpanExporter for OtelPipeline {
         }
     }
 
+    fn process_memory(&mut self, pid: u32, _at_ns: u64, change: &crate::gpu_memory::MemoryChange) {
+        if let Some(process) = self.processes.get_mut(&pid) {
+            process.metrics.record_memory(change);
+        }
+    }
+
     fn process_ended(&mut self, pid: u32) {
         let metrics = self.processes.remove(&pid).map(|p| p.metrics);
         if let Some(queue) = &self.queue {

@@ -3,9 +3,9 @@
 //! is not attached (the gate costs nothing).
 mod table;
 
-use lens_common::{NcclArgs, ProbeId, probe_cookie};
+use lens_common::{NcclArgs, ProbeId, api_shape, probe_cookie};
 
-use crate::calls::{CollectiveOp, SyncKind};
+use crate::calls::{CollectiveOp, MemoryOp, SyncKind};
 use crate::settings::groups::{SpanGroup, SpanGroups};
 use crate::sys::library::LibraryKind;
 
@@ -23,6 +23,7 @@ impl Program {
             Program::CudaSyncEntry => Some(Program::CudaSyncReturn),
             Program::NcclCommInitEntry => Some(Program::NcclCommInitReturn),
             Program::CudaEventQueryEntry => Some(Program::CudaEventQueryReturn),
+            Program::ApiCallEntry => Some(Program::ApiCallReturn),
             _ => None,
         }
     }
@@ -64,6 +65,8 @@ pub enum Role {
     Gloo(CollectiveOp),
     /// A CUDA synchronisation call.
     Sync(SyncKind),
+    /// A GPU memory call (the generic call programs: what to read is in the cookie).
+    Memory(MemoryOp),
 }
 
 /// The catalog's entry of a probe.
@@ -99,6 +102,16 @@ impl CollectiveOp {
     }
 }
 
+impl MemoryOp {
+    /// What a GPU memory probe's calls do.
+    pub fn from_probe(probe: ProbeId) -> Option<MemoryOp> {
+        match spec_of(probe).role {
+            Role::Memory(op) => Some(op),
+            _ => None,
+        }
+    }
+}
+
 impl SyncKind {
     /// What a sync probe's calls wait for.
     pub fn from_probe(probe: ProbeId) -> Option<SyncKind> {
@@ -113,6 +126,14 @@ impl ProbeSpec {
     pub fn cookie(&self) -> u64 {
         let shape = match self.role {
             Role::Nccl(_, args) => args as u32,
+            Role::Memory(op) => {
+                let out = op.out_arg().map_or(0, api_shape::out_arg);
+                let driver = match self.library {
+                    LibraryKind::CudaDriver => api_shape::DRIVER,
+                    _ => 0,
+                };
+                out | driver
+            }
             _ => 0,
         };
         probe_cookie(self.id, shape)
@@ -152,8 +173,15 @@ mod tests {
         let groups = SpanGroups::default();
         let nccl: Vec<ProbeId> = enabled_for(Nccl, &groups).map(|s| s.id).collect();
         assert_eq!(nccl, [ProbeId::NcclCommInitRank]);
-        assert_eq!(enabled_for(CudaRuntime, &groups).count(), 0);
-        assert_eq!(enabled_for(CudaDriver, &groups).count(), 0);
+        // The CUDA libraries: only the memory calls (rare; the job span's peak).
+        for library in [CudaRuntime, CudaDriver] {
+            for spec in enabled_for(library, &groups) {
+                assert!(matches!(spec.role, Role::Memory(_)), "{:?}", spec.id);
+            }
+        }
+        let memory =
+            enabled_for(CudaRuntime, &groups).count() + enabled_for(CudaDriver, &groups).count();
+        assert_eq!(memory, 13);
         assert_eq!(enabled_for(DynamicLoader, &groups).count(), 1);
         let torch: Vec<ProbeId> = enabled_for(TorchCpu, &groups).map(|s| s.id).collect();
         assert_eq!(

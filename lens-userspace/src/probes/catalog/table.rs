@@ -3,7 +3,7 @@
 use lens_common::{NcclArgs, ProbeId};
 
 use super::{ProbeSpec, Program, Role};
-use crate::calls::{CollectiveOp, SyncKind};
+use crate::calls::{CollectiveOp, MemoryOp, SyncKind};
 use crate::settings::groups::SpanGroup;
 use crate::sys::library::LibraryKind;
 
@@ -85,6 +85,23 @@ const fn nccl(id: ProbeId, symbol: &'static str, op: CollectiveOp, args: NcclArg
 const fn sync(id: ProbeId, symbol: &'static str, kind: SyncKind) -> ProbeSpec {
     let mut spec = spec(id, symbol, CudaRuntime, CudaSyncEntry, STEP_DETAIL);
     spec.role = Role::Sync(kind);
+    spec
+}
+
+/// The GPU memory calls: rare (an allocator's cache misses) and cheap to probe next to
+/// what they cost (docs/memory.md), so on with the job span, where the run's peak goes,
+/// and with steps, whose peaks they give.
+const MEMORY: &[SpanGroup] = &[SpanGroup::Job, SpanGroup::Step];
+
+/// A GPU memory call: timed, its arguments and result read by the generic call programs.
+const fn memory(
+    id: ProbeId,
+    symbol: &'static str,
+    library: LibraryKind,
+    op: MemoryOp,
+) -> ProbeSpec {
+    let mut spec = spec(id, symbol, library, ApiCallEntry, MEMORY);
+    spec.role = Role::Memory(op);
     spec
 }
 
@@ -509,6 +526,94 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         Some(PhaseMarkReturn),
         STEP_PHASES,
     ),
+    // GPU memory: the runtime's calls, and the driver's that do not come from it (the
+    // driver calls libcudart makes are its own, left out in the kernel). The stream-
+    // ordered and virtual-memory calls are newer (CUDA 11.2, 10.2): optional.
+    memory(
+        ProbeId::CudaMalloc,
+        "cudaMalloc",
+        CudaRuntime,
+        MemoryOp::Alloc,
+    ),
+    optional(with_aliases(
+        memory(
+            ProbeId::CudaMallocAsync,
+            "cudaMallocAsync",
+            CudaRuntime,
+            MemoryOp::Alloc,
+        ),
+        &["cudaMallocAsync_ptsz"],
+    )),
+    memory(
+        ProbeId::CudaMallocManaged,
+        "cudaMallocManaged",
+        CudaRuntime,
+        MemoryOp::Alloc,
+    ),
+    memory(ProbeId::CudaFree, "cudaFree", CudaRuntime, MemoryOp::Free),
+    optional(with_aliases(
+        memory(
+            ProbeId::CudaFreeAsync,
+            "cudaFreeAsync",
+            CudaRuntime,
+            MemoryOp::Free,
+        ),
+        &["cudaFreeAsync_ptsz"],
+    )),
+    memory(
+        ProbeId::CuMemAlloc,
+        "cuMemAlloc_v2",
+        CudaDriver,
+        MemoryOp::Alloc,
+    ),
+    memory(
+        ProbeId::CuMemFree,
+        "cuMemFree_v2",
+        CudaDriver,
+        MemoryOp::Free,
+    ),
+    optional(with_aliases(
+        memory(
+            ProbeId::CuMemAllocAsync,
+            "cuMemAllocAsync",
+            CudaDriver,
+            MemoryOp::Alloc,
+        ),
+        &["cuMemAllocAsync_ptsz"],
+    )),
+    optional(with_aliases(
+        memory(
+            ProbeId::CuMemFreeAsync,
+            "cuMemFreeAsync",
+            CudaDriver,
+            MemoryOp::Free,
+        ),
+        &["cuMemFreeAsync_ptsz"],
+    )),
+    optional(memory(
+        ProbeId::CuMemCreate,
+        "cuMemCreate",
+        CudaDriver,
+        MemoryOp::Create,
+    )),
+    optional(memory(
+        ProbeId::CuMemMap,
+        "cuMemMap",
+        CudaDriver,
+        MemoryOp::Map,
+    )),
+    optional(memory(
+        ProbeId::CuMemUnmap,
+        "cuMemUnmap",
+        CudaDriver,
+        MemoryOp::Unmap,
+    )),
+    optional(memory(
+        ProbeId::CuMemRelease,
+        "cuMemRelease",
+        CudaDriver,
+        MemoryOp::Release,
+    )),
 ];
 
 /// A `c10d::ProcessGroupGloo` collective: child of the phase it runs in, seen at its

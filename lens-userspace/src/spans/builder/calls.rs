@@ -1,12 +1,18 @@
-//! Timed calls (collectives, sync waits, gloo calls) turned into child spans of the
-//! phase they ran in.
+//! Timed calls (collectives, sync waits, gloo calls, slow or failed GPU memory calls)
+//! turned into child spans of the phase they ran in.
 
 use crate::spans::{
     Attributes, SpanExporter, SpanRecord,
     pending::{ProcessOutput, UnplacedCall},
     phases::ProcessContext,
 };
-use crate::{events::CallTiming, semconv};
+use crate::{
+    events::CallTiming,
+    gpu_memory::{self, MemoryChange},
+    names, semconv,
+    spans::SpanEvent,
+};
+use lens_common::ProbeId;
 
 use super::*;
 
@@ -21,6 +27,55 @@ impl<E: SpanExporter> SpanBuilder<E> {
         if let Some(record) = self.call_record(timing, name, attributes, result) {
             self.send_released(vec![record]);
         }
+        self.bound_held(timing.tgid, timing.end_ns);
+    }
+
+    /// A GPU memory call: what it left held goes to the exporters (metrics, peaks); a
+    /// slow one (it synchronised or mapped) or a failed one gets a span, and an
+    /// out-of-memory failure an event on that span and on the span it ran in.
+    pub(super) fn on_memory_call(
+        &mut self,
+        timing: &CallTiming,
+        probe: ProbeId,
+        result: i64,
+        change: &MemoryChange,
+    ) {
+        self.exporter
+            .process_memory(timing.tgid, timing.end_ns, change);
+        if timing.duration_ns() < gpu_memory::SLOW_CALL_NS && result == 0 {
+            return;
+        }
+        let attributes = vec![
+            (semconv::DL_GPU_MEMORY_BYTES, change.bytes.into()),
+            (semconv::DL_GPU_MEMORY_HELD, change.held.into()),
+        ];
+        let name = gpu_memory::span_name(probe);
+        let result = i32::try_from(result).unwrap_or(i32::MIN);
+        let Some(mut record) = self.call_record(timing, name, attributes, result) else {
+            return;
+        };
+        if let Some(oom) = &change.out_of_memory {
+            let mut attributes = vec![
+                (semconv::DL_GPU_MEMORY_BYTES, change.bytes.into()),
+                (semconv::DL_GPU_MEMORY_HELD, change.held.into()),
+                (semconv::DL_GPU_MEMORY_PEAK, change.peak.into()),
+            ];
+            if !oom.python.is_empty() {
+                attributes.push((semconv::CODE_STACKTRACE, oom.python.join("\n").into()));
+            }
+            let event = SpanEvent {
+                name: names::OUT_OF_MEMORY_EVENT,
+                at_ns: timing.end_ns,
+                attributes,
+            };
+            if let (Some(parent), Some(process)) =
+                (record.parent, self.processes.get_mut(&timing.tgid))
+            {
+                process.arena.add_event(parent, event.clone());
+            }
+            record.events.push(event);
+        }
+        self.send_released(vec![record]);
         self.bound_held(timing.tgid, timing.end_ns);
     }
 

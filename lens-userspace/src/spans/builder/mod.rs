@@ -10,6 +10,7 @@ use super::{
     SpanEvent, SpanExporter, SpanId, SpanRecord,
     arena::{IdSource, SpanArena},
     collectives::Collectives,
+    memory_peaks::MemoryPeaks,
     names,
     pending::{PendingSpans, ProcessOutput},
     phases::{ProcessContext, ThreadPhases},
@@ -132,14 +133,17 @@ pub struct SpanBuilder<E: SpanExporter> {
 struct Tap<E> {
     inner: E,
     history: PhaseHistory,
+    /// Held GPU memory over time: the peaks steps and jobs carry.
+    memory: MemoryPeaks,
 }
 
 impl<E: SpanExporter> SpanExporter for Tap<E> {
     fn process_started(&mut self, info: &ProcessInfo, job: Option<SpanId>, start_ns: u64) {
         self.inner.process_started(info, job, start_ns);
     }
-    fn export(&mut self, span: SpanRecord) {
+    fn export(&mut self, mut span: SpanRecord) {
         self.history.record(&span);
+        self.memory.annotate(&mut span);
         self.inner.export(span);
     }
     fn process_calls(
@@ -155,8 +159,13 @@ impl<E: SpanExporter> SpanExporter for Tap<E> {
     fn launches_sampled(&mut self, pid: u32) {
         self.inner.launches_sampled(pid);
     }
+    fn process_memory(&mut self, pid: u32, at_ns: u64, change: &crate::gpu_memory::MemoryChange) {
+        self.memory.record(pid, at_ns, change.held, change.peak);
+        self.inner.process_memory(pid, at_ns, change);
+    }
     fn process_ended(&mut self, pid: u32) {
         self.history.forget(pid);
+        self.memory.forget(pid);
         self.inner.process_ended(pid);
     }
 }
@@ -174,6 +183,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             exporter: Tap {
                 inner: exporter,
                 history: PhaseHistory::default(),
+                memory: MemoryPeaks::default(),
             },
         }
     }

@@ -78,6 +78,14 @@ impl<E: SpanExporter> SpanBuilder<E> {
             ProbeEvent::CommInit { .. } => self.on_comm_init(event),
             ProbeEvent::Group { .. } | ProbeEvent::PyStack { .. } => {}
             ProbeEvent::RuleCall { .. } => self.on_rule_call(event),
+            ProbeEvent::ApiCall {
+                timing,
+                probe,
+                result,
+                memory: Some(change),
+                ..
+            } => self.on_memory_call(timing, *probe, *result, change),
+            ProbeEvent::ApiCall { .. } => {}
         }
     }
 
