@@ -30,16 +30,20 @@ pub(super) enum Kind {
     Group,
     /// `cudaEventQuery` of an event no collective precedes (the caching allocator's).
     EventQuery,
+    /// `cudaMalloc` and `cudaFree` (the fake runtime calls the fake driver's, as the real
+    /// one does): a GPU memory call pair, rare in a real job.
+    Memory,
 }
 
 impl Kind {
-    pub(super) const ALL: [Kind; 6] = [
+    pub(super) const ALL: [Kind; 7] = [
         Kind::Launch,
         Kind::Driver,
         Kind::Sync,
         Kind::Collective,
         Kind::Group,
         Kind::EventQuery,
+        Kind::Memory,
     ];
 
     /// Issue 33's bound on lens-probe's cost, as a ratio to bpftrace on the same probes:
@@ -48,7 +52,7 @@ impl Kind {
     fn bound(self) -> f64 {
         match self {
             Kind::Launch | Kind::Driver => 1.05,
-            Kind::Sync | Kind::Collective | Kind::Group | Kind::EventQuery => 1.15,
+            Kind::Sync | Kind::Collective | Kind::Group | Kind::EventQuery | Kind::Memory => 1.15,
         }
     }
 
@@ -61,12 +65,13 @@ impl Kind {
             Kind::Collective => "collective",
             Kind::Group => "group",
             Kind::EventQuery => "event_query",
+            Kind::Memory => "memory",
         }
     }
 
     fn library(self) -> &'static str {
         match self {
-            Kind::Launch | Kind::Sync | Kind::EventQuery => "libcudart.so.12",
+            Kind::Launch | Kind::Sync | Kind::EventQuery | Kind::Memory => "libcudart.so.12",
             Kind::Driver => "libcuda.so.1",
             Kind::Collective | Kind::Group => "libnccl.so.2",
         }
@@ -80,6 +85,7 @@ impl Kind {
             Kind::Collective => "ncclAllReduce",
             Kind::Group => "ncclGroupStart",
             Kind::EventQuery => "cudaEventQuery",
+            Kind::Memory => "cudaMalloc",
         }
     }
 
@@ -105,12 +111,20 @@ impl Kind {
                 "`cuda_event_query_entry` + `cuda_event_query_return` (counted; the event is \
                  not one recorded after a collective: no event sent)"
             }
+            Kind::Memory => {
+                "`api_call_entry` + `api_call_return` on `cudaMalloc` and `cudaFree` (one \
+                 record each), and on the `cuMemAlloc_v2` / `cuMemFree_v2` they call (return \
+                 address read: the runtime's own, not recorded); per call pair"
+            }
         }
     }
 
     /// Whether lens-probe also puts a return probe on the function.
     fn returns(self) -> bool {
-        matches!(self, Kind::Sync | Kind::Collective | Kind::EventQuery)
+        matches!(
+            self,
+            Kind::Sync | Kind::Collective | Kind::EventQuery | Kind::Memory
+        )
     }
 
     /// Calls per timed run. The fake sync is a `nanosleep(0)` (~20 µs here): fewer calls
@@ -119,6 +133,7 @@ impl Kind {
         let n = if quick { 100_000 } else { 500_000 };
         match self {
             Kind::Sync => n / 10,
+            Kind::Memory => n / 5,
             _ => n,
         }
     }
@@ -176,6 +191,21 @@ fn bpftrace_script(ctx: &Ctx, kind: Kind, returns: bool) -> String {
     }
     if returns {
         script.push_str(&format!("uretprobe:{target} {{ @ret = count(); }}\n"));
+    }
+    if kind == Kind::Memory {
+        // The same points as lens-probe's: the free, and the driver calls both make.
+        let points = [
+            ("libcudart.so.12", "cudaFree"),
+            ("libcuda.so.1", "cuMemAlloc_v2"),
+            ("libcuda.so.1", "cuMemFree_v2"),
+        ];
+        for (i, (library, function)) in points.into_iter().enumerate() {
+            let point = format!("{}:{function}", ctx.fixtures.join(library).display());
+            script.push_str(&format!("uprobe:{point} {{ @m{i} = count(); }}\n"));
+            if returns {
+                script.push_str(&format!("uretprobe:{point} {{ @r{i} = count(); }}\n"));
+            }
+        }
     }
     script
 }
