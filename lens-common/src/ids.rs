@@ -180,6 +180,22 @@ numbered! {
         CuMemUnmap = 60,
         /// `cuMemRelease(CUmemGenericAllocationHandle handle)`.
         CuMemRelease = 61,
+        /// `cudaStreamBeginCapture(stream, mode)`: launches on the stream are recorded
+        /// into a graph from here on, not run (`api_shape::CAPTURE_BEGIN`).
+        CudaStreamBeginCapture = 62,
+        /// `cudaStreamEndCapture(stream, cudaGraph_t *graph)`: the capture ends.
+        CudaStreamEndCapture = 63,
+        /// The driver's `cuStreamBeginCapture_v2(hStream, mode)`.
+        CuStreamBeginCapture = 64,
+        /// `cuStreamEndCapture(hStream, CUgraph *phGraph)`.
+        CuStreamEndCapture = 65,
+        /// `cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph, flags)`: a
+        /// captured graph made launchable (slow: ms).
+        CudaGraphInstantiate = 66,
+        /// `cudaGraphInstantiateWithFlags(cudaGraphExec_t *exec, cudaGraph_t graph, flags)`.
+        CudaGraphInstantiateWithFlags = 67,
+        /// The driver's `cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph graph, flags)`.
+        CuGraphInstantiate = 68,
     }
 }
 

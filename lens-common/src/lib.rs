@@ -61,6 +61,11 @@ pub mod api_shape {
     /// (`cudaMalloc` calls `cuMemAlloc_v2`): left out when its return address is in the
     /// process's libcudart (`RUNTIME_RANGES`), so that one allocation is seen once.
     pub const DRIVER: u32 = 1 << 3;
+    /// A stream capture begins on the stream in the first argument, once the call
+    /// returned 0: the process's launches on it are captured, not run.
+    pub const CAPTURE_BEGIN: u32 = 1 << 4;
+    /// The capture on the stream in the first argument ends (at the call's entry).
+    pub const CAPTURE_END: u32 = 1 << 5;
 }
 
 /// The rule index of a `probe` value, if it is a configured rule's.
@@ -207,6 +212,13 @@ pub struct TargetState {
     /// launch already): not calls of their own, but each is a probe hit the process pays
     /// for (the overhead estimate counts them).
     pub runtime_driver_hits: u64,
+    /// Streams of the process capturing a CUDA graph now (`CAPTURING_STREAMS`): while it
+    /// is 0, a launch reads nothing more; otherwise it reads its stream to tell a
+    /// captured launch from one that runs.
+    pub capturing: u64,
+    /// Launches captured into a CUDA graph so far (recorded, not run), per launch probe
+    /// ([`launch_slot`]): not in `launches`.
+    pub captured: [u64; LAUNCH_PROBES.len()],
     /// Calls counted so far of every other catalog probe, by [`ProbeId`] (a launch probe's
     /// slot stays 0). Here, an atomic add beside the launch counters, rather than in a map
     /// keyed by (process, probe): the target lookup every hit makes already found them.
@@ -216,7 +228,7 @@ pub struct TargetState {
 }
 
 /// Slots of [`TargetState::calls`]: every [`ProbeId`] has one.
-pub const CALL_SLOTS: usize = 64;
+pub const CALL_SLOTS: usize = 128;
 const _: () = assert!(ProbeId::COUNT <= CALL_SLOTS && CALL_SLOTS.is_power_of_two());
 
 impl Default for TargetState {
@@ -234,6 +246,8 @@ impl TargetState {
             epoch: 0,
             launches: [0; LAUNCH_PROBES.len()],
             runtime_driver_hits: 0,
+            capturing: 0,
+            captured: [0; LAUNCH_PROBES.len()],
             calls: [0; CALL_SLOTS],
         }
     }
@@ -403,6 +417,9 @@ pub mod limits {
     /// Streams holding a collective no event was recorded after yet, and the events
     /// recorded after collectives not known complete (LRU: old ones fall out).
     pub const MAX_COLLECTIVE_HANDLES: u32 = 8192;
+    /// Streams capturing a CUDA graph at once, across the traced processes (LRU: a
+    /// process that died mid-capture leaves its entry to fall out).
+    pub const MAX_CAPTURING_STREAMS: u32 = 1024;
     /// Kernels registered (host stub → name) across the traced processes; LRU. A
     /// PyTorch build registers some tens of thousands per process.
     pub const MAX_REGISTERED_KERNELS: u32 = 131_072;

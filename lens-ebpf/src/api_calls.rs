@@ -1,4 +1,6 @@
-//! Library calls whose arguments and result say what they did (the GPU memory calls):
+//! Library calls whose arguments and result say what they did (the GPU memory calls, CUDA
+//! graph capture and instantiation; a capture's begin and end also tell the launch
+//! probes which streams capture, `launches::capture_began`):
 //! one entry and one return program for all of them, what to read in the attach cookie
 //! (`lens_common::api_shape`). Rare calls: each is sent, and user space gives it its
 //! meaning, so a new one is a catalog row, not a new program.
@@ -11,7 +13,7 @@ use crate::ctx::{
     Entry, arg_u64, attach_cookie, call_starting_now, count_call, count_loss, entry_of, new_record,
     now_ns, remember_entry, send, send_now, traced,
 };
-use crate::launches::called_from_runtime;
+use crate::launches::{called_from_runtime, capture_began, capture_ended};
 use crate::maps::INFLIGHT_API_CALLS;
 
 uprobe_and_multi! {
@@ -40,6 +42,9 @@ fn api_call_entry_body(ctx: ProbeContext) -> u32 {
         return 0;
     }
     count_call(target, cookie as u32);
+    if cookie_shape(cookie) & api_shape::CAPTURE_END != 0 {
+        capture_ended(target, pid_tgid, arg_u64(&ctx, 0));
+    }
     record.body.times = call_starting_now();
     let mut i = 0;
     while i < API_ARGS {
@@ -73,7 +78,14 @@ fn api_call_return_body(ctx: RetProbeContext) -> u32 {
     record.body.times.end_ns = now_ns();
     record.body.result = ctx.ret::<i64>();
     // The return probe carries the entry's cookie: its shape names the out-pointer.
-    let out_arg = (cookie_shape(attach_cookie(&ctx)) & api_shape::OUT_ARG_MASK) as usize;
+    let shape = cookie_shape(attach_cookie(&ctx));
+    if shape & api_shape::CAPTURE_BEGIN != 0
+        && record.body.result == 0
+        && let Some((_, target)) = traced()
+    {
+        capture_began(target, pid_tgid, record.body.args[0]);
+    }
+    let out_arg = (shape & api_shape::OUT_ARG_MASK) as usize;
     let pointer = match out_arg {
         1 => record.body.args[0],
         2 => record.body.args[1],

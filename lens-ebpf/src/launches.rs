@@ -10,9 +10,10 @@ use lens_common::{
     CODE_RANGES, HandleKey, KernelKey, LossCause, ProbeId, TargetState, launch_slot, limits,
 };
 
-use crate::ctx::{arg_u64, count_call, count_loss, now_ns, probe_id, traced};
+use crate::ctx::{arg_u64, count_call, count_loss, now_ns, probe_id, read_user_u64, traced};
 use crate::maps::{
-    KERNEL_COUNTS, KERNEL_REGISTRY, LAUNCH_NOTES, LaunchNote, RUNTIME_RANGES, kernel_names,
+    CAPTURING_STREAMS, KERNEL_COUNTS, KERNEL_REGISTRY, LAUNCH_NOTES, LaunchNote, RUNTIME_RANGES,
+    kernel_names,
 };
 
 /// Adds `value` to `*counter`, shared with other CPUs. (The old value is not used: BPF's
@@ -40,6 +41,16 @@ pub(crate) fn count_launch(
         count_call(target, probe);
         return;
     };
+    // SAFETY: a live map value, read as it is now.
+    let capturing = unsafe { core::ptr::read_volatile(&raw const (*target).capturing) };
+    if capturing != 0 && on_capturing_stream(ctx, pid_tgid, probe) {
+        // Recorded into a graph, not run.
+        // SAFETY: as below; the slot is checked again for the verifier.
+        if let Some(count) = unsafe { (*target).captured.get_mut(slot) } {
+            atomic_add(count, 1);
+        }
+        return;
+    }
     // SAFETY: a live map value (see `atomic_add`); the epoch is read as it is now. The
     // slot is below the array's length (`launch_slot`), checked again for the verifier.
     let epoch = unsafe {
@@ -89,6 +100,62 @@ pub(crate) fn count_launch(
     match KERNEL_COUNTS.get_ptr_mut(&key) {
         Some(count) => atomic_add(count, 1),
         None => count_loss(LossCause::KernelMapFull),
+    }
+}
+
+/// Whether this launch goes to a stream capturing a graph. Its stream: `cudaLaunchKernel`'s
+/// 6th argument (the 8th word: each `dim3` takes two registers), `cuLaunchKernel`'s 9th,
+/// a graph launch's 2nd, and at offset 32 of the `cudaLaunchConfig_t` / `CUlaunchConfig`
+/// the `Ex` launches take first.
+#[inline(always)]
+fn on_capturing_stream(ctx: &ProbeContext, pid_tgid: u64, probe: u32) -> bool {
+    const RUNTIME_KERNEL: u32 = ProbeId::CudaLaunchKernel as u32;
+    const DRIVER_KERNEL: u32 = ProbeId::CuLaunchKernel as u32;
+    const RUNTIME_KERNEL_EX: u32 = ProbeId::CudaLaunchKernelExC as u32;
+    const DRIVER_KERNEL_EX: u32 = ProbeId::CuLaunchKernelEx as u32;
+    let stream = match probe {
+        RUNTIME_KERNEL => arg_u64(ctx, 7),
+        DRIVER_KERNEL => arg_u64(ctx, 8),
+        RUNTIME_KERNEL_EX | DRIVER_KERNEL_EX => read_user_u64(arg_u64(ctx, 0) + 32),
+        _ => arg_u64(ctx, 1),
+    };
+    let key = HandleKey {
+        tgid: (pid_tgid >> 32) as u32,
+        _pad: 0,
+        handle: stream,
+    };
+    // SAFETY: a lookup; the value is not read.
+    unsafe { CAPTURING_STREAMS.get(&key) }.is_some()
+}
+
+/// A capture began on `stream` (its call returned 0): launches on it are captured.
+#[inline(always)]
+pub(crate) fn capture_began(target: *mut TargetState, pid_tgid: u64, stream: u64) {
+    let key = HandleKey {
+        tgid: (pid_tgid >> 32) as u32,
+        _pad: 0,
+        handle: stream,
+    };
+    if CAPTURING_STREAMS
+        .insert(&key, &1, BPF_NOEXIST as u64)
+        .is_ok()
+    {
+        // SAFETY: a live map value (see `atomic_add`).
+        atomic_add(unsafe { &raw mut (*target).capturing }, 1);
+    }
+}
+
+/// The capture on `stream` ends.
+#[inline(always)]
+pub(crate) fn capture_ended(target: *mut TargetState, pid_tgid: u64, stream: u64) {
+    let key = HandleKey {
+        tgid: (pid_tgid >> 32) as u32,
+        _pad: 0,
+        handle: stream,
+    };
+    if CAPTURING_STREAMS.remove(&key).is_ok() {
+        // SAFETY: as above; adding 2^64 - 1 takes one away.
+        atomic_add(unsafe { &raw mut (*target).capturing }, u64::MAX);
     }
 }
 

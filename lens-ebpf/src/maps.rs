@@ -73,6 +73,12 @@ pub(crate) static COLLECTIVE_EVENTS: LruHashMap<HandleKey, u64> =
 /// Kernels as nvcc's module constructors registered them: (process, host stub) → the
 /// address of the kernel's mangled name in the process (read by the loader when the
 /// stub is launched and its library has no symbol for it).
+/// Streams capturing a CUDA graph (written at `cudaStreamBeginCapture`'s return and
+/// `cudaStreamEndCapture`'s entry, and the driver's): a launch on one is captured, not run.
+#[map(name = "CAPTURING_STREAMS")]
+pub(crate) static CAPTURING_STREAMS: LruHashMap<HandleKey, u8> =
+    LruHashMap::with_max_entries(limits::MAX_CAPTURING_STREAMS, 0);
+
 #[map(name = "KERNEL_REGISTRY")]
 pub(crate) static KERNEL_REGISTRY: LruHashMap<HandleKey, u64> =
     LruHashMap::with_max_entries(limits::MAX_REGISTERED_KERNELS, 0);

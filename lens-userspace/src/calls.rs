@@ -1,5 +1,5 @@
 //! What a probed call is, as users name it: the collective an NCCL or gloo call
-//! performs, the wait a CUDA sync call makes, what a GPU memory call does. The catalog gives each probe its meaning
+//! performs, the wait a CUDA sync call makes, what a GPU memory or graph call does. The catalog gives each probe its meaning
 //! (`catalog::Role`); span and metric names come from here.
 use serde::Serialize;
 
@@ -139,5 +139,66 @@ impl MemoryOp {
     /// out-of-memory.
     pub const fn takes_memory(self) -> bool {
         matches!(self, MemoryOp::Alloc | MemoryOp::Create)
+    }
+}
+
+/// What a CUDA graph call does (the launches of a graph are counted with the launches).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GraphOp {
+    /// A stream begins capturing (`args[0]`): its launches are recorded, not run.
+    BeginCapture,
+    /// The capture on stream `args[0]` ends; the graph is written to `*args[1]`.
+    EndCapture,
+    /// A graph (`args[1]`) made launchable; the executable graph written to `*args[0]`.
+    Instantiate,
+}
+
+impl GraphOp {
+    /// The argument the call writes its result through (read at return).
+    pub const fn out_arg(self) -> Option<u32> {
+        match self {
+            GraphOp::BeginCapture => None,
+            GraphOp::EndCapture => Some(1),
+            GraphOp::Instantiate => Some(0),
+        }
+    }
+}
+
+/// The span name of a CUDA graph call, named after the call; `None` for other probes.
+pub fn graph_span_name(probe: lens_common::ProbeId) -> Option<&'static str> {
+    use lens_common::ProbeId;
+    Some(match probe {
+        ProbeId::CudaStreamBeginCapture => "cuda.stream_begin_capture",
+        ProbeId::CudaStreamEndCapture => "cuda.stream_end_capture",
+        ProbeId::CudaGraphInstantiate | ProbeId::CudaGraphInstantiateWithFlags => {
+            "cuda.graph_instantiate"
+        }
+        ProbeId::CuStreamBeginCapture => "cuda.driver.stream_begin_capture",
+        ProbeId::CuStreamEndCapture => "cuda.driver.stream_end_capture",
+        ProbeId::CuGraphInstantiate => "cuda.driver.graph_instantiate",
+        _ => return None,
+    })
+}
+
+/// The span name of a memory call, named after the call (`cuda.malloc`,
+/// `cuda.driver.mem_alloc`).
+pub fn memory_span_name(probe: lens_common::ProbeId) -> &'static str {
+    use lens_common::ProbeId;
+    match probe {
+        ProbeId::CudaMalloc => "cuda.malloc",
+        ProbeId::CudaMallocAsync => "cuda.malloc_async",
+        ProbeId::CudaMallocManaged => "cuda.malloc_managed",
+        ProbeId::CudaFree => "cuda.free",
+        ProbeId::CudaFreeAsync => "cuda.free_async",
+        ProbeId::CuMemAlloc => "cuda.driver.mem_alloc",
+        ProbeId::CuMemFree => "cuda.driver.mem_free",
+        ProbeId::CuMemAllocAsync => "cuda.driver.mem_alloc_async",
+        ProbeId::CuMemFreeAsync => "cuda.driver.mem_free_async",
+        ProbeId::CuMemCreate => "cuda.driver.mem_create",
+        ProbeId::CuMemMap => "cuda.driver.mem_map",
+        ProbeId::CuMemUnmap => "cuda.driver.mem_unmap",
+        ProbeId::CuMemRelease => "cuda.driver.mem_release",
+        _ => "cuda.memory_call",
     }
 }

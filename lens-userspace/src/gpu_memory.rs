@@ -151,27 +151,6 @@ pub fn out_of_memory_line(
     )
 }
 
-/// The span name of a memory call, named after the call (`cuda.malloc`,
-/// `cuda.driver.mem_alloc`).
-pub fn span_name(probe: ProbeId) -> &'static str {
-    match probe {
-        ProbeId::CudaMalloc => "cuda.malloc",
-        ProbeId::CudaMallocAsync => "cuda.malloc_async",
-        ProbeId::CudaMallocManaged => "cuda.malloc_managed",
-        ProbeId::CudaFree => "cuda.free",
-        ProbeId::CudaFreeAsync => "cuda.free_async",
-        ProbeId::CuMemAlloc => "cuda.driver.mem_alloc",
-        ProbeId::CuMemFree => "cuda.driver.mem_free",
-        ProbeId::CuMemAllocAsync => "cuda.driver.mem_alloc_async",
-        ProbeId::CuMemFreeAsync => "cuda.driver.mem_free_async",
-        ProbeId::CuMemCreate => "cuda.driver.mem_create",
-        ProbeId::CuMemMap => "cuda.driver.mem_map",
-        ProbeId::CuMemUnmap => "cuda.driver.mem_unmap",
-        ProbeId::CuMemRelease => "cuda.driver.mem_release",
-        _ => "cuda.memory_call",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,7 +1,7 @@
 //! Every span and span-event name lens-probe gives, as NeMo Lens' docs name them
 //! (`train.*`) and for what only a probe sees. Calls are named after the call: the
-//! collectives' and syncs' names are in `calls` (`nccl.all_reduce`, …), the GPU memory
-//! calls' in `gpu_memory` (`cuda.malloc`, …).
+//! collectives', syncs', GPU memory and graph calls' names are in `calls`
+//! (`nccl.all_reduce`, `cuda.malloc`, …).
 pub const JOB: &str = "train.job";
 pub const MODEL_INIT: &str = "train.model_init";
 pub const LOAD_CHECKPOINT: &str = "train.load_checkpoint";

@@ -13,11 +13,14 @@ use crate::{
 };
 
 /// How a traced process's tracing ended.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ProcessEnd {
     pub pid: u32,
     /// Calls counted in the kernel (launches and every other probed call), by probe.
     pub calls: BTreeMap<ProbeId, u64>,
+    /// Launches captured into CUDA graphs (recorded, not run), by launch probe: not in
+    /// `calls`.
+    pub captured: BTreeMap<ProbeId, u64>,
     /// `None` when tracing stopped while the process was still running.
     pub exit: Option<ExitStatus>,
 }

@@ -42,13 +42,20 @@ pub struct CommunicatorInit {
     pub result: i32,
 }
 
+/// One kind's sync waits: their distribution, and their exact total.
 #[derive(Debug)]
-struct SyncWaits(Histogram<u64>);
+struct SyncWaits {
+    hist: Histogram<u64>,
+    total_ns: u64,
+}
 
 impl Default for SyncWaits {
     fn default() -> Self {
         // 1 ns .. 1 h at 3 significant digits: bounded memory however long the run.
-        SyncWaits(Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds"))
+        SyncWaits {
+            hist: Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds"),
+            total_ns: 0,
+        }
     }
 }
 
@@ -60,9 +67,10 @@ pub struct ProcessSummary {
     /// decoded; no call time: they are seen at their entry alone).
     pub gloo_collectives: BTreeMap<CollectiveOp, CollectiveStats>,
     sync_waits: BTreeMap<SyncKind, SyncWaits>,
-    sync_total_ns: BTreeMap<SyncKind, u64>,
     pub communicators: Vec<CommunicatorInit>,
     pub calls: BTreeMap<ProbeId, u64>,
+    /// Launches captured into CUDA graphs (recorded, not run), by launch probe.
+    pub captured: BTreeMap<ProbeId, u64>,
     pub exit: Option<ExitStatus>,
     pub ended: bool,
     /// What its probes cost it, estimated (the last word the session gave).
@@ -97,12 +105,12 @@ impl ProcessSummary {
     pub fn sync_stats(&self) -> BTreeMap<SyncKind, SyncStats> {
         self.sync_waits
             .iter()
-            .map(|(kind, SyncWaits(hist))| {
+            .map(|(kind, SyncWaits { hist, total_ns })| {
                 (
                     *kind,
                     SyncStats {
                         calls: hist.len(),
-                        total_ns: self.sync_total_ns.get(kind).copied().unwrap_or(0),
+                        total_ns: *total_ns,
                         p50_ns: hist.value_at_quantile(0.50),
                         p99_ns: hist.value_at_quantile(0.99),
                         max_ns: hist.max(),
@@ -273,9 +281,9 @@ impl Summary {
             }
             ProbeEvent::SyncWait { timing, kind, .. } => {
                 let duration = timing.duration_ns().max(1);
-                let SyncWaits(hist) = process.sync_waits.entry(*kind).or_default();
-                hist.saturating_record(duration);
-                *process.sync_total_ns.entry(*kind).or_default() += duration;
+                let waits = process.sync_waits.entry(*kind).or_default();
+                waits.hist.saturating_record(duration);
+                waits.total_ns += duration;
             }
             ProbeEvent::CommInit { result, .. } => {
                 if let Some(communicator) = event.communicator() {
@@ -308,6 +316,9 @@ impl Summary {
         let process = self.processes.entry(end.pid).or_default();
         for (probe, count) in &end.calls {
             *process.calls.entry(*probe).or_default() += count;
+        }
+        for (probe, count) in &end.captured {
+            *process.captured.entry(*probe).or_default() += count;
         }
         process.exit = end.exit;
         // `None`: tracing stopped while the process runs on: it has not ended.
@@ -509,6 +520,18 @@ impl Summary {
                 .collect();
             let _ = writeln!(out, "  driver launches: {}", list.join(", "));
         }
+        if !process.captured.is_empty() {
+            let list: Vec<String> = process
+                .captured
+                .iter()
+                .map(|(id, n)| format!("{} {n}", crate::probes::catalog::symbol(*id)))
+                .collect();
+            let _ = writeln!(
+                out,
+                "  captured into CUDA graphs (recorded, not run): {}",
+                list.join(", ")
+            );
+        }
     }
 
     fn render_sync_waits(&self, out: &mut String, process: &ProcessSummary) {
@@ -573,6 +596,11 @@ impl Summary {
                     "gloo_collectives": gloo_collectives,
                     "sync_waits": syncs,
                     "calls": calls,
+                    "captured_launches": process
+                        .captured
+                        .iter()
+                        .map(|(id, n)| (crate::probes::catalog::symbol(*id), *n))
+                        .collect::<BTreeMap<_, _>>(),
                     "probe_cost": process.probe_cost,
                     "gpu_memory": process.memory,
                 })
@@ -739,6 +767,7 @@ mod tests {
                 pid,
                 exit: Some(ExitStatus::Exited(0)),
                 calls: [(ProbeId::DlDebugState, 3)].into_iter().collect(),
+                ..ProcessEnd::default()
             });
         }
         let text = summary.render(&Losses::default());
@@ -781,6 +810,7 @@ mod tests {
             pid: 7,
             exit: None,
             calls: [(ProbeId::NcclAllReduce, 20)].into_iter().collect(),
+            ..ProcessEnd::default()
         });
         let text = summary.render(&Losses::default());
         assert!(text.contains("still running"), "{text}");

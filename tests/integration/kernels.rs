@@ -284,3 +284,73 @@ fn runtime_and_direct_driver_launches_interleaved_on_two_threads_count_once_each
             .collect()
     );
 }
+
+#[test]
+fn launches_on_a_capturing_stream_count_as_captured_not_run() {
+    if !lens_tests::require_bpf("launches_on_a_capturing_stream_count_as_captured") {
+        return;
+    }
+    // `hammer capture`: while stream S captures a graph, N runtime launches on S, N on
+    // another stream T, N `cudaLaunchKernelExC` whose config names S and N driver
+    // launches on S; then the graph is instantiated and launched 3 times, and N more
+    // launches go to S once the capture ended.
+    const N: u64 = 500;
+    let mut session = per_step_session();
+    let argv: Vec<OsString> = vec![
+        lens_tests::hammer().into_os_string(),
+        "capture".into(),
+        N.to_string().into(),
+    ];
+    session.exec(&argv).unwrap();
+    let mut summary = Summary::default();
+    session
+        .run_blocking(&mut summary, Some(Duration::from_secs(120)))
+        .unwrap();
+    let process = summary
+        .processes
+        .values()
+        .find(|p| p.ended && p.calls.contains_key(&ProbeId::CudaStreamBeginCapture))
+        .expect("the hammer's summary");
+    // Run: the launches on T and those on S after the capture, and the graph launches.
+    assert_eq!(
+        process.launches(),
+        [
+            (ProbeId::CudaLaunchKernel, 2 * N),
+            (ProbeId::CudaGraphLaunch, 3)
+        ]
+        .into_iter()
+        .collect()
+    );
+    assert!(
+        process.driver_launches().is_empty(),
+        "{:?}",
+        process.driver_launches()
+    );
+    // Recorded into the graph, not run.
+    assert_eq!(
+        process.captured,
+        [
+            (ProbeId::CudaLaunchKernel, N),
+            (ProbeId::CudaLaunchKernelExC, N),
+            (ProbeId::CuLaunchKernel, N),
+        ]
+        .into_iter()
+        .collect()
+    );
+    // One capture and one instantiation, each seen once: the driver calls the runtime
+    // made for them are its own.
+    for probe in [
+        ProbeId::CudaStreamBeginCapture,
+        ProbeId::CudaStreamEndCapture,
+        ProbeId::CudaGraphInstantiate,
+    ] {
+        assert_eq!(process.calls.get(&probe), Some(&1), "{probe:?}");
+    }
+    for probe in [
+        ProbeId::CuStreamBeginCapture,
+        ProbeId::CuStreamEndCapture,
+        ProbeId::CuGraphInstantiate,
+    ] {
+        assert_eq!(process.calls.get(&probe), None, "{probe:?}");
+    }
+}

@@ -157,10 +157,11 @@ const CUDART_PROBES: [ProbeId; 6] = [
 ];
 
 /// Functions of the fake libcudart that `per_step` probes: the six the caller calls,
-/// `cudaEventRecord[WithFlags]`, `cudaEventQuery`, `__cudaRegisterFunction` and the five
+/// `cudaEventRecord[WithFlags]`, `cudaEventQuery`, `__cudaRegisterFunction`, the five
 /// memory calls (`cudaMalloc`, `cudaMallocAsync`, `cudaMallocManaged`, `cudaFree`,
-/// `cudaFreeAsync`).
-const CUDART_SYMBOLS_PROBED: usize = 15;
+/// `cudaFreeAsync`) and the four graph calls (`cudaStreamBeginCapture`,
+/// `cudaStreamEndCapture`, `cudaGraphInstantiate`, `cudaGraphInstantiateWithFlags`).
+const CUDART_SYMBOLS_PROBED: usize = 19;
 
 /// The address of each definition named `name` in `library`'s dynamic symbols.
 fn dynamic_definitions(library: &Path, name: &str) -> Vec<u64> {
@@ -271,6 +272,10 @@ fn a_missing_symbol_fails_alone_and_the_other_probes_count_exactly() {
             ("cudaMallocManaged".to_string(), 2),
             ("cudaFree".to_string(), 2),
             ("cudaFreeAsync".to_string(), 2),
+            ("cudaStreamBeginCapture".to_string(), 2),
+            ("cudaStreamEndCapture".to_string(), 2),
+            ("cudaGraphInstantiate".to_string(), 2),
+            ("cudaGraphInstantiateWithFlags".to_string(), 2),
         ])
     );
     let expected: BTreeMap<ProbeId, u64> = CUDART_PROBES

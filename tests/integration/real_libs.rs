@@ -105,6 +105,7 @@ fn check(cudart: &std::path::Path, nccl: &std::path::Path) {
     let mut collectives = Vec::new();
     let mut syncs = Vec::new();
     let mut memory = Vec::new();
+    let mut graphs = Vec::new();
     for event in &log.events {
         match event {
             ProbeEvent::Collective {
@@ -140,6 +141,16 @@ fn check(cudart: &std::path::Path, nccl: &std::path::Path) {
             } => {
                 assert_eq!((*rank, *nranks), (0, 2));
                 assert_ne!(*result, 0);
+            }
+            ProbeEvent::ApiCall {
+                probe,
+                args,
+                result,
+                ..
+            } if lens_probe::calls::GraphOp::from_probe(*probe).is_some() => {
+                // No GPU: the capture never began, and nothing was instantiated.
+                assert_eq!(*result, 35, "{probe:?}");
+                graphs.push((*probe, args[0]));
             }
             ProbeEvent::ApiCall {
                 probe,
@@ -221,6 +232,14 @@ fn check(cudart: &std::path::Path, nccl: &std::path::Path) {
         "{}",
         cudart.display()
     );
+    // A capture's stream is its first argument; an instantiation's first is the
+    // out-pointer (an address on the caller's stack).
+    assert_eq!(graphs.len(), 4, "{graphs:?}");
+    assert_eq!(graphs[0], (ProbeId::CudaStreamBeginCapture, 0x45));
+    assert_eq!(graphs[1], (ProbeId::CudaStreamEndCapture, 0x45));
+    assert_eq!(graphs[2].0, ProbeId::CudaGraphInstantiate);
+    assert_ne!(graphs[2].1, 0);
+    assert_eq!(graphs[3].0, ProbeId::CudaGraphInstantiateWithFlags);
     syncs.sort();
     assert_eq!(
         syncs,

@@ -236,8 +236,7 @@ pub fn run(options: Options, sink: &mut dyn EventSink) -> Result<Report> {
     let report = report?;
     sink.on_process_end(&ProcessEnd {
         pid,
-        calls: Default::default(),
-        exit: None,
+        ..ProcessEnd::default()
     });
     Ok(Report {
         target_rate: options.rate,

@@ -100,3 +100,17 @@ pub(super) fn add_call_counts(calls: &mut BTreeMap<ProbeId, u64>, entry: Option<
         }
     }
 }
+
+/// The launches of a `TARGETS` entry captured into CUDA graphs (recorded, not run), by
+/// launch probe.
+pub(super) fn captured_launches(entry: Option<&TargetState>) -> BTreeMap<ProbeId, u64> {
+    let Some(entry) = entry else {
+        return BTreeMap::new();
+    };
+    LAUNCH_PROBES
+        .iter()
+        .zip(entry.captured)
+        .filter(|&(_, count)| count > 0)
+        .map(|(&probe, count)| (probe, count))
+        .collect()
+}

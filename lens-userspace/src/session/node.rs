@@ -1,6 +1,5 @@
 //! Node mode: processes discovered as they exec or load a library of interest, held at
 //! their first load until judged (and attached, or let go).
-use std::collections::BTreeMap;
 
 use lens_common::settings;
 use log::{debug, info};
@@ -135,8 +134,7 @@ impl Session {
             info!("pid {pid}: {error}");
             sink.on_process_end(&ProcessEnd {
                 pid,
-                calls: BTreeMap::new(),
-                exit: None,
+                ..ProcessEnd::default()
             });
             return;
         }

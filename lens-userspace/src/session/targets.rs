@@ -19,7 +19,7 @@ use crate::{
 };
 
 use super::budget::{launch_total, scale_launches};
-use super::counters::add_call_counts;
+use super::counters::{add_call_counts, captured_launches};
 use super::event_loop::register;
 use super::{Session, Target};
 
@@ -420,8 +420,14 @@ impl Session {
         self.gpu.memory.forget(pid);
         let mut calls = std::collections::BTreeMap::new();
         add_call_counts(&mut calls, entry.as_ref());
+        let captured = captured_launches(entry.as_ref());
         let runtime_driver_hits = entry.as_ref().map_or(0, |entry| entry.runtime_driver_hits);
-        let cost = self.probe_cost(&target, &calls, runtime_driver_hits);
+        // A captured launch was a probe hit too.
+        let mut hits = calls.clone();
+        for (probe, count) in &captured {
+            *hits.entry(*probe).or_default() += count;
+        }
+        let cost = self.probe_cost(&target, &hits, runtime_driver_hits);
         self.forget_kernel_state(pid);
         if let Some(estimate) = self.costs.launch_estimates.remove(&pid) {
             let new = launch_total(&calls).saturating_sub(estimate.counted);
@@ -442,7 +448,12 @@ impl Session {
             .process_ended(pid, crate::spans::monotonic_now_ns());
         self.report_hangs(ended, sink);
         sink.on_probe_cost(pid, cost);
-        sink.on_process_end(&ProcessEnd { pid, calls, exit });
+        sink.on_process_end(&ProcessEnd {
+            pid,
+            calls,
+            captured,
+            exit,
+        });
     }
 }
 

@@ -344,6 +344,7 @@ fn the_process_end_sink_path_closes_the_job() {
         pid: PID,
         calls: Default::default(),
         exit: None,
+        ..ProcessEnd::default()
     });
     let log = builder.into_exporter();
     let job = log.named(names::JOB).next().unwrap();
@@ -1239,4 +1240,78 @@ fn a_dcp_async_save_is_one_span_until_its_background_writer_returns() {
         Some(2)
     );
     assert_eq!(log.named(names::STEP).count(), 3);
+}
+
+/// A library call of the generic kind, `length_us` long, from now on.
+fn api_call(
+    run: &mut Run,
+    probe: lens_common::ProbeId,
+    length_us: u64,
+    result: i64,
+    memory: Option<crate::events::MemoryChange>,
+) {
+    run.now += length_us * 1_000;
+    run.builder.on_event(&ProbeEvent::ApiCall {
+        timing: CallTiming {
+            tgid: PID,
+            tid: PID,
+            start_ns: run.now - length_us * 1_000,
+            end_ns: run.now,
+        },
+        probe,
+        args: [0; lens_common::record::API_ARGS],
+        out: 0,
+        result,
+        memory,
+    });
+}
+
+fn held(bytes: u64, peak: u64) -> Option<crate::events::MemoryChange> {
+    Some(crate::events::MemoryChange {
+        op: crate::calls::MemoryOp::Alloc,
+        bytes: 0,
+        held: bytes,
+        peak,
+        out_of_memory: None,
+    })
+}
+
+#[test]
+fn slow_graph_and_memory_calls_are_spans_and_each_step_carries_its_peak() {
+    use lens_common::ProbeId;
+    let mut run = Run::new("per_step", true);
+    run.step(1);
+    // During the second step: a fast capture (counted only), a 5 ms instantiation and a
+    // 2 ms cudaFree (spans), allocations that take the process to 9 MiB and back.
+    run.at(1, scope_enter(FETCH));
+    api_call(&mut run, ProbeId::CudaStreamBeginCapture, 10, 0, None);
+    api_call(&mut run, ProbeId::CudaGraphInstantiate, 5_000, 0, None);
+    api_call(&mut run, ProbeId::CudaMalloc, 20, 0, held(9 << 20, 9 << 20));
+    api_call(
+        &mut run,
+        ProbeId::CudaFree,
+        2_000,
+        0,
+        held(3 << 20, 9 << 20),
+    );
+    run.at(1, PhaseSignal::ScopeExit).backward(2, 3);
+    run.at(1, scope_enter("Optimizer.step#SGD.step"))
+        .grad(0, false)
+        .grad(1, true)
+        .at(0, PhaseSignal::ScopeExit)
+        .scope(0, "Optimizer.zero_grad#SGD.zero_grad", 1);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert_eq!(log.named("cuda.graph_instantiate").count(), 1);
+    assert_eq!(log.named("cuda.free").count(), 1);
+    assert_eq!(log.named("cuda.stream_begin_capture").count(), 0);
+    assert_eq!(log.named("cuda.malloc").count(), 0);
+    let peaks: Vec<_> = log
+        .named(names::STEP)
+        .map(|step| step.int_attr(semconv::DL_GPU_MEMORY_PEAK))
+        .collect();
+    // None before the first memory call; then the step's own: 9 MiB, then what was held.
+    assert_eq!(peaks, [None, Some(9 << 20), Some(3 << 20)]);
+    let job = log.named(names::JOB).next().unwrap();
+    assert_eq!(job.int_attr(semconv::DL_GPU_MEMORY_PEAK), Some(9 << 20));
 }

@@ -5,7 +5,7 @@ mod table;
 
 use lens_common::{NcclArgs, ProbeId, api_shape, probe_cookie};
 
-use crate::calls::{CollectiveOp, MemoryOp, SyncKind};
+use crate::calls::{CollectiveOp, GraphOp, MemoryOp, SyncKind};
 use crate::settings::groups::{SpanGroup, SpanGroups};
 use crate::sys::library::LibraryKind;
 
@@ -67,6 +67,9 @@ pub enum Role {
     Sync(SyncKind),
     /// A GPU memory call (the generic call programs: what to read is in the cookie).
     Memory(MemoryOp),
+    /// A CUDA graph call (the generic call programs; a capture's begin and end also
+    /// change what the launch probes count).
+    Graph(GraphOp),
 }
 
 /// The catalog's entry of a probe.
@@ -102,6 +105,16 @@ impl CollectiveOp {
     }
 }
 
+impl GraphOp {
+    /// What a CUDA graph probe's calls do.
+    pub fn from_probe(probe: ProbeId) -> Option<GraphOp> {
+        match spec_of(probe).role {
+            Role::Graph(op) => Some(op),
+            _ => None,
+        }
+    }
+}
+
 impl MemoryOp {
     /// What a GPU memory probe's calls do.
     pub fn from_probe(probe: ProbeId) -> Option<MemoryOp> {
@@ -126,17 +139,29 @@ impl ProbeSpec {
     pub fn cookie(&self) -> u64 {
         let shape = match self.role {
             Role::Nccl(_, args) => args as u32,
-            Role::Memory(op) => {
-                let out = op.out_arg().map_or(0, api_shape::out_arg);
-                let driver = match self.library {
-                    LibraryKind::CudaDriver => api_shape::DRIVER,
-                    _ => 0,
+            Role::Memory(op) => self.api_shape(op.out_arg()),
+            Role::Graph(op) => {
+                let capture = match op {
+                    GraphOp::BeginCapture => api_shape::CAPTURE_BEGIN,
+                    GraphOp::EndCapture => api_shape::CAPTURE_END,
+                    GraphOp::Instantiate => 0,
                 };
-                out | driver
+                self.api_shape(op.out_arg()) | capture
             }
             _ => 0,
         };
         probe_cookie(self.id, shape)
+    }
+
+    /// The shape bits of a call on the generic programs: its out-pointer, and whether
+    /// libcudart may make it inside its own call (a driver call).
+    fn api_shape(&self, out_arg: Option<u32>) -> u32 {
+        let out = out_arg.map_or(0, api_shape::out_arg);
+        let driver = match self.library {
+            LibraryKind::CudaDriver => api_shape::DRIVER,
+            _ => 0,
+        };
+        out | driver
     }
 
     pub fn enabled(&self, groups: &SpanGroups) -> bool {

@@ -3,7 +3,7 @@
 use lens_common::{NcclArgs, ProbeId};
 
 use super::{ProbeSpec, Program, Role};
-use crate::calls::{CollectiveOp, MemoryOp, SyncKind};
+use crate::calls::{CollectiveOp, GraphOp, MemoryOp, SyncKind};
 use crate::settings::groups::SpanGroup;
 use crate::sys::library::LibraryKind;
 
@@ -88,9 +88,8 @@ const fn sync(id: ProbeId, symbol: &'static str, kind: SyncKind) -> ProbeSpec {
     spec
 }
 
-/// The GPU memory calls: rare (an allocator's cache misses) and cheap to probe next to
-/// what they cost (docs/memory.md), so on with the job span, where the run's peak goes,
-/// and with steps, whose peaks they give.
+/// The GPU memory calls: rare and cheap next to what they cost (docs/memory.md), so on
+/// with the job span (the run's peak) and with steps (theirs).
 const MEMORY: &[SpanGroup] = &[SpanGroup::Job, SpanGroup::Step];
 
 /// A GPU memory call: timed, its arguments and result read by the generic call programs.
@@ -102,6 +101,13 @@ const fn memory(
 ) -> ProbeSpec {
     let mut spec = spec(id, symbol, library, ApiCallEntry, MEMORY);
     spec.role = Role::Memory(op);
+    spec
+}
+
+/// A CUDA graph call: the generic call programs; with the launches whose counts it changes.
+const fn graph(id: ProbeId, symbol: &'static str, library: LibraryKind, op: GraphOp) -> ProbeSpec {
+    let mut spec = spec(id, symbol, library, ApiCallEntry, STEP_DETAIL);
+    spec.role = Role::Graph(op);
     spec
 }
 
@@ -526,9 +532,8 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         Some(PhaseMarkReturn),
         STEP_PHASES,
     ),
-    // GPU memory: the runtime's calls, and the driver's that do not come from it (the
-    // driver calls libcudart makes are its own, left out in the kernel). The stream-
-    // ordered and virtual-memory calls are newer (CUDA 11.2, 10.2): optional.
+    // GPU memory: the runtime's calls, and the driver's not made by libcudart (left out in
+    // the kernel). Stream-ordered and virtual-memory calls (CUDA 11.2, 10.2): optional.
     memory(
         ProbeId::CudaMalloc,
         "cudaMalloc",
@@ -613,6 +618,62 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         "cuMemRelease",
         CudaDriver,
         MemoryOp::Release,
+    )),
+    // CUDA graphs: a capture's begin and end tell the launch probes which streams
+    // capture (their launches are recorded, not run); instantiation is counted and timed.
+    with_aliases(
+        graph(
+            ProbeId::CudaStreamBeginCapture,
+            "cudaStreamBeginCapture",
+            CudaRuntime,
+            GraphOp::BeginCapture,
+        ),
+        &["cudaStreamBeginCapture_ptsz"],
+    ),
+    with_aliases(
+        graph(
+            ProbeId::CudaStreamEndCapture,
+            "cudaStreamEndCapture",
+            CudaRuntime,
+            GraphOp::EndCapture,
+        ),
+        &["cudaStreamEndCapture_ptsz"],
+    ),
+    optional(with_aliases(
+        graph(
+            ProbeId::CuStreamBeginCapture,
+            "cuStreamBeginCapture_v2",
+            CudaDriver,
+            GraphOp::BeginCapture,
+        ),
+        &["cuStreamBeginCapture_v2_ptsz"],
+    )),
+    optional(with_aliases(
+        graph(
+            ProbeId::CuStreamEndCapture,
+            "cuStreamEndCapture",
+            CudaDriver,
+            GraphOp::EndCapture,
+        ),
+        &["cuStreamEndCapture_ptsz"],
+    )),
+    graph(
+        ProbeId::CudaGraphInstantiate,
+        "cudaGraphInstantiate",
+        CudaRuntime,
+        GraphOp::Instantiate,
+    ),
+    optional(graph(
+        ProbeId::CudaGraphInstantiateWithFlags,
+        "cudaGraphInstantiateWithFlags",
+        CudaRuntime,
+        GraphOp::Instantiate,
+    )),
+    optional(graph(
+        ProbeId::CuGraphInstantiate,
+        "cuGraphInstantiateWithFlags",
+        CudaDriver,
+        GraphOp::Instantiate,
     )),
 ];
 

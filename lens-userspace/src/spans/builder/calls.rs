@@ -49,7 +49,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             (semconv::DL_GPU_MEMORY_BYTES, change.bytes.into()),
             (semconv::DL_GPU_MEMORY_HELD, change.held.into()),
         ];
-        let name = gpu_memory::span_name(probe);
+        let name = crate::calls::memory_span_name(probe);
         let result = i32::try_from(result).unwrap_or(i32::MIN);
         let Some(mut record) = self.call_record(timing, name, attributes, result) else {
             return;
@@ -77,6 +77,19 @@ impl<E: SpanExporter> SpanBuilder<E> {
         }
         self.send_released(vec![record]);
         self.bound_held(timing.tgid, timing.end_ns);
+    }
+
+    /// A CUDA graph call (capture, instantiation): a span when it was slow (an
+    /// instantiation takes ms) or failed, as a memory call's.
+    pub(super) fn on_graph_call(&mut self, timing: &CallTiming, probe: ProbeId, result: i64) {
+        if timing.duration_ns() < gpu_memory::SLOW_CALL_NS && result == 0 {
+            return;
+        }
+        let Some(name) = crate::calls::graph_span_name(probe) else {
+            return;
+        };
+        let result = i32::try_from(result).unwrap_or(i32::MIN);
+        self.on_call(timing, name, Vec::new(), result);
     }
 
     /// The span of a call, child of the phase its thread (or the loop thread) is in.

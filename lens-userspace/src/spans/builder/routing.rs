@@ -85,7 +85,12 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 memory: Some(change),
                 ..
             } => self.on_memory_call(timing, *probe, *result, change),
-            ProbeEvent::ApiCall { .. } => {}
+            ProbeEvent::ApiCall {
+                timing,
+                probe,
+                result,
+                ..
+            } => self.on_graph_call(timing, *probe, *result),
         }
     }
 
