@@ -30,7 +30,13 @@
 #      every runtime launch is counted once although the real libcudart launches through
 #      libcuda's cuLaunchKernel (probed too), and the steps' `cuda.kernel.top` events
 #      name the add kernel, demangled, with its 400 launches (libtorch_cuda.so has no
-#      symbols for its stubs: named as __cudaRegisterFunction registered them).
+#      symbols for its stubs: named as __cudaRegisterFunction registered them);
+#   5. writes gpu_memory.py (4 x 256 MiB on cuda:0, one freed; a CUDA graph of 10 adds
+#      captured and replayed 3 times; an allocation of 1 PiB from ask_for_too_much(),
+#      caught) and runs it under `--span-groups per_step`: the peak lens-probe counts from
+#      the CUDA calls is at least torch.cuda.max_memory_reserved() (and within 1 GiB of
+#      it), the failed allocation is one console line naming ask_for_too_much, the
+#      captured adds are counted as captured, the replays as graph launches.
 #
 # Exit: 0 when every check passed, 1 when one failed or a run broke, 2 when this machine
 # cannot run the check (no GPU, no lens-probe, no PyTorch with CUDA and NCCL).
@@ -202,7 +208,7 @@ run() {
 }
 
 # 1. Everything on, console output: the span tree and the summary.
-say "1/4: lens-probe --span-groups all --exporter console --exec -- python gpu_train.py $STEPS"
+say "1/5: lens-probe --span-groups all --exporter console --exec -- python gpu_train.py $STEPS"
 all_loop="$(run traced-all --span-groups all --exporter console --summary-json "$OUT/summary.json")"
 echo
 echo "---- span tree (first 60 lines; all of it in $OUT/traced-all.err) ----"
@@ -299,7 +305,7 @@ for span in train.forward_backward train.optimizer nccl.all_reduce cuda.device_s
 done
 
 # 2. Overhead: uninstrumented and per_step, interleaved.
-say "2/4: overhead, $ROUNDS rounds of: uninstrumented, lens-probe --span-groups per_step"
+say "2/5: overhead, $ROUNDS rounds of: uninstrumented, lens-probe --span-groups per_step"
 : >"$OUT/overhead.txt"
 for ((round = 1; round <= ROUNDS; round++)); do
     if ((round > 1 && SECONDS > 240)); then
@@ -314,7 +320,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
 done
 echo "all $all_loop" >>"$OUT/overhead.txt"
 
-say "3/4: results ($STEPS steps, loop time from step 0 to the last synchronize)"
+say "3/5: results ($STEPS steps, loop time from step 0 to the last synchronize)"
 "$PYTHON" - "$OUT/overhead.txt" <<'PY'
 import statistics
 import sys
@@ -335,7 +341,7 @@ for name in ("none", "per_step", "all"):
     print(f"| {label} | {m:.3f} | {', '.join(f'{v:.3f}' for v in values)} | {m / base:.3f}x |")
 PY
 # 4. Driver launches counted once, and kernel names, on the real driver.
-say "4/4: runtime launches through the real libcuda counted once; the steps' top kernels named"
+say "4/5: runtime launches through the real libcuda counted once; the steps' top kernels named"
 cat >"$OUT/gpu_launches.py" <<'PY'
 """5 SGD steps on cuda:0, each with 400 x.add_(1) between its backward and its optimizer
 step (one elementwise kernel each, launched with cudaLaunchKernel, which the runtime passes
@@ -418,6 +424,87 @@ check(
     adds,
     adds[:1] or tops[:3] or "no cuda.kernel.top event",
 )
+sys.exit(0 if ok else 1)
+PY
+
+# 5. GPU memory, an out-of-memory, and a CUDA graph.
+say "5/5: GPU memory held vs torch.cuda.max_memory_reserved(), an induced OOM, a CUDA graph"
+cat >"$OUT/gpu_memory.py" <<'PY'
+"""Memory on cuda:0 in a known pattern, a CUDA graph, then an allocation that cannot fit."""
+import torch
+
+blocks = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+del blocks[1]
+y = torch.zeros(1024, device="cuda")
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    y.add_(1)  # warm-up outside the capture
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    for _ in range(10):
+        y.add_(1)
+for _ in range(3):
+    graph.replay()
+torch.cuda.synchronize()
+print(f"gpu-check max_memory_reserved={torch.cuda.max_memory_reserved()}", flush=True)
+
+
+def ask_for_too_much():
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError:
+        print("gpu-check oom raised", flush=True)
+
+
+ask_for_too_much()
+PY
+if ! timeout "$RUN_TIMEOUT" "$LENS_PROBE" --span-groups per_step --exporter file \
+    --export-file "$OUT/memory.jsonl" --summary-json "$OUT/memory-summary.json" \
+    --exec -- "$PYTHON" -u "$OUT/gpu_memory.py" >"$OUT/memory.out" 2>"$OUT/memory.err"; then
+    tail -n 20 "$OUT/memory.err" >&2 || true
+    fail "the memory run failed (logs: $OUT/memory.out, $OUT/memory.err)"
+fi
+"$PYTHON" - "$OUT/memory-summary.json" "$OUT/memory.out" "$OUT/memory.err" <<'PY' || fail "GPU memory, OOM or graphs not seen as expected (see above)"
+import json
+import re
+import sys
+
+summary = json.load(open(sys.argv[1]))
+out = open(sys.argv[2]).read()
+err = open(sys.argv[3]).read()
+procs = [p for p in summary["processes"] if any("gpu_memory.py" in a for a in p.get("command_line", []))]
+ok = True
+
+
+def check(what, good, detail):
+    global ok
+    ok &= bool(good)
+    print(f"gpu-check: {'PASS' if good else 'FAIL'}: {what}: {detail}")
+
+
+check("the memory process is in the summary", procs, f"{len(summary['processes'])} processes")
+p = procs[0] if procs else {}
+memory = p.get("gpu_memory") or {}
+m = re.search(r"max_memory_reserved=(\d+)", out)
+reserved = int(m.group(1)) if m else 0
+peak = memory.get("peak_bytes", 0)
+check(
+    "peak held >= torch.cuda.max_memory_reserved(), within 1 GiB",
+    reserved > 0 and reserved <= peak <= reserved + (1 << 30),
+    f"lens-probe peak {peak}, torch {reserved}",
+)
+check("the out-of-memory counted", memory.get("out_of_memory", 0) >= 1, memory)
+line = next((l for l in err.splitlines() if "out of GPU memory" in l), "")
+check("one console line naming ask_for_too_much", "ask_for_too_much" in line, line or "none")
+check("torch raised its OutOfMemoryError", "gpu-check oom raised" in out, "")
+captured = sum(p.get("captured_launches", {}).values())
+check("the 10 adds captured, not run", captured >= 10, p.get("captured_launches"))
+calls = p.get("calls", {})
+graph_launches = calls.get("cudaGraphLaunch", 0) + calls.get("cuGraphLaunch", 0)
+check("the 3 replays counted as graph launches", graph_launches >= 3, graph_launches)
+check("one capture", calls.get("cudaStreamBeginCapture", 0) + calls.get("cuStreamBeginCapture_v2", 0) >= 1, calls.get("cudaStreamBeginCapture"))
 sys.exit(0 if ok else 1)
 PY
 

@@ -196,6 +196,11 @@ numbered! {
         CudaGraphInstantiateWithFlags = 67,
         /// The driver's `cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph graph, flags)`.
         CuGraphInstantiate = 68,
+        /// `c10::reportMemoryUsageToProfiler(ptr, size, allocated, reserved, device)`
+        /// (libc10.so): PyTorch's caching allocator calls it on every allocation and
+        /// free with its totals after it (rdx, rcx). Counted; sent only when a total
+        /// passes the process's peak (`TargetState::torch_peaks`).
+        TorchMemoryUsage = 69,
     }
 }
 

@@ -219,6 +219,9 @@ pub struct TargetState {
     /// Launches captured into a CUDA graph so far (recorded, not run), per launch probe
     /// ([`launch_slot`]): not in `launches`.
     pub captured: [u64; LAUNCH_PROBES.len()],
+    /// The most PyTorch's caching allocator had allocated and reserved so far, as its
+    /// `reportMemoryUsageToProfiler` calls said: a call passing either is sent.
+    pub torch_peaks: [u64; 2],
     /// Calls counted so far of every other catalog probe, by [`ProbeId`] (a launch probe's
     /// slot stays 0). Here, an atomic add beside the launch counters, rather than in a map
     /// keyed by (process, probe): the target lookup every hit makes already found them.
@@ -248,6 +251,7 @@ impl TargetState {
             runtime_driver_hits: 0,
             capturing: 0,
             captured: [0; LAUNCH_PROBES.len()],
+            torch_peaks: [0; 2],
             calls: [0; CALL_SLOTS],
         }
     }

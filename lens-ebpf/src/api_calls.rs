@@ -106,3 +106,42 @@ fn api_call_return_body(ctx: RetProbeContext) -> u32 {
     }
     0
 }
+
+uprobe_and_multi! {
+    /// Entry of `c10::reportMemoryUsageToProfiler(ptr, size, allocated, reserved,
+    /// device)`: PyTorch's caching allocator's totals after each allocation and free.
+    /// Thousands a step: counted, and sent (as an `ApiCall`, its end its start) only
+    /// when allocated or reserved passes the process's peak so far.
+    torch_memory_entry, torch_memory_entry_m => torch_memory_entry_body
+}
+
+#[inline(always)]
+fn torch_memory_entry_body(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, target)) = traced() else {
+        return 0;
+    };
+    let probe = attach_cookie(&ctx) as u32;
+    count_call(target, probe);
+    let (allocated, reserved) = (arg_u64(&ctx, 2), arg_u64(&ctx, 3));
+    // SAFETY: a live map value; the allocator reports under its own lock, and a peak
+    // raced by another device's report is at worst sent twice.
+    let passed = unsafe {
+        let peaks = &raw mut (*target).torch_peaks;
+        let passed = allocated > (*peaks)[0] || reserved > (*peaks)[1];
+        if passed {
+            (*peaks)[0] = (*peaks)[0].max(allocated);
+            (*peaks)[1] = (*peaks)[1].max(reserved);
+        }
+        passed
+    };
+    if !passed {
+        return 0;
+    }
+    let mut record = new_record::<ApiCall>(probe, pid_tgid);
+    let now = now_ns();
+    record.body.times.start_ns = now;
+    record.body.times.end_ns = now;
+    record.body.args = [arg_u64(&ctx, 0), arg_u64(&ctx, 1), allocated, reserved];
+    send(&record);
+    0
+}

@@ -172,6 +172,11 @@ pub struct MemorySummary {
     pub calls: u64,
     pub call_time_ns: u64,
     pub out_of_memory: u64,
+    /// The most PyTorch's caching allocator had allocated to tensors, and reserved
+    /// from the device, as its `c10::reportMemoryUsageToProfiler` calls said (0: none
+    /// seen: the probe is on with the step-level groups).
+    pub torch_allocated_peak_bytes: u64,
+    pub torch_reserved_peak_bytes: u64,
 }
 
 impl MemorySummary {
@@ -183,19 +188,37 @@ impl MemorySummary {
         self.out_of_memory += u64::from(change.out_of_memory.is_some());
     }
 
-    /// The summary's line.
+    /// A report of PyTorch's caching allocator: its totals after an allocation or free.
+    pub fn add_torch(&mut self, allocated: u64, reserved: u64) {
+        self.torch_allocated_peak_bytes = self.torch_allocated_peak_bytes.max(allocated);
+        self.torch_reserved_peak_bytes = self.torch_reserved_peak_bytes.max(reserved);
+    }
+
+    /// The summary's lines.
     pub fn render(&self) -> String {
-        let failed = match self.out_of_memory {
-            0 => String::new(),
-            n => format!(", {n} out of memory"),
-        };
-        format!(
-            "  GPU memory: peak {} held, {} at the end; {} memory calls ({}){failed}\n",
-            format_size(self.peak_bytes),
-            format_size(self.held_bytes),
-            self.calls,
-            format_duration(self.call_time_ns),
-        )
+        let mut out = String::new();
+        if self.calls > 0 {
+            let failed = match self.out_of_memory {
+                0 => String::new(),
+                n => format!(", {n} out of memory"),
+            };
+            out = format!(
+                "  GPU memory: peak {} held, {} at the end; {} memory calls ({}){failed}\n",
+                format_size(self.peak_bytes),
+                format_size(self.held_bytes),
+                self.calls,
+                format_duration(self.call_time_ns),
+            );
+        }
+        if self.torch_reserved_peak_bytes > 0 {
+            let _ = writeln!(
+                out,
+                "  PyTorch's allocator: peak {} allocated to tensors, {} reserved",
+                format_size(self.torch_allocated_peak_bytes),
+                format_size(self.torch_reserved_peak_bytes),
+            );
+        }
+        out
     }
 }
 
@@ -302,6 +325,14 @@ impl Summary {
                 memory: Some(change),
                 ..
             } => process.memory.get_or_insert_default().add(timing, change),
+            ProbeEvent::ApiCall {
+                probe: ProbeId::TorchMemoryUsage,
+                args,
+                ..
+            } => process
+                .memory
+                .get_or_insert_default()
+                .add_torch(args[2], args[3]),
             ProbeEvent::Group { .. }
             | ProbeEvent::EventRecorded { .. }
             | ProbeEvent::EventQueryComplete { .. }

@@ -311,3 +311,71 @@ fn a_failed_allocation_names_the_python_function_that_asked() {
     let _ = std::fs::remove_file(&script);
     let _ = std::fs::remove_file(&export);
 }
+
+#[test]
+fn pytorchs_allocator_totals_are_counted_and_sent_only_at_a_new_peak() {
+    use lens_common::ProbeId;
+    use lens_probe::{
+        events::ProbeEvent,
+        session::{Session, TraceOptions},
+        sink::EventLog,
+        summary::Summary,
+    };
+    if !lens_tests::require_bpf("pytorchs_allocator_totals_are_counted") {
+        return;
+    }
+    // memory_user reports six totals to the fake libc10's reportMemoryUsageToProfiler
+    // (its header): peaks 6 MiB allocated and 8 MiB reserved, three of the six new.
+    let mut session = Session::new(TraceOptions {
+        span_groups: "per_step".parse().unwrap(),
+        kernel_logs: false,
+        overhead_budget: None,
+        uprobe_links: Default::default(),
+    })
+    .unwrap();
+    let c10 = lens_tests::fake_torch_dir().join("libc10.so");
+    session
+        .exec(&[
+            "env".into(),
+            format!("MEMORY_USER_C10={}", c10.display()).into(),
+            lens_tests::memory_user().into_os_string(),
+        ])
+        .unwrap();
+    let mut sinks = (EventLog::default(), Summary::default());
+    session
+        .run_blocking(&mut sinks, Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    let (log, summary) = sinks;
+    let reports: Vec<(u64, u64)> = log
+        .events
+        .iter()
+        .filter_map(|event| match event {
+            ProbeEvent::ApiCall {
+                probe: ProbeId::TorchMemoryUsage,
+                args,
+                ..
+            } => Some((args[2] / MIB, args[3] / MIB)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reports, [(1, 2), (3, 4), (6, 8)]);
+    let process = summary
+        .processes
+        .values()
+        .find(|p| p.calls.contains_key(&ProbeId::TorchMemoryUsage))
+        .expect("memory_user's summary");
+    assert_eq!(process.calls[&ProbeId::TorchMemoryUsage], 6);
+    let memory = process.memory.as_ref().unwrap();
+    assert_eq!(
+        (
+            memory.torch_allocated_peak_bytes,
+            memory.torch_reserved_peak_bytes
+        ),
+        (6 * MIB, 8 * MIB)
+    );
+    let text = summary.render(&Default::default());
+    assert!(
+        text.contains("PyTorch's allocator: peak 6.0 MiB allocated to tensors, 8.0 MiB reserved"),
+        "{text}"
+    );
+}

@@ -72,6 +72,8 @@ programs! {
     /// Library calls whose arguments and result say what they did (GPU memory).
     ApiCallEntry => "api_call_entry",
     ApiCallReturn => "api_call_return",
+    /// PyTorch's caching allocator's totals: counted, sent at a new peak.
+    TorchMemoryEntry => "torch_memory_entry",
 }
 
 /// The name `program` is found under in `ebpf`: its `_m` twin where that is the one

@@ -239,7 +239,8 @@ fn api_call(
     call: raw::ApiCall,
 ) -> Result<ProbeEvent, DecodeError> {
     let spec = crate::probes::catalog::spec_of(probe);
-    if spec.entry != Some(crate::bpf::Program::ApiCallEntry) {
+    use crate::bpf::Program::{ApiCallEntry, TorchMemoryEntry};
+    if !matches!(spec.entry, Some(ApiCallEntry | TorchMemoryEntry)) {
         return Err(DecodeError::UnknownProbe(h.probe));
     }
     Ok(ProbeEvent::ApiCall {

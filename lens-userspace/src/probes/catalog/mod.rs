@@ -1,6 +1,7 @@
 //! The probe catalog: every probed function, the library that defines it, the BPF program
 //! that handles it and the span groups that need it. A probe that no enabled group needs
 //! is not attached (the gate costs nothing).
+mod rows;
 mod table;
 
 use lens_common::{NcclArgs, ProbeId, api_shape, probe_cookie};
@@ -70,6 +71,8 @@ pub enum Role {
     /// A CUDA graph call (the generic call programs; a capture's begin and end also
     /// change what the launch probes count).
     Graph(GraphOp),
+    /// PyTorch's caching allocator's totals (`ApiCall` records sent at a new peak).
+    TorchMemory,
 }
 
 /// The catalog's entry of a probe.

@@ -1,125 +1,14 @@
 //! The catalog's table: one entry per probe, in `ProbeId` order, written with the
-//! constructors here (which groups need a probe, which program handles it).
+//! constructors of `rows.rs` (which groups need a probe, which program handles it).
 use lens_common::{NcclArgs, ProbeId};
 
+use super::rows::*;
 use super::{ProbeSpec, Program, Role};
 use crate::calls::{CollectiveOp, GraphOp, MemoryOp, SyncKind};
 use crate::settings::groups::SpanGroup;
 use crate::sys::library::LibraryKind;
 
-/// Per-call detail: collectives, launches and sync waits become children of the step's
-/// phases, so only the step-level groups need them.
-pub const STEP_DETAIL: &[SpanGroup] = &[
-    SpanGroup::Step,
-    SpanGroup::ForwardBackward,
-    SpanGroup::Optimizer,
-];
-const ALWAYS: &[SpanGroup] = &[];
-/// The step machine (what opens and closes steps, see docs/spans.md): torch scopes and
-/// backward passes. `model_init` needs it too: it ends where the first step begins.
-const STEP_PHASES: &[SpanGroup] = &[
-    SpanGroup::ModelInit,
-    SpanGroup::Step,
-    SpanGroup::ForwardBackward,
-    SpanGroup::Optimizer,
-];
-/// Torch scopes also tell evaluation loops (DataLoader fetches under `no_grad`).
-const SCOPES: &[SpanGroup] = &[
-    SpanGroup::ModelInit,
-    SpanGroup::Step,
-    SpanGroup::ForwardBackward,
-    SpanGroup::Optimizer,
-    SpanGroup::Evaluate,
-];
-
-const fn spec(
-    id: ProbeId,
-    symbol: &'static str,
-    library: LibraryKind,
-    entry: Program,
-    groups: &'static [SpanGroup],
-) -> ProbeSpec {
-    ProbeSpec {
-        id,
-        symbol,
-        library,
-        optional_aliases: &[],
-        entry: Some(entry),
-        exit: entry.paired_return(),
-        groups,
-        role: Role::Plain,
-        optional: false,
-    }
-}
-
-/// A phase boundary: marks sent at entry and/or at return.
-const fn mark(
-    id: ProbeId,
-    symbol: &'static str,
-    library: LibraryKind,
-    entry: Option<Program>,
-    exit: Option<Program>,
-    groups: &'static [SpanGroup],
-) -> ProbeSpec {
-    ProbeSpec {
-        id,
-        symbol,
-        library,
-        optional_aliases: &[],
-        entry,
-        exit,
-        groups,
-        role: Role::Plain,
-        optional: false,
-    }
-}
-
-/// An NCCL collective or point-to-point call: timed, child of the phase it runs in.
-const fn nccl(id: ProbeId, symbol: &'static str, op: CollectiveOp, args: NcclArgs) -> ProbeSpec {
-    let mut spec = spec(id, symbol, Nccl, NcclCollectiveEntry, STEP_DETAIL);
-    spec.role = Role::Nccl(op, args);
-    spec
-}
-
-/// A CUDA runtime sync call: timed, child of the phase it runs in.
-const fn sync(id: ProbeId, symbol: &'static str, kind: SyncKind) -> ProbeSpec {
-    let mut spec = spec(id, symbol, CudaRuntime, CudaSyncEntry, STEP_DETAIL);
-    spec.role = Role::Sync(kind);
-    spec
-}
-
-/// The GPU memory calls: rare and cheap next to what they cost (docs/memory.md), so on
-/// with the job span (the run's peak) and with steps (theirs).
-const MEMORY: &[SpanGroup] = &[SpanGroup::Job, SpanGroup::Step];
-
-/// A GPU memory call: timed, its arguments and result read by the generic call programs.
-const fn memory(
-    id: ProbeId,
-    symbol: &'static str,
-    library: LibraryKind,
-    op: MemoryOp,
-) -> ProbeSpec {
-    let mut spec = spec(id, symbol, library, ApiCallEntry, MEMORY);
-    spec.role = Role::Memory(op);
-    spec
-}
-
-/// A CUDA graph call: the generic call programs; with the launches whose counts it changes.
-const fn graph(id: ProbeId, symbol: &'static str, library: LibraryKind, op: GraphOp) -> ProbeSpec {
-    let mut spec = spec(id, symbol, library, ApiCallEntry, STEP_DETAIL);
-    spec.role = Role::Graph(op);
-    spec
-}
-
-const fn optional(mut spec: ProbeSpec) -> ProbeSpec {
-    spec.optional = true;
-    spec
-}
-
-const fn with_aliases(mut spec: ProbeSpec, aliases: &'static [&'static str]) -> ProbeSpec {
-    spec.optional_aliases = aliases;
-    spec
-}
+pub use super::rows::STEP_DETAIL;
 
 use LibraryKind::{
     C10, CudaDriver, CudaRuntime, DynamicLoader, Libc, Nccl, Safetensors, TorchCpu, TorchPython,
@@ -628,7 +517,11 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
             CudaRuntime,
             GraphOp::BeginCapture,
         ),
-        &["cudaStreamBeginCapture_ptsz"],
+        &[
+            "cudaStreamBeginCapture_ptsz",
+            "cudaStreamBeginCaptureToGraph",
+            "cudaStreamBeginCaptureToGraph_ptsz",
+        ],
     ),
     with_aliases(
         graph(
@@ -675,23 +568,6 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         CudaDriver,
         GraphOp::Instantiate,
     )),
+    // PyTorch's caching allocator: thousands of calls a step, so with the launches.
+    torch_memory(),
 ];
-
-/// A `c10d::ProcessGroupGloo` collective: child of the phase it runs in, seen at its
-/// entry only. These methods throw (`c10::Error` on a wrong-size tensor, gloo's
-/// `IoException` when a peer is gone) and the caller may catch it: an exception that
-/// crosses a return probe aborts the process. Their return told only the enqueue anyway
-/// (the collective runs on gloo's worker threads).
-const fn gloo(id: ProbeId, op: CollectiveOp, symbol: &'static str) -> ProbeSpec {
-    ProbeSpec {
-        id,
-        symbol,
-        library: TorchCpu,
-        optional_aliases: &[],
-        entry: Some(TimedCallEntry),
-        exit: None,
-        groups: STEP_DETAIL,
-        role: Role::Gloo(op),
-        optional: false,
-    }
-}
