@@ -347,6 +347,14 @@ fn probes_of(kind: EventKind) -> Option<Vec<u32>> {
             CuMemMap,
             CuMemUnmap,
             CuMemRelease,
+            CudaStreamBeginCapture,
+            CudaStreamEndCapture,
+            CuStreamBeginCapture,
+            CuStreamEndCapture,
+            CudaGraphInstantiate,
+            CudaGraphInstantiateWithFlags,
+            CuGraphInstantiate,
+            TorchMemoryUsage,
         ]),
         EventKind::RuleEntry | EventKind::RuleReturn => Some(
             (lens_common::RULE_COOKIE_BASE..lens_common::RULE_COOKIE_BASE + lens_common::MAX_RULES)
