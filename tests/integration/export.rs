@@ -13,7 +13,6 @@ use std::{
 
 use lens_tests::{FileSpan, RotelCollector, free_port, otlp_file_spans as file_spans};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use serde_json::Value;
 
 const LENS_PROBE: &str = env!("CARGO_BIN_EXE_lens-probe");
 
@@ -738,32 +737,18 @@ fn a_collector_that_hangs_fills_a_bounded_queue_and_the_probe_goes_on() {
 /// (launch kind, cumulative value).
 fn launch_points(path: &Path) -> Vec<(String, u64)> {
     let mut points = Vec::new();
-    for line in std::fs::read_to_string(path).unwrap().lines() {
-        let request: Value = serde_json::from_str(line).unwrap();
-        let Some(resources) = request["resourceMetrics"].as_array() else {
-            continue;
-        };
-        for scope in resources
-            .iter()
-            .flat_map(|r| r["scopeMetrics"].as_array().unwrap())
-        {
-            for metric in scope["metrics"].as_array().unwrap() {
-                if metric["name"] != "cuda.kernel.launches" {
-                    continue;
-                }
-                for point in metric["sum"]["dataPoints"].as_array().unwrap() {
-                    let kind = point["attributes"][0]["value"]["stringValue"]
-                        .as_str()
-                        .unwrap()
-                        .to_string();
-                    // int64 as a JSON number here; OTLP/JSON also allows a string.
-                    let value = point["asInt"]
-                        .as_u64()
-                        .or_else(|| point["asInt"].as_str().and_then(|v| v.parse().ok()))
-                        .unwrap();
-                    points.push((kind, value));
-                }
-            }
+    for metric in lens_tests::otlp_file_metrics(path, "cuda.kernel.launches") {
+        for point in metric["sum"]["dataPoints"].as_array().unwrap() {
+            let kind = point["attributes"][0]["value"]["stringValue"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            // int64 as a JSON number here; OTLP/JSON also allows a string.
+            let value = point["asInt"]
+                .as_u64()
+                .or_else(|| point["asInt"].as_str().and_then(|v| v.parse().ok()))
+                .unwrap();
+            points.push((kind, value));
         }
     }
     points

@@ -67,33 +67,12 @@ fn spans_named<'a>(spans: &'a [lens_tests::FileSpan], name: &str) -> Vec<&'a Val
 
 /// The newest value of a gauge in the OTLP file's metric lines.
 fn last_gauge(path: &Path, name: &str) -> Option<String> {
-    let text = std::fs::read_to_string(path).unwrap();
-    let mut last = None;
-    for line in text.lines() {
-        let request: Value = serde_json::from_str(line).unwrap();
-        let Some(resources) = request["resourceMetrics"].as_array() else {
-            continue;
-        };
-        for scope in resources
-            .iter()
-            .flat_map(|r| r["scopeMetrics"].as_array().unwrap())
-        {
-            for metric in scope["metrics"].as_array().unwrap() {
-                if metric["name"] == name {
-                    let point = metric["gauge"]["dataPoints"]
-                        .as_array()
-                        .unwrap()
-                        .last()
-                        .unwrap();
-                    last = point["asInt"]
-                        .as_str()
-                        .map(str::to_string)
-                        .or_else(|| point["asInt"].as_u64().map(|v| v.to_string()));
-                }
-            }
-        }
-    }
-    last
+    let metric = lens_tests::otlp_file_metrics(path, name).pop()?;
+    let point = metric["gauge"]["dataPoints"].as_array()?.last()?.clone();
+    point["asInt"]
+        .as_str()
+        .map(str::to_string)
+        .or_else(|| point["asInt"].as_u64().map(|v| v.to_string()))
 }
 
 fn finished(output: &Output) -> String {

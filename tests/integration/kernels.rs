@@ -255,22 +255,7 @@ fn runtime_and_direct_driver_launches_interleaved_on_two_threads_count_once_each
     // there), at once: a thread's note of its runtime launch must neither be taken by the
     // other thread's direct launch nor outlive its own driver call.
     const PER_THREAD: u64 = 20_000;
-    let mut session = per_step_session();
-    let argv: Vec<OsString> = vec![
-        lens_tests::hammer().into_os_string(),
-        "mixed".into(),
-        PER_THREAD.to_string().into(),
-    ];
-    session.exec(&argv).unwrap();
-    let mut summary = Summary::default();
-    session
-        .run_blocking(&mut summary, Some(Duration::from_secs(120)))
-        .unwrap();
-    let process = summary
-        .processes
-        .values()
-        .find(|p| p.ended && p.calls.contains_key(&ProbeId::CudaLaunchKernel))
-        .expect("the hammer's summary");
+    let process = hammer_summary("mixed", PER_THREAD, ProbeId::CudaLaunchKernel);
     assert_eq!(
         process.launches(),
         [(ProbeId::CudaLaunchKernel, 2 * PER_THREAD)]
@@ -295,22 +280,7 @@ fn launches_on_a_capturing_stream_count_as_captured_not_run() {
     // launches on S; then the graph is instantiated and launched 3 times, and N more
     // launches go to S once the capture ended.
     const N: u64 = 500;
-    let mut session = per_step_session();
-    let argv: Vec<OsString> = vec![
-        lens_tests::hammer().into_os_string(),
-        "capture".into(),
-        N.to_string().into(),
-    ];
-    session.exec(&argv).unwrap();
-    let mut summary = Summary::default();
-    session
-        .run_blocking(&mut summary, Some(Duration::from_secs(120)))
-        .unwrap();
-    let process = summary
-        .processes
-        .values()
-        .find(|p| p.ended && p.calls.contains_key(&ProbeId::CudaStreamBeginCapture))
-        .expect("the hammer's summary");
+    let process = hammer_summary("capture", N, ProbeId::CudaStreamBeginCapture);
     // Run: the launches on T and those on S after the capture, and the graph launches.
     assert_eq!(
         process.launches(),
@@ -353,4 +323,26 @@ fn launches_on_a_capturing_stream_count_as_captured_not_run() {
     ] {
         assert_eq!(process.calls.get(&probe), None, "{probe:?}");
     }
+}
+
+/// `hammer KIND N` traced with `per_step`: the summary of the process that called `probe`.
+fn hammer_summary(kind: &str, n: u64, probe: ProbeId) -> lens_probe::summary::ProcessSummary {
+    let mut session = per_step_session();
+    let argv: Vec<OsString> = vec![
+        lens_tests::hammer().into_os_string(),
+        kind.into(),
+        n.to_string().into(),
+    ];
+    session.exec(&argv).unwrap();
+    let mut summary = Summary::default();
+    session
+        .run_blocking(&mut summary, Some(Duration::from_secs(120)))
+        .unwrap();
+    let pid = summary
+        .processes
+        .iter()
+        .find(|(_, p)| p.ended && p.calls.contains_key(&probe))
+        .map(|(pid, _)| *pid)
+        .expect("the hammer's summary");
+    summary.processes.remove(&pid).unwrap()
 }

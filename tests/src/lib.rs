@@ -1061,6 +1061,28 @@ pub type FileSpan = (
     serde_json::Value,
 );
 
+/// The metrics named `name` in an OTLP JSON lines file as lens-probe's `file` exporter
+/// writes it, in file order (each collection of each process is one).
+pub fn otlp_file_metrics(path: &Path, name: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    let mut metrics = Vec::new();
+    for line in text.lines() {
+        let request: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        let Some(resources) = request["resourceMetrics"].as_array() else {
+            continue;
+        };
+        for scope in resources
+            .iter()
+            .flat_map(|r| r["scopeMetrics"].as_array().unwrap())
+        {
+            let found = scope["metrics"].as_array().unwrap().iter();
+            metrics.extend(found.filter(|metric| metric["name"] == name).cloned());
+        }
+    }
+    metrics
+}
+
 /// The spans of an OTLP JSON lines file as lens-probe's `file` exporter writes it (one
 /// `ExportTraceServiceRequest` or `ExportMetricsServiceRequest` per line; metrics lines
 /// are skipped).
