@@ -59,6 +59,10 @@ const METRICS: &[MetricDef] = &[
     metric!(SPANS_LOST, "{span}", Counter),
     metric!(OVERHEAD, "1", Gauge),
     metric!(CPU_TIME, "s", Counter),
+    metric!(GPU_MEMORY_USAGE, "By", Gauge),
+    metric!(GPU_MEMORY_PEAK, "By", Gauge),
+    metric!(GPU_MEMORY_CALLS, "{call}", Counter),
+    metric!(GPU_OUT_OF_MEMORY, "{call}", Counter),
 ];
 
 /// Labels the dashboard may use: metric attributes and resource attributes (semconv
@@ -73,6 +77,7 @@ const LABELS: &[&str] = &[
     "dl_collective_straggler_cause",
     "cuda_sync_kind",
     "cuda_launch_kind",
+    "dl_gpu_memory_op",
     "nemo_span_group",
     "lens_probe_loss_cause",
     "cpu_mode",
