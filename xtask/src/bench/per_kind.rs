@@ -702,9 +702,10 @@ mod tests {
     fn kinds() {
         assert_eq!(
             Kind::ALL.iter().filter(|k| k.returns()).count(),
-            3,
-            "sync, collective and event_query have return probes"
+            4,
+            "sync, collective, event_query and memory have return probes"
         );
+        assert_eq!(Kind::Memory.calls(false), 100_000);
         assert_eq!(Kind::Sync.calls(false), 50_000);
         assert_eq!(Kind::Launch.calls(true), 100_000);
     }
