@@ -341,7 +341,11 @@ pub mod settings {
     /// Non-zero: launches are also counted per kernel (`KERNEL_COUNTS`), for the top
     /// kernels of each step.
     pub const KERNEL_NAMES: u32 = 1;
-    pub const COUNT: u32 = 2;
+    /// Non-zero: each graph launch is kept at its entry for its return probe, which
+    /// sends it (a span). Off under an overhead budget, whose launch windows leave the
+    /// return probes out.
+    pub const GRAPH_LAUNCH_SPANS: u32 = 2;
+    pub const COUNT: u32 = 3;
 }
 
 /// Map names, shared so the loader asks for exactly what the programs define.

@@ -14,7 +14,7 @@ use crate::ctx::{
     now_ns, remember_entry, send, send_now, traced,
 };
 use crate::launches::{called_from_runtime, capture_began, capture_ended};
-use crate::maps::INFLIGHT_API_CALLS;
+use crate::maps::{INFLIGHT_API_CALLS, graph_launch_spans};
 
 uprobe_and_multi! {
     /// Entry of a library call of the generic kind: its first four arguments kept until
@@ -144,4 +144,24 @@ fn torch_memory_entry_body(ctx: ProbeContext) -> u32 {
     record.body.args = [arg_u64(&ctx, 0), arg_u64(&ctx, 1), allocated, reserved];
     send(&record);
     0
+}
+
+/// A graph launch entered (`launches::count_only` / `driver_launch` counted it): its entry
+/// is kept for `api_call_return` (its catalog return program), which sends it, so each
+/// graph launch is a span. `in_flight` false: the runtime's own driver call, whose slot
+/// says nothing is in flight (its return then sends nothing and is no lost event).
+#[inline(always)]
+pub(crate) fn graph_launch_entered(ctx: &ProbeContext, pid_tgid: u64, probe: u32, in_flight: bool) {
+    if !graph_launch_spans() {
+        return;
+    }
+    let mut record = new_record::<ApiCall>(probe, pid_tgid);
+    if in_flight {
+        record.body.times = call_starting_now();
+        record.body.args[0] = arg_u64(ctx, 0);
+        record.body.args[1] = arg_u64(ctx, 1);
+    } else {
+        record.header.kind = RETURNED_KIND;
+    }
+    remember_entry(ctx, &INFLIGHT_API_CALLS, pid_tgid, &record);
 }

@@ -10,6 +10,7 @@ use lens_common::{
     CODE_RANGES, HandleKey, KernelKey, LossCause, ProbeId, TargetState, launch_slot, limits,
 };
 
+use crate::api_calls::graph_launch_entered;
 use crate::ctx::{arg_u64, count_call, count_loss, now_ns, probe_id, read_user_u64, traced};
 use crate::maps::{
     CAPTURING_STREAMS, KERNEL_COUNTS, KERNEL_REGISTRY, LAUNCH_NOTES, LaunchNote, RUNTIME_RANGES,
@@ -173,6 +174,9 @@ fn count_only_body(ctx: ProbeContext) -> u32 {
         if launch_slot(probe).is_some() {
             runtime_launch_entered(&ctx, pid_tgid);
         }
+        if probe == ProbeId::CudaGraphLaunch as u32 {
+            graph_launch_entered(&ctx, pid_tgid, probe, true);
+        }
     }
     0
 }
@@ -191,12 +195,20 @@ fn driver_launch_body(ctx: ProbeContext) -> u32 {
     let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
+    let probe = probe_id(&ctx);
+    let graph = probe == ProbeId::CuGraphLaunch as u32;
     if made_by_runtime(&ctx, pid_tgid) {
         // SAFETY: a live map value (see `atomic_add`).
         atomic_add(unsafe { &raw mut (*target).runtime_driver_hits }, 1);
+        if graph {
+            graph_launch_entered(&ctx, pid_tgid, probe, false);
+        }
         return 0;
     }
-    count_launch(&ctx, pid_tgid, target, probe_id(&ctx), true);
+    count_launch(&ctx, pid_tgid, target, probe, true);
+    if graph {
+        graph_launch_entered(&ctx, pid_tgid, probe, true);
+    }
     0
 }
 

@@ -145,6 +145,13 @@ pub(crate) fn node_mode() -> bool {
 }
 
 #[inline(always)]
+pub(crate) fn graph_launch_spans() -> bool {
+    SETTINGS
+        .get(settings::GRAPH_LAUNCH_SPANS)
+        .is_some_and(|value| *value != 0)
+}
+
+#[inline(always)]
 pub(crate) fn kernel_names() -> bool {
     SETTINGS
         .get(settings::KERNEL_NAMES)

@@ -152,13 +152,16 @@ pub enum GraphOp {
     EndCapture,
     /// A graph (`args[1]`) made launchable; the executable graph written to `*args[0]`.
     Instantiate,
+    /// An executable graph (`args[0]`) launched on stream `args[1]` (counted with the
+    /// launches; its return sends it, a span).
+    Launch,
 }
 
 impl GraphOp {
     /// The argument the call writes its result through (read at return).
     pub const fn out_arg(self) -> Option<u32> {
         match self {
-            GraphOp::BeginCapture => None,
+            GraphOp::BeginCapture | GraphOp::Launch => None,
             GraphOp::EndCapture => Some(1),
             GraphOp::Instantiate => Some(0),
         }
@@ -177,6 +180,8 @@ pub fn graph_span_name(probe: lens_common::ProbeId) -> Option<&'static str> {
         ProbeId::CuStreamBeginCapture => "cuda.driver.stream_begin_capture",
         ProbeId::CuStreamEndCapture => "cuda.driver.stream_end_capture",
         ProbeId::CuGraphInstantiate => "cuda.driver.graph_instantiate",
+        ProbeId::CudaGraphLaunch => "cuda.graph_launch",
+        ProbeId::CuGraphLaunch => "cuda.driver.graph_launch",
         _ => return None,
     })
 }

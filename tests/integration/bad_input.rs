@@ -347,6 +347,8 @@ fn probes_of(kind: EventKind) -> Option<Vec<u32>> {
             CuMemMap,
             CuMemUnmap,
             CuMemRelease,
+            CudaGraphLaunch,
+            CuGraphLaunch,
             CudaStreamBeginCapture,
             CudaStreamEndCapture,
             CuStreamBeginCapture,

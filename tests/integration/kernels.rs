@@ -280,7 +280,14 @@ fn launches_on_a_capturing_stream_count_as_captured_not_run() {
     // launches on S; then the graph is instantiated and launched 3 times, and N more
     // launches go to S once the capture ended.
     const N: u64 = 500;
-    let process = hammer_summary("capture", N, ProbeId::CudaStreamBeginCapture);
+    let (process, log) = hammer_run("capture", N, ProbeId::CudaStreamBeginCapture);
+    // Each graph launch is a span.
+    assert_eq!(
+        log.named("cuda.graph_launch").count(),
+        3,
+        "{}",
+        log.outline(&[])
+    );
     // Run: the launches on T and those on S after the capture, and the graph launches.
     assert_eq!(
         process.launches(),
@@ -327,6 +334,16 @@ fn launches_on_a_capturing_stream_count_as_captured_not_run() {
 
 /// `hammer KIND N` traced with `per_step`: the summary of the process that called `probe`.
 fn hammer_summary(kind: &str, n: u64, probe: ProbeId) -> lens_probe::summary::ProcessSummary {
+    hammer_run(kind, n, probe).0
+}
+
+/// `hammer KIND N` traced with `per_step`: the summary of the process that called
+/// `probe`, and the spans.
+fn hammer_run(
+    kind: &str,
+    n: u64,
+    probe: ProbeId,
+) -> (lens_probe::summary::ProcessSummary, SpanLog) {
     let mut session = per_step_session();
     let argv: Vec<OsString> = vec![
         lens_tests::hammer().into_os_string(),
@@ -334,15 +351,22 @@ fn hammer_summary(kind: &str, n: u64, probe: ProbeId) -> lens_probe::summary::Pr
         n.to_string().into(),
     ];
     session.exec(&argv).unwrap();
-    let mut summary = Summary::default();
+    let mut sinks = (
+        SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default()),
+        Summary::default(),
+    );
     session
-        .run_blocking(&mut summary, Some(Duration::from_secs(120)))
+        .run_blocking(&mut sinks, Some(Duration::from_secs(120)))
         .unwrap();
+    let (builder, mut summary) = sinks;
     let pid = summary
         .processes
         .iter()
         .find(|(_, p)| p.ended && p.calls.contains_key(&probe))
         .map(|(pid, _)| *pid)
         .expect("the hammer's summary");
-    summary.processes.remove(&pid).unwrap()
+    (
+        summary.processes.remove(&pid).unwrap(),
+        builder.into_exporter(),
+    )
 }

@@ -233,13 +233,15 @@ fn check(cudart: &std::path::Path, nccl: &std::path::Path) {
         cudart.display()
     );
     // A capture's stream is its first argument; an instantiation's first is the
-    // out-pointer (an address on the caller's stack).
-    assert_eq!(graphs.len(), 4, "{graphs:?}");
-    assert_eq!(graphs[0], (ProbeId::CudaStreamBeginCapture, 0x45));
-    assert_eq!(graphs[1], (ProbeId::CudaStreamEndCapture, 0x45));
-    assert_eq!(graphs[2].0, ProbeId::CudaGraphInstantiate);
-    assert_ne!(graphs[2].1, 0);
-    assert_eq!(graphs[3].0, ProbeId::CudaGraphInstantiateWithFlags);
+    // out-pointer (an address on the caller's stack); a graph launch's the graph.
+    // The graph launch first (its executable graph is its first argument).
+    assert_eq!(graphs.len(), 5, "{graphs:?}");
+    assert_eq!(graphs[0], (ProbeId::CudaGraphLaunch, 0x44));
+    assert_eq!(graphs[1], (ProbeId::CudaStreamBeginCapture, 0x45));
+    assert_eq!(graphs[2], (ProbeId::CudaStreamEndCapture, 0x45));
+    assert_eq!(graphs[3].0, ProbeId::CudaGraphInstantiate);
+    assert_ne!(graphs[3].1, 0);
+    assert_eq!(graphs[4].0, ProbeId::CudaGraphInstantiateWithFlags);
     syncs.sort();
     assert_eq!(
         syncs,

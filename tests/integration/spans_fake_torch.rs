@@ -173,13 +173,14 @@ fn uprobes_attached_grow_with_the_preset() {
     // per_step adds backward (Engine::execute's entry, THPEngine_run_backward's return),
     // reader open/close, 8 gloo calls (entry only: they throw), from the fake libnccl the
     // 8 collectives (entry+return; ncclAlltoAll the eighth) and group start/end, and from
-    // the fake libcudart the 3 launches (entry), 3 syncs (entry+return), the 2 event
+    // the fake libcudart the 3 launches (entry; the graph launch's return too), 3 syncs
+    // (entry+return), the 2 event
     // records (entry), the event query (entry+return), kernel registration (entry) and
     // the 4 graph calls (entry+return: capture begin and end, two instantiations), and
     // from the fake libc10 the caching allocator's report (entry).
     assert_eq!(
         per_step,
-        default + 2 + 2 + 8 + 8 * 2 + 2 + 3 + 3 * 2 + 2 + 2 + 1 + 4 * 2 + 1
+        default + 2 + 2 + 8 + 8 * 2 + 2 + 3 + 1 + 3 * 2 + 2 + 2 + 1 + 4 * 2 + 1
     );
 }
 

@@ -239,8 +239,8 @@ fn api_call(
     call: raw::ApiCall,
 ) -> Result<ProbeEvent, DecodeError> {
     let spec = crate::probes::catalog::spec_of(probe);
-    use crate::bpf::Program::{ApiCallEntry, TorchMemoryEntry};
-    if !matches!(spec.entry, Some(ApiCallEntry | TorchMemoryEntry)) {
+    use crate::bpf::Program::{ApiCallReturn, TorchMemoryEntry};
+    if spec.exit != Some(ApiCallReturn) && spec.entry != Some(TorchMemoryEntry) {
         return Err(DecodeError::UnknownProbe(h.probe));
     }
     Ok(ProbeEvent::ApiCall {

@@ -238,6 +238,10 @@ impl Session {
         if kernel_names {
             bpf.maps.settings.set(settings::KERNEL_NAMES, 1)?;
         }
+        // Under a budget the launch probes go in and out without their return probes.
+        if options.overhead_budget.is_none() {
+            bpf.maps.settings.set(settings::GRAPH_LAUNCH_SPANS, 1)?;
+        }
         let mut attacher = Attacher::default();
         let hit_costs = calibrate::hit_costs(&mut bpf);
         info!(

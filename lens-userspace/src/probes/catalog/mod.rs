@@ -147,7 +147,7 @@ impl ProbeSpec {
                 let capture = match op {
                     GraphOp::BeginCapture => api_shape::CAPTURE_BEGIN,
                     GraphOp::EndCapture => api_shape::CAPTURE_END,
-                    GraphOp::Instantiate => 0,
+                    GraphOp::Instantiate | GraphOp::Launch => 0,
                 };
                 self.api_shape(op.out_arg()) | capture
             }

@@ -139,6 +139,20 @@ pub(super) const fn torch_memory() -> ProbeSpec {
     spec
 }
 
+/// A graph launch: counted by the launch program `entry` (sampled under a budget with the
+/// other launches), and sent by the generic return program, a span.
+pub(super) const fn graph_launch(
+    id: ProbeId,
+    symbol: &'static str,
+    library: LibraryKind,
+    entry: Program,
+) -> ProbeSpec {
+    let mut spec = spec(id, symbol, library, entry, STEP_DETAIL);
+    spec.exit = Some(ApiCallReturn);
+    spec.role = Role::Graph(GraphOp::Launch);
+    spec
+}
+
 pub(super) const fn optional(mut spec: ProbeSpec) -> ProbeSpec {
     spec.optional = true;
     spec

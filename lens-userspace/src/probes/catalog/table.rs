@@ -37,12 +37,11 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         &["cudaLaunchKernelExC_ptsz"],
     ),
     with_aliases(
-        spec(
+        graph_launch(
             ProbeId::CudaGraphLaunch,
             "cudaGraphLaunch",
             CudaRuntime,
             CountOnly,
-            STEP_DETAIL,
         ),
         &["cudaGraphLaunch_ptsz"],
     ),
@@ -291,12 +290,11 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         &["cuLaunchKernelEx_ptsz"],
     ),
     with_aliases(
-        spec(
+        graph_launch(
             ProbeId::CuGraphLaunch,
             "cuGraphLaunch",
             CudaDriver,
             DriverLaunch,
-            STEP_DETAIL,
         ),
         &["cuGraphLaunch_ptsz"],
     ),

@@ -79,10 +79,13 @@ impl<E: SpanExporter> SpanBuilder<E> {
         self.bound_held(timing.tgid, timing.end_ns);
     }
 
-    /// A CUDA graph call (capture, instantiation): a span when it was slow (an
-    /// instantiation takes ms) or failed, as a memory call's.
+    /// A CUDA graph call: a graph launch is always a span (a handful a step); a
+    /// capture or instantiation when it was slow (an instantiation takes ms) or failed,
+    /// as a memory call's.
     pub(super) fn on_graph_call(&mut self, timing: &CallTiming, probe: ProbeId, result: i64) {
-        if timing.duration_ns() < gpu_memory::SLOW_CALL_NS && result == 0 {
+        let launch =
+            crate::calls::GraphOp::from_probe(probe) == Some(crate::calls::GraphOp::Launch);
+        if !launch && timing.duration_ns() < gpu_memory::SLOW_CALL_NS && result == 0 {
             return;
         }
         let Some(name) = crate::calls::graph_span_name(probe) else {
