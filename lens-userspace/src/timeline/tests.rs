@@ -371,3 +371,43 @@ fn a_later_process_with_an_ended_ones_pid_gets_tracks_of_its_own() {
     assert_eq!(replayed.root_of(step.track), rank_3);
     let _ = std::fs::remove_dir_all(path.parent().unwrap());
 }
+
+#[test]
+fn an_out_of_memory_is_one_instant_on_the_reports_track() {
+    use crate::spans::SpanEvent;
+    let event = SpanEvent {
+        name: names::OUT_OF_MEMORY_EVENT,
+        at_ns: 400,
+        attributes: vec![
+            (semconv::DL_GPU_MEMORY_BYTES, (20i64 << 30).into()),
+            (semconv::DL_GPU_MEMORY_HELD, (61i64 << 30).into()),
+            (semconv::CODE_STACKTRACE, "forward (model.py:118)".into()),
+        ],
+    };
+    // The failed allocation's span and the phase it ran in both carry the event: one
+    // instant, from the allocation's.
+    let mut phase = span(2, Some(1), names::FORWARD_BACKWARD, PID, (100, 900));
+    phase.events.push(event.clone());
+    let mut malloc = span(3, Some(2), "cuda.malloc", PID, (300, 400));
+    malloc.attributes.extend([
+        (semconv::DL_GPU_MEMORY_BYTES, (20i64 << 30).into()),
+        (semconv::DL_GPU_MEMORY_HELD, (61i64 << 30).into()),
+    ]);
+    malloc.events.push(event);
+    let (replayed, _) = written("oom", DEFAULT_MAX_BYTES, vec![malloc, phase]);
+    assert_eq!(replayed.problems, Vec::<String>::new());
+    let names: Vec<&str> = replayed.instants.iter().map(|i| i.name.as_str()).collect();
+    assert_eq!(
+        names,
+        vec![format!("out of GPU memory: {} bytes asked", 20u64 << 30)]
+    );
+    let reports = replayed.tracks_named("reports").next().unwrap();
+    assert_eq!(replayed.instants[0].track, reports);
+    assert_eq!(
+        replayed.instants[0]
+            .annotations
+            .get(semconv::CODE_STACKTRACE)
+            .map(String::as_str),
+        Some("forward (model.py:118)")
+    );
+}
