@@ -234,6 +234,13 @@ pub struct Summary {
     pub per_call_unprobed: bool,
 }
 
+/// What the summary says when no process trained and the per-call probes were not
+/// attached.
+const NOTHING_SEEN: &str = "lens-probe: these span groups probe PyTorch's training loop, \
+     checkpoints, GPU memory and NCCL communicators; a program that trains without PyTorch \
+     (C++, JAX) needs --span-groups per_step for its collectives, kernel launches and \
+     syncs\n";
+
 /// What the summary says where the per-call probes were not attached.
 const NOT_PROBED: &str = "not probed under these span groups (the step, forward_backward and optimizer groups \
      probe them: --span-groups per_step)";
@@ -430,6 +437,11 @@ impl Summary {
                  compilers, helpers): no summary",
                 if quiet == 1 { "" } else { "es" }
             );
+        }
+        if quiet > 0 && self.per_call_unprobed && !self.processes.values().any(|p| p.trained()) {
+            // A program that trains without PyTorch (C++, JAX) shows nothing these
+            // groups probe: say where its calls are.
+            out.push_str(NOTHING_SEEN);
         }
         for (pid, process) in self.processes.iter().filter(|(_, p)| p.trained()) {
             self.render_process(&mut out, *pid, process);
@@ -718,6 +730,28 @@ mod tests {
         assert!(!text.contains("summary: pid 7"), "{text}");
         assert!(
             text.contains("1 traced process without training activity"),
+            "{text}"
+        );
+        // All groups on: nothing more to say.
+        assert!(!text.contains("--span-groups per_step"), "{text}");
+    }
+
+    #[test]
+    fn nothing_trained_under_the_default_groups_says_what_per_step_adds() {
+        let mut summary = Summary::default().for_groups(&Default::default());
+        summary.on_event(&ProbeEvent::Phase {
+            tgid: 7,
+            tid: 7,
+            at_ns: 10,
+            launches: 0,
+            epoch: 0,
+            signal: PhaseSignal::FileCreated,
+        });
+        let text = summary.render(&Losses::default());
+        assert!(
+            text.contains(
+                "a program that trains without PyTorch (C++, JAX) needs --span-groups per_step"
+            ),
             "{text}"
         );
     }
