@@ -9,6 +9,9 @@ pub const DL_WORLD_SIZE: &str = "dl.world_size";
 pub const DL_LOCAL_RANK: &str = "dl.local_rank";
 pub const DL_ITERATION: &str = "dl.iteration";
 pub const DL_MICROBATCH_ID: &str = "dl.microbatch_id";
+/// lens-probe's own: which restart of an elastic job this process belongs to
+/// (torchrun's `TORCHELASTIC_RESTART_COUNT`: 0 for the first attempt).
+pub const DL_RESTART_COUNT: &str = "dl.restart_count";
 
 // ---- Run identification (nemo.*), as NeMo Lens ----------------------------------------
 pub const NEMO_RUN_ID: &str = "nemo.run.id";
@@ -24,6 +27,8 @@ pub const SLURM_PARTITION: &str = "slurm.partition";
 pub const SLURM_CLUSTER_NAME: &str = "slurm.cluster.name";
 /// lens-probe's own (NeMo Lens has none): the job step a task belongs to (`srun`).
 pub const SLURM_STEP_ID: &str = "slurm.step.id";
+/// lens-probe's own: how many times SLURM requeued the job (`SLURM_RESTART_COUNT`).
+pub const SLURM_RESTART_COUNT: &str = "slurm.restart_count";
 
 // ---- Kubernetes (k8s.*), OpenTelemetry semconv -----------------------------------------
 pub const K8S_NAMESPACE_NAME: &str = "k8s.namespace.name";

@@ -10,7 +10,9 @@
 //! | `dl.rank`, `dl.world_size` | the launcher's variables ([`RankInfo`]); 0 and 1 when unknown |
 //! | `dl.local_rank` | the same, when known |
 //! | `nemo.run.id` | `NEMO_LENS_RUN_ID`, else `SLURM_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else lens-probe's own run id |
-//! | `service.instance.id` | `<run id>-rank<rank>` |
+//! | `service.instance.id` | `<run id>-rank<rank>`, with `-restart<n>` / `-requeue<n>` for a later attempt |
+//! | `dl.restart_count` | `TORCHELASTIC_RESTART_COUNT`, when set |
+//! | `slurm.restart_count` | `SLURM_RESTART_COUNT`, when set |
 //! | `nemo.user.id` | `NEMO_LENS_USER_ID` |
 //! | `wandb.entity`, `wandb.project` | `WANDB_ENTITY`, `WANDB_PROJECT` |
 //! | `deployment.environment` | `DEPLOYMENT_ENV`, else `ENVIRONMENT` |
@@ -47,9 +49,12 @@ pub const DEFAULT_SERVICE_NAME: &str = "nemo";
 pub struct TargetResource {
     /// Resource attributes, in Lens' order; names from [`semconv`].
     pub attributes: Vec<(&'static str, AttrValue)>,
-    /// The job's run id (`nemo.run.id`): shared by every rank of a run; see
-    /// [`trace_id_for_run`].
+    /// The job's run id (`nemo.run.id`): shared by every rank of a run.
     pub run_id: String,
+    /// What names the attempt's trace ([`trace_id_for_run`]): the run id, and which
+    /// restart (torchrun) or requeue (SLURM) of it, when a later one: each attempt of a
+    /// restarted job is a trace of its own, its ranks together.
+    pub attempt_id: String,
     /// The process's rank, from its environment; `None` for a process no launcher ranked.
     pub rank: Option<RankInfo>,
     /// From the target's `OTEL_RESOURCE_ATTRIBUTES`: keys that [`Self::attributes`] does
@@ -72,6 +77,8 @@ const ENV_RESOURCE_ATTRIBUTES: &str = "OTEL_RESOURCE_ATTRIBUTES";
 const ENV_RUN_ID: &str = "NEMO_LENS_RUN_ID";
 const ENV_USER_ID: &str = "NEMO_LENS_USER_ID";
 const ENV_TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
+const ENV_TORCHELASTIC_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
+const ENV_SLURM_RESTART_COUNT: &str = "SLURM_RESTART_COUNT";
 const ENV_WANDB_ENTITY: &str = "WANDB_ENTITY";
 const ENV_WANDB_PROJECT: &str = "WANDB_PROJECT";
 const ENV_DEPLOYMENT_ENV: &str = "DEPLOYMENT_ENV";
@@ -128,6 +135,11 @@ impl Environment<'_> {
     fn trimmed(&self, key: &str) -> Option<&str> {
         self.raw(key).map(str::trim).filter(|v| !v.is_empty())
     }
+
+    /// Set to a whole number.
+    fn number(&self, key: &str) -> Option<u64> {
+        self.trimmed(key)?.parse().ok()
+    }
 }
 
 /// The resource of the process `info`, from its `environment`, its root directory `root`
@@ -176,10 +188,28 @@ pub fn detect_view(
         attributes.push((semconv::DL_LOCAL_RANK, local_rank.into()));
     }
     attributes.push((semconv::NEMO_RUN_ID, run_id.clone().into()));
+    let (restart, requeue) = (
+        env.number(ENV_TORCHELASTIC_RESTART_COUNT),
+        env.number(ENV_SLURM_RESTART_COUNT),
+    );
+    let mut attempt = String::new();
+    if let Some(n) = requeue.filter(|n| *n > 0) {
+        attempt.push_str(&format!("-requeue{n}"));
+    }
+    if let Some(n) = restart.filter(|n| *n > 0) {
+        attempt.push_str(&format!("-restart{n}"));
+    }
+    let attempt_id = format!("{run_id}{attempt}");
     attributes.push((
         semconv::SERVICE_INSTANCE_ID,
-        format!("{run_id}-rank{rank_number}").into(),
+        format!("{run_id}-rank{rank_number}{attempt}").into(),
     ));
+    if let Some(n) = restart {
+        attributes.push((semconv::DL_RESTART_COUNT, n.into()));
+    }
+    if let Some(n) = requeue {
+        attributes.push((semconv::SLURM_RESTART_COUNT, n.into()));
+    }
     if let Some(user) = env.trimmed(ENV_USER_ID) {
         attributes.push((semconv::NEMO_USER_ID, user.into()));
     }
@@ -255,6 +285,7 @@ pub fn detect_view(
     TargetResource {
         attributes,
         run_id,
+        attempt_id,
         rank,
         user_attributes,
     }
@@ -574,6 +605,48 @@ mod tests {
             str_attr(&r, semconv::SERVICE_INSTANCE_ID),
             Some("run-abc-rank5")
         );
+    }
+
+    #[test]
+    fn each_attempt_of_a_restarted_job_is_an_instance_and_a_trace_of_its_own() {
+        let root = Root::new("attempts");
+        let job = [("RANK", "1"), ("TORCHELASTIC_RUN_ID", "rdzv-7")];
+        let attempt = |extra: &[(&'static str, &'static str)]| {
+            let env: Vec<(&str, &str)> = job.iter().chain(extra).copied().collect();
+            detect_in(&root, &env, "")
+        };
+        // torchrun sets the count from the first attempt on (0): the first keeps the run's
+        // own names, so a job that never restarts is named as before.
+        let first = attempt(&[("TORCHELASTIC_RESTART_COUNT", "0")]);
+        assert_eq!(first.attempt_id, "rdzv-7");
+        assert_eq!(int_attr(&first, semconv::DL_RESTART_COUNT), Some(0));
+        assert_eq!(
+            str_attr(&first, semconv::SERVICE_INSTANCE_ID),
+            Some("rdzv-7-rank1")
+        );
+        let second = attempt(&[("TORCHELASTIC_RESTART_COUNT", "1")]);
+        assert_eq!(second.run_id, "rdzv-7");
+        assert_eq!(second.attempt_id, "rdzv-7-restart1");
+        assert_eq!(int_attr(&second, semconv::DL_RESTART_COUNT), Some(1));
+        assert_eq!(
+            str_attr(&second, semconv::SERVICE_INSTANCE_ID),
+            Some("rdzv-7-rank1-restart1")
+        );
+        assert_ne!(
+            trace_id_for_run(&first.attempt_id),
+            trace_id_for_run(&second.attempt_id)
+        );
+        // A SLURM requeue, and a restart inside it.
+        let requeued = attempt(&[
+            ("SLURM_RESTART_COUNT", "2"),
+            ("TORCHELASTIC_RESTART_COUNT", "1"),
+        ]);
+        assert_eq!(requeued.attempt_id, "rdzv-7-requeue2-restart1");
+        assert_eq!(int_attr(&requeued, semconv::SLURM_RESTART_COUNT), Some(2));
+        // Without either variable: no attribute, the run's names.
+        let plain = attempt(&[]);
+        assert_eq!(plain.attempt_id, "rdzv-7");
+        assert_eq!(int_attr(&plain, semconv::DL_RESTART_COUNT), None);
     }
 
     #[test]

@@ -325,7 +325,7 @@ impl SpanExporter for OtelPipeline {
             info.pid,
             ProcessExport {
                 resource: Arc::new(resource),
-                trace_id: TraceId::from_bytes(resource::trace_id_for_run(&detected.run_id)),
+                trace_id: TraceId::from_bytes(resource::trace_id_for_run(&detected.attempt_id)),
                 metrics,
             },
         );

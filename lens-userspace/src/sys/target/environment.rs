@@ -44,7 +44,7 @@ impl RankInfo {
 /// ([`RANK_VARIABLES`]) and its resource (`export/resource.rs`) are made of. Everything
 /// else in `/proc/PID/environ` is dropped as it is read, so it cannot reach telemetry, a
 /// log or a summary. None of these names looks like a secret ([`looks_secret`]).
-pub const ENVIRONMENT_ALLOW_LIST: [&str; 35] = [
+pub const ENVIRONMENT_ALLOW_LIST: [&str; 37] = [
     // Rank, world size, local rank: torchrun, SLURM, Open MPI.
     "RANK",
     "WORLD_SIZE",
@@ -61,6 +61,9 @@ pub const ENVIRONMENT_ALLOW_LIST: [&str; 35] = [
     "NEMO_LENS_RUN_ID",
     "NEMO_LENS_USER_ID",
     "TORCHELASTIC_RUN_ID",
+    // Which attempt of a restarted job (torchrun's restarts, SLURM's requeues).
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_RESTART_COUNT",
     "WANDB_ENTITY",
     "WANDB_PROJECT",
     "DEPLOYMENT_ENV",
