@@ -442,3 +442,50 @@ fn native_calls_name_the_python_function_that_made_them() {
     }
     assert_eq!(log.named(names::STEP).count(), CALLS);
 }
+
+/// A Python that maps a file named like a libpython, but not one (no ELF): lens-probe
+/// says it cannot read it and why, never that a real library lacks `_PyRuntime`; once
+/// the process is gone, it says nothing (a child that exec'd or exited is no broken
+/// library).
+#[test]
+fn an_unreadable_interpreter_file_is_named_with_its_cause_and_a_gone_process_is_silent() {
+    use std::io::{BufRead, Write};
+    use std::process::{Command, Stdio};
+    let Some(python) = interpreter("/usr/bin/python3.11") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("lens-fake-libpython-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fake = dir.join("libpython3.11.so.1.0");
+    std::fs::write(&fake, vec![0x5a_u8; 8192]).unwrap();
+    let mut child = Command::new(&python)
+        .args([
+            "-c",
+            "import mmap, sys\n\
+             f = open(sys.argv[1], 'rb')\n\
+             m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n\
+             print('mapped', flush=True)\n\
+             sys.stdin.read()\n",
+        ])
+        .arg(&fake)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "mapped");
+    let pid = child.id();
+    let error = lens_probe::python::find_runtime(pid)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("cannot read its symbols"), "{error}");
+    assert!(!error.contains("no _PyRuntime symbol"), "{error}");
+    // Let it go, and wait for it: then the same question has no answer, and no error.
+    child.stdin.take().unwrap().write_all(b"").unwrap();
+    child.wait().unwrap();
+    assert_eq!(lens_probe::python::find_runtime(pid), Ok(None));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -166,6 +166,8 @@ pub enum RuntimeError {
     UnsupportedVersion { path: PathBuf, version: String },
     /// The file names a CPython but has no `_PyRuntime` symbol lens-probe can place.
     NoRuntimeSymbol { path: PathBuf },
+    /// The file could not be read through the process (and the process still maps it).
+    Unreadable { path: PathBuf, reason: String },
 }
 
 impl std::fmt::Display for RuntimeError {
@@ -178,6 +180,9 @@ impl std::fmt::Display for RuntimeError {
             ),
             RuntimeError::NoRuntimeSymbol { path } => {
                 write!(f, "{}: no _PyRuntime symbol found", path.display())
+            }
+            RuntimeError::Unreadable { path, reason } => {
+                write!(f, "{}: cannot read its symbols: {reason}", path.display())
             }
         }
     }
@@ -237,9 +242,19 @@ pub fn find_runtime(pid: u32) -> Result<Option<PythonRuntime>, RuntimeError> {
     // Read through the process's own view of the file (its mount namespace).
     let mapped = process.mapped_file(first);
     let no_symbol = || RuntimeError::NoRuntimeSymbol { path: path.clone() };
-    let found = symbols::resolve_file_offsets(&mapped, &["_PyRuntime"])
-        .ok()
-        .and_then(|offsets| offsets.get("_PyRuntime").copied());
+    let found = match symbols::resolve_file_offsets(&mapped, &["_PyRuntime"]) {
+        Ok(offsets) => offsets.get("_PyRuntime").copied(),
+        // Read while a vfork child shared its parent's mappings, opened after it exec'd
+        // or exited (`map_files` then has no such entry): not a broken library. Its exec
+        // brings it back here with its own mappings.
+        Err(_) if !still_maps(process, &first.path) => return Ok(None),
+        Err(error) => {
+            return Err(RuntimeError::Unreadable {
+                path,
+                reason: error.to_string(),
+            });
+        }
+    };
     let file_offset = match found {
         Some(offset) => offset,
         // A `python3.X` linked to a libpython not mapped yet (the loader maps it next):
@@ -263,6 +278,14 @@ pub fn find_runtime(pid: u32) -> Result<Option<PythonRuntime>, RuntimeError> {
         offsets,
         code: layout.code,
     }))
+}
+
+/// Whether the process is still there and maps `path` (it did not exec or exit since its
+/// mappings were read).
+fn still_maps(process: Process, path: &str) -> bool {
+    process
+        .mappings()
+        .is_ok_and(|entries| entries.iter().any(|e| e.path == path))
 }
 
 fn file_name(path: &str) -> &str {
