@@ -59,7 +59,9 @@ impl MemoryLedger {
         };
         if ok {
             match op {
-                MemoryOp::Alloc | MemoryOp::Create => self.held += bytes,
+                // Only what the ledger holds (an address it could read) can be freed.
+                MemoryOp::Alloc | MemoryOp::Create if out != 0 => self.held += bytes,
+                MemoryOp::Alloc | MemoryOp::Create => {}
                 MemoryOp::Free | MemoryOp::Release => self.held -= bytes.min(self.held),
                 MemoryOp::Map | MemoryOp::Unmap => {}
             }
@@ -181,6 +183,10 @@ mod tests {
         // A failed free changes nothing either.
         let bad_free = ledger.apply(MemoryOp::Free, &[0xa000], 0, 1);
         assert_eq!((bad_free.bytes, bad_free.held), (0, 100));
+        // Nor does an allocation whose address could not be read: it could never be
+        // freed from the ledger.
+        let unread = ledger.apply(MemoryOp::Alloc, &[0x10, 4096], 0, 0);
+        assert_eq!(unread.held, 100);
     }
 
     #[test]
