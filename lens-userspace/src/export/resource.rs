@@ -188,28 +188,12 @@ pub fn detect_view(
         attributes.push((semconv::DL_LOCAL_RANK, local_rank.into()));
     }
     attributes.push((semconv::NEMO_RUN_ID, run_id.clone().into()));
-    let (restart, requeue) = (
-        env.number(ENV_TORCHELASTIC_RESTART_COUNT),
-        env.number(ENV_SLURM_RESTART_COUNT),
-    );
-    let mut attempt = String::new();
-    if let Some(n) = requeue.filter(|n| *n > 0) {
-        attempt.push_str(&format!("-requeue{n}"));
-    }
-    if let Some(n) = restart.filter(|n| *n > 0) {
-        attempt.push_str(&format!("-restart{n}"));
-    }
+    let attempt = attempt_suffix(&env, &mut attributes);
     let attempt_id = format!("{run_id}{attempt}");
     attributes.push((
         semconv::SERVICE_INSTANCE_ID,
         format!("{run_id}-rank{rank_number}{attempt}").into(),
     ));
-    if let Some(n) = restart {
-        attributes.push((semconv::DL_RESTART_COUNT, n.into()));
-    }
-    if let Some(n) = requeue {
-        attributes.push((semconv::SLURM_RESTART_COUNT, n.into()));
-    }
     if let Some(user) = env.trimmed(ENV_USER_ID) {
         attributes.push((semconv::NEMO_USER_ID, user.into()));
     }
@@ -289,6 +273,27 @@ pub fn detect_view(
         rank,
         user_attributes,
     }
+}
+
+/// Which attempt of a restarted job this is: its counts as attributes, and the suffix
+/// (`-requeue<n>`, `-restart<n>`) that a later attempt's instance and trace ids take.
+fn attempt_suffix(env: &Environment, attributes: &mut Vec<(&'static str, AttrValue)>) -> String {
+    let restart = env.number(ENV_TORCHELASTIC_RESTART_COUNT);
+    let requeue = env.number(ENV_SLURM_RESTART_COUNT);
+    if let Some(n) = restart {
+        attributes.push((semconv::DL_RESTART_COUNT, n.into()));
+    }
+    if let Some(n) = requeue {
+        attributes.push((semconv::SLURM_RESTART_COUNT, n.into()));
+    }
+    let mut suffix = String::new();
+    if let Some(n) = requeue.filter(|n| *n > 0) {
+        suffix.push_str(&format!("-requeue{n}"));
+    }
+    if let Some(n) = restart.filter(|n| *n > 0) {
+        suffix.push_str(&format!("-restart{n}"));
+    }
+    suffix
 }
 
 /// `OTEL_RESOURCE_ATTRIBUTES` as the Python SDK's `OTELResourceDetector` reads it
