@@ -183,9 +183,8 @@ pub fn load_object(kernel_logs: bool, links: UprobeLinks) -> Result<Ebpf> {
         }
     );
     for &program in Program::ALL {
-        program_mut::<UProbe>(&mut ebpf, name_for(program, multi))?
-            .load()
-            .map_err(|source| match source {
+        load_program(program_mut::<UProbe>(&mut ebpf, name_for(program, multi))?).map_err(
+            |source| match source {
                 ProgramError::LoadError {
                     io_error,
                     verifier_log,
@@ -201,12 +200,33 @@ pub fn load_object(kernel_logs: bool, links: UprobeLinks) -> Result<Ebpf> {
                     program: program.name(),
                     source,
                 },
-            })?;
+            },
+        )?;
     }
     if layout.is_some() {
         super::sched::attach(&mut ebpf)?;
     }
     Ok(ebpf)
+}
+
+/// How many times a program load is tried while the kernel answers EAGAIN, as libbpf
+/// does: the verifier gives up with it under memory pressure (a busy node), which a
+/// moment later passes.
+const LOAD_ATTEMPTS: u32 = 5;
+
+fn load_program(program: &mut UProbe) -> std::result::Result<(), ProgramError> {
+    let mut attempts = LOAD_ATTEMPTS;
+    loop {
+        match program.load() {
+            Err(ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && attempts > 1 =>
+            {
+                attempts -= 1;
+                debug!("program load: {io_error}, trying again");
+            }
+            result => return result,
+        }
+    }
 }
 
 /// Takes the events ring buffer out of the loaded object, for the one reader that drains
