@@ -6,26 +6,22 @@ use lens_common::{LAUNCH_PROBES, ProbeId, TargetState};
 
 use crate::sink::EventSink;
 
-use super::{Session, Target};
+use super::{Session, target_table::Target};
 
 impl Session {
-    /// What `calls` cost a target, and each of its `runtime_driver_hits` (driver launches
-    /// left out as the runtime's own: an entry hit, not a call), as estimated from the hit
-    /// costs measured at start-up.
+    /// What `calls` cost `target`, and each of its `runtime_driver_hits`.
     pub(super) fn probe_cost(
         &self,
         target: &Target,
         calls: &BTreeMap<ProbeId, u64>,
         runtime_driver_hits: u64,
     ) -> crate::sink::ProbeCost {
-        let uncounted = runtime_driver_hits;
-        let uncounted_ns = self.costs.hit_costs.entry.as_nanos() as u64 * uncounted;
-        crate::sink::ProbeCost {
-            estimated_ns: self.costs.hit_costs.of_calls(calls).as_nanos() as u64 + uncounted_ns,
-            traced_ns: crate::spans::monotonic_now_ns().saturating_sub(target.traced_since_ns),
-            entry_hit_ns: self.costs.hit_costs.entry.as_nanos() as u64,
-            return_hit_ns: self.costs.hit_costs.ret.as_nanos() as u64,
-        }
+        self.costs.cost_of(
+            calls,
+            runtime_driver_hits,
+            target.traced_since_ns,
+            crate::spans::monotonic_now_ns(),
+        )
     }
 
     /// Hands `pid`'s call counts so far to the sink (`reported`: as counted, or scaled up
@@ -38,7 +34,7 @@ impl Session {
         sink: &mut dyn EventSink,
     ) {
         sink.on_call_counts(pid, reported);
-        if let Some(target) = self.targets.get(&pid) {
+        if let Some(target) = self.targets.get(pid) {
             let runtime_driver_hits = self.runtime_driver_hits(pid);
             sink.on_probe_cost(pid, self.probe_cost(target, counted, runtime_driver_hits));
         }
@@ -50,7 +46,7 @@ impl Session {
         for (pid, entry) in self.bpf.maps.targets.entries() {
             add_call_counts(by_pid.entry(pid).or_default(), Some(&entry));
         }
-        by_pid.retain(|pid, _| self.targets.contains_key(pid));
+        by_pid.retain(|pid, _| self.targets.contains(*pid));
         by_pid
     }
 
@@ -63,22 +59,18 @@ impl Session {
     /// Tells the sink about targets whose launches began or stopped being counted (their
     /// libraries' launch probes went in or out).
     pub(super) fn sync_launch_counting(&mut self, sink: &mut dyn EventSink) {
-        let now = crate::spans::monotonic_now_ns();
-        let sampled = self.costs.budget.is_some();
-        for (pid, target) in &mut self.targets {
-            let counted = self.probes.attacher.counts_launches(*pid);
-            if counted != target.launches_counted {
-                // A process traced from its start had its libraries probed as they loaded,
-                // before any launch: its count starts with it.
-                let since = if counted && !target.launches_seen && target.info.traced_from_start {
-                    0
-                } else {
-                    now
-                };
-                target.launches_counted = counted;
-                target.launches_seen |= counted;
-                sink.on_launch_counting(*pid, counted, since, sampled);
-            }
+        let attacher = &self.probes.attacher;
+        let changes = self.targets.launch_counting(
+            |pid| attacher.counts_launches(pid),
+            crate::spans::monotonic_now_ns(),
+        );
+        for change in changes {
+            sink.on_launch_counting(
+                change.pid,
+                change.counted,
+                change.since_ns,
+                self.costs.sampled(),
+            );
         }
     }
 }

@@ -69,9 +69,8 @@ impl Session {
                 traced: false,
             } => self.on_node_exec(tgid),
             ControlEvent::ProcessExit { tgid, wait_status } => {
-                if let Some(target) = self.targets.get_mut(&tgid) {
-                    target.exit = Some(ExitStatus::from_wait_status(wait_status));
-                }
+                self.targets
+                    .exited(tgid, ExitStatus::from_wait_status(wait_status));
             }
         }
     }

@@ -62,8 +62,7 @@ impl Session {
             // Libraries attached while draining may have put launch probes in.
             self.sync_launch_counting(sink);
             if stopping.stop.is_some()
-                && (stopping.grace_deadline.is_none()
-                    || !self.targets.values().any(|t| t.own_child))
+                && (stopping.grace_deadline.is_none() || self.targets.own_children().is_empty())
             {
                 break;
             }
@@ -82,16 +81,14 @@ impl Session {
         };
         let (exit_tx, exits) = mpsc::unbounded_channel::<u32>();
         self.events.exit_tx = Some(exit_tx);
-        let mut pids: Vec<u32> = self.targets.keys().copied().collect();
-        pids.sort_unstable();
-        for pid in pids {
-            let Some(target) = self.targets.get_mut(&pid) else {
+        for pid in self.targets.pids() {
+            let Some(target) = self.targets.get(pid) else {
                 continue;
             };
             self.hangs
                 .process_started(&target.info, target.info.traced_from_start);
             sink.on_process_start(&target.info);
-            if let Some(pidfd) = target.pidfd.take() {
+            if let Some(pidfd) = self.targets.take_pidfd(pid) {
                 self.watch_exit(pid, pidfd)?;
             }
         }
@@ -151,12 +148,12 @@ impl Session {
                 self.python.expire_armed_loads(&mut self.bpf.maps.python);
             }
             // Under a budget its tick reads the counters (and scales the launches).
-            _ = ticks.counts.tick(), if self.costs.budget.is_none() => {
+            _ = ticks.counts.tick(), if !self.costs.sampled() => {
                 for (pid, calls) in self.call_counts() {
                     self.report_call_counts(pid, &calls, &calls, sink);
                 }
             }
-            _ = ticks.budget.tick(), if self.costs.budget.is_some() => self.budget_tick(sink),
+            _ = ticks.budget.tick(), if self.costs.sampled() => self.budget_tick(sink),
             _ = ticks.hangs.tick(), if self.hangs.watching() => {
                 self.drain(ring.get_mut(), sink);
                 self.check_hangs(sink);
@@ -167,7 +164,7 @@ impl Session {
                 // What was traced is said before it ends: a job shorter than the drain
                 // tick (or one whose tick lost the race to its exit) still gets its line.
                 self.print_attach_status();
-                let exit = match self.targets.get(&pid) {
+                let exit = match self.targets.get(pid) {
                     Some(t) if t.own_child => wait_child(pid).await,
                     Some(t) => Some(t.exit.unwrap_or(ExitStatus::Unknown)),
                     None => Some(ExitStatus::Unknown),
@@ -195,23 +192,20 @@ impl Session {
         sink: &mut dyn EventSink,
     ) -> RunReport {
         self.drain(inputs.ring.get_mut(), sink);
-        let remaining: Vec<u32> = self.targets.keys().copied().collect();
-        for pid in remaining {
+        for pid in self.targets.pids() {
             // Never leave a child of ours stopped at a library load.
-            if self.targets.get(&pid).is_some_and(|t| t.own_child) {
+            if self.targets.get(pid).is_some_and(|t| t.own_child) {
                 target::resume(pid);
             }
             self.finish_target(pid, None, sink);
         }
         self.events.ring = Some(inputs.ring.into_inner());
         self.events.exit_tx = None;
-        let budget = self.costs.budget.as_ref().map(|(controller, started)| {
-            controller.report((crate::spans::monotonic_now_ns() - started) as f64 / 1e9)
-        });
+        let budget = self.costs.report(crate::spans::monotonic_now_ns());
         RunReport {
             stop: stop.unwrap_or(StopReason::TargetsExited),
             losses: self.losses(),
-            child_exit: self.child.exit,
+            child_exit: self.targets.child_exit(),
             budget,
         }
     }
@@ -236,19 +230,14 @@ impl Session {
             return;
         }
         stopping.stop = Some(StopReason::Signal(signal));
-        let children: Vec<u32> = self
-            .targets
-            .iter()
-            .filter(|(_, t)| t.own_child)
-            .map(|(pid, _)| *pid)
-            .collect();
+        let children = self.targets.own_children();
         for pid in &children {
             // SAFETY: plain signal send to our own child.
             unsafe { libc::kill(*pid as libc::pid_t, signal) };
             target::resume(*pid);
         }
         if !children.is_empty() {
-            stopping.grace_deadline = Some(tokio::time::Instant::now() + self.child.stop_grace);
+            stopping.grace_deadline = Some(tokio::time::Instant::now() + self.stop_grace);
         }
     }
 }

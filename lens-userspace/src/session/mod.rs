@@ -2,12 +2,7 @@
 //! an [`EventSink`](crate::sink::EventSink) until the targets exit, a signal arrives or the time is up.
 //!
 //! Data path: probe (kernel) → ring buffer → [`events::decode`] → sink.
-use std::{
-    collections::{HashMap, HashSet},
-    os::fd::OwnedFd,
-    sync::Arc,
-    time::Duration,
-};
+use std::{collections::HashSet, sync::Arc, time::Duration};
 
 use aya::maps::{MapData, RingBuf};
 use aya_log::EbpfLogger;
@@ -31,14 +26,10 @@ use crate::{
         groups::{SpanGroup, SpanGroups},
     },
     summary::Losses,
-    sys::{
-        guardian::Guardian,
-        privileges,
-        target::{ExitStatus, ProcessInfo},
-    },
+    sys::{guardian::Guardian, privileges, target::ExitStatus},
 };
 
-mod budget;
+mod costs;
 mod counters;
 mod drain;
 mod event_loop;
@@ -48,12 +39,14 @@ mod kernel_counters;
 mod node;
 mod python_frames;
 mod target_maps;
+mod target_table;
 mod targets;
 
-use budget::LaunchEstimate;
+use costs::ProbeCosts;
 use event_loop::EventLoopPriority;
 use kernel_counters::KernelCounters;
 use python_frames::PythonFrames;
+use target_table::TargetTable;
 
 pub use crate::bpf::KernelState;
 
@@ -102,23 +95,6 @@ pub struct RunReport {
     pub budget: Option<BudgetReport>,
 }
 
-struct Target {
-    info: ProcessInfo,
-    /// Started by us (`--exec`): we can collect its exit status.
-    own_child: bool,
-    /// `TARGET_*` flags of its `TARGETS` entry (a fork inherits them).
-    flags: u32,
-    pidfd: Option<OwnedFd>,
-    /// The sink was told its launches are being counted.
-    launches_counted: bool,
-    /// ... at some time.
-    launches_seen: bool,
-    /// How it ended, as the kernel's exit tracepoint said (its parent reaps it, not us).
-    exit: Option<ExitStatus>,
-    /// When lens-probe began tracing it (monotonic clock): its call counts start there.
-    traced_since_ns: u64,
-}
-
 pub struct Session {
     bpf: BpfObject,
     /// Where events come from: the ring buffer, the exit watchers, the kernel's logs.
@@ -126,11 +102,13 @@ pub struct Session {
     /// The probes in the kernel, per traced process.
     probes: TargetProbes,
     groups: SpanGroups,
-    targets: HashMap<u32, Target>,
+    /// The traced processes, and the one lens-probe started.
+    targets: TargetTable,
     /// Which processes become targets.
     selection: Selection,
-    /// The process started with `--exec`, whose exit status becomes ours.
-    child: ExecChild,
+    /// `--stop-grace`: how long the process started with `--exec` is traced on after a
+    /// stop signal was passed on to it.
+    stop_grace: Duration,
     /// What the probes cost, and the overhead budget that bounds it.
     costs: ProbeCosts,
     /// Targets stopped at a library load, and who lets them go.
@@ -183,25 +161,6 @@ struct Selection {
     export_strategy: ExportStrategy,
     /// Node mode: the filter discovered processes must pass.
     node: Option<NodeFilter>,
-}
-
-/// The process started with `--exec`.
-struct ExecChild {
-    pid: Option<u32>,
-    exit: Option<ExitStatus>,
-    /// `--stop-grace`: how long it is traced on after a stop signal was passed on to it.
-    stop_grace: Duration,
-}
-
-/// What the probes cost the targets.
-struct ProbeCosts {
-    /// `--overhead-budget`: the controller, and when it started (monotonic ns).
-    budget: Option<(BudgetController, u64)>,
-    /// What a probe hit costs here (measured at start-up): each process's estimate.
-    hit_costs: calibrate::HitCosts,
-    /// Launches per process as reported to the sinks: under a budget, counted launches
-    /// plus an estimate for the pauses between windows.
-    launch_estimates: HashMap<u32, LaunchEstimate>,
 }
 
 /// Targets stopped at a library load until their new library is attached.
@@ -280,21 +239,13 @@ impl Session {
                 fork_images: HashSet::new(),
             },
             groups: options.span_groups,
-            targets: HashMap::new(),
+            targets: TargetTable::default(),
             selection: Selection {
                 export_strategy: ExportStrategy::AllRanks,
                 node: None,
             },
-            child: ExecChild {
-                pid: None,
-                exit: None,
-                stop_grace: CHILD_EXIT_GRACE,
-            },
-            costs: ProbeCosts {
-                budget,
-                hit_costs,
-                launch_estimates: HashMap::new(),
-            },
+            stop_grace: CHILD_EXIT_GRACE,
+            costs: ProbeCosts::new(hit_costs, budget),
             stops: LoadStops {
                 guardian: None,
                 late_attaches: 0,
@@ -329,7 +280,7 @@ impl Session {
     /// `--stop-grace`: after a stop signal, how long the commands lens-probe started are
     /// traced on (their exit then seen) before tracing stops.
     pub fn set_stop_grace(&mut self, grace: Duration) {
-        self.child.stop_grace = grace;
+        self.stop_grace = grace;
     }
 
     /// Tells `guardian` about every target from now on.

@@ -163,7 +163,7 @@ impl Session {
             else {
                 continue;
             };
-            if self.targets.contains_key(tgid) || hold.contains(tgid) {
+            if self.targets.contains(*tgid) || hold.contains(tgid) {
                 continue;
             }
             let trains = self

@@ -1,8 +1,8 @@
-//! The target registry: processes attached by pid or started with `--exec`, followed
-//! through fork, exec and library loads, and finished when they exit.
+//! Following targets: processes attached by pid or started with `--exec`, followed
+//! through fork, exec and library loads (the attaching; `target_table` keeps what is
+//! known of each), and finished when they exit.
 use std::{ffi::OsString, os::fd::OwnedFd};
 
-use lens_common::TARGET_STOP_ON_LINK_MAP_CHANGE;
 use log::{info, warn};
 
 use crate::{
@@ -18,10 +18,12 @@ use crate::{
     },
 };
 
-use super::budget::{launch_total, scale_launches};
 use super::counters::{add_call_counts, captured_launches};
 use super::event_loop::register;
-use super::{Session, Target};
+use super::{
+    Session,
+    target_table::{Arrival, TargetTable},
+};
 
 impl Session {
     /// Counts the files `pid` creates (for checkpoints) if it maps what writes them
@@ -63,7 +65,7 @@ impl Session {
     /// Attaches to the libraries `pid` maps now; later loads are caught by the dynamic
     /// loader probe. Fails when the process maps neither libcudart nor libnccl.
     pub fn attach_pid(&mut self, pid: u32) -> Result<()> {
-        if self.targets.contains_key(&pid) {
+        if self.targets.contains(pid) {
             // Named twice, or a launcher's worker named after its launcher.
             return Ok(());
         }
@@ -150,18 +152,10 @@ impl Session {
             }
             None => Some(pidfd),
         };
-        self.targets.insert(
-            pid,
-            Target {
-                info,
-                own_child: false,
-                flags: 0,
-                pidfd,
-                launches_counted: false,
-                launches_seen: false,
-                exit: None,
-                traced_since_ns: crate::spans::monotonic_now_ns(),
-            },
+        self.targets.add(
+            info,
+            Arrival::Attached(pidfd),
+            crate::spans::monotonic_now_ns(),
         );
         Ok(())
     }
@@ -179,8 +173,7 @@ impl Session {
         let gated = target::spawn_gated(argv)?;
         let pid = gated.pid;
         self.guard(pid);
-        let flags = TARGET_STOP_ON_LINK_MAP_CHANGE;
-        self.set_target(pid, flags)?;
+        self.set_target(pid, TargetTable::STARTED_FLAGS)?;
         let pidfd = target::pidfd_open(pid)?;
         if let Err(error) = gated.release() {
             self.bpf.maps.targets.remove(&pid);
@@ -198,20 +191,11 @@ impl Session {
             view: Default::default(),
         });
         info.traced_from_start = true;
-        self.targets.insert(
-            pid,
-            Target {
-                info,
-                own_child: true,
-                flags,
-                pidfd: Some(pidfd),
-                launches_counted: false,
-                launches_seen: false,
-                exit: None,
-                traced_since_ns: crate::spans::monotonic_now_ns(),
-            },
+        self.targets.add(
+            info,
+            Arrival::Started(pidfd),
+            crate::spans::monotonic_now_ns(),
         );
-        self.child.pid = Some(pid);
         Ok(pid)
     }
 
@@ -232,7 +216,6 @@ impl Session {
     /// its own (its exit watched, its settings inherited).
     pub(super) fn on_fork(&mut self, parent: u32, child: u32, sink: &mut dyn EventSink) {
         self.guard(child);
-        let flags = self.targets.get(&parent).map_or(0, |t| t.flags);
         let registered = target::pidfd_open(child).and_then(|pidfd| {
             let mut info = ProcessInfo::read(child)?;
             info.traced_from_start = true;
@@ -244,18 +227,10 @@ impl Session {
                 info!("pid {parent} started pid {child}: tracing it");
                 self.hangs.process_started(&info, true);
                 sink.on_process_start(&info);
-                self.targets.insert(
-                    child,
-                    Target {
-                        info,
-                        own_child: false,
-                        flags,
-                        pidfd: None,
-                        launches_counted: false,
-                        launches_seen: false,
-                        exit: None,
-                        traced_since_ns: crate::spans::monotonic_now_ns(),
-                    },
+                self.targets.add(
+                    info,
+                    Arrival::Forked { parent },
+                    crate::spans::monotonic_now_ns(),
                 );
                 // It maps what its parent mapped.
                 self.probes.fork_images.insert(child);
@@ -280,18 +255,16 @@ impl Session {
         // counting without a moment in which a launch could be missed.)
         self.forget_kernel_counts(pid);
         self.bpf.maps.launches.runtime_ranges.remove(&pid);
-        let Some(target) = self.targets.get_mut(&pid) else {
+        if !self.targets.contains(pid) {
             return;
-        };
-        if let Ok(mut info) = ProcessInfo::read(pid) {
-            info.traced_from_start = true;
-            target.info = info;
-            // A new job in the sinks: tell it afresh whether launches are counted.
-            target.launches_counted = false;
-            target.launches_seen = false;
-            self.hangs.process_started(&target.info, true);
-            sink.on_process_exec(&target.info);
-            let info = target.info.clone();
+        }
+        if let Ok(info) = ProcessInfo::read(pid) {
+            // A new job in the sinks: told afresh whether launches are counted.
+            let Some(info) = self.targets.executed(pid, info).cloned() else {
+                return;
+            };
+            self.hangs.process_started(&info, true);
+            sink.on_process_exec(&info);
             if !self.exports(&info) {
                 self.finish_target(pid, None, sink);
             } else {
@@ -311,7 +284,7 @@ impl Session {
         traced: bool,
         sink: &mut dyn EventSink,
     ) {
-        if self.targets.contains_key(&pid) {
+        if self.targets.contains(pid) {
             self.attach_libraries_of(pid);
         } else if !traced && self.selection.node.is_some() {
             self.consider_candidate(pid, sink);
@@ -407,7 +380,7 @@ impl Session {
         exit: Option<ExitStatus>,
         sink: &mut dyn EventSink,
     ) {
-        let Some(target) = self.targets.remove(&pid) else {
+        let Some(target) = self.targets.remove(pid, exit) else {
             return;
         };
         // Its call counters go with its entry: read before it is removed.
@@ -429,10 +402,7 @@ impl Session {
         }
         let cost = self.probe_cost(&target, &hits, runtime_driver_hits);
         self.forget_kernel_state(pid);
-        if let Some(estimate) = self.costs.launch_estimates.remove(&pid) {
-            let new = launch_total(&calls).saturating_sub(estimate.counted);
-            scale_launches(&mut calls, estimate.estimated + new as f64);
-        }
+        self.costs.process_ended(pid, &mut calls);
         // Node mode outlives its targets: probes nobody needs any more go. (Otherwise
         // lens-probe ends with its targets, and the probes with it.)
         if self.selection.node.is_some() {
@@ -440,9 +410,6 @@ impl Session {
         }
         self.probes.files.release(&mut self.bpf.programs, pid);
         self.probes.fork_images.remove(&pid);
-        if Some(pid) == self.child.pid {
-            self.child.exit = exit;
-        }
         let ended = self
             .hangs
             .process_ended(pid, crate::spans::monotonic_now_ns());
@@ -460,8 +427,7 @@ impl Session {
 impl Session {
     /// The rank of traced process `pid`, as its environment says.
     pub(super) fn rank_of(&self, pid: u32) -> Option<i64> {
-        let target = self.targets.get(&pid)?;
-        target.info.rank.as_ref().map(|rank| rank.rank)
+        self.targets.rank_of(pid)
     }
 
     /// Forgets `pid`'s per-kernel counters (it ended, or runs a new program whose
