@@ -725,6 +725,10 @@ fn a_collector_that_hangs_fills_a_bounded_queue_and_the_probe_goes_on() {
     assert!(queue_full > 0, "the queue overflowed: {line}");
     assert_eq!(lost, queue_full + failed);
     assert!(lost >= 4000 * 7, "every span is accounted for: {line}");
+    assert!(
+        stderr.contains("spans came faster than the OTLP endpoint took them"),
+        "the drops are explained: {stderr}"
+    );
     let rss_kib: u64 = stderr
         .lines()
         .find_map(|l| l.strip_prefix("maxrss_kib="))

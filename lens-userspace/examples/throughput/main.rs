@@ -11,6 +11,10 @@
 //! CPU time of the export thread.
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
+/// As lens-probe's binary (its `main.rs` says why).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::{Parser, ValueEnum};
 use lens_probe::{
     events::CollectiveOp,
