@@ -437,6 +437,8 @@ pub mod limits {
     pub const MAX_PY_THREAD_WALK: u32 = 64;
     /// (process, epoch, kernel) launch counters not yet read by the loader.
     pub const MAX_KERNEL_COUNTS: u32 = 16384;
+    /// Threads whose grad mode the kernel follows (LRU).
+    pub const MAX_GRAD_MODE_THREADS: u32 = 16_384;
     /// Slots of the per-thread launch notes, indexed by tid modulo this (a power of two).
     pub const LAUNCH_NOTES: u32 = 65_536;
 }

@@ -300,13 +300,38 @@ pub(crate) fn called_from_runtime(stack: u64, pid_tgid: u64) -> bool {
     false
 }
 
+/// A mark taken now that opens no epoch: it passes the epoch of the mark before it (a
+/// held grad-mode change, sent later, if at all).
+#[inline(always)]
+pub(crate) fn mark_in_epoch(target: *mut TargetState) -> LaunchMark {
+    let at_ns = now_ns();
+    // SAFETY: a live map value (see `atomic_add`).
+    unsafe {
+        LaunchMark {
+            at_ns,
+            launches: (*target).launches_total(),
+            epoch: core::ptr::read_volatile(&raw const (*target).epoch),
+        }
+    }
+}
+
 /// A mark taken now in the process whose `TARGETS` entry is `target` (the caller's target
 /// check found it): the clock, the epoch it opens (1 for the process's first mark) and
 /// the process's launches so far. (Two marks of two threads at the same instant may both
 /// read the later epoch: the earlier one's launches, none between them, are not
 /// misplaced.)
+///
+/// The thread's held grad-mode changes go first (`grad_mode`): every other phase mark is
+/// taken here.
 #[inline(always)]
 pub(crate) fn mark_now(target: *mut TargetState) -> LaunchMark {
+    crate::grad_mode::flush_held_changes();
+    open_epoch(target)
+}
+
+/// [`mark_now`] without the held grad-mode changes: the grad-mode program's own mark.
+#[inline(always)]
+pub(crate) fn open_epoch(target: *mut TargetState) -> LaunchMark {
     let at_ns = now_ns();
     // SAFETY: a live map value (see `atomic_add`).
     unsafe {

@@ -27,6 +27,8 @@ mod ctx;
 #[cfg(target_arch = "bpf")]
 mod cuda;
 #[cfg(target_arch = "bpf")]
+mod grad_mode;
+#[cfg(target_arch = "bpf")]
 mod launches;
 #[cfg(target_arch = "bpf")]
 mod loader;

@@ -21,7 +21,7 @@ uprobe_and_multi! {
 
 #[inline(always)]
 fn phase_mark_body(ctx: ProbeContext) -> u32 {
-    let Some((_, target, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
+    let Some((pid_tgid, target, mut record, _)) = begin_call::<PhaseEntry>(&ctx) else {
         return 0;
     };
     record.body = PhaseEntry {
@@ -29,6 +29,9 @@ fn phase_mark_body(ctx: ProbeContext) -> u32 {
         argument: arg_u64(&ctx, 0),
     };
     send(&record);
+    if record.header.probe == ProbeId::TorchInferenceMode as u32 {
+        crate::grad_mode::forget_thread(pid_tgid);
+    }
     0
 }
 

@@ -154,6 +154,64 @@ fn default_groups_give_job_evaluate_checkpoint_and_attach_no_step_probes() {
     }
 }
 
+/// Activation checkpointing toggles grad mode in every forward pass: the kernel counts
+/// each call but sends only what the phase rules can tell apart (`lens-ebpf/src/
+/// grad_mode.rs`), and the tree is the one without recompute.
+#[test]
+fn recompute_grad_toggles_are_counted_in_the_kernel_and_the_tree_is_unchanged() {
+    let name = "recompute_grad_toggles_are_counted_in_the_kernel";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let _guard = shared();
+    const RECOMPUTE: u64 = 20;
+    let recompute = RECOMPUTE.to_string();
+    let argv = trainer(
+        &[("TRAINER_RECOMPUTE", recompute.as_str())],
+        &["4", "2", "2", "3"],
+    );
+    let mut session = session("per_step");
+    session.exec(&argv).unwrap();
+    let builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
+    let mut sinks = (builder, lens_probe::sink::EventLog::default());
+    session
+        .run_blocking(&mut sinks, Some(Duration::from_secs(60)))
+        .unwrap();
+    let (builder, events) = sinks;
+    let expected = [
+        "train.job\n  train.model_init\n".to_string(),
+        step(0, 2),
+        step(1, 2),
+        "  train.evaluate\n".into(),
+        step(2, 2),
+        "  train.checkpoint nemo.checkpoint.files=1\n".into(),
+        step(3, 2),
+        "  train.evaluate\n".into(),
+    ]
+    .concat();
+    assert_eq!(builder.into_exporter().outline(KEYS), expected);
+    // Every call counted: import torch's 4, per microbatch 3 a layer, per optimizer step
+    // 2, per evaluation 2.
+    let calls = events.ended[0].calls[&ProbeId::TorchGradMode];
+    assert_eq!(calls, 4 + 4 * 2 * 3 * RECOMPUTE + 4 * 2 + 2 * 2);
+    // Sent: of import torch's toggles the first and the last; of each forward pass's,
+    // the first and the last; each optimizer step's and evaluation's two, as they were.
+    let sent = events
+        .events
+        .iter()
+        .filter(|event| {
+            matches!(
+                event,
+                lens_probe::events::ProbeEvent::Phase {
+                    signal: lens_probe::events::PhaseSignal::GradMode { .. },
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(sent, 2 + 4 * 2 * 2 + 4 * 2 + 2 * 2);
+}
+
 #[test]
 fn uprobes_attached_grow_with_the_preset() {
     if !lens_tests::require_bpf("uprobes_attached_grow_with_the_preset") {

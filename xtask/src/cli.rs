@@ -230,7 +230,7 @@ mod tests {
             ErrorKind::InvalidValue,
             "invalid value 'gpu' for '--only <ONLY>'\n  [possible values: trainer, per-kind, \
              neighbour, torch, attach, throughput, budget, python, hangs, teardown, frameworks, \
-             scale]",
+             scale, recompute]",
         );
         refused(&["bench", "--fast"], ErrorKind::UnknownArgument, "--fast");
         refused(&["BUILD-EBPF"], ErrorKind::InvalidSubcommand, "BUILD-EBPF");

@@ -58,6 +58,7 @@ programs! {
     PhaseMarkReturn => "phase_mark_return",
     TorchBackwardEntry => "torch_backward_entry",
     TorchScopeEnter => "torch_scope_enter",
+    GradModeEntry => "grad_mode_entry",
     TimedCallEntry => "timed_call_entry",
     DriverLaunch => "driver_launch",
     /// Configured probe rules (`crate::settings::config`): entry and return of any function.

@@ -27,10 +27,12 @@ pub enum Block {
     Frameworks,
     /// Attach, links and teardown with 1, 8 and 64 traced processes (11).
     Scale,
+    /// Activation checkpointing: grad mode switched hundreds of times a step (12).
+    Recompute,
 }
 
 impl Block {
-    pub const ALL: [Block; 12] = [
+    pub const ALL: [Block; 13] = [
         Block::Trainer,
         Block::PerKind,
         Block::Neighbour,
@@ -43,6 +45,7 @@ impl Block {
         Block::Teardown,
         Block::Frameworks,
         Block::Scale,
+        Block::Recompute,
     ];
 
     pub fn name(self) -> &'static str {
@@ -59,6 +62,7 @@ impl Block {
             Block::Teardown => "teardown",
             Block::Frameworks => "frameworks",
             Block::Scale => "scale",
+            Block::Recompute => "recompute",
         }
     }
 }

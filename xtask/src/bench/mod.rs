@@ -43,6 +43,7 @@ mod notes;
 mod per_kind;
 mod proc;
 mod python;
+mod recompute;
 mod report;
 mod rounds;
 mod scale;
@@ -382,6 +383,9 @@ fn run_blocks(ctx: &Ctx, opts: &Options, watch: &mut Watch) -> Result<Results> {
     }
     if let Some(py) = venv(Block::Scale) {
         python.scale = Some(scale::block(ctx, py, watch, quick)?);
+    }
+    if let Some(py) = venv(Block::Recompute) {
+        python.recompute = Some(recompute::block(ctx, py, watch, quick)?);
     }
     Ok(Results {
         blocks: opts.blocks,

@@ -41,6 +41,9 @@ fn block_notes(n: &mut String, r: &Results) {
     if let Some(frameworks) = &r.python.frameworks {
         n.push_str(&frameworks.notes());
     }
+    if let Some(recompute) = &r.python.recompute {
+        n.push_str(&recompute.notes());
+    }
     if let Some(hangs) = &r.fixtures.hangs {
         n.push_str(&hangs.notes());
     }

@@ -6,7 +6,7 @@ use super::{
     attach::AttachRun,
     budget,
     fake::{Fake, FakeBlock},
-    frameworks, hangs, neighbour, per_kind, python,
+    frameworks, hangs, neighbour, per_kind, python, recompute,
     report::{Met, Row, Section, fmt_count, fmt_duration, median, row},
     rounds::ratio_to,
     scale, teardown, throughput,
@@ -49,6 +49,7 @@ pub(super) struct PythonResults {
     pub(super) teardown: Option<teardown::TeardownBlock>,
     pub(super) frameworks: Option<frameworks::FrameworksBlock>,
     pub(super) scale: Option<scale::ScaleBlock>,
+    pub(super) recompute: Option<recompute::RecomputeBlock>,
 }
 
 /// The table's sections, in order, for the blocks that ran.
@@ -90,6 +91,9 @@ pub(super) fn sections(ctx: &Ctx, r: &Results) -> Vec<Section> {
     }
     if let Some(frameworks) = &r.python.frameworks {
         out.push(frameworks.section());
+    }
+    if let Some(recompute) = &r.python.recompute {
+        out.push(recompute.section());
     }
     if r.blocks.contains(Block::Attach) {
         out.push(attach_section(ctx, attach));

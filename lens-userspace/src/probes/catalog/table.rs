@@ -179,7 +179,7 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         ProbeId::TorchGradMode,
         "_ZN3c108GradMode11set_enabledEb",
         C10,
-        Some(PhaseMark),
+        Some(GradModeEntry),
         None,
         &[SpanGroup::Evaluate],
     ),

@@ -1,0 +1,157 @@
+//! Grad mode, decided in the kernel: `c10::GradMode::set_enabled` is the evaluation
+//! signal (grad off between steps, then batches), but activation checkpointing and
+//! autograd's own guards call it hundreds of times a step. A thread's grad mode is
+//! followed here (`GRAD_MODES`), and only what the loader's phase rules can tell apart is
+//! sent:
+//!
+//! - a call that does not change the thread's grad mode is counted, not sent (the loader
+//!   ignores it);
+//! - the first change after the thread's last other phase mark is sent at once;
+//! - later changes are held (their marks kept, one per direction) until the thread's next
+//!   phase mark of any other kind, which first sends what the loader needs of them: the
+//!   last change, and before it the last change the other way when the thread came back
+//!   to the mode last sent.
+//!
+//! The phase rules (`spans/phases/evaluation.rs`) read of a run of changes with no other
+//! mark between them only the first change and the last change each way: what an
+//! evaluation loop's batches, the steps and the optimizer scopes look like is unchanged,
+//! while a checkpointed model's recompute toggles cost a counted probe hit instead of an
+//! event each.
+use aya_ebpf::helpers::bpf_get_current_pid_tgid;
+use aya_ebpf::macros::map;
+use aya_ebpf::maps::LruHashMap;
+use aya_ebpf::programs::ProbeContext;
+use lens_common::record::{LaunchMark, PhaseEntry};
+use lens_common::{ProbeId, limits};
+
+use crate::ctx::{arg_u64, count_call, new_record, probe_id, send, traced};
+use crate::launches::{mark_in_epoch, open_epoch};
+
+/// A thread's grad mode: `OFF` or `ON` (0: not known).
+const OFF: u8 = 1;
+const ON: u8 = 2;
+
+/// What the thread's grad-mode changes since its last other phase mark were.
+const NO_CHANGE: u8 = 0;
+const FIRST_SENT: u8 = 1;
+const LATER_HELD: u8 = 2;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct GradModeState {
+    /// The mode the loader was last told.
+    sent: u8,
+    /// The mode now.
+    current: u8,
+    /// `NO_CHANGE`, `FIRST_SENT` or `LATER_HELD`.
+    changes: u8,
+    _pad: [u8; 5],
+    /// The marks of the last held change to off and to on.
+    held_off: LaunchMark,
+    held_on: LaunchMark,
+}
+
+/// Each traced thread's grad mode (pid_tgid → state). LRU: a thread that is gone leaves
+/// its entry to fall out; one that fell out is told afresh at its next call.
+#[map(name = "GRAD_MODES")]
+pub(crate) static GRAD_MODES: LruHashMap<u64, GradModeState> =
+    LruHashMap::with_max_entries(limits::MAX_GRAD_MODE_THREADS, 0);
+
+uprobe_and_multi! {
+    /// `c10::GradMode::set_enabled(bool)` entered: the thread's grad mode, sent as a phase
+    /// mark only when the loader needs it (module doc).
+    grad_mode_entry, grad_mode_entry_m => grad_mode_entry_body
+}
+
+#[inline(always)]
+fn grad_mode_entry_body(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, target)) = traced() else {
+        return 0;
+    };
+    count_call(target, probe_id(&ctx));
+    let mode = if arg_u64(&ctx, 0) & 1 != 0 { ON } else { OFF };
+    let Some(state) = GRAD_MODES.get_ptr_mut(&pid_tgid) else {
+        send_mode(pid_tgid, open_epoch(target), mode);
+        let state = GradModeState {
+            sent: mode,
+            current: mode,
+            changes: FIRST_SENT,
+            _pad: [0; 5],
+            held_off: LaunchMark::ZERO,
+            held_on: LaunchMark::ZERO,
+        };
+        let _ = GRAD_MODES.insert(&pid_tgid, &state, 0);
+        return 0;
+    };
+    // SAFETY: a live map value of this thread's only.
+    unsafe {
+        if (*state).current == mode {
+            return 0;
+        }
+        (*state).current = mode;
+        if (*state).changes == NO_CHANGE {
+            (*state).changes = FIRST_SENT;
+            (*state).sent = mode;
+            send_mode(pid_tgid, open_epoch(target), mode);
+            return 0;
+        }
+        (*state).changes = LATER_HELD;
+        let mark = mark_in_epoch(target);
+        if mode == ON {
+            (*state).held_on = mark;
+        } else {
+            (*state).held_off = mark;
+        }
+    }
+    0
+}
+
+/// Another phase mark of the current thread is about to be sent: first what the loader
+/// needs of its held grad-mode changes (module doc).
+#[inline(always)]
+pub(crate) fn flush_held_changes() {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let Some(state) = GRAD_MODES.get_ptr_mut(&pid_tgid) else {
+        return;
+    };
+    // SAFETY: a live map value of this thread's only.
+    unsafe {
+        let changes = (*state).changes;
+        (*state).changes = NO_CHANGE;
+        if changes != LATER_HELD {
+            return;
+        }
+        let current = (*state).current;
+        if current == (*state).sent {
+            // Back to the mode last sent: the last change away from it first.
+            if current == ON {
+                send_mode(pid_tgid, (*state).held_off, OFF);
+            } else {
+                send_mode(pid_tgid, (*state).held_on, ON);
+            }
+        }
+        if current == ON {
+            send_mode(pid_tgid, (*state).held_on, ON);
+        } else {
+            send_mode(pid_tgid, (*state).held_off, OFF);
+        }
+        (*state).sent = current;
+    }
+}
+
+/// Inference mode changes the loader's grad mode too: the thread's next `set_enabled` is
+/// told afresh.
+#[inline(always)]
+pub(crate) fn forget_thread(pid_tgid: u64) {
+    let _ = GRAD_MODES.remove(&pid_tgid);
+}
+
+#[inline(always)]
+fn send_mode(pid_tgid: u64, mark: LaunchMark, mode: u8) {
+    let mut record = new_record::<PhaseEntry>(ProbeId::TorchGradMode as u32, pid_tgid);
+    record.body = PhaseEntry {
+        mark,
+        argument: u64::from(mode == ON),
+    };
+    send(&record);
+}
