@@ -3,6 +3,8 @@
 use aya_ebpf::helpers::{
     bpf_get_current_pid_tgid, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
 };
+use aya_ebpf::macros::map;
+use aya_ebpf::maps::PerCpuArray;
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use lens_common::record::{PhaseEntry, PhaseReturn, ScopeEnter};
 use lens_common::{ProbeId, saving};
@@ -81,11 +83,46 @@ fn file_open_entry_body(ctx: ProbeContext) -> u32 {
     send_python_stack(pid_tgid, true);
     record.body = PhaseEntry {
         mark: mark_now(target),
-        // The flags tell the loader a file created from one opened for reading.
-        argument: flags,
+        // The flags tell the loader a file created from one opened for reading; the
+        // path's hash, above them, one file opened twice from two.
+        argument: (flags & 0xffff_ffff) | (u64::from(path_hash(path.unwrap_or(0))) << 32),
     };
     send(&record);
     0
+}
+
+/// Path bytes hashed: a checkpoint's paths differ at their end (a step number, a
+/// temporary suffix), rarely past this.
+const PATH_BYTES: usize = 256;
+
+/// Where a path is read to be hashed (a program's stack is too small for it).
+#[map(name = "PATH_SCRATCH")]
+static PATH_SCRATCH: PerCpuArray<[u8; PATH_BYTES]> = PerCpuArray::with_max_entries(1, 0);
+
+/// FNV-1a of the path string at `path` (its first [`PATH_BYTES`]); 0 when unreadable.
+#[inline(always)]
+fn path_hash(path: u64) -> u32 {
+    let Some(buf) = PATH_SCRATCH.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: this CPU's scratch slot, used by this program alone while it runs.
+    let buf = unsafe { &mut *buf };
+    // SAFETY: reading the traced thread's memory through the checked helper.
+    let len = match unsafe { bpf_probe_read_user_str_bytes(path as *const u8, buf) } {
+        Ok(bytes) => bytes.len(),
+        Err(_) => return 0,
+    };
+    let mut hash: u32 = 0x811c_9dc5;
+    for i in 0..PATH_BYTES {
+        if i >= len {
+            break;
+        }
+        if let Some(byte) = buf.get(i) {
+            hash = (hash ^ u32::from(*byte)).wrapping_mul(0x0100_0193);
+        }
+    }
+    // 0 means "not read".
+    hash.max(1)
 }
 
 uretprobe_and_multi! {

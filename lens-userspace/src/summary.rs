@@ -287,7 +287,9 @@ impl Summary {
             // launcher creating its rendezvous files): no training activity of their own.
             ProbeEvent::Phase { signal, .. } => !matches!(
                 signal,
-                PhaseSignal::GradMode { .. } | PhaseSignal::FileCreated | PhaseSignal::FileRead
+                PhaseSignal::GradMode { .. }
+                    | PhaseSignal::FileCreated { .. }
+                    | PhaseSignal::FileRead { .. }
             ),
             ProbeEvent::Collective { .. }
             | ProbeEvent::SyncWait { .. }
@@ -724,7 +726,7 @@ mod tests {
             at_ns: 10,
             launches: 0,
             epoch: 0,
-            signal: PhaseSignal::FileCreated,
+            signal: PhaseSignal::FileCreated { path: 0 },
         });
         let text = summary.render(&Losses::default());
         assert!(!text.contains("summary: pid 7"), "{text}");
@@ -745,7 +747,7 @@ mod tests {
             at_ns: 10,
             launches: 0,
             epoch: 0,
-            signal: PhaseSignal::FileCreated,
+            signal: PhaseSignal::FileCreated { path: 0 },
         });
         let text = summary.render(&Losses::default());
         assert!(

@@ -319,14 +319,17 @@ fn entry_signal(probe: ProbeId, argument: u64) -> Option<PhaseSignal> {
         ProbeId::CheckpointWriterOpen | ProbeId::SafetensorsSerializeFile => {
             PhaseSignal::CheckpointWriteStart
         }
-        ProbeId::SafetensorsOpen | ProbeId::CheckpointReaderOpen => {
-            PhaseSignal::CheckpointReadStart
-        }
-        // The open flags.
+        ProbeId::SafetensorsOpen => PhaseSignal::CheckpointReadStart { own_file: true },
+        ProbeId::CheckpointReaderOpen => PhaseSignal::CheckpointReadStart { own_file: false },
+        // The open flags, and above them a hash of the path.
         ProbeId::FileOpen | ProbeId::FileOpenAt if argument & open_flags::CREAT != 0 => {
-            PhaseSignal::FileCreated
+            PhaseSignal::FileCreated {
+                path: (argument >> 32) as u32,
+            }
         }
-        ProbeId::FileOpen | ProbeId::FileOpenAt => PhaseSignal::FileRead,
+        ProbeId::FileOpen | ProbeId::FileOpenAt => PhaseSignal::FileRead {
+            path: (argument >> 32) as u32,
+        },
         _ => return None,
     })
 }

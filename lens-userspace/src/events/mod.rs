@@ -99,14 +99,25 @@ pub enum PhaseSignal {
     },
     CheckpointWriteStart,
     CheckpointWriteEnd,
-    CheckpointReadStart,
+    CheckpointReadStart {
+        /// The reader opens its file itself (safetensors' `safe_open`); `torch.load`'s
+        /// file is opened by Python first, and its reader reads from that.
+        own_file: bool,
+    },
     CheckpointReadEnd,
     /// A file created (libc `open`/`openat` with `O_CREAT`): counted by the checkpoint
     /// open on the thread, if any; never a phase of its own.
-    FileCreated,
+    FileCreated {
+        /// A hash of the path it was opened with (0: not read): a file created twice
+        /// (fsspec's temporary file, then opened again to write) is one file.
+        path: u32,
+    },
     /// A file opened for reading inside a framework load: counted by the load open on
     /// the thread, if any; never a phase of its own.
-    FileRead,
+    FileRead {
+        /// A hash of the path it was opened with (0: not read).
+        path: u32,
+    },
 }
 
 /// Where and when: common to every event.

@@ -174,7 +174,7 @@ fn ms(ns: u64) -> u64 {
 fn a_training_run_from_start_gives_the_whole_tree() {
     let mut run = Run::new("per_step", true);
     run.grad(1, false).grad(1, true); // torch's import toggles grad mode: not evaluation
-    run.at(10, PhaseSignal::CheckpointReadStart)
+    run.at(10, PhaseSignal::CheckpointReadStart { own_file: false })
         .at(4, PhaseSignal::CheckpointReadEnd);
     run.step(2).step(2).eval(2).checkpoint().step(1);
     let log = run.end(3, Some(ExitStatus::Exited(0)));
@@ -863,11 +863,11 @@ fn without_fetches_a_step_starts_at_its_wrapped_model_s_forward() {
 #[test]
 fn a_load_whose_files_are_read_around_load_state_dict_is_one_load() {
     let mut run = Run::new("per_step", true);
-    run.at(1, PhaseSignal::CheckpointReadStart)
+    run.at(1, PhaseSignal::CheckpointReadStart { own_file: false })
         .at(2, PhaseSignal::CheckpointReadEnd)
         .grad(0, false) // model.load_state_dict copies under no_grad
         .grad(1, true)
-        .at(1, PhaseSignal::CheckpointReadStart)
+        .at(1, PhaseSignal::CheckpointReadStart { own_file: false })
         .at(2, PhaseSignal::CheckpointReadEnd);
     run.step(1);
     let log = run.end(1, Some(ExitStatus::Exited(0)));
@@ -982,6 +982,27 @@ impl Run {
     }
 }
 
+/// Fabric writes through fsspec: `mkstemp` creates the temporary file, closes it, and
+/// `open(name, "wb")` creates it again; two saves of one file each, and a second file.
+#[test]
+fn a_file_created_twice_in_a_save_is_one_file() {
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let save = framework_rule(&rules, "lightning.fabric.fabric:Fabric.save");
+    run.step(1);
+    run.framework(5, PID, save, false)
+        .at(1, PhaseSignal::CheckpointWriteStart)
+        .at(1, PhaseSignal::CheckpointWriteEnd)
+        .at(1, PhaseSignal::FileCreated { path: 0xabc })
+        .at(1, PhaseSignal::FileCreated { path: 0xabc })
+        .at(1, PhaseSignal::FileCreated { path: 0xdef })
+        .framework(1, PID, save, true);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let checkpoints: Vec<_> = log.named(names::CHECKPOINT).collect();
+    assert_eq!(checkpoints.len(), 1, "{}", log.outline(&[]));
+    assert_eq!(checkpoints[0].int_attr(semconv::NEMO_CHECKPOINT_FILES), Some(2));
+}
+
 #[test]
 fn a_framework_save_is_one_checkpoint_from_its_first_sample_to_its_return() {
     let (mut run, rules) = Run::with_framework_rules("per_step");
@@ -991,15 +1012,15 @@ fn a_framework_save_is_one_checkpoint_from_its_first_sample_to_its_return() {
     // Sampled 5 ms after the step ended: it began within the interval before.
     run.framework(5, PID, save, false);
     let save_start = run.now - 1_000_000;
-    run.at(20, PhaseSignal::FileCreated) // config.json, by Python
+    run.at(20, PhaseSignal::FileCreated { path: 0 }) // config.json, by Python
         .at(30, PhaseSignal::CheckpointWriteStart)
-        .at(0, PhaseSignal::FileCreated)
+        .at(0, PhaseSignal::FileCreated { path: 0 })
         .at(10, PhaseSignal::CheckpointWriteEnd)
-        .at(2, PhaseSignal::FileCreated) // trainer_state.json
+        .at(2, PhaseSignal::FileCreated { path: 0 }) // trainer_state.json
         .framework(1, PID, save, true);
     let save_end = run.now;
     // A log created after the save returned is not its file, nor a checkpoint.
-    run.at(3, PhaseSignal::FileCreated);
+    run.at(3, PhaseSignal::FileCreated { path: 0 });
     run.step(1);
     let log = run.end(1, Some(ExitStatus::Exited(0)));
     let checkpoints: Vec<_> = log.named(names::CHECKPOINT).collect();
@@ -1023,17 +1044,17 @@ fn a_framework_load_counts_the_files_it_opens_not_its_stream_reads() {
     );
     run.framework(5, PID, load, false);
     // DCP's reader: each file opened once, its items `torch.load`ed from streams.
-    run.at(1, PhaseSignal::FileRead);
+    run.at(1, PhaseSignal::FileRead { path: 0 });
     for _ in 0..2 {
-        run.at(1, PhaseSignal::FileRead);
+        run.at(1, PhaseSignal::FileRead { path: 0 });
         for _ in 0..5 {
-            run.at(1, PhaseSignal::CheckpointReadStart)
+            run.at(1, PhaseSignal::CheckpointReadStart { own_file: false })
                 .at(1, PhaseSignal::CheckpointReadEnd);
         }
     }
     run.framework(1, PID, load, true);
     // A file read after the load returned (the job's data) is not the load's.
-    run.at(3, PhaseSignal::FileRead);
+    run.at(3, PhaseSignal::FileRead { path: 0 });
     run.step(1);
     let log = run.end(1, Some(ExitStatus::Exited(0)));
     let loads: Vec<_> = log.named(names::LOAD_CHECKPOINT).collect();
@@ -1049,17 +1070,17 @@ fn a_safetensors_load_counts_each_file_once_however_many_opens_are_seen() {
     for seen_from in 0..=4 {
         let (mut run, rules) = Run::with_framework_rules("per_step");
         let load_file = framework_rule(&rules, "safetensors.torch:load_file");
-        run.at(5, PhaseSignal::CheckpointReadStart);
+        run.at(5, PhaseSignal::CheckpointReadStart { own_file: true });
         for file in 0..2 {
             if file == 1 {
                 run.at(0, PhaseSignal::GradMode { enabled: false })
                     .at(1, PhaseSignal::GradMode { enabled: true })
-                    .at(1, PhaseSignal::CheckpointReadStart);
+                    .at(1, PhaseSignal::CheckpointReadStart { own_file: true });
             }
             run.framework(0, PID, load_file, false);
             for open in 0..2 {
                 if 2 * file + open >= 4 - seen_from {
-                    run.at(0, PhaseSignal::FileRead);
+                    run.at(0, PhaseSignal::FileRead { path: 0 });
                 }
             }
             run.at(1, PhaseSignal::CheckpointReadEnd)
@@ -1096,11 +1117,11 @@ fn a_dcp_load_starts_with_its_get_state_dict_though_it_steps_a_fresh_optimizer()
     run.scope(1, "Optimizer.step#SGD.step", 1)
         .scope(0, "Optimizer.zero_grad#SGD.zero_grad", 1)
         .framework(1, PID, prepare, true)
-        .at(0, PhaseSignal::FileRead)
+        .at(0, PhaseSignal::FileRead { path: 0 })
         .framework(1, PID, load, false);
     for _ in 0..2 {
-        run.at(1, PhaseSignal::FileRead)
-            .at(0, PhaseSignal::CheckpointReadStart)
+        run.at(1, PhaseSignal::FileRead { path: 0 })
+            .at(0, PhaseSignal::CheckpointReadStart { own_file: false })
             .at(1, PhaseSignal::CheckpointReadEnd);
     }
     run.framework(1, PID, load, true);
@@ -1129,7 +1150,7 @@ fn a_framework_call_sampled_after_its_file_began_moves_the_span_back() {
     run.step(1);
     // safetensors' native write began before the sample that shows save_model arrived.
     run.at(2, PhaseSignal::CheckpointWriteStart)
-        .at(0, PhaseSignal::FileCreated)
+        .at(0, PhaseSignal::FileCreated { path: 0 })
         .framework(1, PID, save_model, false);
     let start = run.now - 1_000_000;
     run.at(3, PhaseSignal::CheckpointWriteEnd)
@@ -1137,7 +1158,7 @@ fn a_framework_call_sampled_after_its_file_began_moves_the_span_back() {
         // save_file right after: the same checkpoint.
         .framework(1, PID, save_file, false)
         .at(1, PhaseSignal::CheckpointWriteStart)
-        .at(0, PhaseSignal::FileCreated)
+        .at(0, PhaseSignal::FileCreated { path: 0 })
         .at(2, PhaseSignal::CheckpointWriteEnd)
         .framework(1, PID, save_file, true);
     let end = run.now;
@@ -1177,8 +1198,8 @@ fn an_async_save_waited_for_keeps_its_writers_files_and_ends_with_the_writer() {
     run.step(1).framework(2, PID, async_save, false);
     let start = run.now - 1_000_000;
     run.framework(3, WRITER, save, false)
-        .on_thread(1, WRITER, PhaseSignal::FileCreated)
-        .on_thread(5, WRITER, PhaseSignal::FileCreated)
+        .on_thread(1, WRITER, PhaseSignal::FileCreated { path: 0 })
+        .on_thread(5, WRITER, PhaseSignal::FileCreated { path: 0 })
         // A sample catches the returning frame mid-update: `save` seems to return and
         // begin again.
         .framework(1, WRITER, save, true)
@@ -1223,8 +1244,8 @@ fn a_dcp_async_save_is_one_span_until_its_background_writer_returns() {
         .framework(2, PID, async_save, true)
         // Training goes on while the writer writes.
         .step(1)
-        .on_thread(0, WRITER, PhaseSignal::FileCreated)
-        .on_thread(5, WRITER, PhaseSignal::FileCreated)
+        .on_thread(0, WRITER, PhaseSignal::FileCreated { path: 0 })
+        .on_thread(5, WRITER, PhaseSignal::FileCreated { path: 0 })
         .framework(4, WRITER, save, true);
     let end = run.now;
     run.step(1);

@@ -11,13 +11,27 @@ use crate::{
 
 use super::*;
 
+/// The paths a checkpoint (load) span remembers to count a file once.
+const MAX_PATHS_KEPT: usize = 4096;
+
 impl ThreadPhases {
-    /// A file created (opened for reading, in a load) while `span` reads or writes:
-    /// whether it was counted there.
-    pub(super) fn file_created(span: &mut Option<FileSpan>) -> bool {
+    /// A file created (opened for reading, in a load) at `path` (hashed; 0: not known)
+    /// while `span` reads or writes: whether it was counted there. A path seen there
+    /// before is the same file (fsspec creates its temporary file, closes it and opens
+    /// it again to write).
+    pub(super) fn file_created(span: &mut Option<FileSpan>, path: u32) -> bool {
         let Some(file) = span.as_mut().filter(|f| !f.idle()) else {
             return false;
         };
+        if path != 0 {
+            if file.paths.contains(&path) {
+                return true;
+            }
+            // Bounded: a save of many files still counts each, its later repeats aside.
+            if file.paths.len() < MAX_PATHS_KEPT {
+                file.paths.insert(path);
+            }
+        }
         file.created += 1;
         if file.open_files == 0 {
             file.created_since_writer += 1;
@@ -55,7 +69,7 @@ impl ThreadPhases {
             signal,
             PhaseSignal::CheckpointWriteStart
                 | PhaseSignal::CheckpointWriteEnd
-                | PhaseSignal::CheckpointReadStart
+                | PhaseSignal::CheckpointReadStart { .. }
                 | PhaseSignal::CheckpointReadEnd
         )
     }
@@ -74,17 +88,26 @@ impl ThreadPhases {
         });
     }
 
-    pub(super) fn file_open(&mut self, ctx: &mut ProcessContext<'_>, at: u64, group: SpanGroup) {
+    /// A writer (reader) opened at `at`; `own_file`: a reader that opens its file itself.
+    pub(super) fn file_open(
+        &mut self,
+        ctx: &mut ProcessContext<'_>,
+        at: u64,
+        group: SpanGroup,
+        own_file: bool,
+    ) {
         self.end_finished_evaluation(ctx, at);
         if let Some(file) = self.file_slot(group).as_mut() {
             file.open_files += 1;
             file.files += 1;
+            file.own_files += u32::from(own_file);
             return;
         }
         let span = self.open_file_span(ctx, at, group);
         let created = self.take_prelude_files(group);
         *self.file_slot(group) = Some(FileSpan {
             created,
+            own_files: u32::from(own_file),
             ..FileSpan::opened_by_writer(span)
         });
     }

@@ -127,6 +127,12 @@ pub(super) struct FileSpan {
     /// in (a `torch.save` to a stream, DCP's per-item writes and reads, is no file; a
     /// JSON file written by Python is one).
     created: u32,
+    /// Readers of a load that open their file themselves (safetensors' `safe_open`: the
+    /// opens inside a reader are not counted). `torch.load`'s file is opened by Python
+    /// before its reader starts, and counted in `created`.
+    own_files: u32,
+    /// The paths (hashed) of the files in `created`: one created twice counts once.
+    paths: std::collections::HashSet<u32>,
     /// Of those, the ones since the last writer (reader) returned, with no writer open:
     /// not the checkpoint's if its framework call turns out to have returned before
     /// them (the process exits right after a save, before a sample shows it returned).
@@ -157,6 +163,8 @@ impl FileSpan {
             last_end: None,
             calls: 1,
             created: 0,
+            own_files: 0,
+            paths: std::collections::HashSet::new(),
             created_since_writer: 0,
             written_elsewhere: false,
         }
@@ -166,19 +174,19 @@ impl FileSpan {
         self.open_files == 0 && self.calls == 0 && !self.written_elsewhere
     }
 
-    /// `nemo.checkpoint.files`: the files created if any were seen, else the writers
-    /// (readers) that opened.
+    /// `nemo.checkpoint.files`: the files created (read, with the readers that opened
+    /// their own) if any were seen, else the writers (readers) that opened.
     fn file_count(&self) -> u32 {
-        if self.created > 0 {
-            self.created
+        if self.created + self.own_files > 0 {
+            self.created + self.own_files
         } else {
             self.files
         }
     }
 
-    /// What it counted: (writers or readers, files created).
+    /// What it counted: (writers or readers, files created or read).
     pub fn counts(&self) -> (u32, u32) {
-        (self.files, self.created)
+        (self.files, self.created + self.own_files)
     }
 
     fn add_counts(&mut self, (files, created): (u32, u32)) {
@@ -499,10 +507,10 @@ impl ThreadPhases {
             PhaseSignal::CheckpointWriteStart | PhaseSignal::CheckpointWriteEnd => {
                 ruled(SpanGroup::Checkpoint)
             }
-            PhaseSignal::CheckpointReadStart | PhaseSignal::CheckpointReadEnd => {
+            PhaseSignal::CheckpointReadStart { .. } | PhaseSignal::CheckpointReadEnd => {
                 ruled(SpanGroup::LoadCheckpoint)
             }
-            PhaseSignal::FileCreated | PhaseSignal::FileRead => false,
+            PhaseSignal::FileCreated { .. } | PhaseSignal::FileRead { .. } => false,
             PhaseSignal::ScopeEnter { .. } | PhaseSignal::ScopeExit => false,
         };
         if taken {
@@ -513,7 +521,9 @@ impl ThreadPhases {
         // the files of one load).
         let grad_mode = matches!(
             signal,
-            PhaseSignal::GradMode { .. } | PhaseSignal::FileCreated | PhaseSignal::FileRead
+            PhaseSignal::GradMode { .. }
+                | PhaseSignal::FileCreated { .. }
+                | PhaseSignal::FileRead { .. }
         );
         let prelude_own = self.prelude_own(signal);
         if !grad_mode && !Self::is_file_signal(signal) && !prelude_own {
@@ -531,7 +541,7 @@ impl ThreadPhases {
         if !grad_mode
             && !matches!(
                 signal,
-                PhaseSignal::CheckpointReadStart | PhaseSignal::CheckpointReadEnd
+                PhaseSignal::CheckpointReadStart { .. } | PhaseSignal::CheckpointReadEnd
             )
         {
             self.settle_files(ctx, SpanGroup::LoadCheckpoint, at);
@@ -564,15 +574,19 @@ impl ThreadPhases {
                 }
             }
             PhaseSignal::GradMode { enabled } => self.grad_mode(at, *enabled),
-            PhaseSignal::CheckpointWriteStart => self.file_open(ctx, at, SpanGroup::Checkpoint),
+            PhaseSignal::CheckpointWriteStart => {
+                self.file_open(ctx, at, SpanGroup::Checkpoint, false)
+            }
             PhaseSignal::CheckpointWriteEnd => Self::file_close(&mut self.files.checkpoint, at),
-            PhaseSignal::CheckpointReadStart => self.file_open(ctx, at, SpanGroup::LoadCheckpoint),
+            PhaseSignal::CheckpointReadStart { own_file } => {
+                self.file_open(ctx, at, SpanGroup::LoadCheckpoint, *own_file)
+            }
             PhaseSignal::CheckpointReadEnd => Self::file_close(&mut self.files.load_checkpoint, at),
             // Counted while the checkpoint writes: a file created after its writers and
             // framework calls all returned (a log, the job's own output at exit) is not
             // the checkpoint's.
-            PhaseSignal::FileCreated => {
-                if !Self::file_created(&mut self.files.checkpoint)
+            PhaseSignal::FileCreated { path } => {
+                if !Self::file_created(&mut self.files.checkpoint, *path)
                     && let Some(prelude) = self.files.prelude.as_mut()
                 {
                     prelude.created += 1;
@@ -583,9 +597,9 @@ impl ThreadPhases {
             // `UntypedStorage.from_file` opens it again. Whether these opens are seen at
             // all depends on when the loader learnt of the load (`PY_SAVING`), so they
             // must not decide the count.
-            PhaseSignal::FileRead if Self::in_reader(&self.files.load_checkpoint) => {}
-            PhaseSignal::FileRead => {
-                if !Self::file_created(&mut self.files.load_checkpoint)
+            PhaseSignal::FileRead { .. } if Self::in_reader(&self.files.load_checkpoint) => {}
+            PhaseSignal::FileRead { path } => {
+                if !Self::file_created(&mut self.files.load_checkpoint, *path)
                     && let Some(prelude) = self.files.prelude.as_mut()
                 {
                     prelude.read += 1;
