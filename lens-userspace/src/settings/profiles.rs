@@ -107,7 +107,9 @@ group = "load_checkpoint"
 [[probe]]
 python = "transformers.trainer:Trainer._load_rng_state"
 group = "load_checkpoint"
-# lightning/pytorch/trainer/trainer.py, .../connectors/checkpoint_connector.py
+# lightning/pytorch/trainer/trainer.py, .../connectors/checkpoint_connector.py: `restore`
+# is the tuner's; `Trainer.fit(ckpt_path=...)` (and validate, test, predict) restores
+# through `_restore_modules_and_callbacks` (the file's `torch.load`, then the model)
 [[probe]]
 python = "lightning.pytorch.trainer.trainer:Trainer.save_checkpoint"
 group = "checkpoint"
@@ -119,6 +121,45 @@ python = "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointC
 group = "load_checkpoint"
 [[probe]]
 python = "pytorch_lightning.trainer.connectors.checkpoint_connector:_CheckpointConnector.restore"
+group = "load_checkpoint"
+[[probe]]
+python = "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._restore_modules_and_callbacks"
+group = "load_checkpoint"
+[[probe]]
+python = "pytorch_lightning.trainer.connectors.checkpoint_connector:_CheckpointConnector._restore_modules_and_callbacks"
+group = "load_checkpoint"
+# lightning/fabric/fabric.py (also installed as the package lightning_fabric): save and
+# load call the strategy's save_checkpoint (its state dicts, then `torch.save` into a
+# buffer written through fsspec) / load_checkpoint, then a barrier
+[[probe]]
+python = "lightning.fabric.fabric:Fabric.save"
+group = "checkpoint"
+[[probe]]
+python = "lightning_fabric.fabric:Fabric.save"
+group = "checkpoint"
+[[probe]]
+python = "lightning.fabric.fabric:Fabric.load"
+group = "load_checkpoint"
+[[probe]]
+python = "lightning_fabric.fabric:Fabric.load"
+group = "load_checkpoint"
+[[probe]]
+python = "lightning.fabric.fabric:Fabric.load_raw"
+group = "load_checkpoint"
+[[probe]]
+python = "lightning_fabric.fabric:Fabric.load_raw"
+group = "load_checkpoint"
+# accelerate/accelerator.py: save_state / load_state (model weights, optimizer,
+# scheduler, sampler, RNG and custom states of a folder: accelerate/checkpointing.py),
+# save_model (the model's state dict, sharded, as safetensors or torch.save files)
+[[probe]]
+python = "accelerate.accelerator:Accelerator.save_state"
+group = "checkpoint"
+[[probe]]
+python = "accelerate.accelerator:Accelerator.save_model"
+group = "checkpoint"
+[[probe]]
+python = "accelerate.accelerator:Accelerator.load_state"
 group = "load_checkpoint"
 # safetensors/torch.py
 [[probe]]
