@@ -622,6 +622,42 @@ fn lightning_fit_validating_under_inference_mode() {
     assert_matches_truth(test, &run);
 }
 
+/// Validation at the end of `fit` (the epoch's), then `validate(ckpt_path=...)`: one
+/// `train.evaluate` per validation, and the checkpoint's load a `train.load_checkpoint`
+/// beside the validation that follows it, not inside it (issue 38).
+#[test]
+fn lightning_validation_at_fit_end_and_from_a_checkpoint() {
+    let test = "lightning_validation_at_fit_end_and_from_a_checkpoint";
+    let Some(run) = traced(test, "lightning_fit.py", 1, |dir| {
+        args(&["--end-validation", dir.join("ckpt").to_str().unwrap()])
+    }) else {
+        return;
+    };
+    let truth = &run.truths[0];
+    assert_eq!(
+        intervals(truth, "evaluations").len(),
+        2,
+        "the run's own shape"
+    );
+    assert_eq!(intervals(truth, "loads").len(), 1, "the run's own shape");
+    let mut fails = check(&run);
+    let named = |name: &str| -> Vec<&SpanRecord> {
+        run.log.spans.iter().filter(|s| s.name == name).collect()
+    };
+    for load in named(names::LOAD_CHECKPOINT) {
+        for eval in named(names::EVALUATE) {
+            if eval.start_ns < load.end_ns && load.start_ns < eval.end_ns {
+                fails.push(format!(
+                    "train.evaluate {:.1} ms overlaps train.load_checkpoint {:.1} ms",
+                    ms(eval.end_ns - eval.start_ns),
+                    ms(load.end_ns - load.start_ns)
+                ));
+            }
+        }
+    }
+    report(test, &run, fails);
+}
+
 // ---- torch.distributed over gloo, 2 ranks under torchrun ------------------------------
 
 #[test]

@@ -576,6 +576,26 @@ fn eval_per_batch_no_grad(run: &mut Run, batches: u32) {
     }
 }
 
+/// Lightning's `validate(ckpt_path=...)` after `fit`: the fit's last validation, a save,
+/// the load (whose `load_state_dict` copies under `no_grad`), then the validation. The
+/// second evaluation begins at its own batches, after the load, not at the first one's.
+#[test]
+fn an_evaluation_after_a_load_begins_after_it() {
+    let mut run = Run::new("per_step", true);
+    run.step(2).eval(2).checkpoint();
+    run.at(1, PhaseSignal::CheckpointReadStart { own_file: false })
+        .at(2, PhaseSignal::CheckpointReadEnd)
+        .grad(0, false)
+        .grad(1, true);
+    let load_end = run.now;
+    run.eval(2);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let evaluations: Vec<_> = log.named(names::EVALUATE).collect();
+    assert_eq!(evaluations.len(), 2, "{}", log.outline(KEYS));
+    assert!(evaluations[1].start_ns > load_end, "{:?}", evaluations[1]);
+    assert!(log.misnested().is_empty(), "{}", log.outline(KEYS));
+}
+
 #[test]
 fn an_evaluation_fetching_outside_its_no_grad_blocks_is_one_evaluate() {
     let mut run = Run::new("per_step", true);
@@ -1000,7 +1020,10 @@ fn a_file_created_twice_in_a_save_is_one_file() {
     let log = run.end(1, Some(ExitStatus::Exited(0)));
     let checkpoints: Vec<_> = log.named(names::CHECKPOINT).collect();
     assert_eq!(checkpoints.len(), 1, "{}", log.outline(&[]));
-    assert_eq!(checkpoints[0].int_attr(semconv::NEMO_CHECKPOINT_FILES), Some(2));
+    assert_eq!(
+        checkpoints[0].int_attr(semconv::NEMO_CHECKPOINT_FILES),
+        Some(2)
+    );
 }
 
 #[test]

@@ -111,5 +111,8 @@ impl ThreadPhases {
         }
         self.close_phase(ctx, evaluate.span, end);
         self.training.boundary = Some(end);
+        // Its batches are its own: a later evaluation begins at its own (Lightning's
+        // `validate(ckpt_path=...)` after `fit`, the load between them).
+        self.evaluation.fetch_since_training = None;
     }
 }

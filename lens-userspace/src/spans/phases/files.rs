@@ -128,6 +128,9 @@ impl ThreadPhases {
             } else {
                 self.finish_step(ctx);
                 ctx.end_model_init(at);
+                // A save (load) of its own: batches fetched before it start no evaluation
+                // after it.
+                self.evaluation.fetch_since_training = None;
                 ctx.job
             };
         let name = match group {
