@@ -10,7 +10,8 @@
 //! - later changes are held (their marks kept, one per direction) until the thread's next
 //!   phase mark of any other kind, which first sends what the loader needs of them: the
 //!   last change, and before it the last change the other way when the thread came back
-//!   to the mode last sent.
+//!   to the mode last sent. A thread that exits sends its held changes first (the exit
+//!   tracepoint).
 //!
 //! The phase rules (`spans/phases/evaluation.rs`) read of a run of changes with no other
 //! mark between them only the first change and the last change each way: what an
@@ -139,8 +140,8 @@ pub(crate) fn flush_held_changes() {
     }
 }
 
-/// Inference mode changes the loader's grad mode too: the thread's next `set_enabled` is
-/// told afresh.
+/// The thread is gone, or inference mode changed the loader's grad mode too (the
+/// thread's next `set_enabled` is told afresh).
 #[inline(always)]
 pub(crate) fn forget_thread(pid_tgid: u64) {
     let _ = GRAD_MODES.remove(&pid_tgid);

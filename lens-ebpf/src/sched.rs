@@ -87,6 +87,10 @@ pub fn process_exit(ctx: RawTracePointContext) -> i32 {
     let Some((pid_tgid, target)) = traced() else {
         return 0;
     };
+    // The thread's held grad-mode changes go out before it does (a helper thread that
+    // toggled grad mode and ended would otherwise be left with grad mode off).
+    crate::grad_mode::flush_held_changes();
+    crate::grad_mode::forget_thread(pid_tgid);
     // SAFETY: a live map value; the flags never change after the entry is made.
     let flags = unsafe { (*target).flags };
     if flags & TARGET_CALIBRATION != 0 {
