@@ -264,6 +264,36 @@ fn a_collective_during_backward_is_a_child_of_forward_backward() {
     );
 }
 
+/// A pipeline stage: a send between two microbatches' backward passes is the step's
+/// forward-backward work; the last one, after the last backward and before the
+/// update, hangs under `train.step`, beside them (issue 38, item 5).
+#[test]
+fn a_send_after_the_last_backward_is_the_steps_not_forward_backwards() {
+    let mut run = Run::new("per_step", true);
+    run.scope(1, FETCH, 1).backward(2, 3).scope(1, FETCH, 1);
+    run.now += 1_000_000;
+    run.allreduce(1);
+    run.backward(1, 3);
+    run.now += 2_000_000;
+    run.allreduce(1);
+    run.at(1, scope_enter("Optimizer.step#SGD.step"))
+        .grad(0, false)
+        .grad(1, true)
+        .at(0, PhaseSignal::ScopeExit)
+        .scope(0, "Optimizer.zero_grad#SGD.zero_grad", 1)
+        .step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    assert!(
+        log.outline(&[]).starts_with(
+            "train.job\n  train.model_init\n  train.step\n    train.forward_backward\n      \
+             nccl.all_reduce\n    nccl.all_reduce\n    train.optimizer\n"
+        ),
+        "{}",
+        log.outline(&[])
+    );
+    assert!(log.misnested().is_empty(), "{:#?}", log.misnested());
+}
+
 #[test]
 fn no_grad_without_batches_is_not_evaluation() {
     let mut run = Run::new("per_step", true);

@@ -443,6 +443,16 @@ impl ThreadPhases {
             if self.training.optimizer_pending.is_some() && step.optimizer.is_none() {
                 return None;
             }
+            // Between backward passes: the next microbatch's forward (`forward_backward`)
+            // or, after the last one, the step's own work before its update (a pipeline
+            // stage's last send): known at the next backward or at the optimizer.
+            if step.forward_backward.is_some()
+                && step.optimizer.is_none()
+                && step.microbatches > 0
+                && self.training.backward_depth == 0
+            {
+                return None;
+            }
             return Some(self.innermost_at(ctx, at));
         }
         (!self.in_loop()).then(|| self.innermost_at(ctx, at))
