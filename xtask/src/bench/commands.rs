@@ -70,3 +70,52 @@ pub(super) fn fake_env(cmd: &mut Command) {
         .env("TRAINER_START_DELAY_MS", "0")
         .env_remove("LENS_FAKE_SYNC_LOG");
 }
+
+/// A script's loop time, as the line `parse` reads it on its stdout: `target` run alone
+/// (`traced` is `None`) or under `lens-probe --span-groups G --exporter file
+/// --export-file /dev/null [LENS_ARGS] --exec -- TARGET` (`traced`: `(G, LENS_ARGS)`),
+/// its teardown waited for. `name` names the run's log.
+pub(super) fn timed_loop(
+    ctx: &Ctx,
+    name: &str,
+    target: &Command,
+    traced: Option<(&str, &[&std::ffi::OsStr])>,
+    parse: fn(&str) -> Option<f64>,
+) -> xtask::error::Result<f64> {
+    use super::proc::{Proc, Stream};
+    let log = ctx.logs.join(format!("{name}.log"));
+    let deadline = std::time::Instant::now() + super::RUN_TIMEOUT;
+    let mut time = None;
+    let mut on_line = |l: &super::proc::Line| {
+        if l.stream == Stream::Out
+            && let Some(t) = parse(&l.text)
+        {
+            time = Some(t);
+        }
+    };
+    match traced {
+        None => {
+            let mut cmd = Command::new(target.get_program());
+            cmd.args(target.get_args());
+            Proc::spawn(name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
+        }
+        Some((groups, lens_args)) => {
+            let pid_file = ctx.out.join(format!("{name}.pid"));
+            let mut cmd = lens_command(ctx, None, groups, &pid_file);
+            cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
+                .args(lens_args)
+                .args(["--exec", "--"]);
+            append_command(&mut cmd, target);
+            let before = super::lens_probe_pids();
+            Proc::spawn(name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
+            super::wait_teardown(name, &before);
+        }
+    }
+    time.ok_or_else(|| {
+        xtask::error::Error::Msg(format!(
+            "{name}: {} printed no loop time (output in {})",
+            shown(target),
+            log.display()
+        ))
+    })
+}

@@ -6,13 +6,12 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Instant;
 
-use super::proc::{Line, Proc, Stream};
+use super::commands::timed_loop;
 use super::report::{Met, Row, Section, fmt_duration, row};
 use super::rounds::Rounds;
-use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, wait_teardown};
-use xtask::error::{self, Error, Result};
+use super::{Ctx, Watch};
+use xtask::error::{self, Result};
 
 const PYTHON: &str = "/root/.pyenv/versions/3.11.7/bin/python3.11";
 const RULES: &str = "[[probe]]\npython = \"__main__:train_step\"\ngroup = \"step\"\n";
@@ -60,52 +59,17 @@ pub(super) fn block(ctx: &Ctx, watch: &mut Watch, quick: bool) -> Result<PythonB
 }
 
 fn run(ctx: &Ctx, config: Option<&PathBuf>, steps: u64, round: u32) -> Result<f64> {
-    let script = ctx.root.join("tests/fixtures/python/bench_loop.py");
     let name = format!(
         "python-{}-r{round}",
         if config.is_some() { "sampled" } else { "none" }
     );
-    let log = ctx.logs.join(format!("{name}.log"));
-    let deadline = Instant::now() + RUN_TIMEOUT;
-    let mut time = None;
-    let mut on_line = |l: &Line| {
-        if l.stream == Stream::Out
-            && let Some(t) = parse_loop(&l.text)
-        {
-            time = Some(t);
-        }
-    };
-    match config {
-        None => {
-            let mut cmd = Command::new(PYTHON);
-            cmd.arg(&script).arg(steps.to_string());
-            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
-        }
-        Some(config) => {
-            let pid_file = ctx.out.join(format!("{name}.pid"));
-            let mut cmd = lens_command(ctx, None, "all", &pid_file);
-            cmd.args([
-                "--exporter",
-                "file",
-                "--export-file",
-                "/dev/null",
-                "--config",
-            ])
-            .arg(config)
-            .args(["--exec", "--", PYTHON])
-            .arg(&script)
-            .arg(steps.to_string());
-            let before = lens_probe_pids();
-            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
-            wait_teardown(&name, &before);
-        }
-    }
-    time.ok_or_else(|| {
-        Error::Msg(format!(
-            "{name}: bench_loop.py printed no loop time (output in {})",
-            log.display()
-        ))
-    })
+    let mut target = Command::new(PYTHON);
+    target
+        .arg(ctx.root.join("tests/fixtures/python/bench_loop.py"))
+        .arg(steps.to_string());
+    let lens_args = config.map(|config| [std::ffi::OsStr::new("--config"), config.as_os_str()]);
+    let traced = lens_args.as_ref().map(|args| ("all", &args[..]));
+    timed_loop(ctx, &name, &target, traced, parse_loop)
 }
 
 impl PythonBlock {

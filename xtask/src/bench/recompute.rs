@@ -7,13 +7,12 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Instant;
 
-use super::proc::{Line, Proc, Stream};
+use super::commands::timed_loop;
 use super::report::{Met, Section, fmt_duration, row};
 use super::rounds::Rounds;
-use super::{Ctx, RUN_TIMEOUT, Watch, lens_command, lens_probe_pids, wait_teardown};
-use xtask::error::{Error, Result};
+use super::{Ctx, Watch};
+use xtask::error::Result;
 
 /// The traced variants, by span groups (`None`: untraced).
 /// `evaluate` alone is the grad-mode signal's own cost; the default groups add the
@@ -61,49 +60,18 @@ fn run(
     steps: u32,
     round: u32,
 ) -> Result<f64> {
-    let script = ctx.root.join("tests/fixtures/torch/recompute_loop.py");
     let name = format!("recompute-{}-r{round}", groups.unwrap_or("none"));
-    let log = ctx.logs.join(format!("{name}.log"));
-    let deadline = Instant::now() + RUN_TIMEOUT;
-    let mut time = None;
-    let mut on_line = |l: &Line| {
-        if l.stream == Stream::Out
-            && let Some(t) = parse_loop(&l.text)
-        {
-            time = Some(t);
-        }
-    };
-    match groups {
-        None => {
-            let mut cmd = Command::new(python);
-            cmd.arg(&script).arg(steps.to_string());
-            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
-        }
-        Some(groups) => {
-            let pid_file = ctx.out.join(format!("{name}.pid"));
-            let mut cmd = lens_command(ctx, None, groups, &pid_file);
-            cmd.args([
-                "--exporter",
-                "file",
-                "--export-file",
-                "/dev/null",
-                "--exec",
-                "--",
-            ])
-            .arg(python)
-            .arg(&script)
-            .arg(steps.to_string());
-            let before = lens_probe_pids();
-            Proc::spawn(&name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
-            wait_teardown(&name, &before);
-        }
-    }
-    time.ok_or_else(|| {
-        Error::Msg(format!(
-            "{name}: recompute_loop.py printed no loop time (output in {})",
-            log.display()
-        ))
-    })
+    let mut target = Command::new(python);
+    target
+        .arg(ctx.root.join("tests/fixtures/torch/recompute_loop.py"))
+        .arg(steps.to_string());
+    timed_loop(
+        ctx,
+        &name,
+        &target,
+        groups.map(|g| (g, &[][..])),
+        parse_loop,
+    )
 }
 
 impl RecomputeBlock {
