@@ -332,16 +332,9 @@ pub(crate) fn mark_now(target: *mut TargetState) -> LaunchMark {
 /// [`mark_now`] without the held grad-mode changes: the grad-mode program's own mark.
 #[inline(always)]
 pub(crate) fn open_epoch(target: *mut TargetState) -> LaunchMark {
-    let at_ns = now_ns();
     // SAFETY: a live map value (see `atomic_add`).
-    unsafe {
-        atomic_add(&raw mut (*target).epoch, 1);
-        LaunchMark {
-            at_ns,
-            launches: (*target).launches_total(),
-            epoch: core::ptr::read_volatile(&raw const (*target).epoch),
-        }
-    }
+    unsafe { atomic_add(&raw mut (*target).epoch, 1) };
+    mark_in_epoch(target)
 }
 
 uprobe_and_multi! {

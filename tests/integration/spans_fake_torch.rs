@@ -66,6 +66,23 @@ fn step(iteration: u32, microbatches: u32) -> String {
     )
 }
 
+/// The tree of the trainer's `4 2 2 3` (4 steps of 2 microbatches, evaluation after
+/// steps 2 and 4, a checkpoint after 3), after `load`, the load's line, if any.
+fn four_steps(load: Option<&str>) -> String {
+    [
+        "train.job\n  train.model_init\n".to_string(),
+        load.unwrap_or_default().to_string(),
+        step(0, 2),
+        step(1, 2),
+        "  train.evaluate\n".into(),
+        step(2, 2),
+        "  train.checkpoint nemo.checkpoint.files=1\n".into(),
+        step(3, 2),
+        "  train.evaluate\n".into(),
+    ]
+    .concat()
+}
+
 #[test]
 fn per_step_gives_the_exact_tree() {
     if !lens_tests::require_bpf("per_step_gives_the_exact_tree") {
@@ -78,19 +95,10 @@ fn per_step_gives_the_exact_tree() {
         "per_step",
         &trainer(&[("TRAINER_LOAD", "1")], &["4", "2", "2", "3"]),
     );
-    let expected = [
-        "train.job\n  train.model_init\n  train.load_checkpoint nemo.checkpoint.files=1\n"
-            .to_string(),
-        step(0, 2),
-        step(1, 2),
-        "  train.evaluate\n".into(),
-        step(2, 2),
-        "  train.checkpoint nemo.checkpoint.files=1\n".into(),
-        step(3, 2),
-        "  train.evaluate\n".into(),
-    ]
-    .concat();
-    assert_eq!(log.outline(KEYS), expected);
+    assert_eq!(
+        log.outline(KEYS),
+        four_steps(Some("  train.load_checkpoint nemo.checkpoint.files=1\n"))
+    );
     // In time: children inside parents, siblings one after another.
     assert!(log.misnested().is_empty(), "{:#?}", log.misnested());
     let steps: Vec<_> = log.named(names::STEP).collect();
@@ -178,18 +186,7 @@ fn recompute_grad_toggles_are_counted_in_the_kernel_and_the_tree_is_unchanged() 
         .run_blocking(&mut sinks, Some(Duration::from_secs(60)))
         .unwrap();
     let (builder, events) = sinks;
-    let expected = [
-        "train.job\n  train.model_init\n".to_string(),
-        step(0, 2),
-        step(1, 2),
-        "  train.evaluate\n".into(),
-        step(2, 2),
-        "  train.checkpoint nemo.checkpoint.files=1\n".into(),
-        step(3, 2),
-        "  train.evaluate\n".into(),
-    ]
-    .concat();
-    assert_eq!(builder.into_exporter().outline(KEYS), expected);
+    assert_eq!(builder.into_exporter().outline(KEYS), four_steps(None));
     // Every call counted: import torch's 4, per microbatch 3 a layer, per optimizer step
     // 2, per evaluation 2.
     let calls = events.ended[0].calls[&ProbeId::TorchGradMode];

@@ -33,7 +33,7 @@ impl Session {
                     }
                     Ok(Decoded::Probe(mut event)) => {
                         self.hangs.observe(&mut event);
-                        let rank = self.rank_of(event.tgid());
+                        let rank = self.targets.rank_of(event.tgid());
                         self.gpu.memory.on_event(&mut event, rank);
                         self.python
                             .on_event(&mut event, &mut self.bpf.maps.python, sink);

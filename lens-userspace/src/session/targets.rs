@@ -425,11 +425,6 @@ impl Session {
 }
 
 impl Session {
-    /// The rank of traced process `pid`, as its environment says.
-    pub(super) fn rank_of(&self, pid: u32) -> Option<i64> {
-        self.targets.rank_of(pid)
-    }
-
     /// Forgets `pid`'s per-kernel counters (it ended, or runs a new program whose
     /// kernels are new), in the kernel and in the component that reads them. (Without the
     /// `step` group the probes count none.)

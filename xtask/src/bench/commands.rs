@@ -78,7 +78,7 @@ pub(super) fn fake_env(cmd: &mut Command) {
 pub(super) fn timed_loop(
     ctx: &Ctx,
     name: &str,
-    target: &Command,
+    mut target: Command,
     traced: Option<(&str, &[&std::ffi::OsStr])>,
     parse: fn(&str) -> Option<f64>,
 ) -> xtask::error::Result<f64> {
@@ -95,9 +95,7 @@ pub(super) fn timed_loop(
     };
     match traced {
         None => {
-            let mut cmd = Command::new(target.get_program());
-            cmd.args(target.get_args());
-            Proc::spawn(name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
+            Proc::spawn(name, &mut target, &log)?.finish_ok(deadline, &mut on_line)?;
         }
         Some((groups, lens_args)) => {
             let pid_file = ctx.out.join(format!("{name}.pid"));
@@ -105,7 +103,7 @@ pub(super) fn timed_loop(
             cmd.args(["--exporter", "file", "--export-file", "/dev/null"])
                 .args(lens_args)
                 .args(["--exec", "--"]);
-            append_command(&mut cmd, target);
+            append_command(&mut cmd, &target);
             let before = super::lens_probe_pids();
             Proc::spawn(name, &mut cmd, &log)?.finish_ok(deadline, &mut on_line)?;
             super::wait_teardown(name, &before);
@@ -114,7 +112,7 @@ pub(super) fn timed_loop(
     time.ok_or_else(|| {
         xtask::error::Error::Msg(format!(
             "{name}: {} printed no loop time (output in {})",
-            shown(target),
+            shown(&target),
             log.display()
         ))
     })

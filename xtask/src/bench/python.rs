@@ -69,7 +69,7 @@ fn run(ctx: &Ctx, config: Option<&PathBuf>, steps: u64, round: u32) -> Result<f6
         .arg(steps.to_string());
     let lens_args = config.map(|config| [std::ffi::OsStr::new("--config"), config.as_os_str()]);
     let traced = lens_args.as_ref().map(|args| ("all", &args[..]));
-    timed_loop(ctx, &name, &target, traced, parse_loop)
+    timed_loop(ctx, &name, target, traced, parse_loop)
 }
 
 impl PythonBlock {

@@ -65,13 +65,7 @@ fn run(
     target
         .arg(ctx.root.join("tests/fixtures/torch/recompute_loop.py"))
         .arg(steps.to_string());
-    timed_loop(
-        ctx,
-        &name,
-        &target,
-        groups.map(|g| (g, &[][..])),
-        parse_loop,
-    )
+    timed_loop(ctx, &name, target, groups.map(|g| (g, &[][..])), parse_loop)
 }
 
 impl RecomputeBlock {

@@ -127,16 +127,16 @@ pub(super) struct FileSpan {
     /// in (a `torch.save` to a stream, DCP's per-item writes and reads, is no file; a
     /// JSON file written by Python is one).
     created: u32,
+    /// Of those, the ones since the last writer (reader) returned, with no writer open:
+    /// not the checkpoint's if its framework call turns out to have returned before
+    /// them (the process exits right after a save, before a sample shows it returned).
+    created_since_writer: u32,
     /// Readers of a load that open their file themselves (safetensors' `safe_open`: the
     /// opens inside a reader are not counted). `torch.load`'s file is opened by Python
     /// before its reader starts, and counted in `created`.
     own_files: u32,
     /// The paths (hashed) of the files in `created`: one created twice counts once.
     paths: std::collections::HashSet<u32>,
-    /// Of those, the ones since the last writer (reader) returned, with no writer open:
-    /// not the checkpoint's if its framework call turns out to have returned before
-    /// them (the process exits right after a save, before a sample shows it returned).
-    created_since_writer: u32,
     /// DCP's `async_save` handed it to a background writer that has not returned yet:
     /// the caller's next phase does not end it (the caller may be seen to return only
     /// after the writer did, having waited for it).
