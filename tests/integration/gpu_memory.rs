@@ -65,6 +65,28 @@ fn spans_named<'a>(spans: &'a [lens_tests::FileSpan], name: &str) -> Vec<&'a Val
         .collect()
 }
 
+/// The `name` spans of memory calls, as (failed, slow): a call is a span only when it
+/// failed or took `SLOW_CALL_NS` or more, which each span must show. How many calls are
+/// slow depends on the machine (a loaded one makes any call slow), so tests look for the
+/// calls they made slow or failed among these, not at how many there are.
+fn memory_call_spans<'a>(
+    spans: &'a [lens_tests::FileSpan],
+    name: &str,
+) -> (Vec<&'a Value>, Vec<&'a Value>) {
+    let nanos = |span: &Value, key: &str| span[key].as_str().unwrap().parse::<u64>().unwrap();
+    let (failed, slow): (Vec<&Value>, Vec<&Value>) = spans_named(spans, name)
+        .into_iter()
+        .partition(|span| span["status"]["code"] == 2);
+    for span in &slow {
+        let took = nanos(span, "endTimeUnixNano") - nanos(span, "startTimeUnixNano");
+        assert!(
+            took >= lens_probe::gpu_memory::SLOW_CALL_NS,
+            "a fast call that did not fail is not a span: {span}"
+        );
+    }
+    (failed, slow)
+}
+
 /// The newest value of a gauge in the OTLP file's metric lines.
 fn last_gauge(path: &Path, name: &str) -> Option<String> {
     let metric = lens_tests::otlp_file_metrics(path, name).pop()?;
@@ -114,18 +136,20 @@ fn held_and_peak_memory_count_each_allocation_once_runtime_or_driver() {
     assert_eq!(calls["cudaMallocManaged"], 1, "{calls}");
 
     let spans = lens_tests::otlp_file_spans(&export);
-    let frees = spans_named(&spans, "cuda.free");
-    assert_eq!(frees.len(), 1, "the one slow free: {spans:?}");
+    let (failed_frees, slow_frees) = memory_call_spans(&spans, "cuda.free");
+    assert!(failed_frees.is_empty(), "{failed_frees:?}");
+    // The free the fixture makes slow (the 2 MiB one) is a span, with what it did.
+    let slow_free = slow_frees
+        .iter()
+        .find(|span| attribute(span, "dl.gpu.memory.bytes") == Some((2 * MIB).to_string()));
+    let slow_free = slow_free.unwrap_or_else(|| panic!("the slow free: {spans:?}"));
     assert_eq!(
-        attribute(frees[0], "dl.gpu.memory.bytes"),
-        Some((2 * MIB).to_string())
-    );
-    assert_eq!(
-        attribute(frees[0], "dl.gpu.memory.held"),
+        attribute(slow_free, "dl.gpu.memory.held"),
         Some((5 * MIB).to_string())
     );
-    // The fast calls are counted, not spanned.
-    assert!(spans_named(&spans, "cuda.malloc").is_empty());
+    // The fast calls are counted, not spanned (checked span by span: each is slow).
+    let (failed_mallocs, _) = memory_call_spans(&spans, "cuda.malloc");
+    assert!(failed_mallocs.is_empty(), "{failed_mallocs:?}");
     let jobs = spans_named(&spans, "train.job");
     assert_eq!(jobs.len(), 1);
     assert_eq!(
@@ -199,7 +223,7 @@ fn a_failed_allocation_is_reported_at_once_with_what_was_asked_and_held() {
     );
 
     let spans = lens_tests::otlp_file_spans(&export);
-    let mallocs = spans_named(&spans, "cuda.malloc");
+    let (mallocs, _) = memory_call_spans(&spans, "cuda.malloc");
     assert_eq!(mallocs.len(), 1, "the failed one: {spans:?}");
     let failed = mallocs[0];
     assert_eq!(failed["status"]["code"], 2, "an error: {failed}");
@@ -273,7 +297,9 @@ fn a_failed_allocation_names_the_python_function_that_asked() {
         "{line}"
     );
     let spans = lens_tests::otlp_file_spans(&export);
-    let failed = spans_named(&spans, "cuda.malloc")[0];
+    let (failed, _) = memory_call_spans(&spans, "cuda.malloc");
+    assert_eq!(failed.len(), 1, "the failed one: {spans:?}");
+    let failed = failed[0];
     let oom = failed["events"]
         .as_array()
         .unwrap()
