@@ -1,8 +1,9 @@
 //! Collective completion: an NCCL call returns once the collective is enqueued, so its
-//! span is held until what the host does next on the same stream tells when it finished
-//! (docs/collectives.md has the rules), and until the same collective's calls on the
-//! other traced ranks have arrived (`stragglers`). Then the span ends at the inferred
-//! completion and goes out.
+//! span waits (in the pending spans, `spans::pending`) until what the host does next on
+//! the same stream tells when it finished (docs/collectives.md has the rules), and until
+//! the same collective's calls on the other traced ranks have arrived (`stragglers`).
+//! This tracker keeps what decides that, by serial; the span itself stays in the store
+//! under its key. Once both are known the span ends at the inferred completion.
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 // foldhash, seeded per run as std's SipHash is, and several times faster on these small
@@ -13,7 +14,7 @@ use slab::Slab;
 
 use super::{
     SpanRecord,
-    pending::{MAX_HELD_COLLECTIVES, MAX_WAIT_NS},
+    pending::{MAX_HELD_COLLECTIVES, PendingKey, PendingSpans, waited_too_long},
     straggler_cause::PhaseHistory,
     stragglers::{Arrival, MatchKey, Matched, Matcher, OpStragglers},
 };
@@ -57,12 +58,11 @@ impl EndSource {
     }
 }
 
-/// How long a collective span waits for its completion or for the other ranks before it
-/// goes out with what is known: the pending spans' one limit (`spans::pending`).
-pub const HOLD_LIMIT_NS: u64 = MAX_WAIT_NS;
-
+/// A collective whose span waits for its end.
 struct Held {
-    record: SpanRecord,
+    /// Its span in the pending spans.
+    key: PendingKey,
+    pid: u32,
     stream: u64,
     /// The enqueue call's return.
     returned_ns: u64,
@@ -88,25 +88,27 @@ impl Held {
         }
     }
 
-    /// The span as it goes out: ended at the completion, with how that was inferred.
-    fn finish(mut self) -> SpanRecord {
+    /// Ends its span at the completion, with how that was inferred: the span, when it
+    /// waits for nothing else.
+    fn finish(self, pending: &mut PendingSpans) -> Option<SpanRecord> {
         let (end_ns, source) = self
             .end
             .unwrap_or((self.returned_ns, EndSource::CallReturn));
-        let record = &mut self.record;
-        record.set_attr(
-            semconv::DL_COLLECTIVE_ENQUEUE_DURATION_NS,
-            self.returned_ns.saturating_sub(record.start_ns),
-        );
-        record.set_attr(semconv::DL_COLLECTIVE_END_SOURCE, source.name());
-        if source != EndSource::CallReturn {
+        if let Some(record) = pending.record_mut(self.key) {
             record.set_attr(
-                semconv::DL_COLLECTIVE_END_PRECISION_NS,
-                end_ns.saturating_sub(self.not_before_ns),
+                semconv::DL_COLLECTIVE_ENQUEUE_DURATION_NS,
+                self.returned_ns.saturating_sub(record.start_ns),
             );
+            record.set_attr(semconv::DL_COLLECTIVE_END_SOURCE, source.name());
+            if source != EndSource::CallReturn {
+                record.set_attr(
+                    semconv::DL_COLLECTIVE_END_PRECISION_NS,
+                    end_ns.saturating_sub(self.not_before_ns),
+                );
+            }
+            record.end_ns = end_ns;
         }
-        record.end_ns = end_ns;
-        self.record
+        pending.end_known(self.key)
     }
 }
 
@@ -114,7 +116,7 @@ impl Held {
 /// window of slots from the oldest held serial: O(1) by serial, no tree to rebalance (a
 /// `BTreeMap` of spans was most of the consumer's time at a million collectives a
 /// second). The window spans every serial since the oldest held one, released or not
-/// (one collective nothing completes keeps it open for up to [`HOLD_LIMIT_NS`]), so a slot
+/// (one collective nothing completes keeps it open for up to `MAX_WAIT_NS`), so a slot
 /// is a key into a slab of the held spans, which never holds more than are held.
 #[derive(Default)]
 struct HeldSpans {
@@ -204,17 +206,21 @@ impl Collectives {
         self.sequence.insert((pid, handle), 0);
     }
 
-    /// A collective call returned: hold its span (`record`, ending at the call's return)
-    /// until its completion and the other ranks' calls are known. Returns spans now
-    /// ready to go out.
+    /// A collective call returned: its span (under `key`, waiting for its end, ending at
+    /// the call's return) waits until its completion and the other ranks' calls are
+    /// known. Returns spans now ready to go out.
     pub fn add(
         &mut self,
-        mut record: SpanRecord,
+        key: PendingKey,
         op: CollectiveOp,
         stream: u64,
         comm: Option<Communicator>,
         history: &PhaseHistory,
+        pending: &mut PendingSpans,
     ) -> Vec<SpanRecord> {
+        let Some(record) = pending.record_mut(key) else {
+            return Vec::new();
+        };
         let serial = self.next_serial;
         self.next_serial += 1;
         let pid = record.pid;
@@ -243,8 +249,9 @@ impl Collectives {
         self.held.insert(
             serial,
             Held {
+                key,
+                pid,
                 not_before_ns: record.start_ns,
-                record,
                 stream,
                 returned_ns,
                 end: None,
@@ -263,13 +270,13 @@ impl Collectives {
             .push_back(serial);
         let mut ready = Vec::new();
         if let Some(matched) = matched {
-            self.apply_match(&matched, &mut ready, history);
+            self.apply_match(&matched, &mut ready, history, pending);
         }
         while self.held.len() > MAX_HELD_COLLECTIVES {
             let Some(oldest) = self.held.oldest() else {
                 break;
             };
-            ready.extend(self.take(oldest).map(Held::finish));
+            ready.extend(self.take(oldest).and_then(|held| held.finish(pending)));
         }
         ready
     }
@@ -277,7 +284,7 @@ impl Collectives {
     /// Stops holding `serial`: out of every index.
     fn take(&mut self, serial: u64) -> Option<Held> {
         let held = self.held.remove(&serial)?;
-        let key = (held.record.pid, held.stream);
+        let key = (held.pid, held.stream);
         for index in [&mut self.unbound, &mut self.by_stream] {
             if let Some(serials) = index.get_mut(&key) {
                 // Mostly the oldest: collectives on a stream complete in order.
@@ -328,6 +335,7 @@ impl Collectives {
         event: u64,
         at_ns: u64,
         not_ready_ns: Option<u64>,
+        pending: &mut PendingSpans,
     ) -> Vec<SpanRecord> {
         let serials = self.bound.remove(&(pid, event)).unwrap_or_default();
         // Not ready means the stream had not reached the event: the last collective
@@ -344,7 +352,7 @@ impl Collectives {
                 held.complete_by(at_ns, EndSource::EventQuery);
             }
         }
-        self.release(serials)
+        self.release(serials, pending)
     }
 
     /// A synchronisation call of `pid` on `handle` returned at `at_ns`: every collective
@@ -355,6 +363,7 @@ impl Collectives {
         kind: SyncKind,
         handle: u64,
         at_ns: u64,
+        pending: &mut PendingSpans,
     ) -> Vec<SpanRecord> {
         let source = EndSource::from_sync(kind);
         let serials: Vec<u64> = match kind {
@@ -374,16 +383,16 @@ impl Collectives {
                 held.complete_by(at_ns, source);
             }
         }
-        self.release(serials)
+        self.release(serials, pending)
     }
 
-    /// Spans held longer than [`HOLD_LIMIT_NS`] at `now_ns` go out with what is known.
-    pub fn expire(&mut self, now_ns: u64) -> Vec<SpanRecord> {
-        let cutoff = now_ns.saturating_sub(HOLD_LIMIT_NS);
+    /// Spans that have waited too long for their end at `now_ns` (the pending spans'
+    /// rule) go out with what is known.
+    pub fn expire(&mut self, now_ns: u64, pending: &mut PendingSpans) -> Vec<SpanRecord> {
         let old: BTreeSet<u64> = self
             .held
             .iter()
-            .filter(|(_, held)| held.returned_ns < cutoff)
+            .filter(|(_, held)| waited_too_long(held.returned_ns, now_ns))
             .map(|(serial, _)| serial)
             .collect();
         if old.is_empty() {
@@ -400,12 +409,17 @@ impl Collectives {
                 }
             }
         }
-        self.release(given_up.into_iter().chain(old).collect())
+        self.release(given_up.into_iter().chain(old).collect(), pending)
     }
 
     /// `pid` ended: its held spans go out with what is known, and the other ranks no
     /// longer wait for it.
-    pub fn process_ended(&mut self, pid: u32, history: &PhaseHistory) -> Vec<SpanRecord> {
+    pub fn process_ended(
+        &mut self,
+        pid: u32,
+        history: &PhaseHistory,
+        pending: &mut PendingSpans,
+    ) -> Vec<SpanRecord> {
         for members in self.members.values_mut() {
             members.remove(&pid);
         }
@@ -415,24 +429,24 @@ impl Collectives {
         let (matched, alone) = self.matcher.rank_gone(pid);
         let mut ready = Vec::new();
         for matched in &matched {
-            self.apply_match(matched, &mut ready, history);
+            self.apply_match(matched, &mut ready, history, pending);
         }
         for serial in &alone {
             if let Some(held) = self.held.get_mut(serial) {
                 held.waiting_for_ranks = false;
             }
         }
-        ready.extend(self.release(alone));
+        ready.extend(self.release(alone, pending));
         let own: Vec<u64> = self
             .held
             .iter()
-            .filter(|(_, held)| held.record.pid == pid)
+            .filter(|(_, held)| held.pid == pid)
             .map(|(serial, _)| serial)
             .collect();
         // Matches still waiting that this process had arrived in: its span goes now,
         // theirs when the match completes or expires.
         for serial in own {
-            ready.extend(self.take(serial).map(Held::finish));
+            ready.extend(self.take(serial).and_then(|held| held.finish(pending)));
         }
         ready
     }
@@ -446,6 +460,7 @@ impl Collectives {
         matched: &Matched,
         ready: &mut Vec<SpanRecord>,
         history: &PhaseHistory,
+        pending: &mut PendingSpans,
     ) {
         let last_pid = matched
             .arrivals
@@ -459,7 +474,10 @@ impl Collectives {
         }
         for arrival in &matched.arrivals {
             if let Some(held) = self.held.get_mut(&arrival.serial) {
-                let record = &mut held.record;
+                held.waiting_for_ranks = false;
+                let Some(record) = pending.record_mut(held.key) else {
+                    continue;
+                };
                 record.set_attr(semconv::DL_COLLECTIVE_LAST_RANK, matched.last_rank);
                 record.set_attr(semconv::DL_COLLECTIVE_ARRIVAL_SKEW_NS, matched.skew_ns);
                 record.set_attr(
@@ -473,20 +491,20 @@ impl Collectives {
                 if let Some(cause) = cause {
                     record.set_attr(semconv::DL_COLLECTIVE_STRAGGLER_CAUSE, cause.name());
                 }
-                held.waiting_for_ranks = false;
             }
         }
-        ready.extend(self.release(matched.arrivals.iter().map(|a| a.serial).collect()));
+        ready.extend(self.release(matched.arrivals.iter().map(|a| a.serial).collect(), pending));
     }
 
-    /// Sends out those of `serials` that are ready.
-    fn release(&mut self, serials: Vec<u64>) -> Vec<SpanRecord> {
+    /// Ends the spans of those of `serials` whose end is known: the spans that wait
+    /// for nothing else.
+    fn release(&mut self, serials: Vec<u64>, pending: &mut PendingSpans) -> Vec<SpanRecord> {
         let mut ready = Vec::new();
         for serial in serials {
             if self.held.get(&serial).is_some_and(Held::ready)
                 && let Some(held) = self.take(serial)
             {
-                ready.push(held.finish());
+                ready.extend(held.finish(pending));
             }
         }
         ready
@@ -498,6 +516,7 @@ mod tests {
     use super::*;
     use crate::{
         settings::groups::SpanGroup,
+        spans::pending::{MAX_WAIT_NS, Waits},
         spans::{AttrValue, SpanId, SpanStatus},
     };
 
@@ -520,13 +539,82 @@ mod tests {
         }
     }
 
+    /// The tracker with the store its spans wait in.
+    #[derive(Default)]
+    struct Tracked {
+        collectives: Collectives,
+        pending: PendingSpans,
+    }
+
+    impl Tracked {
+        fn add(
+            &mut self,
+            record: SpanRecord,
+            op: CollectiveOp,
+            stream: u64,
+            comm: Option<Communicator>,
+            history: &PhaseHistory,
+        ) -> Vec<SpanRecord> {
+            let waits = Waits {
+                end: true,
+                placement: None,
+            };
+            let key = self.pending.hold(record, waits);
+            self.collectives
+                .add(key, op, stream, comm, history, &mut self.pending)
+        }
+
+        fn comm_init(&mut self, pid: u32, handle: u64, id_hash: u64) {
+            self.collectives.comm_init(pid, handle, id_hash);
+        }
+
+        fn event_recorded(&mut self, pid: u32, event: u64, stream: u64) {
+            self.collectives.event_recorded(pid, event, stream);
+        }
+
+        fn event_complete(
+            &mut self,
+            pid: u32,
+            event: u64,
+            at_ns: u64,
+            not_ready_ns: Option<u64>,
+        ) -> Vec<SpanRecord> {
+            self.collectives
+                .event_complete(pid, event, at_ns, not_ready_ns, &mut self.pending)
+        }
+
+        fn sync_returned(
+            &mut self,
+            pid: u32,
+            kind: SyncKind,
+            handle: u64,
+            at_ns: u64,
+        ) -> Vec<SpanRecord> {
+            self.collectives
+                .sync_returned(pid, kind, handle, at_ns, &mut self.pending)
+        }
+
+        fn expire(&mut self, now_ns: u64) -> Vec<SpanRecord> {
+            self.collectives.expire(now_ns, &mut self.pending)
+        }
+
+        fn process_ended(&mut self, pid: u32, history: &PhaseHistory) -> Vec<SpanRecord> {
+            self.collectives
+                .process_ended(pid, history, &mut self.pending)
+        }
+
+        fn stragglers(&self) -> &BTreeMap<CollectiveOp, OpStragglers> {
+            self.collectives.stragglers()
+        }
+    }
+
     fn source(span: &SpanRecord) -> Option<&AttrValue> {
         span.attr(semconv::DL_COLLECTIVE_END_SOURCE)
     }
 
     #[test]
     fn the_first_successful_query_of_the_event_after_it_ends_the_collective() {
-        let mut collectives = Collectives::default();
+        let mut collectives = Tracked::default();
         let op = CollectiveOp::AllReduce;
         assert!(
             collectives
@@ -553,7 +641,7 @@ mod tests {
 
     #[test]
     fn syncs_bound_the_end_of_what_they_waited_for_only() {
-        let mut collectives = Collectives::default();
+        let mut collectives = Tracked::default();
         let op = CollectiveOp::AllReduce;
         collectives.add(call(1, 1, 10, 12), op, S, None, &PhaseHistory::default());
         collectives.add(
@@ -585,7 +673,7 @@ mod tests {
 
     #[test]
     fn a_re_recorded_event_stands_for_the_later_collective_only() {
-        let mut collectives = Collectives::default();
+        let mut collectives = Tracked::default();
         let op = CollectiveOp::AllReduce;
         collectives.add(call(1, 1, 10, 12), op, S, None, &PhaseHistory::default());
         collectives.event_recorded(1, E, S);
@@ -618,7 +706,7 @@ mod tests {
 
     #[test]
     fn two_ranks_are_compared_and_held_until_both_called() {
-        let mut collectives = Collectives::default();
+        let mut collectives = Tracked::default();
         let op = CollectiveOp::AllReduce;
         let comm = |rank: i32| Communicator {
             handle: 0xc0 + rank as u64,
@@ -671,7 +759,7 @@ mod tests {
 
     #[test]
     fn one_stuck_span_keeps_only_itself_held_while_later_ones_leave() {
-        let mut collectives = Collectives::default();
+        let mut collectives = Tracked::default();
         // Serial 0 on a stream nothing completes; 1000 more on another, each synced.
         collectives.add(
             call(7, 0, 10, 20),
@@ -691,24 +779,24 @@ mod tests {
             let done = collectives.sync_returned(7, SyncKind::Stream, E, 10 * i + 8);
             assert_eq!(done.len(), 1);
         }
-        assert_eq!(collectives.held.len(), 1);
-        assert_eq!(collectives.held.oldest(), Some(0));
+        assert_eq!(collectives.collectives.held.len(), 1);
+        assert_eq!(collectives.collectives.held.oldest(), Some(0));
         assert!(
-            collectives.held.spans.capacity() <= 4,
+            collectives.collectives.held.spans.capacity() <= 4,
             "the slab holds what is held, not the window"
         );
         let done = collectives.sync_returned(7, SyncKind::Stream, S, 20_000);
         assert_eq!(done.len(), 1);
-        assert_eq!(collectives.held.len(), 0);
+        assert_eq!(collectives.collectives.held.len(), 0);
         assert!(
-            collectives.held.window.is_empty(),
+            collectives.collectives.held.window.is_empty(),
             "the window closes behind it"
         );
     }
 
     #[test]
     fn a_collective_nothing_completes_goes_out_after_the_hold_limit() {
-        let mut collectives = Collectives::default();
+        let mut collectives = Tracked::default();
         collectives.add(
             call(1, 1, 10, 12),
             CollectiveOp::Broadcast,
@@ -716,8 +804,8 @@ mod tests {
             None,
             &PhaseHistory::default(),
         );
-        assert!(collectives.expire(HOLD_LIMIT_NS).is_empty());
-        let done = collectives.expire(HOLD_LIMIT_NS + 13);
+        assert!(collectives.expire(MAX_WAIT_NS).is_empty());
+        let done = collectives.expire(MAX_WAIT_NS + 13);
         assert_eq!(
             (done[0].end_ns, source(&done[0])),
             (12, Some(&"call_return".into()))

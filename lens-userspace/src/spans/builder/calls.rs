@@ -3,7 +3,7 @@
 
 use crate::spans::{
     Attributes, SpanExporter, SpanRecord,
-    pending::{ProcessOutput, UnplacedCall},
+    pending::{GatedOutput, UnplacedCall},
     phases::ProcessContext,
 };
 use crate::{
@@ -24,8 +24,8 @@ impl<E: SpanExporter> SpanBuilder<E> {
         attributes: Attributes,
         result: i32,
     ) {
-        if let Some(record) = self.call_record(timing, name, attributes, result) {
-            self.send_released(vec![record]);
+        if let Some((record, unplaced)) = self.call_record(timing, name, attributes, result) {
+            self.send_call(record, unplaced);
         }
         self.bound_held(timing.tgid, timing.end_ns);
     }
@@ -51,7 +51,8 @@ impl<E: SpanExporter> SpanBuilder<E> {
         ];
         let name = crate::calls::memory_span_name(probe);
         let result = i32::try_from(result).unwrap_or(i32::MIN);
-        let Some(mut record) = self.call_record(timing, name, attributes, result) else {
+        let Some((mut record, unplaced)) = self.call_record(timing, name, attributes, result)
+        else {
             return;
         };
         if let Some(oom) = &change.out_of_memory {
@@ -75,7 +76,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             }
             record.events.push(event);
         }
-        self.send_released(vec![record]);
+        self.send_call(record, unplaced);
         self.bound_held(timing.tgid, timing.end_ns);
     }
 
@@ -95,14 +96,15 @@ impl<E: SpanExporter> SpanBuilder<E> {
         self.on_call(timing, name, Vec::new(), result);
     }
 
-    /// The span of a call, child of the phase its thread (or the loop thread) is in.
+    /// The span of a call, child of the phase its thread (or the loop thread) is in;
+    /// with the call to place later when that phase is not known yet.
     pub(super) fn call_record(
         &mut self,
         timing: &CallTiming,
         name: &'static str,
         attributes: Attributes,
         result: i32,
-    ) -> Option<SpanRecord> {
+    ) -> Option<(SpanRecord, Option<UnplacedCall>)> {
         let process = self.processes.get_mut(&timing.tgid)?;
         let own = process
             .threads
@@ -114,8 +116,8 @@ impl<E: SpanExporter> SpanBuilder<E> {
             .and_then(|tid| process.threads.get_mut(&tid))
             .and_then(|thread| thread.claim_for_evaluation(timing.end_ns));
         let thread = owner.and_then(|tid| process.threads.get(&tid));
-        let mut output = ProcessOutput {
-            pending: &mut process.pending,
+        let mut output = GatedOutput {
+            pending: &mut self.pending,
             out: &mut self.exporter,
         };
         let ctx = ProcessContext {
@@ -155,17 +157,14 @@ impl<E: SpanExporter> SpanBuilder<E> {
         {
             record.events.push(event);
         }
-        if phase.is_none()
-            && let Some(owner) = owner
-        {
-            process.pending.hold_call(
-                record.id,
-                UnplacedCall {
-                    owner,
-                    start_ns: timing.start_ns,
-                },
-            );
-        }
-        Some(record)
+        let unplaced = phase
+            .is_none()
+            .then_some(owner)
+            .flatten()
+            .map(|owner| UnplacedCall {
+                owner,
+                start_ns: timing.start_ns,
+            });
+        Some((record, unplaced))
     }
 }

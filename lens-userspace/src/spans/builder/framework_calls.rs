@@ -3,7 +3,7 @@
 
 use crate::spans::{
     AttrValue, Attributes, SpanExporter, SpanId,
-    pending::ProcessOutput,
+    pending::GatedOutput,
     phases::{ProcessContext, ThreadPhases},
 };
 use crate::{
@@ -133,19 +133,19 @@ impl<E: SpanExporter> SpanBuilder<E> {
             process.ruled.next_iteration += 1;
             process.ruled.next_iteration - 1
         });
-        let idle =
-            process.on_thread(
-                tid,
-                &mut self.ids,
-                &mut self.exporter,
-                |thread, ctx| match attributes {
-                    None => thread.rule_return(ctx, at, index),
-                    Some(attributes) => {
-                        thread.rule_enter(ctx, at, index, name, group, attributes, iteration)
-                    }
-                },
-            );
-        process.export_if_training(&mut self.exporter, &self.groups);
+        let idle = process.on_thread(
+            tid,
+            &mut self.ids,
+            &mut self.pending,
+            &mut self.exporter,
+            |thread, ctx| match attributes {
+                None => thread.rule_return(ctx, at, index),
+                Some(attributes) => {
+                    thread.rule_enter(ctx, at, index, name, group, attributes, iteration)
+                }
+            },
+        );
+        export_if_training(process, &mut self.pending, &mut self.exporter, &self.groups);
         self.place_when_known(*tgid, tid);
         if idle && let Some(process) = self.processes.get_mut(tgid) {
             process.threads.remove(&tid);
@@ -184,8 +184,8 @@ impl<E: SpanExporter> SpanBuilder<E> {
             .record_mark(at, *launches, *epoch);
         let traced_from_start = process.traced_from_start;
         let job = process.job;
-        let mut output = ProcessOutput {
-            pending: &mut process.pending,
+        let mut output = GatedOutput {
+            pending: &mut self.pending,
             out: &mut self.exporter,
         };
         let mut ctx = ProcessContext {
@@ -217,7 +217,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             process.loop_thread = Some(tid);
         }
         process.apply_to_caller(group, effects);
-        process.export_if_training(&mut self.exporter, &self.groups);
+        export_if_training(process, &mut self.pending, &mut self.exporter, &self.groups);
         self.place_when_known(*tgid, tid);
     }
 }

@@ -12,7 +12,7 @@ use super::{
     collectives::Collectives,
     memory_peaks::MemoryPeaks,
     names,
-    pending::{PendingSpans, ProcessOutput},
+    pending::{GatedOutput, PendingSpans},
     phases::{ProcessContext, ThreadPhases},
     straggler_cause::{PhaseCall, PhaseHistory},
 };
@@ -35,8 +35,6 @@ use framework_calls::{AsyncSave, close_unwritten_async_save};
 struct ProcessSpans {
     info: ProcessInfo,
     start_ns: u64,
-    /// Finished spans and calls waiting before they go out (`spans::pending`).
-    pending: PendingSpans,
     arena: SpanArena,
     job: SpanId,
     model_init: Option<SpanId>,
@@ -63,13 +61,14 @@ struct RuledGroups {
 
 impl ProcessSpans {
     /// Runs `f` on thread `tid`'s phases (made on first use) with this process's span
-    /// context; the first thread with phase activity becomes the loop thread. Returns
-    /// whether the thread is left idle (nothing open, not the loop thread): its state
-    /// can go.
+    /// context, finished spans to `out` through the training gate of `pending`; the
+    /// first thread with phase activity becomes the loop thread. Returns whether the thread is left idle (nothing open, not the
+    /// loop thread): its state can go.
     fn on_thread(
         &mut self,
         tid: u32,
         ids: &mut IdSource,
+        pending: &mut PendingSpans,
         out: &mut dyn SpanExporter,
         f: impl FnOnce(&mut ThreadPhases, &mut ProcessContext<'_>),
     ) -> bool {
@@ -78,14 +77,10 @@ impl ProcessSpans {
             .threads
             .entry(tid)
             .or_insert_with(|| ThreadPhases::new(tid, traced_from_start));
-        let mut output = ProcessOutput {
-            pending: &mut self.pending,
-            out,
-        };
         let mut ctx = ProcessContext {
             arena: &mut self.arena,
             ids,
-            out: &mut output,
+            out: &mut GatedOutput { pending, out },
             job: self.job,
             model_init: &mut self.model_init,
             ruled: &self.ruled.groups,
@@ -96,19 +91,6 @@ impl ProcessSpans {
         }
         thread.is_idle() && self.loop_thread != Some(tid)
     }
-
-    /// Once training shows, announce the job and release what was held, in order.
-    fn export_if_training(&mut self, out: &mut dyn SpanExporter, groups: &SpanGroups) {
-        if self.pending.exporting() || !self.arena.training_seen() {
-            return;
-        }
-        let waited = self.pending.start_exporting();
-        let job = groups.contains(SpanGroup::Job).then_some(self.job);
-        out.process_started(&self.info, job, self.start_ns);
-        for span in waited {
-            out.export(span);
-        }
-    }
 }
 
 pub struct SpanBuilder<E: SpanExporter> {
@@ -117,7 +99,9 @@ pub struct SpanBuilder<E: SpanExporter> {
     rules: Arc<ProbeRules>,
     ids: IdSource,
     processes: HashMap<u32, ProcessSpans>,
-    /// Collective spans held until their completion and the other ranks are known.
+    /// Every span that waits before it goes out (`spans::pending`).
+    pending: PendingSpans,
+    /// What ends collective spans: their completion and the other ranks' calls.
     collectives: Collectives,
     /// Calls in flight when a hang was found, by (process, thread, entry): their spans
     /// get a `lens_probe.hang` event when they return.
@@ -177,6 +161,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             rules: Arc::default(),
             ids: IdSource::new(),
             processes: HashMap::new(),
+            pending: PendingSpans::default(),
             collectives: Collectives::default(),
             hung_calls: HashMap::new(),
             scope_stacks: HashMap::new(),
@@ -244,12 +229,12 @@ impl<E: SpanExporter> SpanBuilder<E> {
             arena.set_attr(job, semconv::NEMO_ATTACHED_MID_RUN, true);
             None
         };
+        self.pending.start_process(info.pid);
         self.processes.insert(
             info.pid,
             ProcessSpans {
                 info: info.clone(),
                 start_ns,
-                pending: PendingSpans::default(),
                 arena,
                 job,
                 model_init,
@@ -276,12 +261,16 @@ impl<E: SpanExporter> SpanBuilder<E> {
         end_ns: u64,
         calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
     ) {
-        // Its collectives go out with what is known before its spans close.
-        let released = self.collectives.process_ended(pid, &self.exporter.history);
+        // Its spans stop waiting (the pending spans' rule at exit): its collectives go
+        // out with what is known, its calls are placed, before its spans close.
+        let released =
+            self.collectives
+                .process_ended(pid, &self.exporter.history, &mut self.pending);
         self.send_released(released);
         self.place_held(pid, |_, _| true);
         self.scope_stacks.retain(|(p, _), _| *p != pid);
         let Some(mut process) = self.processes.remove(&pid) else {
+            self.pending.end_process(pid);
             return;
         };
         // The kernel's final launch total closes the last phases' counts.
@@ -301,20 +290,20 @@ impl<E: SpanExporter> SpanBuilder<E> {
             job,
             model_init,
             threads,
-            pending,
             ruled,
             async_save,
             ..
         } = &mut process;
-        if !pending.exporting() && !arena.training_seen() {
+        if !self.pending.exporting(pid) && !arena.training_seen() {
             log::info!(
                 "pid {pid} ({}) ended without training activity: no spans",
                 process.info.name
             );
+            self.pending.end_process(pid);
             return;
         }
-        let mut output = ProcessOutput {
-            pending,
+        let mut output = GatedOutput {
+            pending: &mut self.pending,
             out: &mut self.exporter,
         };
         let mut ctx = ProcessContext {
@@ -357,7 +346,13 @@ impl<E: SpanExporter> SpanBuilder<E> {
             None => ctx.arena.set_attr(*job, semconv::NEMO_SPAN_TRUNCATED, true),
         }
         ctx.arena.close(*job, end_ns, false, ctx.out);
-        process.export_if_training(&mut self.exporter, &self.groups);
+        export_if_training(
+            &process,
+            &mut self.pending,
+            &mut self.exporter,
+            &self.groups,
+        );
+        self.pending.end_process(pid);
         self.exporter.process_calls(pid, calls);
         self.exporter.process_ended(pid);
     }
@@ -367,11 +362,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
     /// `info.pid` replaced its program at `at_ns`. The old program's job ends there (what
     /// was open is truncated: it will never close) and the new program's begins.
     pub fn exec_process(&mut self, info: &ProcessInfo, at_ns: u64) {
-        if self
-            .processes
-            .get(&info.pid)
-            .is_some_and(|p| p.pending.exporting())
-        {
+        if self.pending.exporting(info.pid) {
             self.end_process(info.pid, None, at_ns);
         }
         self.start_process(info, at_ns);
@@ -419,13 +410,37 @@ impl<E: SpanExporter> SpanBuilder<E> {
         }
         // Threads come and go (workers, per-step helpers): keep state only for those
         // with something open.
-        let idle = process.on_thread(tid, &mut self.ids, &mut self.exporter, |thread, ctx| {
-            thread.on_signal(ctx, at, signal)
-        });
-        process.export_if_training(&mut self.exporter, &self.groups);
+        let idle = process.on_thread(
+            tid,
+            &mut self.ids,
+            &mut self.pending,
+            &mut self.exporter,
+            |thread, ctx| thread.on_signal(ctx, at, signal),
+        );
+        export_if_training(process, &mut self.pending, &mut self.exporter, &self.groups);
         self.place_when_known(tgid, tid);
         if idle && let Some(process) = self.processes.get_mut(&tgid) {
             process.threads.remove(&tid);
         }
+    }
+}
+
+/// Once `process` shows training, announce its job and release what waited for that,
+/// in order.
+fn export_if_training(
+    process: &ProcessSpans,
+    pending: &mut PendingSpans,
+    out: &mut dyn SpanExporter,
+    groups: &SpanGroups,
+) {
+    let pid = process.info.pid;
+    if pending.exporting(pid) || !process.arena.training_seen() {
+        return;
+    }
+    let waited = pending.start_exporting(pid);
+    let job = groups.contains(SpanGroup::Job).then_some(process.job);
+    out.process_started(&process.info, job, process.start_ns);
+    for span in waited {
+        out.export(span);
     }
 }

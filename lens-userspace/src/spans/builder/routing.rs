@@ -1,7 +1,7 @@
 //! The builder as an [`EventSink`](crate::sink::EventSink): each event routed to what it changes.
 
 use crate::spans::{
-    AttrValue, Attributes, SpanEvent, SpanExporter, monotonic_now_ns, names,
+    AttrValue, Attributes, SpanEvent, SpanExporter, monotonic_now_ns, names, pending::Waits,
     straggler_cause::PhaseCall,
 };
 use crate::{
@@ -49,9 +49,13 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 attributes.extend(python_caller_attributes(python_caller));
                 self.on_call(timing, kind.span_name(), attributes, *result);
                 if *result == 0 {
-                    let released =
-                        self.collectives
-                            .sync_returned(timing.tgid, *kind, *handle, timing.end_ns);
+                    let released = self.collectives.sync_returned(
+                        timing.tgid,
+                        *kind,
+                        *handle,
+                        timing.end_ns,
+                        &mut self.pending,
+                    );
                     self.send_released(released);
                 }
             }
@@ -72,6 +76,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                     *event,
                     timing.end_ns,
                     *not_ready_ns,
+                    &mut self.pending,
                 );
                 self.send_released(released);
             }
@@ -163,12 +168,26 @@ impl<E: SpanExporter> SpanBuilder<E> {
             attributes.push((semconv::DL_WORLD_SIZE, c.nranks.into()));
         }
         attributes.extend(python_caller_attributes(python_caller));
-        let Some(record) = self.call_record(timing, op.span_name(), attributes, *result) else {
+        let Some((record, placement)) =
+            self.call_record(timing, op.span_name(), attributes, *result)
+        else {
             return;
         };
-        let released =
-            self.collectives
-                .add(record, *op, *stream, communicator, &self.exporter.history);
+        let key = self.pending.hold(
+            record,
+            Waits {
+                end: true,
+                placement,
+            },
+        );
+        let released = self.collectives.add(
+            key,
+            *op,
+            *stream,
+            communicator,
+            &self.exporter.history,
+            &mut self.pending,
+        );
         self.send_released(released);
         self.bound_held(timing.tgid, timing.end_ns);
     }
@@ -236,17 +255,13 @@ impl<E: SpanExporter> SpanBuilder<E> {
         pid: u32,
         calls: &std::collections::BTreeMap<lens_common::ProbeId, u64>,
     ) {
-        if self
-            .processes
-            .get(&pid)
-            .is_some_and(|p| p.pending.exporting())
-        {
+        if self.pending.exporting(pid) {
             self.exporter.process_calls(pid, calls);
         }
         // Read periodically while processes run: collectives held too long go out, and
         // calls whose phase never became known.
         let now = monotonic_now_ns();
-        let released = self.collectives.expire(now);
+        let released = self.collectives.expire(now, &mut self.pending);
         self.send_released(released);
         self.bound_held(pid, now);
     }
@@ -350,7 +365,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
                 attributes,
                 Some(summary.clone()),
             );
-            process.pending.route(record, &mut self.exporter);
+            self.pending.route(record, &mut self.exporter);
         }
     }
 
@@ -374,11 +389,7 @@ impl<E: SpanExporter> EventSink for SpanBuilder<E> {
             SinkInput::Event(event) => self.event(event),
             SinkInput::CallCounts { pid, calls } => self.call_counts(pid, calls),
             SinkInput::ProbeCost { pid, cost } => {
-                if self
-                    .processes
-                    .get(&pid)
-                    .is_some_and(|p| p.pending.exporting())
-                {
+                if self.pending.exporting(pid) {
                     self.exporter.process_probe_cost(pid, cost);
                 }
             }
