@@ -21,7 +21,7 @@ use lens_probe::{
     session::{RunReport, Session, StopReason, TraceOptions},
     settings::{
         cli::{Cli, Rejected},
-        config::ProbeRules,
+        probe_rules::ProbeRules,
     },
     sink::EventPrinter,
     spans::{SpanBuilder, SpanExporter, console::ConsoleTree, stragglers::OpStragglers},

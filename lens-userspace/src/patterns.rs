@@ -1,4 +1,4 @@
-//! Matching configured probe rules (`crate::settings::config`) against what a process maps: a
+//! Matching configured probe rules (`crate::settings::probe_rules`) against what a process maps: a
 //! rule's `library` against the mapped files' names, its `symbol` against the names in
 //! their symbol tables — mangled, demangled (C++) or as a glob (`*`, `?`).
 use std::path::Path;

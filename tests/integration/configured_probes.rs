@@ -15,7 +15,7 @@ use std::{
 use lens_probe::{
     semconv,
     session::{Session, TraceOptions},
-    settings::{config::ProbeRules, groups::SpanGroups},
+    settings::{groups::SpanGroups, probe_rules::ProbeRules},
     spans::{SpanBuilder, SpanLog, names},
 };
 use lens_tests::{assert_one_line_error, stderr_text};

@@ -33,8 +33,8 @@ use lens_probe::{
     semconv,
     session::{Session, TraceOptions},
     settings::{
-        config::{ProbeRules, Profile},
         groups::SpanGroups,
+        probe_rules::{ProbeRules, Profile},
     },
     spans::{SpanBuilder, SpanLog, SpanRecord, names},
 };

@@ -16,7 +16,7 @@ use std::{
 use lens_probe::{
     semconv,
     session::{Session, TraceOptions},
-    settings::{config::ProbeRules, groups::SpanGroups},
+    settings::{groups::SpanGroups, probe_rules::ProbeRules},
     spans::{AttrValue, SpanBuilder, SpanLog, SpanRecord, names},
 };
 

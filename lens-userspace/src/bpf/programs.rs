@@ -61,7 +61,7 @@ programs! {
     GradModeEntry => "grad_mode_entry",
     TimedCallEntry => "timed_call_entry",
     DriverLaunch => "driver_launch",
-    /// Configured probe rules (`crate::settings::config`): entry and return of any function.
+    /// Configured probe rules (`crate::settings::probe_rules`): entry and return of any function.
     UserRuleEntry => "user_rule_entry",
     UserRuleReturn => "user_rule_return",
     CudaEventRecord => "cuda_event_record",

@@ -296,7 +296,7 @@ pub enum ProbeEvent {
         epoch: u64,
         frames: Vec<PyFrame>,
     },
-    /// Entry or return of a function a configured probe rule names (`crate::settings::config`).
+    /// Entry or return of a function a configured probe rule names (`crate::settings::probe_rules`).
     RuleCall {
         tgid: u32,
         tid: u32,

@@ -3,4 +3,4 @@
 pub mod attach;
 pub mod calibrate;
 pub mod catalog;
-pub mod files;
+pub mod file_probes;

@@ -17,8 +17,8 @@ use super::{
 use crate::{
     events::{ProbeEvent, PyFrame},
     settings::{
-        config::{DCP_GET_STATE_DICT, PythonRule},
         groups::SpanGroup,
+        probe_rules::{DCP_GET_STATE_DICT, PythonRule},
     },
 };
 

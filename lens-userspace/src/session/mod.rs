@@ -19,11 +19,11 @@ use crate::{
     export::strategy::ExportStrategy,
     gpu_memory::GpuMemory,
     hangs::HangWatcher,
-    probes::{attach::Attacher, calibrate, files::FileProbes},
+    probes::{attach::Attacher, calibrate, file_probes::FileProbes},
     python::{self, PythonTracker},
     settings::{
-        config::ProbeRules,
         groups::{SpanGroup, SpanGroups},
+        probe_rules::ProbeRules,
     },
     summary::Losses,
     sys::{guardian::Guardian, privileges, target::ExitStatus},

@@ -21,7 +21,7 @@ use clap::{
 
 use crate::{
     budget::OverheadBudget,
-    settings::{config::Profile, groups::SpanGroups, links::UprobeLinks},
+    settings::{groups::SpanGroups, links::UprobeLinks, probe_rules::Profile},
 };
 
 /// Zero-code observability for distributed ML training: attaches eBPF uprobes to a job's

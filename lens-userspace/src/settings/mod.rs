@@ -2,9 +2,9 @@
 //! probe rules (`config`) and the built-in ones (`profiles`), and the span groups
 //! (`groups`). Export settings stay with the exporters (`export::config`).
 pub mod cli;
-pub mod config;
 pub mod groups;
 pub mod links;
+pub mod probe_rules;
 pub mod profiles;
 
 crate::error::reason_error! {

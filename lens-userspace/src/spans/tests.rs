@@ -959,7 +959,7 @@ fn a_recompile_after_an_evaluation_does_not_stretch_it_into_the_next_step() {
 const WRITER: u32 = PID + 7;
 
 /// DCP's `async_save` and the `save` it runs on a background thread.
-fn dcp_async_save_rules(rules: &crate::settings::config::ProbeRules) -> (u32, u32) {
+fn dcp_async_save_rules(rules: &crate::settings::probe_rules::ProbeRules) -> (u32, u32) {
     (
         framework_rule(
             rules,
@@ -969,7 +969,7 @@ fn dcp_async_save_rules(rules: &crate::settings::config::ProbeRules) -> (u32, u3
     )
 }
 
-fn framework_rule(rules: &crate::settings::config::ProbeRules, name: &str) -> u32 {
+fn framework_rule(rules: &crate::settings::probe_rules::ProbeRules, name: &str) -> u32 {
     rules
         .python
         .iter()
@@ -981,11 +981,14 @@ fn framework_rule(rules: &crate::settings::config::ProbeRules, name: &str) -> u3
 impl Run {
     fn with_framework_rules(
         groups: &str,
-    ) -> (Run, std::sync::Arc<crate::settings::config::ProbeRules>) {
+    ) -> (
+        Run,
+        std::sync::Arc<crate::settings::probe_rules::ProbeRules>,
+    ) {
         let rules = std::sync::Arc::new(
-            crate::settings::config::ProbeRules::load(
+            crate::settings::probe_rules::ProbeRules::load(
                 None,
-                crate::settings::config::Profile::default(),
+                crate::settings::probe_rules::Profile::default(),
             )
             .unwrap(),
         );

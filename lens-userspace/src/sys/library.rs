@@ -30,7 +30,7 @@ pub enum LibraryKind {
     /// go on each traced process alone (`probes::files`), never through `ALL`.
     Libc,
     /// Any other file (library or program) a configured probe rule names
-    /// (`crate::settings::config`): only the rules' probes go there.
+    /// (`crate::settings::probe_rules`): only the rules' probes go there.
     Configured,
 }
 

@@ -29,7 +29,7 @@ use crate::sys::{
 };
 use crate::{
     error::{LensError, Result},
-    settings::{config::ProbeRules, groups::SpanGroups},
+    settings::{groups::SpanGroups, probe_rules::ProbeRules},
 };
 
 mod launch_sampling;

@@ -13,8 +13,8 @@ use crate::LensError;
 use crate::patterns::may_unwind;
 use crate::probes::catalog::Program;
 use crate::settings::{
-    config::{ArgType, NativeRule},
     groups::SpanGroups,
+    probe_rules::{ArgType, NativeRule},
 };
 use crate::sys::{
     library::MappedLibrary,
@@ -207,7 +207,7 @@ fn add_rule_probes(
     let mut offsets = HashSet::new();
     for (name, place) in &places {
         // A glob that reached a C++ name (`_ZN4c10d*`, `*allreduce*`): no return
-        // probe where an exception can leave (config.rs refuses C++ names given
+        // probe where an exception can leave (probe_rules.rs refuses C++ names given
         // as such before anything starts).
         if !rule.noexcept && may_unwind(name) {
             outcomes.push(ProbeOutcome::Failed {

@@ -10,8 +10,8 @@ use crate::{
     events::ProbeEvent,
     semconv,
     settings::{
-        config::{ArgType, DCP_ASYNC_SAVE, DCP_GET_STATE_DICT, NativeRule},
         groups::SpanGroup,
+        probe_rules::{ArgType, DCP_ASYNC_SAVE, DCP_GET_STATE_DICT, NativeRule},
     },
 };
 

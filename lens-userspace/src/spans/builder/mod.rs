@@ -19,13 +19,13 @@ use super::{
 use crate::{
     semconv,
     settings::{
-        config::ProbeRules,
         groups::{SpanGroup, SpanGroups},
+        probe_rules::ProbeRules,
     },
     sys::target::{ExitStatus, ProcessInfo},
 };
 
-mod calls;
+mod call_spans;
 mod framework_calls;
 mod placement;
 mod routing;
