@@ -9,7 +9,9 @@
 //!   `train.forward_backward` (its `dl.microbatch_count` the accumulation) and one
 //!   `train.optimizer`;
 //! - every collective (`gloo.*`, `nccl.*`) the child of a phase span, never of
-//!   `train.job`, and within its parent's time;
+//!   `train.job`, and within its parent's time; on a pipeline stage each send and
+//!   receive under its step's `train.forward_backward`, or under the `train.step` when
+//!   made after the step's last backward pass;
 //! - one `train.evaluate` per evaluation; one `train.checkpoint` per save covering at
 //!   least 90 % of the framework's save call, its `nemo.checkpoint.files` the files the
 //!   save wrote (the same for loads and `train.load_checkpoint`);
@@ -739,6 +741,207 @@ fn dcp_async_save_two_gloo_ranks() {
         return;
     };
     assert_matches_truth(test, &run);
+}
+
+// ---- pipeline parallelism: torch.distributed.pipelining over gloo ----------------------
+
+/// One point-to-point call the schedule made in a step (`truth["p2p"]`), and whether it
+/// came after that step's last backward pass had returned (`truth["backward"]`).
+struct P2pCall {
+    op: String,
+    step: u64,
+    start_ns: u64,
+    end_ns: u64,
+    after_last_backward: bool,
+}
+
+/// The calls of `truth["p2p"]` made in a step (not those of set-up or tear-down).
+fn pipeline_calls(truth: &Value) -> Vec<P2pCall> {
+    let backward = truth["backward"].as_array().cloned().unwrap_or_default();
+    let last_backward_end = |step: u64| -> u64 {
+        backward
+            .iter()
+            .filter(|b| b["step"].as_u64() == Some(step))
+            .filter_map(|b| b["end_ns"].as_u64())
+            .max()
+            .unwrap_or(u64::MAX)
+    };
+    truth["p2p"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|call| {
+            let step = call["step"].as_u64()?;
+            let start_ns = call["start_ns"].as_u64().unwrap();
+            Some(P2pCall {
+                op: call["op"].as_str().unwrap().to_string(),
+                step,
+                start_ns,
+                end_ns: call["end_ns"].as_u64().unwrap(),
+                after_last_backward: start_ns > last_backward_end(step),
+            })
+        })
+        .collect()
+}
+
+/// The point-to-point calls of one pipeline stage (rank) against the schedule's own
+/// record (every `ProcessGroup.send`/`recv` with the step it was made in, and every
+/// backward pass): each call made in a step is one `gloo.send`/`gloo.recv` span, its
+/// entry inside the call; one made before that step's last backward pass returned (a
+/// forward's send or receive, a gradient's between two backward passes) hangs under the
+/// step's `train.forward_backward`, one made after it (the last stage's last gradient
+/// send, issue 38 item 5) under the `train.step` itself, beside `forward_backward`, never
+/// under a `forward_backward` that ended before the call started. And, from the spans
+/// alone, every `gloo.send`/`gloo.recv` of the rank hangs under a
+/// `train.forward_backward` or `train.step` whose time holds its start.
+fn check_pipeline_p2p(run: &Run, truth: &Value, fails: &mut Vec<String>) {
+    let log = &run.log;
+    let pid = truth["pid"].as_u64().unwrap() as u32;
+    let who = format!("rank {} (pid {pid})", truth["rank"]);
+    let mut fail = |what: String| fails.push(format!("{who}: {what}"));
+    let by_id = |id| log.spans.iter().find(|s| s.id == id);
+    let is_p2p = |s: &SpanRecord| s.pid == pid && (s.name == "gloo.send" || s.name == "gloo.recv");
+    // The step a phase span is part of: the step itself, or a forward_backward's parent.
+    let step_of = |span: &SpanRecord| -> Option<i64> {
+        match span.name {
+            names::STEP => span.int_attr(semconv::DL_ITERATION),
+            names::FORWARD_BACKWARD => span
+                .parent
+                .and_then(by_id)
+                .filter(|p| p.name == names::STEP)
+                .and_then(|p| p.int_attr(semconv::DL_ITERATION)),
+            _ => None,
+        }
+    };
+
+    // From the spans alone: where each send/recv hangs, and that its parent holds it.
+    let mut placed = std::collections::BTreeMap::<(&str, &str), usize>::new();
+    for c in log.spans.iter().filter(|s| is_p2p(s)) {
+        let Some(parent) = c.parent.and_then(by_id) else {
+            fail(format!("{} at {} ns has no parent", c.name, c.start_ns));
+            continue;
+        };
+        *placed.entry((c.name, parent.name)).or_default() += 1;
+        if parent.name != names::FORWARD_BACKWARD && parent.name != names::STEP {
+            fail(format!(
+                "{} at {} ns hangs under {}, not a step or its forward_backward",
+                c.name, c.start_ns, parent.name
+            ));
+        }
+        if c.start_ns > parent.end_ns {
+            fail(format!(
+                "{} starts {:.3} ms after its parent {} ended",
+                c.name,
+                ms(c.start_ns - parent.end_ns),
+                parent.name
+            ));
+        }
+        if c.start_ns < parent.start_ns {
+            fail(format!(
+                "{} starts {:.3} ms before its parent {} began",
+                c.name,
+                ms(parent.start_ns - c.start_ns),
+                parent.name
+            ));
+        }
+    }
+
+    // Against the schedule's own record: each call made in a step.
+    let calls = pipeline_calls(truth);
+    for call in &calls {
+        let (step, name) = (call.step, format!("gloo.{}", call.op));
+        let spans: Vec<&SpanRecord> = log
+            .spans
+            .iter()
+            .filter(|s| is_p2p(s) && s.name == name)
+            .filter(|s| call.start_ns <= s.start_ns && s.start_ns <= call.end_ns)
+            .collect();
+        let [span] = spans[..] else {
+            fail(format!(
+                "step {step}: {} {name} spans inside the schedule's {} call at {} ns \
+                 ({:.3} ms long), want 1",
+                spans.len(),
+                call.op,
+                call.start_ns,
+                ms(call.end_ns - call.start_ns)
+            ));
+            continue;
+        };
+        let want = if call.after_last_backward {
+            names::STEP
+        } else {
+            names::FORWARD_BACKWARD
+        };
+        let got = span.parent.and_then(by_id).map(|p| (p.name, step_of(p)));
+        if got != Some((want, Some(step as i64))) {
+            fail(format!(
+                "step {step}: the {name} made {} the step's last backward pass hangs under \
+                 {got:?}, want {want} of dl.iteration {step}",
+                if call.after_last_backward {
+                    "after"
+                } else {
+                    "before"
+                },
+            ));
+        }
+    }
+    // Shown with --nocapture: what the run had and where lens-probe put it.
+    eprintln!(
+        "{who}: {} send/recv calls in steps, {} after the step's last backward; spans by \
+         (name, parent): {placed:?}",
+        calls.len(),
+        calls.iter().filter(|c| c.after_last_backward).count()
+    );
+}
+
+/// `pipeline_train.py --schedule SCHEDULE` on two stages: the steps against the truth as
+/// for every framework, and each stage's sends and receives where they belong.
+fn pipeline_two_gloo_stages(test: &str, schedule: &str) {
+    let Some(run) = traced(test, "pipeline_train.py", 2, |_| {
+        args(&["--schedule", schedule])
+    }) else {
+        return;
+    };
+    for truth in &run.truths {
+        assert_eq!(intervals(truth, "steps").len(), 6, "the run's own shape");
+        assert_eq!(
+            truth["backward"].as_array().map(Vec::len),
+            Some(24),
+            "the run's own shape: 4 microbatches' backward passes a step"
+        );
+    }
+    // The case of issue 38 item 5 is in the run: every step, the last stage sends its
+    // last gradient after its last backward pass.
+    let late: Vec<(u64, String)> = pipeline_calls(&run.truths[1])
+        .into_iter()
+        .filter(|c| c.after_last_backward)
+        .map(|c| (c.step, c.op))
+        .collect();
+    let want: Vec<(u64, String)> = (0..6).map(|step| (step, "send".to_string())).collect();
+    assert_eq!(
+        late, want,
+        "the run's own shape: the last stage's calls after each step's last backward"
+    );
+    let mut fails = check(&run);
+    for truth in &run.truths {
+        check_pipeline_p2p(&run, truth, &mut fails);
+    }
+    report(test, &run, fails);
+}
+
+/// GPipe: all forwards, then all backwards; the last stage sends each gradient after its
+/// backward pass, the step's last one after its last backward.
+#[test]
+fn pipeline_schedule_gpipe_two_gloo_stages() {
+    pipeline_two_gloo_stages("pipeline_schedule_gpipe_two_gloo_stages", "gpipe");
+}
+
+/// 1F1B: forwards and backwards interleaved; sends and receives between backward passes
+/// are the forward-backward's, the last gradient send the step's.
+#[test]
+fn pipeline_schedule_1f1b_two_gloo_stages() {
+    pipeline_two_gloo_stages("pipeline_schedule_1f1b_two_gloo_stages", "1f1b");
 }
 
 // ---- torch.compile --------------------------------------------------------------------
