@@ -646,13 +646,25 @@ fn lightning_validation_at_fit_end_and_from_a_checkpoint() {
     let named = |name: &str| -> Vec<&SpanRecord> {
         run.log.spans.iter().filter(|s| s.name == name).collect()
     };
+    // Times in ms from the load call's own start, for the message.
+    let (load_start, load_end) = intervals(truth, "loads")[0];
+    let from_load = |ns: u64| (ns as f64 - load_start as f64) / 1e6;
     for load in named(names::LOAD_CHECKPOINT) {
         for eval in named(names::EVALUATE) {
             if eval.start_ns < load.end_ns && load.start_ns < eval.end_ns {
                 fails.push(format!(
-                    "train.evaluate {:.1} ms overlaps train.load_checkpoint {:.1} ms",
-                    ms(eval.end_ns - eval.start_ns),
-                    ms(load.end_ns - load.start_ns)
+                    "train.evaluate [{:.2}, {:.2}] ms overlaps train.load_checkpoint \
+                     [{:.2}, {:.2}] ms (from the load call's start; the call ended at \
+                     {:.2}; validations at {:?})",
+                    from_load(eval.start_ns),
+                    from_load(eval.end_ns),
+                    from_load(load.start_ns),
+                    from_load(load.end_ns),
+                    from_load(load_end),
+                    intervals(truth, "evaluations")
+                        .iter()
+                        .map(|(a, b)| (from_load(*a), from_load(*b)))
+                        .collect::<Vec<_>>(),
                 ));
             }
         }

@@ -377,6 +377,55 @@ impl PythonTracker {
         calls
     }
 
+    /// Thread `tid` of `tgid` fetched a batch or began a backward pass at `at_ns`
+    /// (`launches`, `epoch`: the process's at that mark): no framework save or load runs
+    /// there any more (none fetches or runs a backward), so the framework calls its
+    /// samples still show open, innermost, end there. Their last sample can come after
+    /// the phase that follows has begun (the sampler's interval, or a wait for a CPU):
+    /// a `validate(ckpt_path=…)`'s load then overlapped its evaluation.
+    pub fn end_framework_calls(
+        &mut self,
+        tgid: u32,
+        tid: u32,
+        at_ns: u64,
+        launches: u64,
+        epoch: u64,
+    ) -> Vec<ProbeEvent> {
+        let rules = &self.rules;
+        let Some(thread) = self
+            .processes
+            .get_mut(&tgid)
+            .and_then(|process| process.threads.get_mut(&tid))
+        else {
+            return Vec::new();
+        };
+        let framework = |call: &OpenCall| {
+            rules
+                .iter()
+                .any(|rule| rule.index == call.rule && rule.framework)
+        };
+        let Some(first) = thread.open.iter().position(framework) else {
+            return Vec::new();
+        };
+        // Only when they are the innermost calls: a rule call inside one would be
+        // ended with it, and opened again by the next sample.
+        if !thread.open[first..].iter().all(framework) {
+            return Vec::new();
+        }
+        let target = thread.open[..first]
+            .iter()
+            .map(|call| (*call, None))
+            .collect();
+        let at = Tentative {
+            calls: Vec::new(),
+            at_ns,
+            launches,
+            epoch,
+            files: Vec::new(),
+        };
+        transition(tgid, tid, &mut thread.open, target, &at)
+    }
+
     fn settle_thread(&mut self, tgid: u32, tid: u32, at_ns: u64) -> Vec<ProbeEvent> {
         let Some(thread) = self
             .processes
@@ -550,5 +599,80 @@ mod tests {
         assert!(m("train_loop", "train_loop.py"));
         assert!(m("__main__", "/w/train.py"));
         assert!(!m("__main__", "/w/other.py"));
+    }
+
+    fn rule(index: u32, qualname: &str, framework: bool) -> PythonRule {
+        PythonRule {
+            index,
+            origin: "test".into(),
+            module: "m".into(),
+            qualname: qualname.into(),
+            group: SpanGroup::LoadCheckpoint,
+            name: "train.load_checkpoint",
+            framework,
+        }
+    }
+
+    fn call(rule: u32, frame: u64) -> OpenCall {
+        OpenCall {
+            rule,
+            frame: PyFrame {
+                code: 0x100 + u64::from(rule),
+                frame,
+                first_local: 1,
+            },
+        }
+    }
+
+    /// A tracker with thread 7 of process 7 in `open` (outermost first).
+    fn tracker_in(open: Vec<OpenCall>) -> PythonTracker {
+        let mut tracker = PythonTracker::new(vec![
+            rule(0, "Trainer._restore_modules_and_callbacks", true),
+            rule(1, "train_step", false),
+        ]);
+        let thread = ThreadCalls {
+            open,
+            ..ThreadCalls::default()
+        };
+        tracker.processes.insert(
+            7,
+            ProcessState {
+                reader: None,
+                main_script: None,
+                threads: HashMap::from([(7, thread)]),
+            },
+        );
+        tracker
+    }
+
+    #[test]
+    fn a_batch_fetch_ends_the_framework_load_its_samples_still_show() {
+        let mut tracker = tracker_in(vec![call(1, 0xa0), call(0, 0xb0)]);
+        let ended = tracker.end_framework_calls(7, 7, 500, 3, 4);
+        let [
+            ProbeEvent::RuleCall {
+                rule: 0,
+                at_return: true,
+                at_ns: 500,
+                launches: 3,
+                epoch: 4,
+                ..
+            },
+        ] = ended.as_slice()
+        else {
+            panic!("the load's return at the fetch, and only that: {ended:?}");
+        };
+        // The user's rule call around it goes on; nothing more to end.
+        assert_eq!(tracker.processes[&7].threads[&7].open, [call(1, 0xa0)]);
+        assert!(tracker.end_framework_calls(7, 7, 600, 3, 4).is_empty());
+    }
+
+    #[test]
+    fn a_framework_call_with_a_rule_call_inside_is_left_to_the_samples() {
+        let open = vec![call(0, 0xb0), call(1, 0xc0)];
+        let mut tracker = tracker_in(open.clone());
+        assert!(tracker.end_framework_calls(7, 7, 500, 0, 0).is_empty());
+        assert_eq!(tracker.processes[&7].threads[&7].open, open);
+        assert!(tracker.end_framework_calls(8, 8, 500, 0, 0).is_empty());
     }
 }

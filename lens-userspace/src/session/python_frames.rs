@@ -6,7 +6,7 @@ use log::{info, warn};
 
 use crate::{
     bpf::maps::PythonMaps,
-    events::{ProbeEvent, PythonCaller},
+    events::{PhaseSignal, ProbeEvent, PythonCaller, TorchScope},
     python::{self, PythonTracker},
     sink::EventSink,
 };
@@ -126,7 +126,21 @@ impl PythonFrames {
         if let (Some(tracker), Some((tgid, tid, at))) =
             (self.tracker.as_mut(), event.thread_start())
         {
-            let calls = tracker.settle_framework_calls(tgid, tid, at);
+            let mut calls = tracker.settle_framework_calls(tgid, tid, at);
+            if let ProbeEvent::Phase {
+                launches,
+                epoch,
+                signal:
+                    PhaseSignal::BackwardStart
+                    | PhaseSignal::ScopeEnter {
+                        scope: TorchScope::DataLoaderNext,
+                        ..
+                    },
+                ..
+            } = event
+            {
+                calls.extend(tracker.end_framework_calls(tgid, tid, at, *launches, *epoch));
+            }
             self.deliver(calls, maps, sink);
         }
         self.name_caller(event);

@@ -1035,6 +1035,40 @@ impl Run {
     }
 }
 
+/// Lightning's `validate(ckpt_path=...)`: the load's return is sampled 1 ms late, after
+/// the validation switched grad mode off; the evaluation begins where the load ended,
+/// not inside it (the fit-end test saw them overlap under load).
+#[test]
+fn an_evaluation_does_not_begin_inside_a_load_whose_end_was_sampled_late() {
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let restore = framework_rule(
+        &rules,
+        "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._restore_modules_and_callbacks",
+    );
+    run.step(1);
+    run.framework(2, PID, restore, false)
+        .at(1, PhaseSignal::CheckpointReadStart { own_file: false })
+        .at(2, PhaseSignal::CheckpointReadEnd)
+        .grad(0, false)
+        .grad(1, true);
+    // The validation's inference mode, then the sample without the load.
+    run.grad(1, false).framework(1, PID, restore, true);
+    let load_return = run.now;
+    run.scope(1, FETCH, 1).scope(1, FETCH, 1).grad(1, true);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let loads: Vec<_> = log.named(names::LOAD_CHECKPOINT).collect();
+    let evaluations: Vec<_> = log.named(names::EVALUATE).collect();
+    assert_eq!((loads.len(), evaluations.len()), (1, 1), "{}", log.outline(KEYS));
+    assert_eq!(loads[0].end_ns, load_return, "{:?}", loads[0]);
+    assert!(
+        evaluations[0].start_ns >= loads[0].end_ns,
+        "{:?} begins inside {:?}",
+        evaluations[0],
+        loads[0]
+    );
+    assert!(log.misnested().is_empty(), "{}", log.outline(KEYS));
+}
+
 /// Fabric writes through fsspec: `mkstemp` creates the temporary file, closes it, and
 /// `open(name, "wb")` creates it again; two saves of one file each, and a second file.
 #[test]

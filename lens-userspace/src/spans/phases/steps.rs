@@ -62,7 +62,11 @@ impl ThreadPhases {
                 self.training.pending_fetch = Some(at);
             }
         } else if let Some(candidate) = self.evaluation.eval_candidate {
-            self.evaluate_begins(ctx, candidate.start);
+            // Not inside a phase that closed after the candidate began: a framework
+            // load's end comes from a sample, up to an interval (or a wait for a CPU)
+            // after it returned, and validation may switch grad mode off in between.
+            let after = self.training.boundary.unwrap_or(0).min(at);
+            self.evaluate_begins(ctx, candidate.start.max(after));
         } else if !self.step_running() {
             // A complete step is over once the next batch is fetched: optimizer work
             // after this (a zero_grad) belongs to the next.
