@@ -1058,7 +1058,12 @@ fn an_evaluation_does_not_begin_inside_a_load_whose_end_was_sampled_late() {
     let log = run.end(1, Some(ExitStatus::Exited(0)));
     let loads: Vec<_> = log.named(names::LOAD_CHECKPOINT).collect();
     let evaluations: Vec<_> = log.named(names::EVALUATE).collect();
-    assert_eq!((loads.len(), evaluations.len()), (1, 1), "{}", log.outline(KEYS));
+    assert_eq!(
+        (loads.len(), evaluations.len()),
+        (1, 1),
+        "{}",
+        log.outline(KEYS)
+    );
     assert_eq!(loads[0].end_ns, load_return, "{:?}", loads[0]);
     assert!(
         evaluations[0].start_ns >= loads[0].end_ns,
