@@ -302,20 +302,23 @@ mod tests {
     }
     use crate::python::runtime::CodeLayout;
 
+    /// 3.11's layout: the readers below are pointed at this process's memory.
+    const TEST_LAYOUT: CodeLayout = CodeLayout {
+        qualname: 128,
+        filename: 112,
+        firstlineno: None,
+        first_line: 68,
+        lines: None,
+        str_length: 16,
+        str_state: 32,
+        str_data: 40,
+        str_state_mask: 0x7c,
+        str_state_compact_ascii: 0x64,
+    };
+
     #[test]
     fn any_pointer_a_sample_holds_is_read_or_refused_never_a_panic() {
-        let layout = CodeLayout {
-            qualname: 128,
-            filename: 112,
-            firstlineno: None,
-            first_line: 68,
-            lines: None,
-            str_length: 16,
-            str_state: 32,
-            str_data: 40,
-            str_state_mask: 0x7c,
-            str_state_compact_ascii: 0x64,
-        };
+        let layout = TEST_LAYOUT;
         // 3.11+, and 3.10 (which also reads `co_firstlineno`).
         for layout in [
             layout,
@@ -335,18 +338,7 @@ mod tests {
     /// once, named or found unreadable (an interpreter's shim frame's is never read).
     #[test]
     fn each_code_object_read_is_told_once_named_or_not() {
-        let layout = CodeLayout {
-            qualname: 128,
-            filename: 112,
-            firstlineno: None,
-            first_line: 68,
-            lines: None,
-            str_length: 16,
-            str_state: 32,
-            str_data: 40,
-            str_state_mask: 0x7c,
-            str_state_compact_ascii: 0x64,
-        };
+        let layout = TEST_LAYOUT;
         let mut reader = CodeReader::open(std::process::id(), layout).unwrap();
         for _ in 0..3 {
             assert_eq!(reader.name(0x10), None);

@@ -425,11 +425,7 @@ impl PythonTracker {
         else {
             return Vec::new();
         };
-        let framework = |call: &OpenCall| {
-            rules
-                .iter()
-                .any(|rule| rule.index == call.rule && rule.framework)
-        };
+        let framework = |call: &OpenCall| is_framework(rules, call);
         let Some(first) = thread.open.iter().position(framework) else {
             return Vec::new();
         };
@@ -463,11 +459,7 @@ impl PythonTracker {
         let Some(tentative) = thread.tentative.as_ref().filter(|t| t.at_ns < at_ns) else {
             return Vec::new();
         };
-        let framework = |call: &OpenCall| {
-            self.rules
-                .iter()
-                .any(|rule| rule.index == call.rule && rule.framework)
-        };
+        let framework = |call: &OpenCall| is_framework(&self.rules, call);
         let changed_only_framework = thread
             .open
             .iter()
@@ -571,6 +563,13 @@ impl PythonTracker {
 
 /// From the calls `open` to `target` at `at`'s time: returns for those that ended
 /// (innermost first), then entries for the new ones (outermost first, with their file).
+/// `call` is of a framework save or load rule's.
+fn is_framework(rules: &[PythonRule], call: &OpenCall) -> bool {
+    rules
+        .iter()
+        .any(|rule| rule.index == call.rule && rule.framework)
+}
+
 fn transition(
     tgid: u32,
     tid: u32,
