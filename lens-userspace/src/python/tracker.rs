@@ -418,11 +418,7 @@ impl PythonTracker {
         epoch: u64,
     ) -> Vec<ProbeEvent> {
         let rules = &self.rules;
-        let Some(thread) = self
-            .processes
-            .get_mut(&tgid)
-            .and_then(|process| process.threads.get_mut(&tid))
-        else {
+        let Some(thread) = thread_of(&mut self.processes, tgid, tid) else {
             return Vec::new();
         };
         let framework = |call: &OpenCall| is_framework(rules, call);
@@ -449,11 +445,7 @@ impl PythonTracker {
     }
 
     fn settle_thread(&mut self, tgid: u32, tid: u32, at_ns: u64) -> Vec<ProbeEvent> {
-        let Some(thread) = self
-            .processes
-            .get_mut(&tgid)
-            .and_then(|process| process.threads.get_mut(&tid))
-        else {
+        let Some(thread) = thread_of(&mut self.processes, tgid, tid) else {
             return Vec::new();
         };
         let Some(tentative) = thread.tentative.as_ref().filter(|t| t.at_ns < at_ns) else {
@@ -563,6 +555,15 @@ impl PythonTracker {
 
 /// From the calls `open` to `target` at `at`'s time: returns for those that ended
 /// (innermost first), then entries for the new ones (outermost first, with their file).
+/// The rule calls kept for thread `tid` of `tgid`, if it was sampled.
+fn thread_of(
+    processes: &mut HashMap<u32, ProcessState>,
+    tgid: u32,
+    tid: u32,
+) -> Option<&mut ThreadCalls> {
+    processes.get_mut(&tgid)?.threads.get_mut(&tid)
+}
+
 /// `call` is of a framework save or load rule's.
 fn is_framework(rules: &[PythonRule], call: &OpenCall) -> bool {
     rules
