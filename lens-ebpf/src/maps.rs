@@ -102,11 +102,6 @@ pub(crate) fn python_gate(gate: u32) -> bool {
     PY_GATES.get(gate).is_some_and(|value| *value != 0)
 }
 
-/// Python code objects lens-probe has named (`maps::PY_NAMED`).
-#[map(name = "PY_NAMED")]
-pub(crate) static PY_NAMED: LruHashMap<HandleKey, u8> =
-    LruHashMap::with_max_entries(limits::MAX_PY_NAMED, 0);
-
 /// Per Python thread, a hash of the stack last sent (low bit: sent once, to be sent again
 /// at the next sample): an unchanged stack is not sent a third time.
 #[map(name = "PY_LAST_STACK")]
