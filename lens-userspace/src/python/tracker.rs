@@ -527,8 +527,6 @@ impl PythonTracker {
     }
 }
 
-/// From the calls `open` to `target` at `at`'s time: returns for those that ended
-/// (innermost first), then entries for the new ones (outermost first, with their file).
 /// The rule calls kept for thread `tid` of `tgid`, if it was sampled.
 fn thread_of(
     processes: &mut HashMap<u32, ProcessState>,
@@ -545,6 +543,8 @@ fn is_framework(rules: &[PythonRule], call: &OpenCall) -> bool {
         .any(|rule| rule.index == call.rule && rule.framework)
 }
 
+/// From the calls `open` to `target` at `at`'s time: returns for those that ended
+/// (innermost first), then entries for the new ones (outermost first, with their file).
 fn transition(
     tgid: u32,
     tid: u32,

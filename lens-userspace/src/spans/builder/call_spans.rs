@@ -157,14 +157,10 @@ impl<E: SpanExporter> SpanBuilder<E> {
         {
             record.events.push(event);
         }
-        let unplaced = phase
-            .is_none()
-            .then_some(owner)
-            .flatten()
-            .map(|owner| UnplacedCall {
-                owner,
-                start_ns: timing.start_ns,
-            });
+        let unplaced = owner.filter(|_| phase.is_none()).map(|owner| UnplacedCall {
+            owner,
+            start_ns: timing.start_ns,
+        });
         Some((record, unplaced))
     }
 }

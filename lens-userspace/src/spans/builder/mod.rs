@@ -62,8 +62,8 @@ struct RuledGroups {
 impl ProcessSpans {
     /// Runs `f` on thread `tid`'s phases (made on first use) with this process's span
     /// context, finished spans to `out` through the training gate of `pending`; the
-    /// first thread with phase activity becomes the loop thread. Returns whether the thread is left idle (nothing open, not the
-    /// loop thread): its state can go.
+    /// first thread with phase activity becomes the loop thread. Returns whether the
+    /// thread is left idle (nothing open, not the loop thread): its state can go.
     fn on_thread(
         &mut self,
         tid: u32,
