@@ -8,7 +8,7 @@ use aya_ebpf::programs::{PerfEventContext, ProbeContext};
 use lens_common::record::{LaunchMark, NO_PROBE, PyStack};
 use lens_common::{
     DCP_LOAD_API_EVENT, EventKind, LossCause, PY_MAX_DEPTH, PY_MAX_WALK, PY_NO_FIELD, PyOffsets,
-    Record, RecordHeader, limits, python_gates, saving,
+    Record, RecordHeader, TargetState, limits, python_gates, saving,
 };
 
 use crate::ctx::{count_loss, now_ns, read_user_u64};
@@ -162,6 +162,45 @@ pub(crate) fn python_caller(pid_tgid: u64) -> u64 {
 pub fn python_sample(_ctx: PerfEventContext) -> u32 {
     send_python_stack(bpf_get_current_pid_tgid(), false);
     0
+}
+
+/// A sampled Python thread exits: an empty synchronous stack, stamped now, ends the
+/// calls its samples left open here. Its last sample can be up to an interval of running
+/// time before its last Python line (DCP's `async_save` writer returns from `save`, sets
+/// its future and exits between two ticks), and the thread's memory is gone before the
+/// loader could read more. Its remembered stack goes with it (a tid is reused).
+#[inline(always)]
+pub(crate) fn send_thread_exit(pid_tgid: u64, target: *mut TargetState) {
+    let tgid = (pid_tgid >> 32) as u32;
+    let tid = pid_tgid as u32;
+    // SAFETY: only presence is read.
+    if unsafe { PY_LAST_STACK.get(&tid) }.is_none() {
+        return;
+    }
+    let _ = PY_LAST_STACK.remove(&tid);
+    // SAFETY: only presence is read.
+    if unsafe { PY_TARGETS.get(&tgid) }.is_none() {
+        return;
+    }
+    let Some(mut entry) = EVENTS.reserve::<Record<PyStack>>(0) else {
+        count_loss(LossCause::RingBufferFull);
+        return;
+    };
+    let stack = entry.as_mut_ptr();
+    // SAFETY: the reserved record, filled before it is submitted; `target` is the live
+    // map value `traced()` returned.
+    unsafe {
+        (*stack).header = RecordHeader {
+            kind: EventKind::PyStack as u32,
+            probe: NO_PROBE,
+            tgid,
+            tid,
+        };
+        (*stack).body.depth = 0;
+        (*stack).body.synchronous = 1;
+        (*stack).body.mark = mark_now(target);
+    }
+    entry.submit(BPF_RB_FORCE_WAKEUP as u64);
 }
 
 /// Sends the current thread's Python stack (a CPython target's): from the sampler only

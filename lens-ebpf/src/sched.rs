@@ -96,6 +96,7 @@ pub fn process_exit(ctx: RawTracePointContext) -> i32 {
     if flags & TARGET_CALIBRATION != 0 {
         return 0;
     }
+    crate::python::send_thread_exit(pid_tgid, target);
     let task: u64 = ctx.arg(0);
     // SAFETY: reads of placeholders the loader set (volatile: not folded) and of kernel
     // memory through the checked helper, at offsets from the running kernel's BTF.

@@ -161,7 +161,13 @@ fn trace(python: &Path, calls: Calls) -> (SpanLog, Vec<String>, Vec<Truth>) {
     ];
     argv.extend(calls.mode().iter().map(OsString::from));
     let (log, unmatched) = run_traced(calls.rules(), &argv);
-    let mut records: Vec<(String, [u64; 4])> = std::fs::read_to_string(&truth_path)
+    let truth = read_truth(&truth_path);
+    (log, unmatched, truth)
+}
+
+/// The calls `train_lib` wrote to `path` at exit, in start order (the file is removed).
+fn read_truth(path: &Path) -> Vec<Truth> {
+    let mut records: Vec<(String, [u64; 4])> = std::fs::read_to_string(path)
         .unwrap()
         .lines()
         .map(|line| {
@@ -188,8 +194,8 @@ fn trace(python: &Path, calls: Calls) -> (SpanLog, Vec<String>, Vec<Truth>) {
             },
         )
         .collect();
-    let _ = std::fs::remove_file(&truth_path);
-    (log, unmatched, truth)
+    let _ = std::fs::remove_file(path);
+    truth
 }
 
 /// Runs `argv` under lens-probe (`all`, every process traced from its start) with the
@@ -403,6 +409,55 @@ fn python_3_13_methods_become_spans() {
 
 /// Collective and sync spans of a Python process name the Python function that made the
 /// call (`code.function`, `code.filepath`).
+/// A rule's call on a thread that exits right after it returns ends where it returned,
+/// not at the thread's last sample: the call's last 50 ms are asleep (unsampled), and
+/// the thread's exit, sent by the kernel, ends it (DCP's `async_save` writer returns,
+/// sets its future and exits between two ticks: its span ended 1 ms early).
+#[test]
+fn a_call_on_a_thread_that_exits_ends_at_its_return() {
+    if !lens_tests::require_bpf("a_call_on_a_thread_that_exits_ends_at_its_return") {
+        return;
+    }
+    let Some(python) = interpreter("/root/.pyenv/versions/3.13.0/bin/python3.13") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let truth_path = std::env::temp_dir().join(format!(
+        "lens-python-truth-{}-thread-save",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&truth_path);
+    let argv: Vec<OsString> = vec![
+        "env".into(),
+        format!("TRAIN_TRUTH={}", truth_path.display()).into(),
+        python.into_os_string(),
+        script().with_file_name("thread_save.py").into_os_string(),
+    ];
+    let (log, _) = run_traced(RULES, &argv);
+    let truth = read_truth(&truth_path);
+    let [call] = &truth[..] else {
+        panic!("one save_checkpoint call, and the exit: {truth:?}");
+    };
+    let spans: Vec<_> = log.named(names::CHECKPOINT).collect();
+    let [span] = &spans[..] else {
+        panic!("{} checkpoint spans for one call", spans.len());
+    };
+    let off_ms = |seen: u64, truth: u64| (seen as f64 - truth as f64) / 1e6;
+    // Not before the call's return (by more than the precision the other tests allow):
+    // the thread's last sample came 50 ms before it.
+    assert!(
+        span.end_ns + 3_000_000 >= call.end,
+        "the span ends {:+.2} ms from the call's return: at the thread's last sample, not \
+         its exit",
+        off_ms(span.end_ns, call.end)
+    );
+    assert!(
+        span.start_ns + 3_000_000 >= call.start && span.start_ns < call.end,
+        "the span starts {:+.2} ms from the call's start",
+        off_ms(span.start_ns, call.start)
+    );
+}
+
 #[test]
 fn native_calls_name_the_python_function_that_made_them() {
     if !lens_tests::require_bpf("native_calls_name_the_python_function_that_made_them") {
