@@ -88,7 +88,7 @@ pub(super) fn export_thread(
             // Nothing queued: a moment to send what the spool holds.
             Err(TryRecvError::Empty) => {
                 if let Sink::Otlp { spans, .. } = &sink {
-                    spans.replay(&runtime, &counters);
+                    spans.replay(&runtime, &counters, false);
                 }
             }
             Err(TryRecvError::Disconnected) => {
@@ -96,6 +96,9 @@ pub(super) fn export_thread(
                     send(batch, &resource, &mut sink);
                 }
                 if let Sink::Otlp { spans, .. } = &sink {
+                    // What the spool holds goes now if it could not before (a short run
+                    // is never idle); `finish` waits for it, within the flush budget.
+                    spans.replay(&runtime, &counters, true);
                     spans.finish(&runtime, counters.export_timeout());
                 }
                 return;

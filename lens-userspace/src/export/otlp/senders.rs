@@ -194,8 +194,15 @@ impl SpanExporters {
     /// Sends the spool's batches, oldest first, one at a time on a task of its own, if
     /// none is running, an exporter is free, and the collector did not refuse the last
     /// one less than [`REPLAY_AFTER`] ago. The task goes on until the spool is empty or
-    /// a batch fails (it stays, for the next try).
-    pub(super) fn replay(&self, runtime: &tokio::runtime::Runtime, counters: &Arc<Counters>) {
+    /// a batch fails (it stays, for the next try). Once lens-probe is finishing, only
+    /// `at_exit` starts one, unless this run spooled: the last chance of a run too short
+    /// to have had an idle moment (a SLURM prolog's short jobs), inside the flush budget.
+    pub(super) fn replay(
+        &self,
+        runtime: &tokio::runtime::Runtime,
+        counters: &Arc<Counters>,
+        at_exit: bool,
+    ) {
         let Some(spool) = self.spool.clone() else {
             return;
         };
@@ -205,7 +212,10 @@ impl SpanExporters {
             .ok()
             .and_then(|at| *at)
             .is_some_and(|at| at.elapsed() < REPLAY_AFTER);
-        if recently_failed || spool.spans() == 0 || counters.flush_deadline.get().is_some() {
+        let finishing = counters.flush_deadline.get().is_some();
+        // At exit, not after this run had to spool: the collector is not taking batches.
+        let collector_down = at_exit && counters.spooled.load(Ordering::Relaxed) > 0;
+        if recently_failed || spool.spans() == 0 || (finishing && !at_exit) || collector_down {
             return;
         }
         if self.replaying.swap(true, Ordering::AcqRel) {
