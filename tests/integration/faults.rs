@@ -492,14 +492,34 @@ fn sigterm_flushes_and_exits_0_within_5_s() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    // Stopped a second after it says it traces (not at a fixed time from its start: a
+    // loaded machine can still be attaching then), steps run since.
+    let (lines, stderr) = std::sync::mpsc::channel::<String>();
+    let reader = std::io::BufReader::new(probe.stderr.take().unwrap());
+    let collect = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in std::io::BufRead::lines(reader).map_while(Result::ok) {
+            all.push_str(&line);
+            all.push('\n');
+            let _ = lines.send(line);
+        }
+        all
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Ok(line) = stderr.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        if line.contains("tracing 1 process") {
+            break;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(1000));
     // SAFETY: plain kill(2) of our child.
     unsafe { libc::kill(probe.id() as i32, libc::SIGTERM) };
     let sent = Instant::now();
     let status = probe.wait().unwrap();
     let took = sent.elapsed();
-    assert_eq!(status.code(), Some(0));
-    assert!(took < Duration::from_secs(5), "{took:?}");
+    let said = collect.join().unwrap();
+    assert_eq!(status.code(), Some(0), "{said}");
+    assert!(took < Duration::from_secs(5), "{took:?}\n{said}");
     // Whole steps were seen and written before the exit.
     let exported = lens_tests::otlp_file_spans(&spans);
     assert!(
