@@ -173,11 +173,10 @@ pub fn python_sample(_ctx: PerfEventContext) -> u32 {
 pub(crate) fn send_thread_exit(pid_tgid: u64, target: *mut TargetState) {
     let tgid = (pid_tgid >> 32) as u32;
     let tid = pid_tgid as u32;
-    // SAFETY: only presence is read.
-    if unsafe { PY_LAST_STACK.get(&tid) }.is_none() {
+    if PY_LAST_STACK.remove(&tid).is_err() {
+        // Never sampled: no calls of its are open.
         return;
     }
-    let _ = PY_LAST_STACK.remove(&tid);
     // SAFETY: only presence is read.
     if unsafe { PY_TARGETS.get(&tgid) }.is_none() {
         return;
@@ -190,17 +189,23 @@ pub(crate) fn send_thread_exit(pid_tgid: u64, target: *mut TargetState) {
     // SAFETY: the reserved record, filled before it is submitted; `target` is the live
     // map value `traced()` returned.
     unsafe {
-        (*stack).header = RecordHeader {
-            kind: EventKind::PyStack as u32,
-            probe: NO_PROBE,
-            tgid,
-            tid,
-        };
+        (*stack).header = stack_header(tgid, tid);
         (*stack).body.depth = 0;
         (*stack).body.synchronous = 1;
         (*stack).body.mark = mark_now(target);
     }
     entry.submit(BPF_RB_FORCE_WAKEUP as u64);
+}
+
+/// The header of a stack record of thread `tid` of `tgid`.
+#[inline(always)]
+fn stack_header(tgid: u32, tid: u32) -> RecordHeader {
+    RecordHeader {
+        kind: EventKind::PyStack as u32,
+        probe: NO_PROBE,
+        tgid,
+        tid,
+    }
 }
 
 /// Sends the current thread's Python stack (a CPython target's): from the sampler only
@@ -282,12 +287,7 @@ pub(crate) fn send_python_stack(pid_tgid: u64, forced: bool) {
     }
     // SAFETY: the reserved record, filled before it is submitted.
     unsafe {
-        (*stack).header = RecordHeader {
-            kind: EventKind::PyStack as u32,
-            probe: NO_PROBE,
-            tgid,
-            tid,
-        };
+        (*stack).header = stack_header(tgid, tid);
         (*stack).body.depth = depth as u32;
         (*stack).body.synchronous = forced as u32;
         // The sampler runs without a target check: a Python process that is not (or no
