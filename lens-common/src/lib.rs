@@ -329,6 +329,8 @@ pub mod globals {
     pub const SIGNAL_NR_THREADS_OFFSET: &str = "SIGNAL_NR_THREADS_OFFSET";
     /// `task_struct.thread.fsbase`: the thread pointer (`pthread_self()`).
     pub const TASK_FSBASE_OFFSET: &str = "TASK_FSBASE_OFFSET";
+    /// `task_struct.nvcsw`: the thread's voluntary context switches (times it slept).
+    pub const TASK_NVCSW_OFFSET: &str = "TASK_NVCSW_OFFSET";
     /// Non-zero when `sched_process_exit` passes `group_dead` (Linux 6.16 and later).
     pub const EXIT_HAS_GROUP_DEAD: &str = "EXIT_HAS_GROUP_DEAD";
 }

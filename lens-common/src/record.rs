@@ -368,6 +368,9 @@ pub struct PyStack {
     /// interpreter made (its frame chain complete); 0: by the clock, at any instruction
     /// (it can catch the chain mid-update).
     pub synchronous: u32,
+    /// The thread's previous clock sample, when it has not slept since (0: none, or
+    /// unknown): a frame this sample shows and that one did not began after it.
+    pub since_ns: u64,
     /// Per frame slot: code object, frame address, first local slot.
     pub code: [u64; PY_MAX_DEPTH],
     pub frame: [u64; PY_MAX_DEPTH],
@@ -457,7 +460,7 @@ bodies! {
     }
     RuleReturn => RuleReturn { mark: LaunchMark::ZERO, ret: 0 }
     PyStack => PyStack {
-        mark: LaunchMark::ZERO, depth: 0, synchronous: 0,
+        mark: LaunchMark::ZERO, depth: 0, synchronous: 0, since_ns: 0,
         code: [0; PY_MAX_DEPTH], frame: [0; PY_MAX_DEPTH], first_local: [0; PY_MAX_DEPTH],
     }
     LinkMapChange => LinkMapChanged { stopped: 0, traced: 0 }
@@ -484,7 +487,7 @@ const _: () = {
     assert!(size_of::<Record<ScopeEnter>>() == 16 + 24 + 8 + SCOPE_NAME_BYTES);
     assert!(size_of::<Record<RuleEntry>>() == 16 + 24 + 8 * RULE_ARGS + 8 + SCOPE_NAME_BYTES);
     assert!(size_of::<Record<RuleReturn>>() == 16 + 24 + 8);
-    assert!(size_of::<Record<PyStack>>() == 16 + 24 + 8 + 3 * 8 * PY_MAX_DEPTH);
+    assert!(size_of::<Record<PyStack>>() == 16 + 24 + 16 + 3 * 8 * PY_MAX_DEPTH);
     assert!(size_of::<Record<LinkMapChange>>() == 16 + 8);
     assert!(size_of::<Record<Fork>>() == 16 + 8);
     assert!(size_of::<Record<Exec>>() == 16 + 8);

@@ -102,10 +102,23 @@ pub(crate) fn python_gate(gate: u32) -> bool {
     PY_GATES.get(gate).is_some_and(|value| *value != 0)
 }
 
-/// Per Python thread, a hash of the stack last sent (low bit: sent once, to be sent again
-/// at the next sample): an unchanged stack is not sent a third time.
+/// A Python thread's last clock sample.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct LastSample {
+    /// A hash of the stack last sent (low bit: sent once, to be sent again at the next
+    /// sample): an unchanged stack is not sent a third time.
+    pub(crate) hash: u64,
+    /// When it was taken, sent or not, and the thread's voluntary switches then (`u64::MAX`:
+    /// unknown): a later sample whose count is the same comes from a thread that has not
+    /// slept since.
+    pub(crate) at_ns: u64,
+    pub(crate) switches: u64,
+}
+
+/// Per Python thread, its last clock sample.
 #[map(name = "PY_LAST_STACK")]
-pub(crate) static PY_LAST_STACK: LruHashMap<u32, u64> =
+pub(crate) static PY_LAST_STACK: LruHashMap<u32, LastSample> =
     LruHashMap::with_max_entries(limits::MAX_PY_THREADS, 0);
 
 // Calls in flight (entry → return), one map per record body: each return program pairs

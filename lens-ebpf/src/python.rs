@@ -13,9 +13,11 @@ use lens_common::{
 
 use crate::ctx::{count_loss, now_ns, read_user_u64};
 use crate::launches::mark_now;
-use crate::maps::{PY_GATES, PY_LAST_STACK, PY_SAVING, PY_TARGETS, TARGETS, python_gate};
+use crate::maps::{
+    LastSample, PY_GATES, PY_LAST_STACK, PY_SAVING, PY_TARGETS, TARGETS, python_gate,
+};
 use crate::ring::EVENTS;
-use crate::task::thread_pointer;
+use crate::task::{thread_pointer, voluntary_switches};
 
 /// Sends the thread's Python stack before a collective or sync entry while the loader
 /// has its process inside a framework save: whether the call is the save's is then read.
@@ -192,6 +194,7 @@ pub(crate) fn send_thread_exit(pid_tgid: u64, target: *mut TargetState) {
         (*stack).header = stack_header(tgid, tid);
         (*stack).body.depth = 0;
         (*stack).body.synchronous = 1;
+        (*stack).body.since_ns = 0;
         (*stack).body.mark = mark_now(target);
     }
     entry.submit(BPF_RB_FORCE_WAKEUP as u64);
@@ -223,6 +226,8 @@ pub(crate) fn send_python_stack(pid_tgid: u64, forced: bool) {
     let Some(mut frame) = innermost_frame(&offsets, tid) else {
         return;
     };
+    // Before the walk: what the walk does not find began after this.
+    let started_ns = now_ns();
     let Some(mut entry) = EVENTS.reserve::<Record<PyStack>>(0) else {
         count_loss(LossCause::RingBufferFull);
         return;
@@ -271,25 +276,48 @@ pub(crate) fn send_python_stack(pid_tgid: u64, forced: bool) {
     // takes a change two samples agree on: one can catch the chain mid-update); then not
     // again until it changes. The low bit of the remembered hash: the second is due.
     let hash = hash & !1;
-    // A forced sample leaves the sampler's record alone: its next change is still sent.
-    if !forced {
-        // SAFETY: copied out.
-        let last = unsafe { PY_LAST_STACK.get(&tid) }.copied();
-        let remember = match last {
-            Some(last) if last & !1 == hash && last & 1 == 0 => {
-                entry.discard(0);
-                return;
+    let switches = voluntary_switches().unwrap_or(u64::MAX);
+    let mut since_ns = 0;
+    match PY_LAST_STACK.get_ptr_mut(&tid) {
+        Some(last) => {
+            // SAFETY: the live map value; only this thread's samples write it, and a
+            // thread runs on one CPU at a time.
+            let last = unsafe { &mut *last };
+            // A thread that has not slept since its last clock sample ran (or waited
+            // for a CPU) all along: what that sample did not show began after it.
+            if switches != u64::MAX && last.switches == switches {
+                since_ns = last.at_ns;
             }
-            Some(last) if last & !1 == hash => hash,
-            _ => hash | 1,
-        };
-        let _ = PY_LAST_STACK.insert(&tid, &remember, 0);
+            // A forced sample leaves the sampler's record alone: its next change is
+            // still sent.
+            if !forced {
+                let unchanged = last.hash & !1 == hash;
+                let second_due = last.hash & 1 != 0;
+                last.at_ns = started_ns;
+                last.switches = switches;
+                if unchanged && !second_due {
+                    entry.discard(0);
+                    return;
+                }
+                last.hash = if unchanged { hash } else { hash | 1 };
+            }
+        }
+        None if !forced => {
+            let first = LastSample {
+                hash: hash | 1,
+                at_ns: started_ns,
+                switches,
+            };
+            let _ = PY_LAST_STACK.insert(&tid, &first, 0);
+        }
+        None => {}
     }
     // SAFETY: the reserved record, filled before it is submitted.
     unsafe {
         (*stack).header = stack_header(tgid, tid);
         (*stack).body.depth = depth as u32;
         (*stack).body.synchronous = forced as u32;
+        (*stack).body.since_ns = since_ns;
         // The sampler runs without a target check: a Python process that is not (or no
         // longer) a target has no launches counted and opens no epoch.
         (*stack).body.mark = match TARGETS.get_ptr_mut(&tgid) {

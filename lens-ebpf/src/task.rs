@@ -1,5 +1,5 @@
 //! The kernel's `task_struct`, read at offsets the loader sets from the running kernel's
-//! BTF: a thread's tgid, exit code, thread count and thread pointer.
+//! BTF: a thread's tgid, exit code, thread count, thread pointer and sleeps.
 use aya_ebpf::helpers::generated;
 
 // Offsets in `struct task_struct`, set by the loader from the kernel's BTF (read
@@ -21,6 +21,24 @@ pub(crate) static SIGNAL_NR_THREADS_OFFSET: u32 = 0;
 
 #[unsafe(no_mangle)]
 pub(crate) static TASK_FSBASE_OFFSET: u32 = 0;
+
+#[unsafe(no_mangle)]
+pub(crate) static TASK_NVCSW_OFFSET: u32 = 0;
+
+/// The current thread's voluntary context switches (`task->nvcsw`: the times it slept),
+/// `None` when the kernel's layout is unknown.
+#[inline(always)]
+pub(crate) fn voluntary_switches() -> Option<u64> {
+    // SAFETY: as in `has_other_threads`.
+    unsafe {
+        let offset = core::ptr::read_volatile(&TASK_NVCSW_OFFSET) as u64;
+        if offset == 0 {
+            return None;
+        }
+        let task = generated::bpf_get_current_task();
+        aya_ebpf::helpers::bpf_probe_read_kernel((task + offset) as *const u64).ok()
+    }
+}
 
 /// The current thread's thread pointer (`pthread_self()`), 0 when unknown.
 #[inline(always)]

@@ -465,6 +465,7 @@ fn assert_fields(bytes: &[u8], decoded: &Decoded) -> Result<(), TestCaseError> {
         ProbeEvent::PyStack {
             tid,
             synchronous,
+            since_ns,
             at_ns,
             launches,
             epoch,
@@ -475,6 +476,7 @@ fn assert_fields(bytes: &[u8], decoded: &Decoded) -> Result<(), TestCaseError> {
             let raw = record_from::<raw::PyStack>(bytes).body;
             prop_assert!(mark_is((*tid, *at_ns, *launches, *epoch), raw.mark));
             prop_assert_eq!(*synchronous, raw.synchronous != 0);
+            prop_assert_eq!(*since_ns, (raw.since_ns != 0).then_some(raw.since_ns));
             let walked = (raw.depth as usize).min(lens_common::PY_MAX_WALK);
             prop_assert_eq!(frames.len(), walked.min(lens_common::PY_MAX_DEPTH));
             // The outermost frame walked is the last one.

@@ -32,6 +32,9 @@ pub struct KernelLayout {
     /// Byte offset of `task_struct.thread.fsbase` (x86-64: the thread pointer, which is
     /// what `pthread_self()` returns; CPython 3.10 names its threads by it).
     pub fsbase_offset: u32,
+    /// Byte offset of `task_struct.nvcsw` (voluntary context switches: a Python sample
+    /// bounds when a call began only if the thread has not slept since the one before).
+    pub nvcsw_offset: u32,
 }
 
 fn btf_error(reason: String) -> LensError {
@@ -90,6 +93,7 @@ pub fn kernel_layout() -> Result<KernelLayout> {
         nr_threads_offset: member_offset(&btf, "signal_struct", "nr_threads")?,
         fsbase_offset: member_offset(&btf, "task_struct", "thread")?
             + member_offset(&btf, "thread_struct", "fsbase")?,
+        nvcsw_offset: member_offset(&btf, "task_struct", "nvcsw")?,
     })
 }
 
@@ -109,6 +113,7 @@ pub fn configure<'a>(loader: &mut EbpfLoader<'a>, layout: &'a KernelLayout) {
     );
     loader.override_global(globals::TASK_SIGNAL_OFFSET, &layout.signal_offset, true);
     loader.override_global(globals::TASK_FSBASE_OFFSET, &layout.fsbase_offset, true);
+    loader.override_global(globals::TASK_NVCSW_OFFSET, &layout.nvcsw_offset, true);
     loader.override_global(
         globals::SIGNAL_NR_THREADS_OFFSET,
         &layout.nr_threads_offset,

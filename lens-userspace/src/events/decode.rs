@@ -175,6 +175,8 @@ fn rule_call(
         args,
         text,
         ret,
+        // A native rule's probe fires at the call itself.
+        since_ns: None,
     })
 }
 
@@ -357,6 +359,7 @@ fn py_stack(h: &RecordHeader, stack: &raw::PyStack) -> ProbeEvent {
         tid: h.tid,
         synchronous: stack.synchronous != 0,
         at_ns: stack.mark.at_ns,
+        since_ns: (stack.since_ns != 0).then_some(stack.since_ns),
         launches: stack.mark.launches,
         epoch: stack.mark.epoch,
         frames: (walked - kept..walked)

@@ -291,6 +291,9 @@ pub enum ProbeEvent {
         /// Taken at a probed call's entry (its frame chain complete), not by the clock.
         synchronous: bool,
         at_ns: u64,
+        /// The thread's previous clock sample, if it has not slept since: what this
+        /// sample shows and that one did not began after it.
+        since_ns: Option<u64>,
         /// The process's launches so far and the phase epoch the sample opens.
         launches: u64,
         epoch: u64,
@@ -314,6 +317,9 @@ pub enum ProbeEvent {
         text: Option<String>,
         /// The return value register (return only).
         ret: i64,
+        /// A sampled Python call's entry: the earliest it can have begun (the thread's
+        /// sample before the one that first showed it), when known.
+        since_ns: Option<u64>,
     },
     /// A library call of the generic kind, entry to return (the GPU memory calls): its
     /// probe says what it is (`probes::catalog::Role`), its arguments and result what it

@@ -45,6 +45,9 @@ struct ProcessState {
 struct Tentative {
     calls: Vec<OpenCall>,
     at_ns: u64,
+    /// The thread's sample before, when it has not slept since: the calls this one shows
+    /// first began after it.
+    since_ns: Option<u64>,
     launches: u64,
     epoch: u64,
     /// The file of each call's function, for the spans it opens.
@@ -149,47 +152,59 @@ impl ThreadCalls {
     /// A sample taken where the thread stopped in a probed C call the interpreter made:
     /// its frame chain is whole, so what it shows holds now, without a second sample (a
     /// framework save that then waits, unsampled, for the GIL or a peer is seen where it
-    /// began).
+    /// began). What it confirms of a tentative sample before it held from that one.
     fn take_synchronous(&mut self, tgid: u32, tid: u32, sample: Tentative) -> Vec<ProbeEvent> {
-        self.tentative = None;
+        let mut calls = match self.tentative.take() {
+            Some(tentative) => self.take_agreed(tgid, tid, &tentative, &sample),
+            None => Vec::new(),
+        };
         let target = sample
             .calls
             .iter()
             .copied()
             .zip(sample.files.iter().cloned())
             .collect();
-        transition(tgid, tid, &mut self.open, target, &sample)
+        calls.extend(transition(tgid, tid, &mut self.open, target, &sample));
+        calls
     }
 
     /// An asynchronous sample: what it and the tentative one before it agree on is taken,
     /// and it is held as the next tentative one where it differs from the open calls.
     fn take_confirmed(&mut self, tgid: u32, tid: u32, sample: Tentative) -> Vec<ProbeEvent> {
-        let mut calls = Vec::new();
-        if let Some(tentative) = self.tentative.take() {
-            // What both samples agree on: open calls either still shows stay; calls both
-            // show are opened.
-            let target: Vec<(OpenCall, Option<String>)> = self
-                .open
-                .iter()
-                .filter(|call| tentative.calls.contains(call) || sample.calls.contains(call))
-                .map(|call| (*call, None))
-                .chain(
-                    tentative
-                        .calls
-                        .iter()
-                        .zip(&tentative.files)
-                        .filter(|(call, _)| {
-                            sample.calls.contains(call) && !self.open.contains(call)
-                        })
-                        .map(|(call, file)| (*call, file.clone())),
-                )
-                .collect();
-            calls.extend(transition(tgid, tid, &mut self.open, target, &tentative));
-        }
+        let calls = match self.tentative.take() {
+            Some(tentative) => self.take_agreed(tgid, tid, &tentative, &sample),
+            None => Vec::new(),
+        };
         if sample.calls != self.open {
             self.tentative = Some(sample);
         }
         calls
+    }
+
+    /// What `tentative` and the `later` sample agree on, as of the tentative one's time:
+    /// open calls either still shows stay; calls both show are opened.
+    fn take_agreed(
+        &mut self,
+        tgid: u32,
+        tid: u32,
+        tentative: &Tentative,
+        later: &Tentative,
+    ) -> Vec<ProbeEvent> {
+        let target: Vec<(OpenCall, Option<String>)> = self
+            .open
+            .iter()
+            .filter(|call| tentative.calls.contains(call) || later.calls.contains(call))
+            .map(|call| (*call, None))
+            .chain(
+                tentative
+                    .calls
+                    .iter()
+                    .zip(&tentative.files)
+                    .filter(|(call, _)| later.calls.contains(call) && !self.open.contains(call))
+                    .map(|(call, file)| (*call, file.clone())),
+            )
+            .collect();
+        transition(tgid, tid, &mut self.open, target, tentative)
     }
 }
 
@@ -294,6 +309,7 @@ impl PythonTracker {
             tid,
             synchronous,
             at_ns,
+            since_ns,
             launches,
             epoch,
             frames,
@@ -325,12 +341,13 @@ impl PythonTracker {
         let sample = Tentative {
             calls,
             at_ns: *at_ns,
+            since_ns: *since_ns,
             launches: *launches,
             epoch: *epoch,
             files,
         };
         log::debug!(
-            "[{tgid}:{tid}] Python sample at {at_ns}: {:?}, rules {:?}",
+            "[{tgid}:{tid}] Python sample at {at_ns} (since {since_ns:?}): {:?}, rules {:?}",
             names
                 .iter()
                 .map(|(_, name)| name.as_ref().map_or("?", |n| &*n.qualname))
@@ -411,6 +428,7 @@ impl PythonTracker {
         let at = Tentative {
             calls: Vec::new(),
             at_ns,
+            since_ns: None,
             launches,
             epoch,
             files: Vec::new(),
@@ -477,6 +495,7 @@ impl PythonTracker {
                     thread.tentative = Some(Tentative {
                         calls: Vec::new(),
                         at_ns,
+                        since_ns: None,
                         launches,
                         epoch,
                         files: Vec::new(),
@@ -568,6 +587,7 @@ fn transition(
         args: [0; RULE_ARGS],
         text,
         ret: 0,
+        since_ns: at.since_ns.filter(|_| !at_return),
     };
     let mut calls: Vec<ProbeEvent> = open[kept..]
         .iter()
@@ -665,6 +685,45 @@ mod tests {
         // The user's rule call around it goes on; nothing more to end.
         assert_eq!(tracker.processes[&7].threads[&7].open, [call(1, 0xa0)]);
         assert!(tracker.end_framework_calls(7, 7, 600, 3, 4).is_empty());
+    }
+
+    fn sample(at_ns: u64, since_ns: u64, calls: Vec<OpenCall>) -> Tentative {
+        Tentative {
+            files: vec![None; calls.len()],
+            calls,
+            at_ns,
+            since_ns: Some(since_ns),
+            launches: 0,
+            epoch: 0,
+        }
+    }
+
+    #[test]
+    fn a_synchronous_sample_confirms_the_call_a_sample_before_it_showed() {
+        // A clock sample shows a save begun; a file opened inside it takes a synchronous
+        // one before the next tick: the save began before the first, not at the second.
+        let save = call(0, 0xb0);
+        let mut thread = ThreadCalls::default();
+        assert!(
+            thread
+                .take_confirmed(7, 7, sample(1_000, 10, vec![save]))
+                .is_empty()
+        );
+        let calls = thread.take_synchronous(7, 7, sample(1_700, 1_000, vec![save]));
+        let [
+            ProbeEvent::RuleCall {
+                rule: 0,
+                at_return: false,
+                at_ns: 1_000,
+                since_ns: Some(10),
+                ..
+            },
+        ] = calls.as_slice()
+        else {
+            panic!("the save's entry at the clock sample that first showed it: {calls:?}");
+        };
+        assert_eq!(thread.open, [save]);
+        assert!(thread.tentative.is_none());
     }
 
     #[test]

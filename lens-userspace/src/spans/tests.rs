@@ -1004,6 +1004,18 @@ impl Run {
     /// A sampled framework call of thread `tid` entered (`at_return` false) or
     /// returned, `ms` from now.
     fn framework(&mut self, ms: u64, tid: u32, rule: u32, at_return: bool) -> &mut Self {
+        self.framework_since(ms, tid, rule, at_return, None)
+    }
+
+    /// As `framework`, the thread's sample before having been taken at `since_ns`.
+    fn framework_since(
+        &mut self,
+        ms: u64,
+        tid: u32,
+        rule: u32,
+        at_return: bool,
+        since_ns: Option<u64>,
+    ) -> &mut Self {
         self.now += ms * 1_000_000;
         self.builder.on_event(&ProbeEvent::RuleCall {
             tgid: PID,
@@ -1016,6 +1028,7 @@ impl Run {
             args: [0; lens_common::RULE_ARGS],
             text: None,
             ret: 0,
+            since_ns,
         });
         self
     }
@@ -1263,6 +1276,26 @@ fn a_framework_call_sampled_after_its_file_began_moves_the_span_back() {
     assert_eq!(log.named(names::CHECKPOINT).count(), 1);
     assert_eq!((checkpoint.start_ns, checkpoint.end_ns), (start, end));
     assert_eq!(checkpoint.int_attr(semconv::NEMO_CHECKPOINT_FILES), Some(2));
+}
+
+#[test]
+fn a_framework_call_sampled_late_starts_after_the_threads_sample_before() {
+    // The thread's samples came 1.6 ms apart (the two CPUs' clocks out of step): the
+    // load began after the earlier one, which did not show it, 0.6 ms before its file
+    // was opened; the sample showing it came 1 ms after the open.
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let load_file = framework_rule(&rules, "safetensors.torch:load_file");
+    run.at(5, PhaseSignal::CheckpointReadStart { own_file: true });
+    let since = run.now - 600_000;
+    run.framework_since(1, PID, load_file, false, Some(since))
+        .at(1, PhaseSignal::CheckpointReadEnd)
+        .framework(1, PID, load_file, true);
+    let end = run.now;
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let loads: Vec<_> = log.named(names::LOAD_CHECKPOINT).collect();
+    assert_eq!(loads.len(), 1, "{}", log.outline(&[]));
+    assert_eq!((loads[0].start_ns, loads[0].end_ns), (since, end));
 }
 
 #[test]

@@ -169,6 +169,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             launches,
             epoch,
             at_return,
+            since_ns,
             ..
         } = event
         else {
@@ -207,6 +208,7 @@ impl<E: SpanExporter> SpanBuilder<E> {
             FrameworkCallAt {
                 tid,
                 at,
+                since: *since_ns,
                 at_return,
                 group,
                 kind,
@@ -226,6 +228,9 @@ impl<E: SpanExporter> SpanBuilder<E> {
 struct FrameworkCallAt {
     tid: u32,
     at: u64,
+    /// The thread's sample before the one that showed the call (entry only): it began
+    /// after that, when known.
+    since: Option<u64>,
     at_return: bool,
     group: SpanGroup,
     kind: FrameworkCall,
@@ -254,6 +259,7 @@ fn on_framework_thread(
     let FrameworkCallAt {
         tid,
         at,
+        since,
         at_return,
         group,
         kind,
@@ -262,7 +268,7 @@ fn on_framework_thread(
     let is_async = kind == FrameworkCall::AsyncSave;
     let mut effects = CallerEffects::default();
     match (at_return, *async_save) {
-        (false, _) if kind == FrameworkCall::Prelude => thread.save_prelude(at),
+        (false, _) if kind == FrameworkCall::Prelude => thread.save_prelude(at, since),
         (true, _) if kind == FrameworkCall::Prelude => {}
         // The background writer of an `async_save` begins: it carries the span on.
         (false, Some(save))
@@ -290,7 +296,7 @@ fn on_framework_thread(
         }
         (false, _) => {
             let attributes = vec![(semconv::CODE_FUNCTION, function.into())];
-            thread.save_call_enter(ctx, at, group, attributes);
+            thread.save_call_enter(ctx, (at, since), group, attributes);
             if is_async && let Some(span) = thread.file_span(group) {
                 // One still waiting for a writer never got one: it was what it did.
                 if let Some(orphan) = async_save.take() {

@@ -5,6 +5,7 @@
 use crate::spans::{Attributes, SpanId, names};
 use crate::{
     events::{PhaseSignal, TorchScope},
+    python::sampler::SAMPLE_INTERVAL,
     semconv,
     settings::groups::SpanGroup,
 };
@@ -74,10 +75,11 @@ impl ThreadPhases {
         )
     }
 
-    /// A save's or load's preparation was entered (`at`: its first sample): the next
-    /// checkpoint (load) starts there unless another phase begins first.
-    pub fn save_prelude(&mut self, at: u64) {
-        let earliest = at.saturating_sub(crate::python::sampler::SAMPLE_INTERVAL.as_nanos() as u64);
+    /// A save's or load's preparation was entered (`at`: its first sample; `since`: the
+    /// sample before, see `earliest_call_start`): the next checkpoint (load) starts there
+    /// unless another phase begins first.
+    pub fn save_prelude(&mut self, at: u64, since: Option<u64>) {
+        let earliest = earliest_call_start(at, since);
         // Not before the last phase ended (a complete step ends where its optimizer did).
         let step_end = self.training.step.as_ref().and_then(|s| s.optimizer_end);
         let floor = self.training.boundary.max(step_end).unwrap_or(0);
@@ -155,18 +157,19 @@ impl ThreadPhases {
     }
 
     /// A framework's save (load) function (`profiles::FRAMEWORK_SAVE_RULES`) was entered:
-    /// `at` is the first Python sample showing it, so it began within the sample interval
-    /// before. Its span starts there (not before the last phase's end), or an open one
-    /// (its file already began: samples arrive a sample later than native signals) is
-    /// moved there; files and calls until it returns are its.
+    /// `at` is the first Python sample showing it, `since` the thread's sample before
+    /// (`earliest_call_start`). Its span starts where the call can have begun at the
+    /// earliest (not before the last phase's end), or an open one (its file already
+    /// began: samples arrive a sample later than native signals) is moved there; files
+    /// and calls until it returns are its.
     pub fn save_call_enter(
         &mut self,
         ctx: &mut ProcessContext<'_>,
-        at: u64,
+        (at, since): (u64, Option<u64>),
         group: SpanGroup,
         attributes: Attributes,
     ) {
-        let earliest = at.saturating_sub(crate::python::sampler::SAMPLE_INTERVAL.as_nanos() as u64);
+        let earliest = earliest_call_start(at, since);
         if let Some(file) = self.file_slot(group).as_mut() {
             file.calls += 1;
             let span = file.span;
@@ -329,4 +332,15 @@ impl ThreadPhases {
         let end = file.last_end.map_or(at, |end| end.max(at));
         Some(self.close_file_span(ctx, &file, end))
     }
+}
+
+/// Where a call first seen by the Python sample at `at` can have begun at the earliest:
+/// after the thread's sample before (`since`), which did not show it, when the thread has
+/// not slept in between; else within the sample interval before `at`. The samples of a
+/// thread that runs all along can be more than an interval apart: the two CPUs' clocks
+/// tick out of step, and a virtual CPU can be held back by its host.
+fn earliest_call_start(at: u64, since: Option<u64>) -> u64 {
+    since
+        .filter(|since| *since < at)
+        .unwrap_or_else(|| at.saturating_sub(SAMPLE_INTERVAL.as_nanos() as u64))
 }
