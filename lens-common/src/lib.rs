@@ -184,8 +184,9 @@ pub struct PyOffsets {
 /// as loading in the kernel at once, so the `.metadata` file read next is counted.
 pub const DCP_LOAD_API_EVENT: &[u8] = b"torch.distributed.checkpoint.load_state_dict";
 
-/// A process's CUDA stream or event handle: the key of the maps that follow collectives
-/// to the event recorded after them.
+/// Something of one process by its address or handle: a CUDA stream or event (the maps
+/// that follow collectives to the event recorded after them), a Python code object
+/// (`PY_NAMED`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HandleKey {
@@ -379,6 +380,22 @@ pub mod maps {
     pub const PY_SAVING: &str = "PY_SAVING";
     /// Whether `PY_TARGETS` and `PY_SAVING` may hold anything ([`super::python_gates`]).
     pub const PY_GATES: &str = "PY_GATES";
+    /// Python code objects lens-probe has named, by process and address
+    /// ([`super::HandleKey`] → [`super::py_named`], LRU; written by lens-probe): a stack
+    /// sample whose code objects are all named and none a rule's is delivered with the
+    /// ring's batched wakeups; one with a new code object at once, while the process that
+    /// holds its names still lives, and one with a rule's function at once too.
+    pub const PY_NAMED: &str = "PY_NAMED";
+}
+
+/// Values of `PY_NAMED` ([`maps::PY_NAMED`]).
+pub mod py_named {
+    /// Named, and no rule's function: samples of it may wait for the ring's batched
+    /// wakeup.
+    pub const PLAIN: u8 = 1;
+    /// Named, and maybe a rule's function: samples showing it are delivered at once
+    /// (the calls of a framework save are followed as they run).
+    pub const RULED: u8 = 2;
 }
 
 /// libc `open` flags (x86-64/arm64 Linux) the file-open probe reads.
@@ -435,6 +452,9 @@ pub mod limits {
     pub const MAX_REGISTERED_KERNELS: u32 = 131_072;
     /// Python threads whose last stack the sampler remembers (LRU).
     pub const MAX_PY_THREADS: u32 = 16_384;
+    /// Python code objects whose names lens-probe has read, across processes (LRU): a
+    /// training job runs a few thousand functions.
+    pub const MAX_PY_NAMED: u32 = 65_536;
     /// Thread states walked to find the sampled thread's.
     pub const MAX_PY_THREAD_WALK: u32 = 64;
     /// (process, epoch, kernel) launch counters not yet read by the loader.

@@ -102,6 +102,11 @@ pub(crate) fn python_gate(gate: u32) -> bool {
     PY_GATES.get(gate).is_some_and(|value| *value != 0)
 }
 
+/// Python code objects lens-probe has named (`maps::PY_NAMED`).
+#[map(name = "PY_NAMED")]
+pub(crate) static PY_NAMED: LruHashMap<HandleKey, u8> =
+    LruHashMap::with_max_entries(limits::MAX_PY_NAMED, 0);
+
 /// A Python thread's last clock sample.
 #[repr(C)]
 #[derive(Clone, Copy)]

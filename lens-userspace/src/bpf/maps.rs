@@ -272,6 +272,8 @@ pub struct PythonMaps {
     saving: ProcessMap<u32, u8>,
     /// `PY_GATES`.
     gates: Array<MapData, u32>,
+    /// `PY_NAMED`: the code objects lens-probe has named (written by lens-probe, LRU).
+    named: ProcessMap<HandleKey, u8>,
 }
 
 impl PythonMaps {
@@ -285,9 +287,27 @@ impl PythonMaps {
     /// Stops sampling `pid` (only lens-probe writes `PY_TARGETS`).
     pub fn remove_target(&mut self, pid: u32) {
         self.targets.remove(&pid);
+        self.named.forget(pid);
         if self.targets.is_empty() {
             self.set_gate(python_gates::TARGETS, false);
         }
+    }
+
+    /// lens-probe has read the name of `pid`'s code object at `code`: samples of it need
+    /// not wake lens-probe at once, unless it may be a rule's function (`ruled`: its
+    /// calls are followed as they come). A full map only means more wakeups: no error.
+    pub fn code_named(&mut self, pid: u32, code: u64, ruled: bool) {
+        let key = HandleKey {
+            tgid: pid,
+            _pad: 0,
+            handle: code,
+        };
+        let value = if ruled {
+            lens_common::py_named::RULED
+        } else {
+            lens_common::py_named::PLAIN
+        };
+        let _ = self.named.insert(&key, &value);
     }
 
     /// What `pid`'s framework calls make of it now (`lens_common::saving` bits; 0:
@@ -372,6 +392,7 @@ impl KernelMaps {
             python: PythonMaps {
                 targets: ProcessMap::from_object(ebpf, maps::PY_TARGETS)?,
                 saving: ProcessMap::from_object(ebpf, maps::PY_SAVING)?,
+                named: ProcessMap::from_object(ebpf, maps::PY_NAMED)?,
                 gates: take(ebpf, maps::PY_GATES)?,
             },
             losses: LossCounts(take(ebpf, maps::LOSSES)?),

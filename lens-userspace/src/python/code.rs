@@ -1,6 +1,11 @@
 //! Code objects → (qualified name, file), read from the process's memory once per code
 //! object address (on 3.10 the qualified name comes from the source: `source`).
-use std::{collections::HashMap, fs::File, os::unix::fs::FileExt, sync::Arc};
+use std::{
+    collections::{HashMap, HashSet},
+    fs::File,
+    os::unix::fs::FileExt,
+    sync::Arc,
+};
 
 use super::{runtime::CodeLayout, source::SourceNames};
 
@@ -102,6 +107,11 @@ pub struct CodeReader {
     /// The name last read at each code object address: what a sample of a process that
     /// has ended since (its memory gone with it) is named by.
     last_at: HashMap<u64, CodeName>,
+    /// Code objects named since [`Self::take_named`] last took them (`None`: one that
+    /// could not be read, such as an interpreter's shim frame's).
+    named_since: Vec<(u64, Option<CodeName>)>,
+    /// Code objects that could not be read, each given to `named_since` once.
+    unreadable: HashSet<u64>,
     /// 3.10: the process's source files, for the classes of its methods.
     sources: Option<SourceNames>,
 }
@@ -113,6 +123,8 @@ impl CodeReader {
             layout,
             names: HashMap::new(),
             last_at: HashMap::new(),
+            named_since: Vec::new(),
+            unreadable: HashSet::new(),
             sources: layout.firstlineno.map(|_| SourceNames::new(pid)),
         })
     }
@@ -128,12 +140,15 @@ impl CodeReader {
         };
         let pointers = self.two_u64_at(code, self.layout.qualname, self.layout.filename);
         let (Some(first_line), Some((qualname, filename))) = (first_line, pointers) else {
+            self.note_unreadable(code);
             return self.last_at.get(&code);
         };
         let key = (code, qualname, filename, first_line);
         if !self.names.contains_key(&key) {
-            let name = self.ascii(key.1)?;
-            let filename = self.ascii(key.2)?;
+            let (Some(name), Some(filename)) = (self.ascii(key.1), self.ascii(key.2)) else {
+                self.note_unreadable(code);
+                return None;
+            };
             let qualname = match self.sources.as_mut() {
                 Some(sources) => sources
                     .qualname(&filename, first_line, &name)
@@ -147,11 +162,27 @@ impl CodeReader {
             if self.names.len() >= MAX_NAMES {
                 self.names.clear();
                 self.last_at.clear();
+                self.unreadable.clear();
             }
             self.last_at.insert(code, name.clone());
+            self.named_since.push((code, Some(name.clone())));
             self.names.insert(key, name);
         }
         self.names.get(&key)
+    }
+
+    /// A code object that could not be read: told once (a frame that is no function's
+    /// is never read, and the sampler need not wake lens-probe for it again; one still
+    /// being built is read at a later sample).
+    fn note_unreadable(&mut self, code: u64) {
+        if self.unreadable.len() < MAX_NAMES && self.unreadable.insert(code) {
+            self.named_since.push((code, None));
+        }
+    }
+
+    /// The code objects named (or found unreadable) since the last call, by address.
+    pub fn take_named(&mut self) -> Vec<(u64, Option<CodeName>)> {
+        std::mem::take(&mut self.named_since)
     }
 
     /// The line the definition of the code object at `code` starts at.
@@ -301,5 +332,24 @@ mod tests {
                 assert_eq!(reader.name(code), None, "{code:#x}");
             }
         }
+    }
+
+    /// What the sampler may deliver without a wakeup (`PY_NAMED`): each code object
+    /// once, named or found unreadable (an interpreter's shim frame's is never read).
+    #[test]
+    fn each_code_object_read_is_told_once_named_or_not() {
+        let layout = TEST_LAYOUT;
+        let mut reader = CodeReader::open(std::process::id(), layout).unwrap();
+        for _ in 0..3 {
+            assert_eq!(reader.name(0x10), None);
+            assert_eq!(reader.name(1 << 63), None);
+        }
+        let told: Vec<(u64, bool)> = reader
+            .take_named()
+            .into_iter()
+            .map(|(code, name)| (code, name.is_some()))
+            .collect();
+        assert_eq!(told, [(0x10, false), (1 << 63, false)]);
+        assert!(reader.take_named().is_empty());
     }
 }

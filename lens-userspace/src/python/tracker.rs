@@ -292,6 +292,32 @@ impl PythonTracker {
         Some((name.qualname.to_string(), name.filename.to_string()))
     }
 
+    /// The code objects of `pid` named (or found unreadable) since the last call, each
+    /// with whether it may be a rule's function (its qualified name is a rule's, whatever its module: the main
+    /// script may not be known yet). Samples of named code that is no rule's need not
+    /// reach the tracker at once (`PY_NAMED`).
+    pub fn take_named(&mut self, pid: u32) -> Vec<(u64, bool)> {
+        let Some(reader) = self
+            .processes
+            .get_mut(&pid)
+            .and_then(|process| process.reader.as_mut())
+        else {
+            return Vec::new();
+        };
+        reader
+            .take_named()
+            .into_iter()
+            .map(|(code, name)| {
+                let ruled = name.is_some_and(|name| {
+                    self.rules
+                        .iter()
+                        .any(|rule| *rule.qualname == *name.qualname)
+                });
+                (code, ruled)
+            })
+            .collect()
+    }
+
     pub fn knows(&self, pid: u32) -> bool {
         self.processes.contains_key(&pid)
     }

@@ -110,6 +110,11 @@ impl PythonFrames {
     ) {
         if let Some(tracker) = self.tracker.as_mut() {
             let calls = tracker.on_sample(sample);
+            if let ProbeEvent::PyStack { tgid, .. } = sample {
+                for (code, ruled) in tracker.take_named(*tgid) {
+                    maps.code_named(*tgid, code, ruled);
+                }
+            }
             self.deliver(calls, maps, sink);
         }
     }
