@@ -14,9 +14,11 @@ use std::{
 };
 
 use lens_probe::{
+    events::ProbeEvent,
     semconv,
     session::{Session, TraceOptions},
     settings::{groups::SpanGroups, probe_rules::ProbeRules},
+    sink::EventLog,
     spans::{AttrValue, SpanBuilder, SpanLog, SpanRecord, names},
 };
 
@@ -144,7 +146,7 @@ struct Truth {
 
 /// Traces `python train_loop.py STEPS EVAL_EVERY [MODE]` with the rules; returns the
 /// spans, the warnings about rules never called, and the calls as the fixture timed them.
-fn trace(python: &Path, calls: Calls) -> (SpanLog, Vec<String>, Vec<Truth>) {
+fn trace(python: &Path, calls: Calls) -> (SpanLog, Vec<String>, Vec<Truth>, Vec<Entry>) {
     let truth_path = std::env::temp_dir().join(format!(
         "lens-python-truth-{}-{}-{calls:?}",
         std::process::id(),
@@ -160,9 +162,9 @@ fn trace(python: &Path, calls: Calls) -> (SpanLog, Vec<String>, Vec<Truth>) {
         EVAL_EVERY.to_string().into(),
     ];
     argv.extend(calls.mode().iter().map(OsString::from));
-    let (log, unmatched) = run_traced(calls.rules(), &argv);
+    let (log, unmatched, entries) = run_traced_with_entries(calls.rules(), &argv);
     let truth = read_truth(&truth_path);
-    (log, unmatched, truth)
+    (log, unmatched, truth, entries)
 }
 
 /// The calls `train_lib` wrote to `path` at exit, in start order (the file is removed).
@@ -202,6 +204,21 @@ fn read_truth(path: &Path) -> Vec<Truth> {
 /// config `rules`; it must exit 0. Returns the spans and the warnings about Python rules
 /// never called.
 fn run_traced(rules: &str, argv: &[OsString]) -> (SpanLog, Vec<String>) {
+    let (log, unmatched, _) = run_traced_with_entries(rules, argv);
+    (log, unmatched)
+}
+
+/// A Python rule's call as the sampler first showed it: the rule's function, the sample's
+/// time and the thread's tick before it, when the kernel gave it.
+#[derive(Debug)]
+struct Entry {
+    function: String,
+    at_ns: u64,
+    since_ns: Option<u64>,
+}
+
+/// `run_traced`, with the entries of the Python rules' calls.
+fn run_traced_with_entries(rules: &str, argv: &[OsString]) -> (SpanLog, Vec<String>, Vec<Entry>) {
     let groups: SpanGroups = "all".parse().unwrap();
     let rules = Arc::new(ProbeRules::parse(rules).unwrap());
     let mut session = Session::new(TraceOptions {
@@ -213,15 +230,62 @@ fn run_traced(rules: &str, argv: &[OsString]) -> (SpanLog, Vec<String>) {
     .unwrap();
     session.set_rules(rules.clone());
     session.exec(argv).unwrap();
-    let mut builder = SpanBuilder::new(groups, SpanLog::default()).with_rules(rules);
+    let builder = SpanBuilder::new(groups, SpanLog::default()).with_rules(rules.clone());
+    let mut sinks = (builder, EventLog::default());
     let report = session
-        .run_blocking(&mut builder, Some(Duration::from_secs(60)))
+        .run_blocking(&mut sinks, Some(Duration::from_secs(60)))
         .unwrap();
     assert_eq!(
         report.child_exit,
         Some(lens_probe::sys::target::ExitStatus::Exited(0))
     );
-    (builder.into_exporter(), session.unmatched_python_rules())
+    let (builder, events) = sinks;
+    let entries = events
+        .events
+        .iter()
+        .filter_map(|event| match event {
+            ProbeEvent::RuleCall {
+                rule,
+                at_ns,
+                since_ns,
+                at_return: false,
+                ..
+            } => Some(Entry {
+                function: rules.python_rule(*rule)?.qualname.to_string(),
+                at_ns: *at_ns,
+                since_ns: *since_ns,
+            }),
+            _ => None,
+        })
+        .collect();
+    (
+        builder.into_exporter(),
+        session.unmatched_python_rules(),
+        entries,
+    )
+}
+
+/// The sampler's record of a call's first sample says when the thread's tick before it
+/// was taken (the thread, which never sleeps here, ran from one to the other): the call
+/// began after it, the bound a framework save's span starts from (docs/spans.md). Every
+/// step's first sample has one, before the step's own start; at most one step may be
+/// seen a sample late (an asynchronous sample can catch the frame chain mid-update).
+fn assert_entries_bound_their_calls(function: &str, entries: &[Entry], truth: &[Truth]) {
+    let mut late = Vec::new();
+    for call in truth.iter().filter(|call| call.function == "train_step") {
+        let entry = entries
+            .iter()
+            .find(|e| e.function == function && e.at_ns >= call.start.saturating_sub(1_000_000))
+            .unwrap_or_else(|| panic!("no entry for the step at {}: {entries:?}", call.start));
+        let since = entry
+            .since_ns
+            .unwrap_or_else(|| panic!("the step's first sample has no tick before: {entry:?}"));
+        assert!(since < entry.at_ns, "{entry:?}");
+        if since > call.start {
+            late.push((call.start, entry));
+        }
+    }
+    assert!(late.len() <= 1, "ticks after the steps' starts: {late:?}");
 }
 
 /// Each span's ends are within 3 ms of the call's (the sampler looks every 1 ms the
@@ -260,8 +324,9 @@ fn check(python: &str, calls: Calls) {
         return;
     };
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (log, unmatched, truth) = trace(&python, calls);
+    let (log, unmatched, truth, entries) = trace(&python, calls);
     let (step_function, evaluation_function) = calls.step_and_evaluation();
+    assert_entries_bound_their_calls(step_function, &entries, &truth);
     let steps: Vec<_> = log.named(names::STEP).collect();
     assert_eq!(
         steps.len(),
