@@ -54,6 +54,30 @@ struct Tentative {
     files: Vec<Option<String>>,
 }
 
+impl Tentative {
+    /// No call at `at_ns` (the process's `launches` and `epoch` then): where the calls
+    /// open end.
+    fn none_at(at_ns: u64, launches: u64, epoch: u64) -> Tentative {
+        Tentative {
+            calls: Vec::new(),
+            at_ns,
+            since_ns: None,
+            launches,
+            epoch,
+            files: Vec::new(),
+        }
+    }
+
+    /// Its calls, each with its function's file: what `transition` takes it to.
+    fn target(&self) -> Vec<(OpenCall, Option<String>)> {
+        self.calls
+            .iter()
+            .copied()
+            .zip(self.files.iter().cloned())
+            .collect()
+    }
+}
+
 #[derive(Default)]
 struct ThreadCalls {
     open: Vec<OpenCall>,
@@ -154,42 +178,34 @@ impl ThreadCalls {
     /// framework save that then waits, unsampled, for the GIL or a peer is seen where it
     /// began). What it confirms of a tentative sample before it held from that one.
     fn take_synchronous(&mut self, tgid: u32, tid: u32, sample: Tentative) -> Vec<ProbeEvent> {
-        let mut calls = match self.tentative.take() {
-            Some(tentative) => self.take_agreed(tgid, tid, &tentative, &sample),
-            None => Vec::new(),
-        };
-        let target = sample
-            .calls
-            .iter()
-            .copied()
-            .zip(sample.files.iter().cloned())
-            .collect();
-        calls.extend(transition(tgid, tid, &mut self.open, target, &sample));
+        let mut calls = self.take_agreed(tgid, tid, &sample);
+        calls.extend(transition(
+            tgid,
+            tid,
+            &mut self.open,
+            sample.target(),
+            &sample,
+        ));
         calls
     }
 
     /// An asynchronous sample: what it and the tentative one before it agree on is taken,
     /// and it is held as the next tentative one where it differs from the open calls.
     fn take_confirmed(&mut self, tgid: u32, tid: u32, sample: Tentative) -> Vec<ProbeEvent> {
-        let calls = match self.tentative.take() {
-            Some(tentative) => self.take_agreed(tgid, tid, &tentative, &sample),
-            None => Vec::new(),
-        };
+        let calls = self.take_agreed(tgid, tid, &sample);
         if sample.calls != self.open {
             self.tentative = Some(sample);
         }
         calls
     }
 
-    /// What `tentative` and the `later` sample agree on, as of the tentative one's time:
-    /// open calls either still shows stay; calls both show are opened.
-    fn take_agreed(
-        &mut self,
-        tgid: u32,
-        tid: u32,
-        tentative: &Tentative,
-        later: &Tentative,
-    ) -> Vec<ProbeEvent> {
+    /// What the tentative sample, taken out, and the `later` one agree on, as of the
+    /// tentative one's time: open calls either still shows stay; calls both show are
+    /// opened.
+    fn take_agreed(&mut self, tgid: u32, tid: u32, later: &Tentative) -> Vec<ProbeEvent> {
+        let Some(tentative) = self.tentative.take() else {
+            return Vec::new();
+        };
         let target: Vec<(OpenCall, Option<String>)> = self
             .open
             .iter()
@@ -204,7 +220,7 @@ impl ThreadCalls {
                     .map(|(call, file)| (*call, file.clone())),
             )
             .collect();
-        transition(tgid, tid, &mut self.open, target, tentative)
+        transition(tgid, tid, &mut self.open, target, &tentative)
     }
 }
 
@@ -451,14 +467,7 @@ impl PythonTracker {
             .iter()
             .map(|call| (*call, None))
             .collect();
-        let at = Tentative {
-            calls: Vec::new(),
-            at_ns,
-            since_ns: None,
-            launches,
-            epoch,
-            files: Vec::new(),
-        };
+        let at = Tentative::none_at(at_ns, launches, epoch);
         transition(tgid, tid, &mut thread.open, target, &at)
     }
 
@@ -487,13 +496,7 @@ impl PythonTracker {
         let Some(tentative) = thread.tentative.take() else {
             return Vec::new();
         };
-        let target = tentative
-            .calls
-            .iter()
-            .copied()
-            .zip(tentative.files.iter().cloned())
-            .collect();
-        let calls = transition(tgid, tid, &mut thread.open, target, &tentative);
+        let calls = transition(tgid, tid, &mut thread.open, tentative.target(), &tentative);
         self.note_opened(&calls);
         calls
     }
@@ -518,31 +521,18 @@ impl PythonTracker {
                         .tentative
                         .as_ref()
                         .map_or(at_ns, |t| t.at_ns.min(at_ns));
-                    thread.tentative = Some(Tentative {
-                        calls: Vec::new(),
-                        at_ns,
-                        since_ns: None,
-                        launches,
-                        epoch,
-                        files: Vec::new(),
-                    });
+                    thread.tentative = Some(Tentative::none_at(at_ns, launches, epoch));
                 }
                 let due = gone
                     || thread.tentative.as_ref().is_some_and(|tentative| {
                         pid.is_some() || now_ns.saturating_sub(tentative.at_ns) >= CONFIRM_AFTER_NS
                     });
                 if due && let Some(tentative) = thread.tentative.take() {
-                    let target = tentative
-                        .calls
-                        .iter()
-                        .copied()
-                        .zip(tentative.files.iter().cloned())
-                        .collect();
                     calls.extend(transition(
                         *tgid,
                         *tid,
                         &mut thread.open,
-                        target,
+                        tentative.target(),
                         &tentative,
                     ));
                 }
