@@ -201,6 +201,12 @@ numbered! {
         /// free with its totals after it (rdx, rcx). Counted; sent only when a total
         /// passes the process's peak (`TargetState::torch_peaks`).
         TorchMemoryUsage = 69,
+        /// libtorch_python's `torch._C._set_grad_enabled(mode)` (a static function, in the
+        /// `.symtab` PyPI's wheels ship): what `torch.no_grad()`, `enable_grad()` and
+        /// `set_grad_enabled()` call. Where it is probed, [`ProbeId::TorchGradMode`] is
+        /// not: autograd's own C++ guards, 60 % of a checkpointed model's switches, do
+        /// not pass here. Its changes are sent as [`ProbeId::TorchGradMode`]'s.
+        TorchSetGradEnabled = 70,
     }
 }
 

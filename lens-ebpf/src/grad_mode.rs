@@ -1,8 +1,12 @@
-//! Grad mode, decided in the kernel: `c10::GradMode::set_enabled` is the evaluation
-//! signal (grad off between steps, then batches), but activation checkpointing and
-//! autograd's own guards call it hundreds of times a step. A thread's grad mode is
-//! followed here (`GRAD_MODES`), and only what the loader's phase rules can tell apart is
-//! sent:
+//! Grad mode, decided in the kernel: a thread's grad mode is the evaluation signal (grad
+//! off between steps, then batches), but activation checkpointing and autograd's own
+//! guards switch it hundreds of times a step. Where Python sets it, it is read at
+//! `torch._C._set_grad_enabled` (libtorch_python's binding: what `torch.no_grad()`,
+//! `enable_grad()` and `set_grad_enabled()` call), which autograd's C++ guards do not
+//! pass through: 2.4× fewer traps on a checkpointed model. A process without
+//! libtorch_python (a LibTorch C++ program) has `c10::GradMode::set_enabled` probed
+//! instead (the loader chooses: `probes::catalog`). A thread's grad mode is followed here
+//! (`GRAD_MODES`), and only what the loader's phase rules can tell apart is sent:
 //!
 //! - a call that does not change the thread's grad mode is counted, not sent (the loader
 //!   ignores it);
@@ -23,9 +27,9 @@ use aya_ebpf::macros::map;
 use aya_ebpf::maps::LruHashMap;
 use aya_ebpf::programs::ProbeContext;
 use lens_common::record::{LaunchMark, PhaseEntry};
-use lens_common::{ProbeId, limits};
+use lens_common::{ProbeId, TargetState, limits};
 
-use crate::ctx::{arg_u64, count_call, new_record, probe_id, send, traced};
+use crate::ctx::{arg_u64, count_call, new_record, probe_id, read_user_u64, send, traced};
 use crate::launches::{mark_in_epoch, open_epoch};
 
 /// A thread's grad mode: `OFF` or `ON` (0: not known).
@@ -71,6 +75,52 @@ fn grad_mode_entry_body(ctx: ProbeContext) -> u32 {
     };
     count_call(target, probe_id(&ctx));
     let mode = if arg_u64(&ctx, 0) & 1 != 0 { ON } else { OFF };
+    follow(pid_tgid, target, mode);
+    0
+}
+
+uprobe_and_multi! {
+    /// `torch._C._set_grad_enabled(mode)` entered (`torch::autograd::set_grad_enabled(self,
+    /// args, kwargs)`): the mode Python asks for, followed as at `set_enabled` (module doc).
+    py_grad_mode_entry, py_grad_mode_entry_m => py_grad_mode_entry_body
+}
+
+/// Where the binding's one positional argument is: `args` is a tuple (`ob_size` at 16,
+/// `ob_item[0]` at 24), the argument `True` or `False`, whose first digit (at 24) is 1 or
+/// 0. The same in CPython 3.10 to 3.14's default builds (a 16-byte object header); a
+/// free-threaded build's header is larger, and its libtorch_python keeps libc10's probe.
+const TUPLE_SIZE: u64 = 16;
+const TUPLE_FIRST_ITEM: u64 = 24;
+const BOOL_DIGIT: u64 = 24;
+
+#[inline(always)]
+fn py_grad_mode_entry_body(ctx: ProbeContext) -> u32 {
+    let Some((pid_tgid, target)) = traced() else {
+        return 0;
+    };
+    count_call(target, probe_id(&ctx));
+    let args = arg_u64(&ctx, 1);
+    // A keyword call (`_set_grad_enabled(mode=False)`) passes no positional argument:
+    // none of torch's callers make one, and its mode is not read.
+    if args == 0 || read_user_u64(args + TUPLE_SIZE) != 1 {
+        return 0;
+    }
+    let flag = read_user_u64(args + TUPLE_FIRST_ITEM);
+    if flag == 0 {
+        return 0;
+    }
+    let mode = if read_user_u64(flag + BOOL_DIGIT) as u32 != 0 {
+        ON
+    } else {
+        OFF
+    };
+    follow(pid_tgid, target, mode);
+    0
+}
+
+/// The thread's grad mode is `mode` now: sent, held or only counted (module doc).
+#[inline(always)]
+fn follow(pid_tgid: u64, target: *mut TargetState, mode: u8) {
     let Some(state) = GRAD_MODES.get_ptr_mut(&pid_tgid) else {
         send_mode(pid_tgid, open_epoch(target), mode);
         let state = GradModeState {
@@ -82,19 +132,19 @@ fn grad_mode_entry_body(ctx: ProbeContext) -> u32 {
             held_on: LaunchMark::ZERO,
         };
         let _ = GRAD_MODES.insert(&pid_tgid, &state, 0);
-        return 0;
+        return;
     };
     // SAFETY: a live map value of this thread's only.
     unsafe {
         if (*state).current == mode {
-            return 0;
+            return;
         }
         (*state).current = mode;
         if (*state).changes == NO_CHANGE {
             (*state).changes = FIRST_SENT;
             (*state).sent = mode;
             send_mode(pid_tgid, open_epoch(target), mode);
-            return 0;
+            return;
         }
         (*state).changes = LATER_HELD;
         let mark = mark_in_epoch(target);
@@ -104,7 +154,6 @@ fn grad_mode_entry_body(ctx: ProbeContext) -> u32 {
             (*state).held_off = mark;
         }
     }
-    0
 }
 
 /// Another phase mark of the current thread is about to be sent: first what the loader

@@ -94,6 +94,7 @@ impl ProcessSummary {
                         ProbeId::DlDebugState
                             | ProbeId::CudaRegisterFunction
                             | ProbeId::TorchGradMode
+                            | ProbeId::TorchSetGradEnabled
                             | ProbeId::FileOpen
                             | ProbeId::FileOpenAt
                     )

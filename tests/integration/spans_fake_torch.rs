@@ -147,10 +147,16 @@ fn default_groups_give_job_evaluate_checkpoint_and_attach_no_step_probes() {
             "{probe:?} attached: {attached:?}"
         );
     }
+    // Grad mode where Python sets it: libtorch_python's binding, not libc10's
+    // `set_enabled`, whose calls include autograd's C++ guards.
+    assert!(
+        !attached.contains_key(&ProbeId::TorchGradMode),
+        "libc10's grad mode attached beside the binding: {attached:?}"
+    );
     for probe in [
         ProbeId::TorchScopeEnter,
         ProbeId::TorchScopeExit,
-        ProbeId::TorchGradMode,
+        ProbeId::TorchSetGradEnabled,
         ProbeId::CheckpointWriterOpen,
         ProbeId::CheckpointWriterClose,
         ProbeId::NcclCommInitRank,
@@ -164,7 +170,9 @@ fn default_groups_give_job_evaluate_checkpoint_and_attach_no_step_probes() {
 
 /// Activation checkpointing toggles grad mode in every forward pass: the kernel counts
 /// each call but sends only what the phase rules can tell apart (`lens-ebpf/src/
-/// grad_mode.rs`), and the tree is the one without recompute.
+/// grad_mode.rs`), and the tree is the one without recompute. Grad mode is read where
+/// Python sets it (`torch._C._set_grad_enabled`): autograd's C++ guards, which call
+/// libc10 directly, cost no trap at all.
 #[test]
 fn recompute_grad_toggles_are_counted_in_the_kernel_and_the_tree_is_unchanged() {
     let name = "recompute_grad_toggles_are_counted_in_the_kernel";
@@ -172,12 +180,51 @@ fn recompute_grad_toggles_are_counted_in_the_kernel_and_the_tree_is_unchanged() 
         return;
     }
     let _guard = shared();
-    const RECOMPUTE: u64 = 20;
-    let recompute = RECOMPUTE.to_string();
-    let argv = trainer(
-        &[("TRAINER_RECOMPUTE", recompute.as_str())],
-        &["4", "2", "2", "3"],
+    let (calls, sent) = trace_recompute(&[]);
+    // Python's calls counted: import torch's 4, per microbatch 2 a layer, per optimizer
+    // step 2, per evaluation 2; the C++ guard in each layer is not probed.
+    assert_eq!(
+        calls.get(&ProbeId::TorchSetGradEnabled),
+        Some(&(4 + 4 * 2 * 2 * RECOMPUTE + 4 * 2 + 2 * 2))
     );
+    assert_eq!(calls.get(&ProbeId::TorchGradMode), None);
+    // Sent: of import torch's toggles the first and the last; of each forward pass's,
+    // the first and the last; each optimizer step's and evaluation's two, as they were.
+    assert_eq!(sent, RECOMPUTE_SENT);
+}
+
+/// A libtorch_python built for a free-threaded CPython lays its tuples out otherwise:
+/// its binding is left alone, and libc10's `set_enabled` is probed instead, every call
+/// counted (the binding's and the C++ guards'), the same changes sent, the same tree.
+#[test]
+fn a_free_threaded_libtorch_python_leaves_grad_mode_to_libc10() {
+    let name = "a_free_threaded_libtorch_python_leaves_grad_mode_to_libc10";
+    if !lens_tests::require_bpf(name) {
+        return;
+    }
+    let _guard = shared();
+    let free_threaded = lens_tests::fixtures_dir().join("faketorch-free-threaded");
+    let (calls, sent) = trace_recompute(&[("LD_LIBRARY_PATH", free_threaded.to_str().unwrap())]);
+    assert_eq!(calls.get(&ProbeId::TorchSetGradEnabled), None);
+    assert_eq!(
+        calls.get(&ProbeId::TorchGradMode),
+        Some(&(4 + 4 * 2 * 3 * RECOMPUTE + 4 * 2 + 2 * 2))
+    );
+    assert_eq!(sent, RECOMPUTE_SENT);
+}
+
+const RECOMPUTE: u64 = 20;
+/// The grad-mode changes sent for [`trace_recompute`]'s run (see the first test).
+const RECOMPUTE_SENT: usize = 2 + 4 * 2 * 2 + 4 * 2 + 2 * 2;
+
+/// Traces the trainer's `4 2 2 3` with `RECOMPUTE` checkpointed layers under `per_step`,
+/// asserts its tree is [`four_steps`], and returns its calls by probe and how many
+/// grad-mode changes were sent.
+fn trace_recompute(env: &[(&str, &str)]) -> (std::collections::BTreeMap<ProbeId, u64>, usize) {
+    let recompute = RECOMPUTE.to_string();
+    let mut vars = vec![("TRAINER_RECOMPUTE", recompute.as_str())];
+    vars.extend_from_slice(env);
+    let argv = trainer(&vars, &["4", "2", "2", "3"]);
     let mut session = session("per_step");
     session.exec(&argv).unwrap();
     let builder = SpanBuilder::new("per_step".parse().unwrap(), SpanLog::default());
@@ -187,12 +234,6 @@ fn recompute_grad_toggles_are_counted_in_the_kernel_and_the_tree_is_unchanged() 
         .unwrap();
     let (builder, events) = sinks;
     assert_eq!(builder.into_exporter().outline(KEYS), four_steps(None));
-    // Every call counted: import torch's 4, per microbatch 3 a layer, per optimizer step
-    // 2, per evaluation 2.
-    let calls = events.ended[0].calls[&ProbeId::TorchGradMode];
-    assert_eq!(calls, 4 + 4 * 2 * 3 * RECOMPUTE + 4 * 2 + 2 * 2);
-    // Sent: of import torch's toggles the first and the last; of each forward pass's,
-    // the first and the last; each optimizer step's and evaluation's two, as they were.
     let sent = events
         .events
         .iter()
@@ -206,7 +247,7 @@ fn recompute_grad_toggles_are_counted_in_the_kernel_and_the_tree_is_unchanged() 
             )
         })
         .count();
-    assert_eq!(sent, 2 + 4 * 2 * 2 + 4 * 2 + 2 * 2);
+    (events.ended[0].calls.clone(), sent)
 }
 
 #[test]
@@ -220,9 +261,10 @@ fn uprobes_attached_grow_with_the_preset() {
         session.attacher().uprobe_count()
     };
     let (default, per_step) = (count("default"), count("per_step"));
-    // default: ld.so, ncclCommInitRank (entry+return), scope enter/exit, grad mode,
-    // writer open, writer close (return), and from the fake libtorch_python the
-    // inference-mode guard's PLT stub and `_log_api_usage_once` (entries), and from the
+    // default: ld.so, ncclCommInitRank (entry+return), scope enter/exit, writer open,
+    // writer close (return), grad mode (`_set_grad_enabled`), and from the fake
+    // libtorch_python the inference-mode guard's PLT stub and `_log_api_usage_once`
+    // (entries), and from the
     // fake libcudart the 5 memory calls (entry+return; the fake driver is not loaded).
     assert_eq!(default, 1 + 2 + 2 + 1 + 2 + 2 + 5 * 2);
     // per_step adds backward (Engine::execute's entry, THPEngine_run_backward's return),

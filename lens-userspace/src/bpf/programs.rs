@@ -59,6 +59,7 @@ programs! {
     TorchBackwardEntry => "torch_backward_entry",
     TorchScopeEnter => "torch_scope_enter",
     GradModeEntry => "grad_mode_entry",
+    PyGradModeEntry => "py_grad_mode_entry",
     TimedCallEntry => "timed_call_entry",
     DriverLaunch => "driver_launch",
     /// Configured probe rules (`crate::settings::probe_rules`): entry and return of any function.

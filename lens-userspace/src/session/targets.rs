@@ -135,11 +135,9 @@ impl Session {
         let pid = info.pid;
         let pidfd = target::pidfd_open(pid)?;
         self.guard(pid);
-        for library in libraries {
-            self.probes
-                .attacher
-                .attach_library(&mut self.bpf.programs, pid, library, &self.groups);
-        }
+        self.probes
+            .attacher
+            .attach_libraries(&mut self.bpf.programs, pid, libraries, &self.groups);
         self.set_runtime_ranges(pid, libraries);
         self.python.sample(pid, &mut self.bpf.maps.python);
         self.probe_file_creation(pid, libraries);
@@ -354,17 +352,12 @@ impl Session {
     pub(super) fn attach_libraries_of(&mut self, pid: u32) {
         match self.libraries_of(pid) {
             Ok(libraries) => {
-                for library in &libraries {
-                    if !self.probes.attacher.is_attached(pid, library) {
-                        info!("pid {pid} maps {}: attaching", library.shown_path.display());
-                        self.probes.attacher.attach_library(
-                            &mut self.bpf.programs,
-                            pid,
-                            library,
-                            &self.groups,
-                        );
-                    }
-                }
+                self.probes.attacher.attach_libraries(
+                    &mut self.bpf.programs,
+                    pid,
+                    &libraries,
+                    &self.groups,
+                );
                 self.set_runtime_ranges(pid, &libraries);
                 self.python.sample(pid, &mut self.bpf.maps.python);
                 self.probe_file_creation(pid, &libraries);

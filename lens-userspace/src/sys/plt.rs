@@ -5,7 +5,8 @@
 //! guard, so its stub there is the guard's signal at no cost to backward passes.
 //!
 //! The file is parsed through `object`'s read cache (never mapped, as `symbols` does):
-//! only the section headers, `.rela.plt` and the dynamic symbols are read.
+//! only the section headers, `.rela.plt` and the dynamic symbols are read. What a
+//! library imports also says what it was built for ([`imports`]).
 use std::{collections::HashMap, fs::File, path::Path};
 
 use object::{
@@ -72,6 +73,23 @@ pub fn stub_offsets(path: &Path, wanted: &[&str]) -> Result<HashMap<String, u64>
     Ok(found)
 }
 
+/// Whether `path` imports `name` (an undefined symbol of its `.dynsym`): a Python
+/// extension built for a free-threaded CPython imports `_Py_DecRefShared`, which its
+/// inlined `Py_DECREF` calls.
+pub fn imports(path: &Path, name: &str) -> Result<bool> {
+    let elf_error = |reason: String| LensError::Elf {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let file = File::open(path).map_err(|e| elf_error(e.to_string()))?;
+    let cache = ReadCache::new(&file);
+    let elf =
+        ElfFile64::<object::Endianness, _>::parse(&cache).map_err(|e| elf_error(e.to_string()))?;
+    Ok(elf
+        .dynamic_symbols()
+        .any(|symbol| symbol.is_undefined() && symbol.name() == Ok(name)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,6 +131,10 @@ mod tests {
         // A small library's text is mapped at its file offset.
         assert_eq!(stubs.get("imported_two"), Some(&address), "{text}");
         assert_eq!(stubs.len(), 1);
+        // What it imports, not what it defines.
+        assert!(imports(&library, "imported_one").unwrap());
+        assert!(!imports(&library, "call_both").unwrap());
+        assert!(!imports(&library, "absent").unwrap());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -2,8 +2,10 @@
 //! step. `tests/fixtures/torch/recompute_loop.py` (8 small layers, each under
 //! `torch.utils.checkpoint`, ~5 ms a step here) runs untraced, under the default groups
 //! and under `per_step`; the loop's own time is the measure. Grad mode is the evaluation
-//! signal: the kernel follows each thread's and sends only what the phase rules can tell
-//! apart (`lens-ebpf/src/grad_mode.rs`).
+//! signal, read where Python sets it (`torch._C._set_grad_enabled`: 64 of the loop's
+//! ~157 switches a step; autograd's C++ guards make the rest); the kernel follows each
+//! thread's and sends only what the phase rules can tell apart
+//! (`lens-ebpf/src/grad_mode.rs`).
 
 use std::path::Path;
 use std::process::Command;

@@ -20,7 +20,7 @@ use aya::{
 use std::{num::NonZeroU32, path::Path, sync::Arc};
 
 use lens_common::ProbeId;
-use log::{debug, warn};
+use log::{debug, info, warn};
 
 use super::catalog::{self, Program};
 use crate::sys::{
@@ -243,6 +243,70 @@ impl Attacher {
         self.attach_in(ebpf, ProbeScope::of(pid, library), library, groups)
     }
 
+    /// Attaches to each of `libraries` that target `pid` maps and that is not probed there
+    /// yet, in [`catalog::attach_order`]: a probe another library's supersedes goes in
+    /// knowing whether that one did.
+    pub fn attach_libraries(
+        &mut self,
+        ebpf: &mut Ebpf,
+        pid: u32,
+        libraries: &[MappedLibrary],
+        groups: &SpanGroups,
+    ) {
+        let mut pending: Vec<&MappedLibrary> = libraries
+            .iter()
+            .filter(|library| !self.is_attached(pid, library))
+            .collect();
+        pending.sort_by_key(|library| catalog::attach_order(library.kind));
+        for library in pending {
+            info!("pid {pid} maps {}: attaching", library.shown_path.display());
+            self.attach_library(ebpf, pid, library, groups);
+        }
+    }
+
+    /// Whether `probe` is attached in the processes of `scope`.
+    fn has_attached(&self, scope: ProbeScope, probe: ProbeId) -> bool {
+        let spec = catalog::spec_of(probe);
+        self.attachments
+            .iter()
+            .filter(|a| a.scope == scope && a.library.kind == spec.library)
+            .flat_map(|a| a.attached())
+            .any(|symbol| symbol == spec.symbol)
+    }
+
+    /// Whether `spec` goes in `library` for the processes of `scope`: not where a probe
+    /// that supersedes it is attached, nor where its program cannot read the library's
+    /// calls (said in the debug log).
+    fn wanted_here(
+        &self,
+        scope: ProbeScope,
+        library: &MappedLibrary,
+        spec: &catalog::ProbeSpec,
+    ) -> bool {
+        if let Some(other) = spec.superseded_by
+            && self.has_attached(scope, other)
+        {
+            debug!(
+                "{} not probed in {}: {} sees its calls",
+                spec.symbol,
+                library.shown_path.display(),
+                catalog::symbol(other)
+            );
+            return false;
+        }
+        if let Some(import) = spec.unreadable_if_imports
+            && crate::sys::plt::imports(&library.open_path, import).unwrap_or(false)
+        {
+            debug!(
+                "{} not probed in {}: it imports {import}, a layout its program cannot read",
+                spec.symbol,
+                library.shown_path.display()
+            );
+            return false;
+        }
+        true
+    }
+
     /// Attaches the dynamic loader `loader`'s probe in every process that maps it, before
     /// any process that uses it is a target: how their library loads are seen.
     pub fn attach_loader(
@@ -265,7 +329,9 @@ impl Attacher {
         if !self.done.insert(key) {
             return None;
         }
-        let specs: Vec<_> = catalog::enabled_for(library.kind, groups).collect();
+        let specs: Vec<_> = catalog::enabled_for(library.kind, groups)
+            .filter(|spec| self.wanted_here(scope, library, spec))
+            .collect();
         let mut outcomes = Vec::new();
         // Notes on what was chosen (older symbol versions left out), for after the outcomes.
         let mut notes = Vec::new();

@@ -52,6 +52,22 @@ pub struct ProbeSpec {
     /// A newer API that older versions of its library lack: attached where present, never
     /// reported missing.
     pub optional: bool,
+    /// A probe of another library that sees the calls this one is for at fewer hits: where
+    /// it is attached in a process, this one is not (the process's libraries are
+    /// attached in [`attach_order`]).
+    pub superseded_by: Option<ProbeId>,
+    /// An import that says the library was built for what the probe's program cannot
+    /// read (a free-threaded CPython's object layout): not attached where it is imported.
+    pub unreadable_if_imports: Option<&'static str>,
+}
+
+/// Where a library kind comes among a process's libraries as they are attached: those
+/// with a probe another library's may supersede last, so that the other's is known.
+pub fn attach_order(library: LibraryKind) -> u8 {
+    let superseded = CATALOG
+        .iter()
+        .any(|spec| spec.library == library && spec.superseded_by.is_some());
+    u8::from(superseded)
 }
 
 /// What a probed function's calls are, beyond what its program's event kind says.

@@ -52,6 +52,8 @@ pub(super) const fn spec(
         groups,
         role: Role::Plain,
         optional: false,
+        superseded_by: None,
+        unreadable_if_imports: None,
     }
 }
 
@@ -74,6 +76,8 @@ pub(super) const fn mark(
         groups,
         role: Role::Plain,
         optional: false,
+        superseded_by: None,
+        unreadable_if_imports: None,
     }
 }
 
@@ -155,6 +159,19 @@ pub(super) const fn graph_launch(
 
 pub(super) const fn optional(mut spec: ProbeSpec) -> ProbeSpec {
     spec.optional = true;
+    spec
+}
+
+/// Not attached in a process where `other` is (see [`ProbeSpec::superseded_by`]).
+pub(super) const fn superseded_by(mut spec: ProbeSpec, other: ProbeId) -> ProbeSpec {
+    spec.superseded_by = Some(other);
+    spec
+}
+
+/// Not attached to a library that imports `symbol` (see
+/// [`ProbeSpec::unreadable_if_imports`]).
+pub(super) const fn unreadable_if_imports(mut spec: ProbeSpec, symbol: &'static str) -> ProbeSpec {
+    spec.unreadable_if_imports = Some(symbol);
     spec
 }
 

@@ -175,13 +175,18 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         None,
         STEP_PHASES,
     ),
-    mark(
-        ProbeId::TorchGradMode,
-        "_ZN3c108GradMode11set_enabledEb",
-        C10,
-        Some(GradModeEntry),
-        None,
-        &[SpanGroup::Evaluate],
+    // Grad mode, the evaluation signal (`lens-ebpf/src/grad_mode.rs`): every switch,
+    // autograd's C++ guards too, where no Python binding is probed.
+    superseded_by(
+        mark(
+            ProbeId::TorchGradMode,
+            "_ZN3c108GradMode11set_enabledEb",
+            C10,
+            Some(GradModeEntry),
+            None,
+            &[SpanGroup::Evaluate],
+        ),
+        ProbeId::TorchSetGradEnabled,
     ),
     with_aliases(
         mark(
@@ -331,6 +336,8 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
         groups: STEP_DETAIL,
         role: Role::Plain,
         optional: false,
+        superseded_by: None,
+        unreadable_if_imports: None,
     },
     // Kernel names (the step's top kernels, `step` only): stubs paired with their names
     // as the modules register them, for libraries without symbols.
@@ -568,4 +575,19 @@ pub static CATALOG: [ProbeSpec; ProbeId::COUNT] = [
     )),
     // PyTorch's caching allocator: thousands of calls a step, so with the launches.
     torch_memory(),
+    // The switches Python asks for (`torch.no_grad()` and friends), where libtorch_python
+    // is loaded: its args tuple is read with a default CPython build's object layout.
+    unreadable_if_imports(
+        optional(mark(
+            ProbeId::TorchSetGradEnabled,
+            // torch::autograd::set_grad_enabled(PyObject*, PyObject*, PyObject*), static
+            "_ZN5torch8autogradL16set_grad_enabledEP7_objectS2_S2_",
+            TorchPython,
+            Some(PyGradModeEntry),
+            None,
+            &[SpanGroup::Evaluate],
+        )),
+        // What a free-threaded build's `Py_DECREF` calls.
+        "_Py_DecRefShared",
+    ),
 ];
