@@ -22,7 +22,7 @@
 //! evaluation loop's batches, the steps and the optimizer scopes look like is unchanged,
 //! while a checkpointed model's recompute toggles cost a counted probe hit instead of an
 //! event each.
-use aya_ebpf::helpers::bpf_get_current_pid_tgid;
+use aya_ebpf::helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user};
 use aya_ebpf::macros::map;
 use aya_ebpf::maps::LruHashMap;
 use aya_ebpf::programs::ProbeContext;
@@ -90,8 +90,14 @@ uprobe_and_multi! {
 /// 0. The same in CPython 3.10 to 3.14's default builds (a 16-byte object header); a
 /// free-threaded build's header is larger, and its libtorch_python keeps libc10's probe.
 const TUPLE_SIZE: u64 = 16;
-const TUPLE_FIRST_ITEM: u64 = 24;
 const BOOL_DIGIT: u64 = 24;
+
+/// A one-item tuple's size and item, read together.
+#[repr(C)]
+struct TupleOfOne {
+    size: u64,
+    item: u64,
+}
 
 #[inline(always)]
 fn py_grad_mode_entry_body(ctx: ProbeContext) -> u32 {
@@ -102,14 +108,15 @@ fn py_grad_mode_entry_body(ctx: ProbeContext) -> u32 {
     let args = arg_u64(&ctx, 1);
     // A keyword call (`_set_grad_enabled(mode=False)`) passes no positional argument:
     // none of torch's callers make one, and its mode is not read.
-    if args == 0 || read_user_u64(args + TUPLE_SIZE) != 1 {
+    // SAFETY: reading the traced thread's memory through the checked helper.
+    let Ok(tuple) = (unsafe { bpf_probe_read_user((args + TUPLE_SIZE) as *const TupleOfOne) })
+    else {
+        return 0;
+    };
+    if tuple.size != 1 || tuple.item == 0 {
         return 0;
     }
-    let flag = read_user_u64(args + TUPLE_FIRST_ITEM);
-    if flag == 0 {
-        return 0;
-    }
-    let mode = if read_user_u64(flag + BOOL_DIGIT) as u32 != 0 {
+    let mode = if read_user_u64(tuple.item + BOOL_DIGIT) as u32 != 0 {
         ON
     } else {
         OFF
