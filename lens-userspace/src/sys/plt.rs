@@ -26,14 +26,29 @@ const PLT_ENTRY: u64 = 16;
 /// calls through its PLT (names without [`SUFFIX`]). Lazy-binding layout (`.plt`, entry
 /// `i + 1` for relocation `i`) or IBT's (`.plt.sec`, entry `i`).
 pub fn stub_offsets(path: &Path, wanted: &[&str]) -> Result<HashMap<String, u64>> {
-    let elf_error = |reason: String| LensError::Elf {
+    with_elf(path, |elf| stubs_in(path, elf, wanted))
+}
+
+/// An ELF file read through `object`'s read cache.
+type CachedElf<'a> = ElfFile64<'a, object::Endianness, &'a ReadCache<&'a File>>;
+
+fn elf_error(path: &Path, reason: impl ToString) -> LensError {
+    LensError::Elf {
         path: path.to_path_buf(),
-        reason,
-    };
-    let file = File::open(path).map_err(|e| elf_error(e.to_string()))?;
+        reason: reason.to_string(),
+    }
+}
+
+/// Runs `read` on the ELF file at `path`, parsed through a read cache.
+fn with_elf<T>(path: &Path, read: impl FnOnce(&CachedElf<'_>) -> Result<T>) -> Result<T> {
+    let file = File::open(path).map_err(|e| elf_error(path, e))?;
     let cache = ReadCache::new(&file);
-    let elf =
-        ElfFile64::<object::Endianness, _>::parse(&cache).map_err(|e| elf_error(e.to_string()))?;
+    let elf = ElfFile64::parse(&cache).map_err(|e| elf_error(path, e))?;
+    read(&elf)
+}
+
+fn stubs_in(path: &Path, elf: &CachedElf<'_>, wanted: &[&str]) -> Result<HashMap<String, u64>> {
+    let elf_error = |reason: String| elf_error(path, reason);
     let mut found = HashMap::new();
     let (Some(relocations), Some(symbols)) =
         (elf.section_by_name(".rela.plt"), elf.dynamic_symbol_table())
@@ -77,17 +92,11 @@ pub fn stub_offsets(path: &Path, wanted: &[&str]) -> Result<HashMap<String, u64>
 /// extension built for a free-threaded CPython imports `_Py_DecRefShared`, which its
 /// inlined `Py_DECREF` calls.
 pub fn imports(path: &Path, name: &str) -> Result<bool> {
-    let elf_error = |reason: String| LensError::Elf {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let file = File::open(path).map_err(|e| elf_error(e.to_string()))?;
-    let cache = ReadCache::new(&file);
-    let elf =
-        ElfFile64::<object::Endianness, _>::parse(&cache).map_err(|e| elf_error(e.to_string()))?;
-    Ok(elf
-        .dynamic_symbols()
-        .any(|symbol| symbol.is_undefined() && symbol.name() == Ok(name)))
+    with_elf(path, |elf| {
+        Ok(elf
+            .dynamic_symbols()
+            .any(|symbol| symbol.is_undefined() && symbol.name() == Ok(name)))
+    })
 }
 
 #[cfg(test)]
