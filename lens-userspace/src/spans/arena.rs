@@ -167,6 +167,13 @@ impl SpanArena {
         }
     }
 
+    /// Open span `id`'s group and start.
+    pub fn open_span(&self, id: SpanId) -> Option<(SpanGroup, u64)> {
+        self.open
+            .get(&id)
+            .map(|open| (open.record.group, open.record.start_ns))
+    }
+
     /// The latest end among the calls made inside open span `id` (0: none yet).
     pub fn calls_end(&self, id: SpanId) -> u64 {
         self.open.get(&id).map_or(0, |open| open.calls_end)
@@ -230,6 +237,12 @@ impl SpanArena {
         if enabled {
             out.export(record);
         }
+    }
+
+    /// Forgets open span `id` unexported: it turned out to be nothing (a framework load
+    /// call that loaded nothing). The caller knows no span was exported under it.
+    pub fn discard(&mut self, id: SpanId) {
+        self.open.remove(&id);
     }
 
     /// A finished call (collective, sync wait) as a child of `parent`. Its probes are

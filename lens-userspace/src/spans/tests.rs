@@ -1087,6 +1087,48 @@ fn an_evaluation_does_not_begin_inside_a_load_whose_end_was_sampled_late() {
     assert!(log.misnested().is_empty(), "{}", log.outline(KEYS));
 }
 
+/// Lightning's `fit` calls its restore without a checkpoint, which returns at once: a
+/// sample that lands in it shows a load call that reads nothing, which is no load. A
+/// load call as short that opens a reader is one; one that lasts, with nothing seen
+/// (remote storage), is one too.
+#[test]
+fn a_framework_load_call_that_loads_nothing_is_no_span() {
+    let (mut run, rules) = Run::with_framework_rules("per_step");
+    let restore = framework_rule(
+        &rules,
+        "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector._restore_modules_and_callbacks",
+    );
+    // fit(): the restore sampled once, then training.
+    run.framework(1, PID, restore, false)
+        .framework(1, PID, restore, true);
+    run.step(1).step(1);
+    // validate(ckpt_path=...): a reader in as short a call.
+    run.framework(1, PID, restore, false)
+        .at(0, PhaseSignal::CheckpointReadStart { own_file: false })
+        .at(1, PhaseSignal::CheckpointReadEnd)
+        .framework(1, PID, restore, true);
+    run.step(1);
+    // A load from remote storage: nothing seen in 20 ms.
+    run.framework(1, PID, restore, false)
+        .framework(20, PID, restore, true);
+    run.step(1);
+    let log = run.end(1, Some(ExitStatus::Exited(0)));
+    let loads: Vec<_> = log.named(names::LOAD_CHECKPOINT).collect();
+    assert_eq!(loads.len(), 2, "{}", log.outline(KEYS));
+    assert_eq!(loads[0].int_attr(semconv::NEMO_CHECKPOINT_FILES), Some(1));
+    assert_eq!(loads[1].int_attr(semconv::NEMO_CHECKPOINT_FILES), Some(0));
+    assert!(loads[1].duration_ns() >= 20_000_000, "{:?}", loads[1]);
+    // No load before the first step: model_init, then the steps.
+    let first_step = log.named(names::STEP).next().unwrap();
+    assert!(
+        loads[0].start_ns > first_step.end_ns,
+        "{}",
+        log.outline(KEYS)
+    );
+    assert_eq!(log.named(names::STEP).count(), 4, "{}", log.outline(KEYS));
+    assert!(log.misnested().is_empty(), "{}", log.outline(KEYS));
+}
+
 /// Fabric writes through fsspec: `mkstemp` creates the temporary file, closes it, and
 /// `open(name, "wb")` creates it again; two saves of one file each, and a second file.
 #[test]

@@ -15,6 +15,10 @@ use super::*;
 /// The paths a checkpoint (load) span remembers to count a file once.
 const MAX_PATHS_KEPT: usize = 4096;
 
+/// A framework load call shorter than this that read nothing loaded nothing
+/// (`loaded_nothing`).
+const NO_LOAD_WITHIN: u64 = 5_000_000;
+
 impl ThreadPhases {
     /// A file created (opened for reading, in a load) at `path` (hashed; 0: not known)
     /// while `span` reads or writes: whether it was counted there. A path seen there
@@ -300,7 +304,12 @@ impl ThreadPhases {
     ) -> u64 {
         // Its end may come from a sample (a framework call's return, its thread's last
         // sample): the calls made inside it, DCP's last metadata broadcast, still count.
-        let end = end.max(ctx.arena.calls_end(file.span));
+        let calls_end = ctx.arena.calls_end(file.span);
+        let end = end.max(calls_end);
+        if Self::loaded_nothing(ctx, file, calls_end, end) {
+            ctx.arena.discard(file.span);
+            return end;
+        }
         ctx.arena
             .set_attr(file.span, semconv::NEMO_CHECKPOINT_FILES, file.file_count());
         self.close_phase(ctx, file.span, end);
@@ -309,6 +318,20 @@ impl ThreadPhases {
             self.training.boundary = Some(end);
         }
         end
+    }
+
+    /// Whether `file`, ending at `end`, is a framework load call that loaded nothing: no
+    /// file read, no reader, no call, over in less than [`NO_LOAD_WITHIN`]. Lightning's
+    /// `fit` calls its restore without a checkpoint, which returns at once; a sample can
+    /// land in it. A load from remote storage takes longer, or calls a peer.
+    fn loaded_nothing(ctx: &ProcessContext<'_>, file: &FileSpan, calls_end: u64, end: u64) -> bool {
+        file.saw_nothing(calls_end)
+            && ctx
+                .arena
+                .open_span(file.span)
+                .is_some_and(|(group, start)| {
+                    group == SpanGroup::LoadCheckpoint && end.saturating_sub(start) < NO_LOAD_WITHIN
+                })
     }
 
     /// `span`, one of this thread's phases, was closed at `end` by another thread (DCP's

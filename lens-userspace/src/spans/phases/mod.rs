@@ -184,6 +184,11 @@ impl FileSpan {
         }
     }
 
+    /// Whether it saw no file, no writer (reader) and no call of its own.
+    fn saw_nothing(&self, calls_end: u64) -> bool {
+        self.files == 0 && self.created + self.own_files == 0 && calls_end == 0
+    }
+
     /// What it counted: (writers or readers, files created or read).
     pub fn counts(&self) -> (u32, u32) {
         (self.files, self.created + self.own_files)
