@@ -264,8 +264,8 @@ fn uprobes_attached_grow_with_the_preset() {
     // default: ld.so, ncclCommInitRank (entry+return), scope enter/exit, writer open,
     // writer close (return), grad mode (`_set_grad_enabled`), and from the fake
     // libtorch_python the inference-mode guard's PLT stub and `_log_api_usage_once`
-    // (entries), and from the
-    // fake libcudart the 5 memory calls (entry+return; the fake driver is not loaded).
+    // (entries), and from the fake libcudart the 5 memory calls (entry+return; the fake
+    // driver is not loaded).
     assert_eq!(default, 1 + 2 + 2 + 1 + 2 + 2 + 5 * 2);
     // per_step adds backward (Engine::execute's entry, THPEngine_run_backward's return),
     // reader open/close, 8 gloo calls (entry only: they throw), from the fake libnccl the

@@ -122,6 +122,9 @@ pub struct Attacher {
     rules: Arc<ProbeRules>,
     /// Rules whose `library` matched a file of a target.
     rules_seen: HashSet<u32>,
+    /// Whether a library file imports a symbol (`ProbeSpec::unreadable_if_imports`): read
+    /// once per file (~15 ms for libtorch_python), not once per process that maps it.
+    imports: HashMap<(FileId, &'static str), bool>,
 }
 
 impl Attacher {
@@ -278,7 +281,7 @@ impl Attacher {
     /// that supersedes it is attached, nor where its program cannot read the library's
     /// calls (said in the debug log).
     fn wanted_here(
-        &self,
+        &mut self,
         scope: ProbeScope,
         library: &MappedLibrary,
         spec: &catalog::ProbeSpec,
@@ -295,7 +298,7 @@ impl Attacher {
             return false;
         }
         if let Some(import) = spec.unreadable_if_imports
-            && crate::sys::plt::imports(&library.open_path, import).unwrap_or(false)
+            && self.library_imports(library, import)
         {
             debug!(
                 "{} not probed in {}: it imports {import}, a layout its program cannot read",
@@ -305,6 +308,19 @@ impl Attacher {
             return false;
         }
         true
+    }
+
+    /// Whether `library` imports `symbol`, read once per file. A file that cannot be read
+    /// (its process gone meanwhile) says no, and is read again for the next process.
+    fn library_imports(&mut self, library: &MappedLibrary, symbol: &'static str) -> bool {
+        let key = (library.file, symbol);
+        if let Some(&imported) = self.imports.get(&key) {
+            return imported;
+        }
+        match crate::sys::plt::imports(&library.open_path, symbol) {
+            Ok(imported) => *self.imports.entry(key).or_insert(imported),
+            Err(_) => false,
+        }
     }
 
     /// Attaches the dynamic loader `loader`'s probe in every process that maps it, before
