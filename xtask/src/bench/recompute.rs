@@ -230,23 +230,30 @@ impl RecomputeBlock {
             Met::NoTarget,
         )];
         let step = median(self.rounds.runs(None)).map(|t| t / f64::from(self.steps));
-        if let (Some(hits), Some(hit), Some(step)) =
-            (self.grad_hits_per_step, median(&per_hit), step)
-        {
-            let cost = hits * hit;
-            rows.push(row(
-                format!(
-                    "grad-mode probe, a step: {hits:.0} hits (`--summary-json`) × the cost \
-                     of a hit; ratio: 1 + its share of the untraced step ({})",
-                    fmt_duration(step)
-                ),
-                &[cost],
-                fmt_duration,
-                Some(1.0 + cost / step),
+        let what = "grad-mode probe, a step: its hits (`--summary-json`) × the cost of a hit";
+        rows.push(match (self.grad_hits_per_step, median(&per_hit), step) {
+            (Some(hits), Some(hit), Some(step)) => {
+                let cost = hits * hit;
+                row(
+                    format!(
+                        "{what} ({hits:.0} hits); ratio: 1 + its share of the untraced step \
+                         ({})",
+                        fmt_duration(step)
+                    ),
+                    &[cost],
+                    fmt_duration,
+                    Some(1.0 + cost / step),
+                    "",
+                    Met::NoTarget,
+                )
+            }
+            (None, ..) => super::report::Row::not_measured(
+                what,
                 "",
-                Met::NoTarget,
-            ));
-        }
+                "the `evaluate` run wrote no readable summary",
+            ),
+            _ => super::report::Row::not_measured(what, "", "no untraced time"),
+        });
         rows
     }
 
