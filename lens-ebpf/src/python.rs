@@ -157,7 +157,8 @@ pub(crate) fn python_caller(pid_tgid: u64) -> u64 {
     read_user_u64(frame + offsets.frame_code as u64)
 }
 
-/// Samples traced Python threads on the CPU clock (every CPU, ~1 ms): reads the thread's
+/// Samples traced Python threads on their CPU clocks (each sampled thread's own, 1 or 10
+/// ms: `python::sampler` in the loader): reads the thread's
 /// frame stack (code object, frame, first local per frame) and sends it when it differs
 /// from the thread's last one. docs/python.md.
 #[perf_event]

@@ -4,6 +4,7 @@
 //! the module's source, `source`), and the stacks are turned into entries and returns of
 //! the configured Python rules (`tracker`).
 pub mod code;
+pub mod follow;
 pub mod runtime;
 pub mod sampler;
 pub mod source;

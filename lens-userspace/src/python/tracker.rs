@@ -12,7 +12,9 @@ use lens_common::RULE_ARGS;
 
 use super::{
     code::{CodeName, CodeReader},
+    follow::{FollowPolicy, ProcessFollow},
     runtime::CodeLayout,
+    sampler::SampleRate,
 };
 use crate::{
     events::{ProbeEvent, PyFrame},
@@ -35,6 +37,8 @@ struct ProcessState {
     /// a module body (what `__main__` rules match).
     main_script: Option<Arc<str>>,
     threads: HashMap<u32, ThreadCalls>,
+    /// How closely it is sampled.
+    follow: ProcessFollow,
 }
 
 /// A sample whose matched calls differ from those taken: held until the next sample
@@ -96,6 +100,10 @@ const CONFIRM_AFTER_NS: u64 = 50_000_000;
 /// Turns samples into `RuleCall` events for the builder.
 pub struct PythonTracker {
     rules: Vec<PythonRule>,
+    /// Which processes are sampled closely, from the rules.
+    follow: FollowPolicy,
+    /// Processes whose sampling rate changed, not yet taken.
+    rate_changes: Vec<(u32, SampleRate)>,
     processes: HashMap<u32, ProcessState>,
     /// Rules some traced thread called, and how many CPython processes were sampled.
     matched: BTreeSet<u32>,
@@ -227,6 +235,8 @@ impl ThreadCalls {
 impl PythonTracker {
     pub fn new(rules: Vec<PythonRule>) -> PythonTracker {
         PythonTracker {
+            follow: FollowPolicy::new(&rules),
+            rate_changes: Vec::new(),
             rules,
             processes: HashMap::new(),
             matched: BTreeSet::new(),
@@ -297,6 +307,7 @@ impl PythonTracker {
                 reader,
                 main_script: None,
                 threads: HashMap::new(),
+                follow: ProcessFollow::new(&self.follow),
             },
         );
     }
@@ -332,6 +343,23 @@ impl PythonTracker {
                 (code, ruled)
             })
             .collect()
+    }
+
+    /// How closely `pid`'s threads are to be sampled now.
+    pub fn rate(&self, pid: u32) -> SampleRate {
+        self.processes
+            .get(&pid)
+            .map_or(self.follow.initial(), |process| process.follow.rate())
+    }
+
+    /// Processes whose threads are to be sampled at another rate from `now_ns` on.
+    pub fn take_rate_changes(&mut self, now_ns: u64) -> Vec<(u32, SampleRate)> {
+        for (pid, process) in &mut self.processes {
+            if let Some(rate) = process.follow.rate_at(&self.follow, now_ns) {
+                self.rate_changes.push((*pid, rate));
+            }
+        }
+        std::mem::take(&mut self.rate_changes)
     }
 
     pub fn knows(&self, pid: u32) -> bool {
@@ -378,6 +406,19 @@ impl PythonTracker {
             && &*outermost.qualname == "<module>"
         {
             process.main_script = Some(outermost.filename.clone());
+        }
+        let in_framework = names.iter().any(|(frame, name)| {
+            name.as_ref().is_some_and(|name| {
+                process
+                    .follow
+                    .is_framework_code(&self.follow, frame.code, &name.filename)
+            })
+        });
+        if let Some(rate) = process
+            .follow
+            .on_sample(&self.follow, *tid, in_framework, *at_ns)
+        {
+            self.rate_changes.push((*tgid, rate));
         }
         let (calls, files) = matching_calls(&self.rules, &names, process.main_script.as_deref());
         let sample = Tentative {
@@ -676,6 +717,7 @@ mod tests {
                 reader: None,
                 main_script: None,
                 threads: HashMap::from([(7, thread)]),
+                follow: ProcessFollow::new(&tracker.follow),
             },
         );
         tracker

@@ -318,8 +318,8 @@ impl Session {
             return;
         }
         let tracker_rules_configured = python.iter().any(|rule| !rule.framework);
-        match python::sampler::start(&mut self.bpf.programs) {
-            Ok(()) => self.python.start(PythonTracker::new(python)),
+        match python::sampler::Sampler::load(&mut self.bpf.programs) {
+            Ok(sampler) => self.python.start(PythonTracker::new(python), sampler),
             Err(error) if tracker_rules_configured => {
                 warn!("Python rules: cannot start the sampler: {error}")
             }

@@ -7,7 +7,7 @@ use log::{info, warn};
 use crate::{
     bpf::maps::PythonMaps,
     events::{PhaseSignal, ProbeEvent, PythonCaller, TorchScope},
-    python::{self, PythonTracker},
+    python::{self, PythonTracker, sampler::Sampler},
     sink::EventSink,
 };
 
@@ -16,60 +16,77 @@ use super::framework_saves::{FrameworkRole, FrameworkSaves};
 /// Python stacks and what the session makes of framework calls.
 #[derive(Default)]
 pub(super) struct PythonFrames {
-    /// Python rules: their sampled stacks become rule calls (`python`); none while no
-    /// rule is configured or the sampler could not start.
-    tracker: Option<PythonTracker>,
+    /// Python rules: their sampled stacks become rule calls (`python`), and the sampler
+    /// that takes them; none while no rule is configured or the sampler could not start.
+    tracker: Option<(PythonTracker, Sampler)>,
     /// Which processes are inside a framework save or load (what `PY_SAVING` says).
     saves: FrameworkSaves,
 }
 
 impl PythonFrames {
     /// Python stacks are sampled from now on, for `tracker`'s rules.
-    pub(super) fn start(&mut self, tracker: PythonTracker) {
-        self.tracker = Some(tracker);
+    pub(super) fn start(&mut self, tracker: PythonTracker, sampler: Sampler) {
+        self.tracker = Some((tracker, sampler));
+    }
+
+    fn tracker(&self) -> Option<&PythonTracker> {
+        self.tracker.as_ref().map(|(tracker, _)| tracker)
+    }
+
+    fn tracker_mut(&mut self) -> Option<&mut PythonTracker> {
+        self.tracker.as_mut().map(|(tracker, _)| tracker)
     }
 
     /// Whether rules of the user's own (not only the built-in framework ones) are
     /// sampled for: a process running CPython is then worth tracing by itself.
     pub(super) fn has_configured_rules(&self) -> bool {
-        self.tracker
-            .as_ref()
-            .is_some_and(PythonTracker::has_configured)
+        self.tracker().is_some_and(PythonTracker::has_configured)
     }
 
     /// Python rules that no traced process called, one line each (after a run).
     pub(super) fn unmatched_rules(&self) -> Vec<String> {
-        self.tracker
-            .as_ref()
+        self.tracker()
             .map_or_else(Vec::new, PythonTracker::unmatched)
     }
 
     /// Samples `pid`'s Python threads if it runs a CPython and Python rules exist.
     /// Returns whether it does.
     pub(super) fn sample(&mut self, pid: u32, maps: &mut PythonMaps) -> bool {
-        let Some(tracker) = self.tracker.as_mut() else {
+        let Some((tracker, sampler)) = self.tracker.as_mut() else {
             return false;
         };
         if tracker.knows(pid) {
             return true;
         }
         match python::find_runtime(pid) {
-            Ok(Some(runtime)) => match maps.add_target(pid, &runtime.offsets) {
-                Ok(()) => {
-                    info!(
-                        "pid {pid} runs CPython {}.{} ({}): sampling its Python stacks",
-                        runtime.version.0,
-                        runtime.version.1,
-                        runtime.path.display()
-                    );
-                    tracker.add_process(pid, runtime.code);
-                    true
+            Ok(Some(runtime)) => {
+                let rate = tracker.rate(pid);
+                let sampled = maps.add_target(pid, &runtime.offsets).and_then(|()| {
+                    sampler.add(pid, rate).map_err(|error| {
+                        maps.remove_target(pid);
+                        crate::error::LensError::Io(error)
+                    })
+                });
+                match sampled {
+                    Ok(()) => {
+                        info!(
+                            "pid {pid} runs CPython {}.{} ({}): sampling its Python stacks \
+                             ({rate:?})",
+                            runtime.version.0,
+                            runtime.version.1,
+                            runtime.path.display()
+                        );
+                        tracker.add_process(pid, runtime.code);
+                        true
+                    }
+                    // It ended while its threads were listed.
+                    Err(_) if !crate::sys::process::Process::new(pid).has_thread(pid) => false,
+                    Err(error) => {
+                        warn!("pid {pid}: cannot sample its Python threads: {error}");
+                        false
+                    }
                 }
-                Err(error) => {
-                    warn!("pid {pid}: cannot sample its Python threads: {error}");
-                    false
-                }
-            },
+            }
             Ok(None) => false,
             Err(error) => {
                 if tracker.refused(pid) {
@@ -82,16 +99,17 @@ impl PythonFrames {
 
     /// Stops sampling `pid`'s Python threads; the calls they were in end now.
     pub(super) fn forget(&mut self, pid: u32, maps: &mut PythonMaps, sink: &mut dyn EventSink) {
-        let Some(tracker) = self.tracker.as_mut() else {
+        let Some((tracker, sampler)) = self.tracker.as_mut() else {
             return;
         };
         if !tracker.knows(pid) {
             return;
         }
+        sampler.remove(pid);
         maps.remove_target(pid);
         let calls = tracker.confirm(0, Some(pid));
         self.deliver(calls, maps, sink);
-        if let Some(tracker) = self.tracker.as_mut() {
+        if let Some(tracker) = self.tracker_mut() {
             tracker.forget(pid);
         }
     }
@@ -108,12 +126,13 @@ impl PythonFrames {
         maps: &mut PythonMaps,
         sink: &mut dyn EventSink,
     ) {
-        if let Some(tracker) = self.tracker.as_mut() {
+        if let Some(tracker) = self.tracker_mut() {
             let calls = tracker.on_sample(sample);
-            if let ProbeEvent::PyStack { tgid, .. } = sample {
+            if let ProbeEvent::PyStack { tgid, at_ns, .. } = sample {
                 for (code, ruled) in tracker.take_named(*tgid) {
                     maps.code_named(*tgid, code, ruled);
                 }
+                self.change_rates(*at_ns);
             }
             self.deliver(calls, maps, sink);
         }
@@ -128,9 +147,7 @@ impl PythonFrames {
         maps: &mut PythonMaps,
         sink: &mut dyn EventSink,
     ) {
-        if let (Some(tracker), Some((tgid, tid, at))) =
-            (self.tracker.as_mut(), event.thread_start())
-        {
+        if let (Some(tracker), Some((tgid, tid, at))) = (self.tracker_mut(), event.thread_start()) {
             let mut calls = tracker.settle_framework_calls(tgid, tid, at);
             if let ProbeEvent::Phase {
                 launches,
@@ -153,9 +170,26 @@ impl PythonFrames {
 
     /// After a batch: rule calls whose end is now certain go to `sink`.
     pub(super) fn confirm(&mut self, now_ns: u64, maps: &mut PythonMaps, sink: &mut dyn EventSink) {
-        if let Some(tracker) = self.tracker.as_mut() {
+        if let Some(tracker) = self.tracker_mut() {
             let calls = tracker.confirm(now_ns, None);
             self.deliver(calls, maps, sink);
+            self.change_rates(now_ns);
+        }
+    }
+
+    /// Processes whose threads are to be sampled at another rate (`python::follow`) are
+    /// from now on.
+    fn change_rates(&mut self, now_ns: u64) {
+        let Some((tracker, sampler)) = self.tracker.as_mut() else {
+            return;
+        };
+        for (pid, rate) in tracker.take_rate_changes(now_ns) {
+            match sampler.set_rate(pid, rate) {
+                Ok(()) => log::debug!("pid {pid}: Python stacks sampled at {rate:?}"),
+                Err(error) => {
+                    warn!("pid {pid}: cannot sample its Python threads at {rate:?}: {error}")
+                }
+            }
         }
     }
 
@@ -184,8 +218,7 @@ impl PythonFrames {
             return;
         };
         if let Some((function, file)) = self
-            .tracker
-            .as_mut()
+            .tracker_mut()
             .and_then(|python| python.name_code(timing.tgid, code))
         {
             *python_caller = PythonCaller::Named { function, file };
@@ -203,7 +236,7 @@ impl PythonFrames {
                 at_return,
                 ..
             } = call
-                && let Some(role) = self.tracker.as_ref().and_then(|t| t.framework_role(*rule))
+                && let Some(role) = self.tracker().and_then(|t| t.framework_role(*rule))
             {
                 let role = FrameworkRole {
                     save: role.0,

@@ -3,7 +3,7 @@
 //! their mappings (`library`), ELF symbol tables and PLT stubs (`symbols`, `plt`),
 //! capabilities (`privileges`), the files created as root (`output`) and lens-probe's own
 //! CPU time (`usage`), and leaving without waiting for the kernel to remove the probes
-//! (`teardown`).
+//! (`teardown`); per-thread CPU clocks that run a BPF program (`thread_clock`).
 pub mod guardian;
 pub mod kernel;
 pub mod library;
@@ -15,4 +15,5 @@ pub mod symbols;
 pub mod target;
 pub mod teardown;
 pub mod text;
+pub mod thread_clock;
 pub mod usage;

@@ -58,6 +58,17 @@ impl Process {
         self.path(&format!("task/{tid}")).exists()
     }
 
+    /// Its threads' ids (`/proc/PID/task`), in no particular order.
+    pub fn threads(self) -> io::Result<Vec<u32>> {
+        let mut tids = Vec::new();
+        for entry in std::fs::read_dir(self.path("task"))? {
+            if let Some(tid) = entry?.file_name().to_str().and_then(|s| s.parse().ok()) {
+                tids.push(tid);
+            }
+        }
+        Ok(tids)
+    }
+
     /// Its root directory, opened (for lookups confined to it).
     pub fn root(self) -> io::Result<File> {
         File::open(self.path("root"))
@@ -71,6 +82,27 @@ impl Process {
     fn path(self, entry: &str) -> PathBuf {
         PathBuf::from(format!("/proc/{}/{entry}", self.0))
     }
+}
+
+/// Raises lens-probe's own open-file limit to its hard limit; returns the limit now in
+/// force. (Processes lens-probe starts afterwards inherit it.)
+pub fn raise_open_files_limit() -> io::Result<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` is a valid rlimit the kernel writes.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        limit.rlim_cur = limit.rlim_max;
+        // SAFETY: as above; the kernel only reads it.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(limit.rlim_cur)
 }
 
 /// Every process on the host now (the numeric entries of `/proc`), in pid order.
