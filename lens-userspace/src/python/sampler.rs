@@ -41,6 +41,16 @@ pub enum SampleRate {
     Follow,
 }
 
+impl SampleRate {
+    /// How much of a thread's running time passes between two of its samples.
+    pub fn interval(self) -> Duration {
+        match self {
+            SampleRate::Watch => WATCH_INTERVAL,
+            SampleRate::Follow => SAMPLE_INTERVAL,
+        }
+    }
+}
+
 /// The sampler: its program, and the clocks of the processes it samples.
 pub struct Sampler {
     program: ProgramFd,

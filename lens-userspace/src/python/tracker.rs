@@ -49,8 +49,9 @@ struct ProcessState {
 struct Tentative {
     calls: Vec<OpenCall>,
     at_ns: u64,
-    /// The thread's sample before, when it has not slept since: the calls this one shows
-    /// first began after it.
+    /// Where the calls this one shows first began at the earliest: after the thread's
+    /// sample before when it has not slept since, else within one sampling interval of
+    /// its running time before this one (at the rate its process was sampled at).
     since_ns: Option<u64>,
     launches: u64,
     epoch: u64,
@@ -407,6 +408,10 @@ impl PythonTracker {
         {
             process.main_script = Some(outermost.filename.clone());
         }
+        let sampled_every = process.follow.rate().interval().as_nanos() as u64;
+        let since_ns = since_ns
+            .filter(|since| since < at_ns)
+            .unwrap_or(at_ns.saturating_sub(sampled_every));
         let in_framework = names.iter().any(|(frame, name)| {
             name.as_ref().is_some_and(|name| {
                 process
@@ -424,7 +429,7 @@ impl PythonTracker {
         let sample = Tentative {
             calls,
             at_ns: *at_ns,
-            since_ns: *since_ns,
+            since_ns: Some(since_ns),
             launches: *launches,
             epoch: *epoch,
             files,
