@@ -8,11 +8,14 @@
 //!   Accelerate's `backward`, DCP's functions), and [`FOLLOW_FOR`] after the last one;
 //!   otherwise it is watched every 10 ms, which finds a framework running within a few
 //!   ticks. A save's first line (`_log_api_usage_once`: torch, DCP) is sampled at once, so
-//!   a save in a plain loop is followed from its start.
+//!   a save in a plain loop is followed from its start;
+//! - in a process that maps safetensors' extension: always, from then on. Its save and
+//!   load functions run in plain loops, briefly (a few ms), and nothing samples their
+//!   first line: a 10 ms tick would bound their start 10 ms early.
 use std::collections::{HashMap, HashSet};
 
 use super::sampler::SampleRate;
-use crate::settings::probe_rules::PythonRule;
+use crate::{settings::probe_rules::PythonRule, sys::library::LibraryKind};
 
 /// How long a process stays followed after its stacks last showed a framework package: a
 /// loop that calls into one each step (Fabric's `backward`) is not switched per step.
@@ -27,6 +30,9 @@ pub struct FollowPolicy {
     /// `/torch/distributed/checkpoint/`).
     packages: Vec<String>,
 }
+
+/// safetensors' package, whose extension (`LibraryKind::Safetensors`) says it is loaded.
+const SAFETENSORS: &str = "/safetensors/";
 
 impl FollowPolicy {
     pub fn new(rules: &[PythonRule]) -> FollowPolicy {
@@ -55,6 +61,12 @@ impl FollowPolicy {
         }
     }
 
+    /// Whether a process that maps a library of `kind` is followed for good: one of a
+    /// framework whose rules' calls nothing samples at their first line.
+    pub fn follows_library(&self, kind: LibraryKind) -> bool {
+        kind == LibraryKind::Safetensors && self.packages.iter().any(|p| p == SAFETENSORS)
+    }
+
     /// Whether a function of file `filename` is a framework's whose rules may run.
     pub fn in_framework(&self, filename: &str) -> bool {
         self.packages
@@ -67,6 +79,8 @@ impl FollowPolicy {
 #[derive(Debug)]
 pub struct ProcessFollow {
     rate: SampleRate,
+    /// Followed for good (`FollowPolicy::follows_library`).
+    pinned: bool,
     /// Threads whose last sample showed a framework's frame.
     threads_in: HashSet<u32>,
     /// When a sample last showed one.
@@ -79,6 +93,7 @@ impl ProcessFollow {
     pub fn new(policy: &FollowPolicy) -> ProcessFollow {
         ProcessFollow {
             rate: policy.initial(),
+            pinned: false,
             threads_in: HashSet::new(),
             last_in_ns: 0,
             code_in: HashMap::new(),
@@ -115,9 +130,16 @@ impl ProcessFollow {
         self.rate_at(policy, at_ns)
     }
 
+    /// Followed from now on, whatever its stacks show. Returns the new rate if it changes.
+    pub fn pin(&mut self, policy: &FollowPolicy) -> Option<SampleRate> {
+        self.pinned = true;
+        self.rate_at(policy, 0)
+    }
+
     /// The rate at `now_ns`; the new one if it changes.
     pub fn rate_at(&mut self, policy: &FollowPolicy, now_ns: u64) -> Option<SampleRate> {
         let follow = policy.always
+            || self.pinned
             || !self.threads_in.is_empty()
             || (self.last_in_ns != 0 && now_ns.saturating_sub(self.last_in_ns) < FOLLOW_FOR_NS);
         let rate = if follow {
@@ -188,6 +210,20 @@ mod tests {
         process.on_sample(&policy, 7, true, MS);
         assert_eq!(process.rate_at(&policy, 100 * FOLLOW_FOR_NS), None);
         assert_eq!(process.rate(), SampleRate::Follow);
+    }
+
+    #[test]
+    fn a_process_that_maps_safetensors_is_followed_for_good() {
+        let policy = FollowPolicy::new(&[rule("safetensors.torch", true)]);
+        assert!(policy.follows_library(LibraryKind::Safetensors));
+        assert!(!policy.follows_library(LibraryKind::TorchCpu));
+        let mut process = ProcessFollow::new(&policy);
+        assert_eq!(process.pin(&policy), Some(SampleRate::Follow));
+        assert_eq!(process.on_sample(&policy, 7, false, MS), None);
+        assert_eq!(process.rate_at(&policy, 100 * FOLLOW_FOR_NS), None);
+        // Without safetensors' rules, its library says nothing.
+        let policy = FollowPolicy::new(&[rule("transformers.trainer", true)]);
+        assert!(!policy.follows_library(LibraryKind::Safetensors));
     }
 
     #[test]

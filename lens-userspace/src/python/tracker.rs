@@ -353,6 +353,19 @@ impl PythonTracker {
             .map_or(self.follow.initial(), |process| process.follow.rate())
     }
 
+    /// `pid` maps a library of `kind`: followed for good if that says a framework whose
+    /// calls need it is loaded (`follow`).
+    pub fn library_mapped(&mut self, pid: u32, kind: crate::sys::library::LibraryKind) {
+        if !self.follow.follows_library(kind) {
+            return;
+        }
+        if let Some(process) = self.processes.get_mut(&pid)
+            && let Some(rate) = process.follow.pin(&self.follow)
+        {
+            self.rate_changes.push((pid, rate));
+        }
+    }
+
     /// Processes whose threads are to be sampled at another rate from `now_ns` on.
     pub fn take_rate_changes(&mut self, now_ns: u64) -> Vec<(u32, SampleRate)> {
         for (pid, process) in &mut self.processes {

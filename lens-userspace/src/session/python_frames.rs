@@ -9,6 +9,7 @@ use crate::{
     events::{PhaseSignal, ProbeEvent, PythonCaller, TorchScope},
     python::{self, PythonTracker, sampler::Sampler},
     sink::EventSink,
+    sys::library::MappedLibrary,
 };
 
 use super::framework_saves::{FrameworkRole, FrameworkSaves};
@@ -95,6 +96,17 @@ impl PythonFrames {
                 false
             }
         }
+    }
+
+    /// `pid`, sampled, maps `libraries`: some say its stacks are to be sampled closely.
+    pub(super) fn libraries_mapped(&mut self, pid: u32, libraries: &[MappedLibrary]) {
+        let Some(tracker) = self.tracker_mut() else {
+            return;
+        };
+        for library in libraries {
+            tracker.library_mapped(pid, library.kind);
+        }
+        self.change_rates(crate::spans::monotonic_now_ns());
     }
 
     /// Stops sampling `pid`'s Python threads; the calls they were in end now.

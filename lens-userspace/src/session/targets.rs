@@ -139,7 +139,9 @@ impl Session {
             .attacher
             .attach_libraries(&mut self.bpf.programs, pid, libraries, &self.groups);
         self.set_runtime_ranges(pid, libraries);
-        self.python.sample(pid, &mut self.bpf.maps.python);
+        if self.python.sample(pid, &mut self.bpf.maps.python) {
+            self.python.libraries_mapped(pid, libraries);
+        }
         self.probe_file_creation(pid, libraries);
         self.set_target(pid, 0)?;
         // Before `run` the exit watch starts there; during it, here.
@@ -359,7 +361,9 @@ impl Session {
                     &self.groups,
                 );
                 self.set_runtime_ranges(pid, &libraries);
-                self.python.sample(pid, &mut self.bpf.maps.python);
+                if self.python.sample(pid, &mut self.bpf.maps.python) {
+                    self.python.libraries_mapped(pid, &libraries);
+                }
                 self.probe_file_creation(pid, &libraries);
             }
             Err(error) => info!("pid {pid}: {error}"),
