@@ -5,22 +5,48 @@
 //! signal, read where Python sets it (`torch._C._set_grad_enabled`: 64 of the loop's
 //! ~157 switches a step; autograd's C++ guards make the rest); the kernel follows each
 //! thread's and sends only what the phase rules can tell apart
-//! (`lens-ebpf/src/grad_mode.rs`).
+//! (`lens-ebpf/src/grad_mode.rs`). Beside them, bpftrace `count()` on the binding
+//! alone: what its traps cost the loop with no lens-probe at all, the floor of any
+//! per-call grad-mode signal.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use super::commands::timed_loop;
+use super::fake::parse_bpftrace_count;
+use super::proc::Proc;
 use super::report::{Met, Section, fmt_duration, median, row};
 use super::rounds::Rounds;
 use super::summary::Summary;
 use super::{Ctx, Watch};
 use xtask::error::Result;
 
-/// The traced variants, by span groups (`None`: untraced).
-/// `evaluate` alone is the grad-mode signal's own cost; the default groups add the
-/// framework save rules' Python sampler (`checkpoint`), `per_step` the step probes.
-const VARIANTS: [Option<&str>; 4] = [None, Some("evaluate"), Some("default"), Some("per_step")];
+/// How the loop runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Tracer {
+    Untraced,
+    /// bpftrace `count()` on the grad-mode binding (`GRAD_MODE_SYMBOLS[0]`) alone.
+    TrapFloor,
+    /// lens-probe with these span groups.
+    Lens(&'static str),
+}
+
+impl Tracer {
+    /// What its runs are called in the bench's output and logs.
+    fn label(self) -> &'static str {
+        match self {
+            Tracer::Untraced => "none",
+            Tracer::TrapFloor => "bpftrace",
+            Tracer::Lens(groups) => groups,
+        }
+    }
+}
+
+/// The lens-probe variants, by span groups: `evaluate` alone is the grad-mode signal's
+/// own cost; the default groups add the framework save rules' Python sampler
+/// (`checkpoint`), `per_step` the step probes.
+const GROUPS: [&str; 3] = ["evaluate", "default", "per_step"];
 
 /// The issue's target for `per_step` on this loop.
 const TARGET: f64 = 1.05;
@@ -48,7 +74,9 @@ fn parse_switch(line: &str) -> Option<f64> {
 
 pub(super) struct RecomputeBlock {
     steps: u32,
-    rounds: Rounds<Option<&'static str>, f64>,
+    rounds: Rounds<Tracer, f64>,
+    /// Why the trap floor was not measured, if it was not.
+    no_floor: Option<String>,
     /// Grad-mode probe hits a step under `evaluate` (its first round's summary).
     grad_hits_per_step: Option<f64>,
     /// `grad_mode_calls.py`'s time per switch, untraced and under `evaluate`.
@@ -62,15 +90,30 @@ pub(super) fn block(
     quick: bool,
 ) -> Result<RecomputeBlock> {
     let steps = if quick { 200 } else { 600 };
+    let library = libtorch_python(python);
+    let no_floor = match (&ctx.bpftrace, &library) {
+        (Err(missing), _) => Some(missing.0.clone()),
+        (_, None) => Some("no libtorch_python.so in the torch venv".to_owned()),
+        _ => None,
+    };
+    let variants = [Tracer::Untraced]
+        .into_iter()
+        .chain(no_floor.is_none().then_some(Tracer::TrapFloor))
+        .chain(GROUPS.map(Tracer::Lens));
     let rounds = Rounds::measure(
         ctx.rounds,
-        VARIANTS,
+        variants,
         watch,
-        |groups, round| run(ctx, python, groups, steps, round),
-        |groups, time| {
+        |tracer, round| match (tracer, &library) {
+            (Tracer::TrapFloor, Some(library)) => {
+                under_bpftrace(ctx, python, library, steps, round)
+            }
+            _ => run(ctx, python, tracer, steps, round),
+        },
+        |tracer, time| {
             format!(
                 "recompute_loop.py {steps} under {:<9} {time:.3} s",
-                groups.unwrap_or("none")
+                tracer.label()
             )
         },
     )?;
@@ -94,6 +137,7 @@ pub(super) fn block(
     Ok(RecomputeBlock {
         steps,
         rounds,
+        no_floor,
         grad_hits_per_step,
         switches,
     })
@@ -117,14 +161,13 @@ fn grad_hits(path: &Path) -> Option<u64> {
     Some(hits)
 }
 
-fn run(
-    ctx: &Ctx,
-    python: &Path,
-    groups: Option<&'static str>,
-    steps: u32,
-    round: u32,
-) -> Result<f64> {
-    let name = format!("recompute-{}-r{round}", groups.unwrap_or("none"));
+/// The loop, untraced (also under bpftrace: `tracer` names the run) or under lens-probe.
+fn run(ctx: &Ctx, python: &Path, tracer: Tracer, steps: u32, round: u32) -> Result<f64> {
+    let name = format!("recompute-{}-r{round}", tracer.label());
+    let groups = match tracer {
+        Tracer::Lens(groups) => Some(groups),
+        _ => None,
+    };
     let mut target = Command::new(python);
     target
         .arg(ctx.root.join("tests/fixtures/torch/recompute_loop.py"))
@@ -142,6 +185,61 @@ fn run(
         groups.map(|g| (g, lens_args)),
         parse_loop,
     )
+}
+
+/// The venv's `torch/lib/libtorch_python.so` (`PYTHON` is `VENV/bin/python`).
+fn libtorch_python(python: &Path) -> Option<PathBuf> {
+    let lib = python.parent()?.parent()?.join("lib");
+    std::fs::read_dir(lib)
+        .ok()?
+        .flatten()
+        .map(|entry| {
+            entry
+                .path()
+                .join("site-packages/torch/lib/libtorch_python.so")
+        })
+        .find(|path| path.is_file())
+}
+
+/// The loop under bpftrace `count()` on the grad-mode binding of `library`, started
+/// first: the traps alone. Fails unless bpftrace counted hits.
+fn under_bpftrace(ctx: &Ctx, python: &Path, library: &Path, steps: u32, round: u32) -> Result<f64> {
+    let name = format!("recompute-bpftrace-r{round}");
+    let program = ctx
+        .bpftrace
+        .as_ref()
+        .map_err(|missing| xtask::error::Error::Msg(missing.0.clone()))?;
+    let script = format!(
+        "BEGIN {{ printf(\"lens-bench-ready\\n\"); }}\nuprobe:{}:{} {{ @ = count(); }}\n",
+        library.display(),
+        GRAD_MODE_SYMBOLS[0]
+    );
+    let mut bt = Command::new(program);
+    bt.args(["-B", "none", "-e", &script]);
+    let mut bt = Proc::spawn(
+        &format!("{name} (bpftrace)"),
+        &mut bt,
+        &ctx.logs.join(format!("{name}.bpftrace.log")),
+    )?;
+    // BEGIN runs once every probe is attached.
+    bt.wait_line(
+        Instant::now() + Duration::from_secs(120),
+        "its BEGIN probe ran",
+        |l| l.text.trim() == "lens-bench-ready",
+    )?;
+    let time = run(ctx, python, Tracer::TrapFloor, steps, round);
+    bt.signal("INT");
+    let mut hits = None;
+    bt.finish(Instant::now() + Duration::from_secs(120), |l| {
+        hits = hits.or(parse_bpftrace_count(&l.text));
+    })?;
+    let time = time?;
+    match hits {
+        Some(hits) if hits > 0 => Ok(time),
+        _ => Err(xtask::error::Error::Msg(format!(
+            "{name}: bpftrace counted no grad-mode call ({hits:?})"
+        ))),
+    }
 }
 
 fn switch_cost(ctx: &Ctx, python: &Path, groups: Option<&'static str>, round: u32) -> Result<f64> {
@@ -170,14 +268,32 @@ impl RecomputeBlock {
         };
         let mut rows = vec![row(
             label("untraced"),
-            &self.rounds.values(None, |t| *t),
+            &self.rounds.values(Tracer::Untraced, |t| *t),
             fmt_duration,
             Some(1.0),
             "",
             Met::NoTarget,
         )];
-        for groups in VARIANTS.into_iter().flatten() {
-            let ratio = self.rounds.ratio(Some(groups), None, |t| *t);
+        let floor = label(
+            "bpftrace `count()` on `torch._C._set_grad_enabled` alone, no lens-probe (the \
+             kernel's traps: the floor of a per-call grad-mode signal)",
+        );
+        rows.push(match &self.no_floor {
+            None => row(
+                floor,
+                &self.rounds.values(Tracer::TrapFloor, |t| *t),
+                fmt_duration,
+                self.rounds
+                    .ratio(Tracer::TrapFloor, Tracer::Untraced, |t| *t),
+                "",
+                Met::NoTarget,
+            ),
+            Some(why) => super::report::Row::not_measured(&floor, "", why),
+        });
+        for groups in GROUPS {
+            let ratio = self
+                .rounds
+                .ratio(Tracer::Lens(groups), Tracer::Untraced, |t| *t);
             let (target, met) = if groups == "per_step" {
                 (
                     "≤ 1.05×",
@@ -190,7 +306,7 @@ impl RecomputeBlock {
             };
             rows.push(row(
                 label(&format!("`--span-groups {groups}`")),
-                &self.rounds.values(Some(groups), |t| *t),
+                &self.rounds.values(Tracer::Lens(groups), |t| *t),
                 fmt_duration,
                 ratio,
                 target,
@@ -229,7 +345,7 @@ impl RecomputeBlock {
             "",
             Met::NoTarget,
         )];
-        let step = median(self.rounds.runs(None)).map(|t| t / f64::from(self.steps));
+        let step = median(self.rounds.runs(Tracer::Untraced)).map(|t| t / f64::from(self.steps));
         let what = "grad-mode probe, a step: its hits (`--summary-json`) × the cost of a hit";
         rows.push(match (self.grad_hits_per_step, median(&per_hit), step) {
             (Some(hits), Some(hit), Some(step)) => {
@@ -263,8 +379,10 @@ impl RecomputeBlock {
              the torch venv's python (8 linear layers of width 128, batch 16, each under \
              `torch.utils.checkpoint(use_reentrant=False)`, one intra-op thread) untraced and \
              under `lens-probe --span-groups G --exporter file --export-file /dev/null \
-             --exec`; the loop's own time (`time.perf_counter` around it, after 5 warm-up \
-             steps). The grad-mode probe's share: its hits in the `evaluate` run's \
+             --exec`, and untraced under bpftrace `-e 'uprobe:LIBTORCH_PYTHON:\
+             _ZN5torch8autogradL16set_grad_enabledEP7_objectS2_S2_ {{ @ = count(); }}'` \
+             started first; the loop's own time (`time.perf_counter` around it, after 5 \
+             warm-up steps). The grad-mode probe's share: its hits in the `evaluate` run's \
              `--summary-json` (warm-up steps included) times its cost a hit, \
              `tests/fixtures/torch/grad_mode_calls.py {SWITCHES}` under `evaluate` less \
              untraced, round by round.\n",
