@@ -196,8 +196,8 @@ pub(crate) fn flush_held_changes() {
     }
 }
 
-/// The thread is gone, or inference mode changed the loader's grad mode too (the
-/// thread's next `set_enabled` is told afresh).
+/// The thread is gone or runs a new program, or inference mode changed the loader's grad
+/// mode too (the thread's next `set_enabled` is told afresh).
 #[inline(always)]
 pub(crate) fn forget_thread(pid_tgid: u64) {
     let _ = GRAD_MODES.remove(&pid_tgid);

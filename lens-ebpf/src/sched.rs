@@ -65,6 +65,10 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
         return 0;
     }
     let traced = flags.is_some();
+    if traced {
+        // A new program: its grad mode starts afresh (on), whatever the old one's was.
+        crate::grad_mode::forget_thread(pid_tgid);
+    }
     if !traced && !node_mode() {
         return 0;
     }
