@@ -414,9 +414,10 @@ impl PythonTracker {
             .unwrap_or_default();
         let names = name_frames(reader, frames, &last);
         // The main thread's outermost frame is the script's body once it runs (during
-        // start-up it is `site`'s or an import's: followed, not kept).
+        // start-up it is `site`'s or an import's: followed, not kept). Outermost of the
+        // named frames: 3.12+ put an interpreter shim frame, which has no name, below it.
         if tid == tgid
-            && let Some((_, Some(outermost))) = names.first()
+            && let Some(outermost) = names.iter().find_map(|(_, name)| name.as_ref())
             && &*outermost.qualname == "<module>"
         {
             process.main_script = Some(outermost.filename.clone());
