@@ -609,3 +609,74 @@ fn an_unreadable_interpreter_file_is_named_with_its_cause_and_a_gone_process_is_
     assert_eq!(lens_probe::python::find_runtime(pid), Ok(None));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A running process attached by pid (`--pid`): the threads it started before lens-probe
+/// came are sampled too. Each thread has its own sampling clock, opened for every thread
+/// the process has at the attach (its later threads inherit one); a thread left without
+/// one would never show its calls.
+#[test]
+fn every_thread_of_a_process_attached_by_pid_is_sampled() {
+    if !lens_tests::require_bpf("every_thread_of_a_process_attached_by_pid_is_sampled") {
+        return;
+    }
+    let Some(python) = interpreter("/root/.pyenv/versions/3.13.0/bin/python3.13") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    const RULE: &str = "[[probe]]\npython = \"__main__:train_step\"\ngroup = \"step\"\n";
+    let groups: SpanGroups = "all".parse().unwrap();
+    let rules = Arc::new(ProbeRules::parse(RULE).unwrap());
+    let mut session = Session::new(TraceOptions {
+        span_groups: groups.clone(),
+        kernel_logs: false,
+        overhead_budget: None,
+        uprobe_links: Default::default(),
+    })
+    .unwrap();
+    session.set_rules(rules.clone());
+    // Three threads besides the main one, all in `train_step` for 12 s.
+    let mut child = std::process::Command::new(&python)
+        .arg(script().with_file_name("busy_loop.py"))
+        .args(["12", "3"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    let ids: Vec<u32> = ready
+        .split_whitespace()
+        .skip(1)
+        .map(|id| id.parse().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 4, "busy_loop.py said {ready:?}");
+    session.attach_pid(ids[0]).unwrap();
+    let mut events = EventLog::default();
+    session
+        .run_blocking(&mut events, Some(Duration::from_secs(60)))
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    for tid in &ids {
+        let calls = events
+            .events
+            .iter()
+            .filter(|event| {
+                matches!(event, ProbeEvent::RuleCall { tid: t, at_return: false, .. } if t == tid)
+            })
+            .count();
+        assert!(
+            calls > 0,
+            "thread {tid} of {ids:?}: no train_step call sampled (calls by thread: {:?})",
+            ids.iter()
+                .map(|t| events
+                    .events
+                    .iter()
+                    .filter(|e| matches!(e, ProbeEvent::RuleCall { tid, .. } if tid == t))
+                    .count())
+                .collect::<Vec<_>>()
+        );
+    }
+}
