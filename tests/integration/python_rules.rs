@@ -680,3 +680,82 @@ fn every_thread_of_a_process_attached_by_pid_is_sampled() {
         );
     }
 }
+
+/// With only the built-in framework rules, a process is sampled every 10 ms of its
+/// threads' running time until a framework's frame shows on a stack, then every 1 ms
+/// (docs/python.md, "Whose clocks, and how fast"). Seen from the calls' entries: each
+/// says when its thread's tick before was taken. The first save, in a plain loop, was
+/// found by a 10 ms tick (at least 10 ms of wall time after the one before); the five
+/// after it, while the process is followed, by 1 ms ones.
+#[test]
+fn a_process_is_sampled_closely_only_once_a_framework_runs() {
+    if !lens_tests::require_bpf("a_process_is_sampled_closely_only_once_a_framework_runs") {
+        return;
+    }
+    let Some(python) = interpreter("/root/.pyenv/versions/3.13.0/bin/python3.13") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let groups: SpanGroups = "all".parse().unwrap();
+    let rules = Arc::new(ProbeRules::load(None, Default::default()).unwrap());
+    let mut session = Session::new(TraceOptions {
+        span_groups: groups,
+        kernel_logs: false,
+        overhead_budget: None,
+        uprobe_links: Default::default(),
+    })
+    .unwrap();
+    session.set_rules(rules.clone());
+    session
+        .exec(&[
+            python.into_os_string(),
+            script()
+                .with_file_name("watch_then_follow.py")
+                .into_os_string(),
+            lens_tests::fake_lib_dir().into_os_string(),
+        ])
+        .unwrap();
+    let mut events = EventLog::default();
+    let report = session
+        .run_blocking(&mut events, Some(Duration::from_secs(60)))
+        .unwrap();
+    assert_eq!(
+        report.child_exit,
+        Some(lens_probe::sys::target::ExitStatus::Exited(0))
+    );
+    // Each save's entry: how long before it its thread's tick before was.
+    let gaps_ms: Vec<f64> = events
+        .events
+        .iter()
+        .filter_map(|event| match event {
+            ProbeEvent::RuleCall {
+                rule,
+                at_ns,
+                since_ns: Some(since),
+                at_return: false,
+                ..
+            } if rules.python_rule(*rule)?.qualname == "Accelerator.save_state" => {
+                Some((at_ns - since) as f64 / 1e6)
+            }
+            _ => None,
+        })
+        .collect();
+    eprintln!("each save's entry, ms after its thread's tick before: {gaps_ms:.2?}");
+    assert_eq!(gaps_ms.len(), 6, "six saves, entries: {gaps_ms:?}");
+    // A tick counts running time: 10 ms of it is at least 10 ms (the timer's slack aside).
+    assert!(
+        gaps_ms[0] >= 9.5,
+        "the first save was found {:.2} ms after the tick before: the plain loop was \
+         sampled faster than every 10 ms ({gaps_ms:?})",
+        gaps_ms[0]
+    );
+    // Followed, a save is found 1 ms of running time after the tick before: less than 10
+    // ms of wall time unless its thread waited for a CPU for the rest (a loaded machine
+    // can make one or two so; never all five).
+    let closest = gaps_ms[1..].iter().copied().fold(f64::INFINITY, f64::min);
+    assert!(
+        closest < 9.5,
+        "every save after the first was found at least {closest:.2} ms after the tick \
+         before: the process was not sampled every 1 ms ({gaps_ms:?})"
+    );
+}
