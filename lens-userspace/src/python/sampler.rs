@@ -136,7 +136,8 @@ impl Sampler {
 
     /// Samples `pid`'s threads at `rate` from now on: a clock on each of its threads,
     /// which its later threads inherit. Threads are listed until a listing finds none
-    /// without a clock: one started meanwhile by a thread that had none yet has none.
+    /// new. One started between two listings by a thread that had no clock yet has none;
+    /// one started then by a thread that had gets a second (sampled twice as often).
     pub fn add(&mut self, pid: u32, rate: SampleRate) -> io::Result<()> {
         self.remove(pid);
         let mut threads = Vec::new();
