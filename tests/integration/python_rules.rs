@@ -217,20 +217,39 @@ struct Entry {
     since_ns: Option<u64>,
 }
 
-/// `run_traced`, with the entries of the Python rules' calls.
-fn run_traced_with_entries(rules: &str, argv: &[OsString]) -> (SpanLog, Vec<String>, Vec<Entry>) {
-    let groups: SpanGroups = "all".parse().unwrap();
-    let rules = Arc::new(ProbeRules::parse(rules).unwrap());
+/// For test `test`, where BPF works: pyenv's CPython 3.13, and this file's lock held (its
+/// tests trace one at a time).
+fn python_3_13_alone(test: &str) -> Option<(PathBuf, std::sync::MutexGuard<'static, ()>)> {
+    if !lens_tests::require_bpf(test) {
+        return None;
+    }
+    let python = interpreter("/root/.pyenv/versions/3.13.0/bin/python3.13")?;
+    Some((python, SERIAL.lock().unwrap_or_else(|e| e.into_inner())))
+}
+
+fn all_groups() -> SpanGroups {
+    "all".parse().unwrap()
+}
+
+/// A session of every group with `rules`, nothing traced yet.
+fn session_with(rules: &Arc<ProbeRules>) -> Session {
     let mut session = Session::new(TraceOptions {
-        span_groups: groups.clone(),
+        span_groups: all_groups(),
         kernel_logs: false,
         overhead_budget: None,
         uprobe_links: Default::default(),
     })
     .unwrap();
     session.set_rules(rules.clone());
+    session
+}
+
+/// `run_traced`, with the entries of the Python rules' calls.
+fn run_traced_with_entries(rules: &str, argv: &[OsString]) -> (SpanLog, Vec<String>, Vec<Entry>) {
+    let rules = Arc::new(ProbeRules::parse(rules).unwrap());
+    let mut session = session_with(&rules);
     session.exec(argv).unwrap();
-    let builder = SpanBuilder::new(groups, SpanLog::default()).with_rules(rules.clone());
+    let builder = SpanBuilder::new(all_groups(), SpanLog::default()).with_rules(rules.clone());
     let mut sinks = (builder, EventLog::default());
     let report = session
         .run_blocking(&mut sinks, Some(Duration::from_secs(60)))
@@ -480,13 +499,11 @@ fn python_3_13_methods_become_spans() {
 /// sets its future and exits between two ticks: its span ended 1 ms early).
 #[test]
 fn a_call_on_a_thread_that_exits_ends_at_its_return() {
-    if !lens_tests::require_bpf("a_call_on_a_thread_that_exits_ends_at_its_return") {
-        return;
-    }
-    let Some(python) = interpreter("/root/.pyenv/versions/3.13.0/bin/python3.13") else {
+    let Some((python, _serial)) =
+        python_3_13_alone("a_call_on_a_thread_that_exits_ends_at_its_return")
+    else {
         return;
     };
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let truth_path = std::env::temp_dir().join(format!(
         "lens-python-truth-{}-thread-save",
         std::process::id()
@@ -616,24 +633,13 @@ fn an_unreadable_interpreter_file_is_named_with_its_cause_and_a_gone_process_is_
 /// one would never show its calls.
 #[test]
 fn every_thread_of_a_process_attached_by_pid_is_sampled() {
-    if !lens_tests::require_bpf("every_thread_of_a_process_attached_by_pid_is_sampled") {
-        return;
-    }
-    let Some(python) = interpreter("/root/.pyenv/versions/3.13.0/bin/python3.13") else {
+    let Some((python, _serial)) =
+        python_3_13_alone("every_thread_of_a_process_attached_by_pid_is_sampled")
+    else {
         return;
     };
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     const RULE: &str = "[[probe]]\npython = \"__main__:train_step\"\ngroup = \"step\"\n";
-    let groups: SpanGroups = "all".parse().unwrap();
-    let rules = Arc::new(ProbeRules::parse(RULE).unwrap());
-    let mut session = Session::new(TraceOptions {
-        span_groups: groups.clone(),
-        kernel_logs: false,
-        overhead_budget: None,
-        uprobe_links: Default::default(),
-    })
-    .unwrap();
-    session.set_rules(rules.clone());
+    let mut session = session_with(&Arc::new(ProbeRules::parse(RULE).unwrap()));
     // Three threads besides the main one, all in `train_step` for 12 s.
     let mut child = std::process::Command::new(&python)
         .arg(script().with_file_name("busy_loop.py"))
@@ -689,23 +695,13 @@ fn every_thread_of_a_process_attached_by_pid_is_sampled() {
 /// after it, while the process is followed, by 1 ms ones.
 #[test]
 fn a_process_is_sampled_closely_only_once_a_framework_runs() {
-    if !lens_tests::require_bpf("a_process_is_sampled_closely_only_once_a_framework_runs") {
-        return;
-    }
-    let Some(python) = interpreter("/root/.pyenv/versions/3.13.0/bin/python3.13") else {
+    let Some((python, _serial)) =
+        python_3_13_alone("a_process_is_sampled_closely_only_once_a_framework_runs")
+    else {
         return;
     };
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let groups: SpanGroups = "all".parse().unwrap();
     let rules = Arc::new(ProbeRules::load(None, Default::default()).unwrap());
-    let mut session = Session::new(TraceOptions {
-        span_groups: groups,
-        kernel_logs: false,
-        overhead_budget: None,
-        uprobe_links: Default::default(),
-    })
-    .unwrap();
-    session.set_rules(rules.clone());
+    let mut session = session_with(&rules);
     session
         .exec(&[
             python.into_os_string(),
