@@ -219,7 +219,10 @@ const LOAD_ATTEMPTS: u32 = 5;
 fn load_program(program: &mut UProbe) -> std::result::Result<(), ProgramError> {
     let mut attempts = LOAD_ATTEMPTS;
     loop {
-        match program.load() {
+        // The verifier also gives up with EAGAIN whenever a signal is pending for the
+        // loading thread; in a process whose other threads reap children (a test binary's
+        // sessions, tokio's SIGCHLD handler) every try of a long verification was.
+        match crate::sys::target::with_signals_blocked(|| program.load()) {
             Err(ProgramError::LoadError { io_error, .. })
                 if io_error.raw_os_error() == Some(libc::EAGAIN) && attempts > 1 =>
             {

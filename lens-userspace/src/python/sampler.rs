@@ -111,7 +111,8 @@ impl Sampler {
             source,
         };
         let program: &mut PerfEvent = crate::bpf::program_mut(ebpf, PROGRAM)?;
-        program.load().map_err(program_error)?;
+        // Signals blocked: the verifier gives up on one pending (`bpf::programs`).
+        crate::sys::target::with_signals_blocked(|| program.load()).map_err(program_error)?;
         let program = program
             .fd()
             .map_err(program_error)?

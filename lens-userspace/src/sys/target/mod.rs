@@ -22,7 +22,7 @@ pub use environment::{
 pub use gated::{GatedChild, resolve_program, spawn_gated};
 pub use signals::{
     ExitStatus, STOP_SIGNALS, hold_stop_signals, release_stop_signals, resume, stop,
-    stop_requested, try_wait_child, wait_forwarding_stops,
+    stop_requested, try_wait_child, wait_forwarding_stops, with_signals_blocked,
 };
 
 /// What is known about a traced process.

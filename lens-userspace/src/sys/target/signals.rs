@@ -118,6 +118,21 @@ pub fn hold_stop_signals() {
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
 }
 
+/// `work` with every signal blocked in the calling thread, then its mask as it was: a
+/// signal for the process goes to another thread meanwhile, or waits until then.
+pub fn with_signals_blocked<T>(work: impl FnOnce() -> T) -> T {
+    // SAFETY: plain sigset_t values filled by the libc calls; this thread's mask only.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut before: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut before);
+        let result = work();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &before, std::ptr::null_mut());
+        result
+    }
+}
+
 /// Unblocks them in the calling thread (the one whose handlers are now ready); pending
 /// ones are delivered at once.
 pub fn release_stop_signals() {
