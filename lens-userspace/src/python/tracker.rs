@@ -366,13 +366,18 @@ impl PythonTracker {
         }
     }
 
-    /// Processes whose threads are to be sampled at another rate from `now_ns` on.
-    pub fn take_rate_changes(&mut self, now_ns: u64) -> Vec<(u32, SampleRate)> {
+    /// Processes whose time to be followed after their last framework frame has run out
+    /// by `now_ns` are to be watched (taken with the other changes).
+    pub fn expire_follows(&mut self, now_ns: u64) {
         for (pid, process) in &mut self.processes {
             if let Some(rate) = process.follow.rate_at(&self.follow, now_ns) {
                 self.rate_changes.push((*pid, rate));
             }
         }
+    }
+
+    /// Processes whose threads are to be sampled at another rate from now on.
+    pub fn take_rate_changes(&mut self) -> Vec<(u32, SampleRate)> {
         std::mem::take(&mut self.rate_changes)
     }
 

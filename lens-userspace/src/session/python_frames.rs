@@ -106,7 +106,7 @@ impl PythonFrames {
         for library in libraries {
             tracker.library_mapped(pid, library.kind);
         }
-        self.change_rates(crate::spans::monotonic_now_ns());
+        self.change_rates();
     }
 
     /// Stops sampling `pid`'s Python threads; the calls they were in end now.
@@ -140,11 +140,11 @@ impl PythonFrames {
     ) {
         if let Some(tracker) = self.tracker_mut() {
             let calls = tracker.on_sample(sample);
-            if let ProbeEvent::PyStack { tgid, at_ns, .. } = sample {
+            if let ProbeEvent::PyStack { tgid, .. } = sample {
                 for (code, ruled) in tracker.take_named(*tgid) {
                     maps.code_named(*tgid, code, ruled);
                 }
-                self.change_rates(*at_ns);
+                self.change_rates();
             }
             self.deliver(calls, maps, sink);
         }
@@ -184,18 +184,19 @@ impl PythonFrames {
     pub(super) fn confirm(&mut self, now_ns: u64, maps: &mut PythonMaps, sink: &mut dyn EventSink) {
         if let Some(tracker) = self.tracker_mut() {
             let calls = tracker.confirm(now_ns, None);
+            tracker.expire_follows(now_ns);
             self.deliver(calls, maps, sink);
-            self.change_rates(now_ns);
+            self.change_rates();
         }
     }
 
     /// Processes whose threads are to be sampled at another rate (`python::follow`) are
     /// from now on.
-    fn change_rates(&mut self, now_ns: u64) {
+    fn change_rates(&mut self) {
         let Some((tracker, sampler)) = self.tracker.as_mut() else {
             return;
         };
-        for (pid, rate) in tracker.take_rate_changes(now_ns) {
+        for (pid, rate) in tracker.take_rate_changes() {
             match sampler.set_rate(pid, rate) {
                 Ok(()) => log::debug!("pid {pid}: Python stacks sampled at {rate:?}"),
                 Err(error) => {
