@@ -318,7 +318,8 @@ pub enum ProbeEvent {
         /// The return value register (return only).
         ret: i64,
         /// A sampled Python call's entry: the earliest it can have begun (the thread's
-        /// sample before the one that first showed it), when known.
+        /// sample before the one that first showed it; one sampling interval of the
+        /// process's rate before it when the thread slept between), when known.
         since_ns: Option<u64>,
     },
     /// A library call of the generic kind, entry to return (the GPU memory calls): its

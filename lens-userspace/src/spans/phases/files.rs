@@ -358,8 +358,9 @@ impl ThreadPhases {
 }
 
 /// Where a call first seen by the Python sample at `at` can have begun at the earliest:
-/// after the thread's sample before (`since`), which did not show it, when the thread has
-/// not slept in between; else within the sample interval before `at`. The samples of a
+/// `since`, which the tracker gives for every sampled call (the thread's sample before,
+/// or one interval of its process's sampling rate before `at`: `python::tracker`); a call
+/// given none began within the followed rate's interval before `at`. The samples of a
 /// thread that runs all along can be more than an interval apart: the two CPUs' clocks
 /// tick out of step, and a virtual CPU can be held back by its host.
 fn earliest_call_start(at: u64, since: Option<u64>) -> u64 {
