@@ -638,7 +638,10 @@ fn every_thread_of_a_process_attached_by_pid_is_sampled() {
     else {
         return;
     };
-    const RULE: &str = "[[probe]]\npython = \"__main__:train_step\"\ngroup = \"step\"\n";
+    // By the script's module name, not `__main__`: a `__main__` rule matches only once
+    // the main thread's sample has named the script, and a worker's unchanging stack,
+    // sampled before that, is not sent again.
+    const RULE: &str = "[[probe]]\npython = \"busy_loop:train_step\"\ngroup = \"step\"\n";
     let mut session = session_with(&Arc::new(ProbeRules::parse(RULE).unwrap()));
     // Three threads besides the main one, all in `train_step` for 12 s.
     let mut child = std::process::Command::new(&python)
